@@ -1,0 +1,149 @@
+"""Command line: vitscale {train,eval,info,export,data} ... (hyperparameters live in configs)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from .errors import UserError
+
+EPILOG = """examples:
+  vitscale train                                   # default recipe: ViT on Fashion-MNIST
+  vitscale train configs/cifar10.toml --set optim.lr=1e-3 --set train.epochs=30
+  vitscale train --set train.precision=fp32 --out runs/fp32
+  vitscale train --resume runs/fp32                # continue where it stopped
+  vitscale eval runs/fp32                          # test accuracy of the latest checkpoint
+  vitscale export runs/fp32 --out vit.safetensors
+  vitscale info configs/vit_b16_imagenet.toml --json
+  vitscale data download cifar10
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vitscale", description="Train Vision Transformers fast.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def overrides(sp):
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable)")
+
+    t = sub.add_parser("train", help="train a model (no CONFIG = the default Fashion-MNIST recipe)",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("config", nargs="?", help="TOML recipe (path, or a name from configs/)")
+    overrides(t)
+    t.add_argument("--out", help="run folder (default: run.out_dir/run.name-TIMESTAMP)")
+    t.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
+
+    e = sub.add_parser("eval", help="evaluate a checkpoint (file or run folder) on its test set")
+    e.add_argument("checkpoint")
+    overrides(e)
+    e.add_argument("--json", action="store_true", help="print JSON only")
+
+    i = sub.add_parser("info", help="print parameters and FLOPs per image of a recipe's model")
+    i.add_argument("config", nargs="?")
+    overrides(i)
+    i.add_argument("--json", action="store_true")
+
+    x = sub.add_parser("export", help="export a checkpoint's model weights to safetensors")
+    x.add_argument("checkpoint")
+    x.add_argument("--out", help="output file (default: RUN/model.safetensors)")
+    x.add_argument("--no-ema", action="store_true", help="export the raw weights even when EMA is on")
+
+    d = sub.add_parser("data", help="dataset utilities")
+    dsub = d.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    dl = dsub.add_parser("download", help="fetch an official archive and check its md5")
+    dl.add_argument("name", choices=["cifar10", "cifar100", "fashion-mnist"])
+    dl.add_argument("--root", help="target folder (default: the dataset's default location)")
+    return p
+
+
+def cmd_train(args) -> int:
+    from .checkpoint import load_checkpoint
+    from .config import apply_dict, Config, check, load_config, parse_override, _set
+    from .loop import train
+    if args.resume:
+        if args.config:
+            raise UserError("train: give either a CONFIG or --resume DIR (the run's own config is used)")
+        state = load_checkpoint(args.resume)
+        cfg = apply_dict(Config(), state["config"], source=f"{args.resume} (saved config)")
+        for text in args.overrides:
+            _set(cfg, *parse_override(text))
+        check(cfg)
+        run_dir = Path(args.out) if args.out else (Path(args.resume) if Path(args.resume).is_dir()
+                                                   else Path(args.resume).parent.parent)
+    else:
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(args.out) if args.out else \
+            Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    summary = train(cfg, run_dir, resume=args.resume)
+    print(f"test accuracy {100 * summary['test_accuracy']:.2f}% (best {100 * summary['best_test_accuracy']:.2f}%) "
+          f"after {summary['epochs']:.2f} epochs, {summary['train_time_s']:.0f}s training, "
+          f"{summary['images_per_s']:.0f} img/s, MFU {100 * summary['mfu']:.1f}%; run folder {run_dir}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .evaluate import evaluate_checkpoint
+    result = evaluate_checkpoint(args.checkpoint, args.overrides)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"test accuracy {100 * result['test_accuracy']:.2f}% on {result['count']} images "
+              f"(loss {result['test_loss']:.4f}) from {result['checkpoint']}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .config import load_config
+    from .evaluate import model_info
+    info = model_info(load_config(args.config, args.overrides))
+    if args.json:
+        print(json.dumps(info))
+    else:
+        print(f"{info['arch']}: {info['params'] / 1e6:.2f}M parameters, {info['tokens']} tokens, "
+              f"{info['macs_per_image'] / 1e9:.3f} GMACs = {info['flops_per_image'] / 1e9:.2f} GFLOPs per image "
+              f"forward, {info['train_flops_per_image'] / 1e9:.2f} GFLOPs per image training "
+              f"({info['image_size']}px, patch {info['patch_size']}, dim {info['dim']}, depth {info['depth']}, "
+              f"heads {info['heads']}, {info['num_classes']} classes, head={info['head']})")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .evaluate import export_checkpoint
+    path = export_checkpoint(args.checkpoint, args.out, use_ema=not args.no_ema)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_data(args) -> int:
+    from .data import download
+    path = download(args.name, args.root)
+    print(f"{args.name} ready in {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="vitscale: warning: %(message)s")
+    args = _parser().parse_args(argv)
+    handler = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "export": cmd_export,
+               "data": cmd_data}[args.command]
+    try:
+        return handler(args)
+    except UserError as e:
+        print(f"vitscale: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # unreadable/unwritable paths, full disk: one line, nothing half-written
+        print(f"vitscale: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("vitscale: interrupted; the last complete checkpoint is kept (resume with --resume RUN)",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Typed configuration: TOML recipes + `--set section.key=value` overrides, validated.
+
+Every section is a dataclass; a field's metadata may carry `choices` or `min`/`max`.
+Errors are one line: an unknown key names the closest valid key, a bad value names
+the key and what it accepts.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from .errors import ConfigError
+
+RECIPES = Path(__file__).parent / "configs"
+DEFAULT_RECIPE = RECIPES / "fashion_mnist.toml"
+
+
+def choice(default, *choices, doc=""):
+    return field(default=default, metadata={"choices": choices, "doc": doc})
+
+
+def num(default, min=None, max=None, doc=""):
+    return field(default=default, metadata={"min": min, "max": max, "doc": doc})
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    out_dir: str = "runs"           # run folder = out_dir/name unless --out is given
+    seed: int = num(0, min=0)
+    device: str = choice("auto", "auto", "cpu", "cuda")
+    threads: int = num(0, min=0, doc="torch intra-op threads; 0 = leave torch's default")
+    log_every: int = num(50, min=1, doc="optimizer steps between metric lines")
+    eval_every: int = num(1, min=0, doc="epochs between test-set evaluations (0 = end only)")
+    checkpoint_every: int = num(0, min=0, doc="optimizer steps between checkpoints (0 = each epoch)")
+    keep_last: int = num(2, min=1)
+    max_steps: int = num(0, min=0, doc="stop after this many optimizer steps (0 = all epochs)")
+    progress: str = choice("auto", "auto", "bar", "plain", "off")
+    tensorboard: bool = True
+
+
+@dataclass
+class DataConfig:
+    name: str = choice("fashion_mnist", "fashion_mnist", "cifar10", "cifar100", "folder", "synthetic")
+    root: str = ""                  # "" = the dataset's default location
+    image_size: int = num(0, min=0, doc="0 = the dataset's native size")
+    channels: int = num(3, min=1, max=4, doc="synthetic only")
+    num_classes: int = num(10, min=2, doc="synthetic only")
+    train_size: int = num(1024, min=1, doc="synthetic only")
+    test_size: int = num(256, min=1, doc="synthetic only")
+    batch_size: int = num(256, min=1, doc="global batch per optimizer step")
+    eval_batch_size: int = num(1024, min=1)
+    num_workers: int = num(2, min=0, doc="decoding workers (folder datasets)")
+    on_device: bool = True          # keep small datasets whole on the training device
+    drop_last: bool = True
+    # batched augmentation (train split only)
+    crop_padding: int = num(0, min=0, doc="random crop after zero padding by this many pixels")
+    hflip: bool = False
+    randaugment_ops: int = num(0, min=0, max=4, doc="RandAugment-style ops per image (0 = off)")
+    randaugment_magnitude: float = num(0.3, min=0.0, max=1.0)
+    mixup_alpha: float = num(0.0, min=0.0)
+    cutmix_alpha: float = num(0.0, min=0.0)
+    mix_prob: float = num(1.0, min=0.0, max=1.0)
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "vit_tiny"          # registry name, see `vitscale.models.registry`
+    patch_size: int = num(0, min=0, doc="0 = the arch's default")
+    dim: int = num(0, min=0, doc="0 = the arch's default")
+    depth: int = num(0, min=0, doc="0 = the arch's default")
+    heads: int = num(0, min=0, doc="0 = the arch's default")
+    mlp_ratio: float = num(0.0, min=0.0, doc="0 = the arch's default")
+    num_classes: int = num(0, min=0, doc="0 = the dataset's class count")
+    head: str = choice("token", "token", "pool")
+    attention: str = choice("sdpa", "sdpa", "explicit")
+    drop_path: float = num(0.0, min=0.0, max=1.0)
+    dropout: float = num(0.0, min=0.0, max=1.0)
+
+
+@dataclass
+class OptimConfig:
+    name: str = choice("adamw", "adamw", "sgd", "lamb")
+    impl: str = choice("auto", "auto", "forloop", "foreach", "fused")
+    lr: float = num(1e-3, min=0.0)
+    weight_decay: float = num(0.05, min=0.0)
+    beta1: float = num(0.9, min=0.0, max=1.0)
+    beta2: float = num(0.999, min=0.0, max=1.0)
+    eps: float = num(1e-8, min=0.0)
+    momentum: float = num(0.9, min=0.0, max=1.0)
+    nesterov: bool = False
+    schedule: str = choice("cosine", "cosine", "linear", "constant")
+    warmup_epochs: float = num(0.0, min=0.0)
+    warmup_steps: int = num(0, min=0, doc="overrides warmup_epochs when > 0")
+    min_lr_ratio: float = num(0.0, min=0.0, max=1.0)
+    grad_clip: float = num(0.0, min=0.0, doc="max global grad norm (0 = off)")
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = num(10.0, min=0.0)
+    time_limit_s: float = num(0.0, min=0.0, doc="stop training after this many seconds (0 = off)")
+    precision: str = choice("fp32", "fp32", "bf16", "fp16", "pure_bf16", "pure_fp16")
+    master_weights: bool = True     # pure_* modes: keep an fp32 master copy for the optimizer
+    loss_scale: float = num(65536.0, min=1.0, doc="initial dynamic loss scale (fp16)")
+    accum_steps: int = num(1, min=1, doc="micro-batches per optimizer step")
+    label_smoothing: float = num(0.0, min=0.0, max=1.0)
+    ema_decay: float = num(0.0, min=0.0, max=1.0, doc="EMA of weights (0 = off)")
+    ema_eval: bool = True           # evaluate the EMA weights when EMA is on
+    compile: bool = False
+    activation_checkpointing: bool = False
+    eval_hflip_tta: bool = False    # average logits of the image and its mirror at evaluation
+
+
+@dataclass
+class StrategyConfig:
+    name: str = choice("single", "single")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_toml(self) -> str:
+        out = []
+        for sec, values in self.to_dict().items():
+            out.append(f"[{sec}]")
+            out += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+            out.append("")
+        return "\n".join(out)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(v)
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+
+
+def _section_types() -> dict[str, type]:
+    hints = get_type_hints(Config)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _closest(name: str, options) -> str:
+    m = difflib.get_close_matches(name, list(options), n=1, cutoff=0.0)
+    return f" (did you mean '{m[0]}'?)" if m else ""
+
+
+def _coerce(key: str, value: Any, typ: type, meta) -> Any:
+    """Check/convert one value for `key`; raise ConfigError with a one-line message."""
+    if typ is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            value = value.lower() in ("true", "1", "yes", "on")
+        if not isinstance(value, bool):
+            raise ConfigError(f"config: {key} must be true or false, got {value!r}")
+    elif typ is int:
+        if isinstance(value, str):
+            try:
+                value = int(value.replace("_", ""))
+            except ValueError:
+                raise ConfigError(f"config: {key} must be an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise ConfigError(f"config: {key} must be an integer, got {value!r}")
+    elif typ is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"config: {key} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config: {key} must be a number, got {value!r}")
+        value = float(value)
+    elif typ is str:
+        if not isinstance(value, str):
+            value = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+        if not isinstance(value, str):
+            raise ConfigError(f"config: {key} must be a string, got {value!r}")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"config: {key} must be one of {', '.join(map(str, choices))}; got {value!r}"
+                          + _closest(str(value), choices))
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and value < lo:
+        raise ConfigError(f"config: {key} must be >= {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"config: {key} must be <= {hi}, got {value!r}")
+    return value
+
+
+def _set(cfg: Config, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"config: key '{dotted}' must look like section.key (sections: {', '.join(SECTIONS)})")
+    sec, key = parts
+    if sec not in SECTIONS:
+        raise ConfigError(f"config: unknown section '{sec}'{_closest(sec, SECTIONS)}")
+    section = getattr(cfg, sec)
+    fmap = {f.name: f for f in fields(section)}
+    if key not in fmap:
+        valid = [f"{sec}.{k}" for k in fmap]
+        raise ConfigError(f"config: unknown key '{dotted}'{_closest(dotted, valid)}")
+    hints = get_type_hints(type(section))
+    setattr(section, key, _coerce(dotted, value, hints[key], fmap[key].metadata))
+
+
+def apply_dict(cfg: Config, data: dict, source: str = "config") -> Config:
+    for sec, values in data.items():
+        if not isinstance(values, dict):
+            if sec not in SECTIONS:
+                raise ConfigError(f"{source}: unknown top-level key '{sec}'{_closest(sec, SECTIONS)}")
+            raise ConfigError(f"{source}: [{sec}] must be a table of keys")
+        for key, value in values.items():
+            try:
+                _set(cfg, f"{sec}.{key}", value)
+            except ConfigError as e:
+                raise ConfigError(str(e).replace("config:", f"{source}:", 1)) from None
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"--set '{text}': expected section.key=value")
+    key, raw = text.split("=", 1)
+    raw = raw.strip()
+    try:  # TOML literal if it parses (numbers, bools, quoted strings), else the raw string
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Defaults <- recipe TOML (the default recipe when None) <- `--set` overrides; then checks."""
+    cfg = Config()
+    path = Path(path) if path else DEFAULT_RECIPE
+    if not path.exists() and not path.is_absolute():
+        # a shipped recipe by name: `vit_b16_imagenet`, `vit_b16_imagenet.toml`, `configs/tests/tiny.toml`
+        rel = Path(*path.parts[1:]) if path.parts[0] == "configs" else path
+        for cand in (RECIPES / rel, RECIPES / rel.with_suffix(".toml")):
+            if cand.exists():
+                path = cand
+                break
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    apply_dict(cfg, data, source=str(path))
+    for text in overrides:
+        _set(cfg, *parse_override(text))
+    check(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    cfg = apply_dict(Config(), data)
+    check(cfg)
+    return cfg
+
+
+def check(cfg: Config) -> None:
+    """Cross-field checks that one key alone cannot express."""
+    if cfg.data.batch_size % cfg.train.accum_steps:
+        raise ConfigError(f"config: data.batch_size ({cfg.data.batch_size}) must be divisible by "
+                          f"train.accum_steps ({cfg.train.accum_steps})")
+    if cfg.model.heads and cfg.model.dim and cfg.model.dim % cfg.model.heads:
+        raise ConfigError(f"config: model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
+
+

@@ -1,0 +1,86 @@
+"""Model info (params, FLOPs), checkpoint evaluation and safetensors export."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .checkpoint import export_safetensors, load_checkpoint, resolve_checkpoint
+from .config import Config, apply_dict, check, parse_override, _set
+from .errors import ConfigError
+from .models import VisionTransformer, ViTSpec, count_params, vit_forward_flops, vit_forward_macs
+
+NATIVE = {"fashion_mnist": (28, 1, 10), "cifar10": (32, 3, 10), "cifar100": (32, 3, 100)}
+
+
+def data_geometry(cfg: Config) -> tuple[int, int, int]:
+    """(image_size, channels, num_classes) the model will see, without loading the data."""
+    d = cfg.data
+    if d.name in NATIVE:
+        size, ch, nc = NATIVE[d.name]
+    elif d.name == "synthetic":
+        size, ch, nc = 32, d.channels, d.num_classes
+    else:  # folder: classes come from the folder tree unless the model fixes them
+        size, ch, nc = 224, 3, cfg.model.num_classes
+        if not nc:
+            from .data import build_data  # count class folders
+            nc = build_data(d, device=torch.device("cpu"), seed=0).num_classes
+    return d.image_size or size, ch, cfg.model.num_classes or nc
+
+
+def model_info(cfg: Config) -> dict:
+    from .loop import model_spec
+    spec = model_spec(cfg, *data_geometry(cfg))
+    with torch.device("meta"):
+        params = count_params(VisionTransformer(spec))
+    return {"arch": cfg.model.arch, **asdict(spec), "params": params, "tokens": spec.num_tokens,
+            "macs_per_image": vit_forward_macs(spec), "flops_per_image": vit_forward_flops(spec),
+            "train_flops_per_image": 3 * vit_forward_flops(spec)}
+
+
+def _load(checkpoint, overrides=()) -> tuple[dict, Config, Path]:
+    path = resolve_checkpoint(checkpoint)
+    state = load_checkpoint(path)
+    if "config" not in state or "strategy" not in state:
+        raise ConfigError(f"{path} is not a vitscale training checkpoint")
+    cfg = apply_dict(Config(), state["config"], source=f"{path} (saved config)")
+    for text in overrides:
+        _set(cfg, *parse_override(text))
+    check(cfg)
+    return state, cfg, path
+
+
+def _weights(state: dict, use_ema: bool) -> dict:
+    sd = state["strategy"]
+    if use_ema and "ema" in sd:  # AveragedModel keys: module.<name>, plus n_averaged
+        return {k[len("module."):]: v for k, v in sd["ema"].items() if k.startswith("module.")}
+    return sd["model"]
+
+
+def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
+    from .data import build_data
+    from .strategy import build_strategy
+    from .tasks import ClassificationTask
+    state, cfg, path = _load(checkpoint, overrides)
+    strategy = build_strategy(cfg)
+    data = build_data(cfg.data, device=strategy.device, seed=cfg.run.seed)
+    model = VisionTransformer(ViTSpec(**state["spec"]))
+    model.load_state_dict(_weights(state, cfg.train.ema_decay > 0 and cfg.train.ema_eval))
+    model.to(strategy.device)
+    if strategy.pure:
+        model.to(strategy.half)
+    task = ClassificationTask(data.num_classes, hflip_tta=cfg.train.eval_hflip_tta)
+    r = task.evaluate(model, data.test, strategy.autocast, strategy.prepare)
+    return {"test_accuracy": r["correct"] / max(1, r["count"]), "test_loss": r["loss_sum"] / max(1, r["count"]),
+            "count": r["count"], "step": state["step"], "checkpoint": str(path)}
+
+
+def export_checkpoint(checkpoint, out=None, use_ema: bool = True) -> Path:
+    state, cfg, path = _load(checkpoint)
+    weights = {k: v.float() for k, v in _weights(state, use_ema).items()}
+    out = Path(out) if out else path.parent.parent / "model.safetensors"
+    meta = {"format": "vitscale-vit", "spec": json.dumps(state["spec"]), "config": json.dumps(cfg.to_dict()),
+            "step": str(state["step"])}
+    return export_safetensors(weights, out, meta)

@@ -1,0 +1,216 @@
+"""The training loop: uses only strategy verbs, never an engine name."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .config import Config
+from .data import build_data
+from .errors import ConfigError, DataError, TrainingError
+from .metrics import MetricsLog, Progress
+from .models import VisionTransformer, count_params, resolve_spec, vit_forward_flops
+from .optim import build_scheduler
+from .strategy import build_strategy
+from .tasks import ClassificationTask
+
+
+def model_spec(cfg: Config, image_size: int, channels: int, num_classes: int):
+    m = cfg.model
+    try:
+        spec = resolve_spec(m.arch, image_size=image_size, in_chans=channels, num_classes=num_classes,
+                            patch_size=m.patch_size, dim=m.dim, depth=m.depth, heads=m.heads,
+                            mlp_ratio=m.mlp_ratio, head=m.head, attention=m.attention,
+                            drop_path=m.drop_path, dropout=m.dropout)
+    except KeyError as e:
+        raise ConfigError(f"config: model.arch: {e.args[0]}") from None
+    if spec.image_size % spec.patch_size:
+        raise ConfigError(f"config: image size {spec.image_size} is not divisible by patch size "
+                            f"{spec.patch_size} (set data.image_size or model.patch_size)")
+    if spec.dim % spec.heads:
+        raise ConfigError(f"config: model dim {spec.dim} is not divisible by heads {spec.heads}")
+    return spec
+
+
+class Trainer:
+    """Builds data, model and strategy from a config; `fit()` trains, evaluates and checkpoints."""
+
+    def __init__(self, cfg: Config, run_dir: Path, resume: str | Path | None = None):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        torch.manual_seed(cfg.run.seed)
+        self.strategy = build_strategy(cfg)
+        self.data = build_data(cfg.data, device=self.strategy.device, seed=cfg.run.seed)
+        if cfg.data.batch_size > self.data.train_size:
+            raise DataError(f"data.batch_size ({cfg.data.batch_size}) is larger than the training set "
+                            f"({self.data.train_size} images)")
+        if cfg.model.num_classes and cfg.model.num_classes != self.data.num_classes:
+            raise ConfigError(f"config: model.num_classes={cfg.model.num_classes} but the dataset has "
+                              f"{self.data.num_classes} classes (set 0 to follow the data)")
+        self.spec = model_spec(cfg, self.data.image_size, self.data.channels, self.data.num_classes)
+        torch.manual_seed(cfg.run.seed)
+        model = VisionTransformer(self.spec)
+        self.params = count_params(model)
+        self.flops_per_image = vit_forward_flops(self.spec)
+        self.strategy.setup(model)
+        self.task = ClassificationTask(self.data.num_classes, cfg.train.label_smoothing,
+                                       cfg.train.eval_hflip_tta)
+        self.steps_per_epoch = len(self.data.train)
+        if self.steps_per_epoch == 0:
+            raise DataError(f"data.batch_size ({cfg.data.batch_size}) gives no full batch per epoch")
+        total = math.ceil(cfg.train.epochs * self.steps_per_epoch)
+        self.total_steps = min(total, cfg.run.max_steps) if cfg.run.max_steps else total
+        self.scheduler = build_scheduler(self.strategy.optimizer, cfg.optim, self.total_steps,
+                                         self.steps_per_epoch)
+        self.step, self.train_time, self.images_seen = 0, 0.0, 0
+        self.best_acc, self.last_eval = None, None
+        self.last_ckpt: Path | None = None
+        if resume is not None:
+            self._restore(load_checkpoint(resume))
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {"version": 1, "config": self.cfg.to_dict(), "strategy": self.strategy.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "step": self.step,
+                "train_time": self.train_time, "images_seen": self.images_seen,
+                "best_acc": self.best_acc, "last_eval": self.last_eval, "spec": asdict(self.spec)}
+
+    def _restore(self, state: dict) -> None:
+        self.strategy.load_state_dict(state["strategy"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.step, self.train_time = state["step"], state["train_time"]
+        self.images_seen, self.best_acc = state["images_seen"], state["best_acc"]
+        self.last_eval = state["last_eval"]
+
+    def save(self) -> Path:
+        self.last_ckpt = save_checkpoint(self.run_dir, self.step, self._state(), self.cfg.run.keep_last)
+        return self.last_ckpt
+
+    # -- evaluation -------------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        s = self.strategy
+        r = self.task.evaluate(s.eval_module(), self.data.test, s.autocast, s.prepare)
+        acc = r["correct"] / max(1, r["count"])
+        self.last_eval = {"step": self.step, "epoch": self.step / self.steps_per_epoch,
+                          "test_accuracy": acc, "test_loss": r["loss_sum"] / max(1, r["count"])}
+        self.best_acc = acc if self.best_acc is None else max(self.best_acc, acc)
+        return self.last_eval
+
+    # -- training ---------------------------------------------------------------------------------
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict]:
+        """One optimizer step over a batch split into accum_steps micro-batches; returns the loss."""
+        s, A = self.strategy, self.cfg.train.accum_steps
+        total = torch.zeros((), device=x.device)
+        for i, (xm, ym) in enumerate(zip(x.chunk(A), y.chunk(A))):
+            with s.no_sync() if i < A - 1 else contextlib.nullcontext():
+                with s.autocast():
+                    loss = self.task.loss(s.model(s.prepare(xm)), ym) / A
+                s.backward(loss)
+            total += loss.detach()
+        return total.item(), s.step()
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard)
+        bar = Progress(self.total_steps, cfg.run.progress, start=self.step, every=cfg.run.log_every)
+        sync = torch.cuda.synchronize if self.strategy.device.type == "cuda" else (lambda: None)
+        bar.message(f"run {self.run_dir}: {self.spec.depth}x{self.spec.dim} ViT, {self.params / 1e6:.2f}M params, "
+                    f"{self.spec.num_tokens} tokens, {self.flops_per_image / 1e6:.1f} MFLOPs/img fwd; "
+                    f"{self.data.train_size} train / {self.data.test_size} test images; "
+                    f"batch {cfg.data.batch_size} = {cfg.train.accum_steps} x "
+                    f"{cfg.data.batch_size // cfg.train.accum_steps}; {self.total_steps} steps on "
+                    f"{self.strategy.device} in {cfg.train.precision}")
+        window_t, window_imgs, window_data = 0.0, 0, 0.0
+        stop_reason = "done"
+        try:
+            while self.step < self.total_steps and stop_reason == "done":
+                epoch, start = divmod(self.step, self.steps_per_epoch)
+                batches = self.data.train.iterate(epoch, start_batch=start)
+                t_last = time.perf_counter()
+                while self.step < self.total_steps:
+                    batch = next(batches, None)
+                    if batch is None:
+                        break
+                    x, y = batch
+                    t_data = time.perf_counter() - t_last
+                    loss, info = self.train_step(x, y)
+                    if not math.isfinite(loss):
+                        where = f"; last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
+                            "; no checkpoint was written before it"
+                        raise TrainingError(f"loss is {loss} at step {self.step + 1} (epoch {epoch}): "
+                                            f"training stopped{where}")
+                    self.scheduler.step()
+                    self.step += 1
+                    now = time.perf_counter()
+                    dt, t_last = now - t_last, now
+                    self.train_time += dt
+                    self.images_seen += x.shape[0]
+                    window_t, window_imgs, window_data = window_t + dt, window_imgs + x.shape[0], window_data + t_data
+                    if self.step % cfg.run.log_every == 0 or self.step == self.total_steps:
+                        sync()
+                        rec = {"kind": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
+                               "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                               "images_per_s": window_imgs / window_t,
+                               "step_time_s": window_t / max(1, window_imgs / x.shape[0]),
+                               "data_time_s": window_data / max(1, window_imgs / x.shape[0]),
+                               "grad_norm": info["grad_norm"], "skipped": info["skipped"]}
+                        log.log(rec)
+                        window_t, window_imgs, window_data = 0.0, 0, 0.0
+                    bar.update(self.step, f"loss {loss:.4f} | {self.images_seen / self.train_time:.0f} img/s")
+                    if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
+                        self.save()
+                    if cfg.train.time_limit_s and self.train_time >= cfg.train.time_limit_s:
+                        stop_reason = "time limit"
+                        break
+                    t_last = time.perf_counter()  # checkpoint I/O is not training time
+                epoch_done = self.step % self.steps_per_epoch == 0
+                if epoch_done and cfg.run.eval_every and (self.step // self.steps_per_epoch) % cfg.run.eval_every == 0:
+                    ev = self.evaluate()
+                    log.log({"kind": "eval", **ev}, prefix="eval")
+                    bar.message(f"epoch {ev['epoch']:.2f} step {self.step}: test accuracy "
+                                f"{100 * ev['test_accuracy']:.2f}% (best {100 * self.best_acc:.2f}%), "
+                                f"{self.train_time:.0f}s training")
+                if epoch_done and not cfg.run.checkpoint_every:
+                    self.save()
+        finally:
+            bar.close()
+        if self.last_eval is None or self.last_eval["step"] != self.step:
+            ev = self.evaluate()
+            log.log({"kind": "eval", **ev}, prefix="eval")
+        if self.last_ckpt is None or not self.last_ckpt.name.endswith(f"{self.step:08d}.pt"):
+            self.save()
+        log.close()
+        summary = self.summary(stop_reason)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def summary(self, stop_reason: str) -> dict:
+        from .hardware import peak_flops
+        images_per_s = self.images_seen / self.train_time if self.train_time else 0.0
+        peak, peak_src = peak_flops(self.strategy.device, self.cfg.train.precision)
+        train_flops = 3 * self.flops_per_image
+        return {"test_accuracy": self.last_eval["test_accuracy"], "best_test_accuracy": self.best_acc,
+                "test_loss": self.last_eval["test_loss"], "train_time_s": self.train_time,
+                "images_per_s": images_per_s, "params": self.params,
+                "flops_per_image": self.flops_per_image, "train_flops_per_image": train_flops,
+                "mfu": train_flops * images_per_s / peak, "peak_flops": peak, "peak_source": peak_src,
+                "steps": self.step, "epochs": self.step / self.steps_per_epoch,
+                "images_seen": self.images_seen, "stop_reason": stop_reason,
+                "precision": self.cfg.train.precision, "device": str(self.strategy.device),
+                "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "checkpoint": str(self.last_ckpt)}
+
+
+def train(cfg: Config, run_dir: Path, resume: str | Path | None = None) -> dict:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(cfg.to_toml())
+    return Trainer(cfg, run_dir, resume).fit()

@@ -1,0 +1,32 @@
+"""Analytic FLOP counts for the ViT (matmuls only, as torch.utils.flop_counter counts them).
+
+One multiply-accumulate = 2 FLOPs. Norms, softmax, GELU and adds are not counted (they are
+a few percent of the total and are not matmul work). Training = 3x forward (backward = 2x).
+"""
+from __future__ import annotations
+
+from .vit import ViTSpec
+
+
+def vit_forward_macs(spec: ViTSpec) -> int:
+    """Multiply-accumulates of one image's forward pass."""
+    D, N, T = spec.dim, spec.num_patches, spec.num_tokens
+    hidden = int(D * spec.mlp_ratio)
+    patch = N * spec.in_chans * spec.patch_size ** 2 * D          # conv patch embedding
+    attn = T * D * 3 * D + 2 * T * T * D + T * D * D                 # qkv, q@k^T and attn@v, proj
+    mlp = 2 * T * D * hidden                                         # fc1 + fc2
+    head = D * spec.num_classes
+    return patch + spec.depth * (attn + mlp) + head
+
+
+def vit_forward_flops(spec: ViTSpec) -> int:
+    return 2 * vit_forward_macs(spec)
+
+
+def vit_train_flops(spec: ViTSpec) -> int:
+    """Forward + backward (activation and weight gradients) = 3x forward."""
+    return 3 * vit_forward_flops(spec)
+
+
+def count_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())

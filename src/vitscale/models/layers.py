@@ -1,0 +1,89 @@
+"""Transformer building blocks (torch only; nothing here knows about precision or devices)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class PatchEmbed(nn.Module):
+    """[B, C, H, W] -> [B, N, D] with N = (H/p)*(W/p): a stride-p convolution."""
+
+    def __init__(self, image_size: int, patch_size: int, in_chans: int, dim: int):
+        super().__init__()
+        if image_size % patch_size:
+            raise ValueError(f"image size {image_size} is not divisible by patch size {patch_size}")
+        self.grid = image_size // patch_size
+        self.num_patches = self.grid * self.grid
+        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # [B, D, g, g] -> [B, N, D]
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention; `fused` picks scaled_dot_product_attention, else explicit math."""
+
+    def __init__(self, dim: int, heads: int, fused: bool = True, dropout: float = 0.0):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim {dim} is not divisible by heads {heads}")
+        self.heads, self.head_dim = heads, dim // heads
+        self.scale = self.head_dim ** -0.5
+        self.fused = fused
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        qkv = self.qkv(x).reshape(B, T, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each [B, h, T, hd]
+        p = self.dropout if self.training else 0.0
+        if self.fused:
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        else:
+            attn = (q * self.scale) @ k.transpose(-2, -1)  # [B, h, T, T]
+            attn = attn.softmax(dim=-1)
+            if p:
+                attn = F.dropout(attn, p)
+            x = attn @ v  # [B, h, T, hd]
+        return self.proj(x.transpose(1, 2).reshape(B, T, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Stochastic depth: zero the whole residual branch of a sample with probability p."""
+    if p == 0.0 or not training:
+        return x
+    keep = 1.0 - p
+    mask = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    return x * mask / keep
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, fused_attn: bool = True,
+                 drop_path: float = 0.0, dropout: float = 0.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, heads, fused=fused_attn, dropout=dropout)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), dropout=dropout)
+        self.drop_path = drop_path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
+        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)

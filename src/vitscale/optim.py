@@ -1,0 +1,95 @@
+"""Optimizers (AdamW for-loop/foreach/fused, SGD, LAMB), weight-decay groups, LR schedules."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import OptimConfig
+from .errors import ConfigError
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on norms, biases, position embeddings and the class token."""
+    skip = set(getattr(model, "no_weight_decay", lambda: set())())
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim <= 1 or name in skip or name.split(".")[-1] in skip:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2019): Adam direction with weight decay, scaled per tensor by the trust
+    ratio ||w|| / ||update|| (1 where either norm is 0). Bias-corrected moments."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                t = state["step"]
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.lerp_(p.grad, 1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                update = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update.add_(p, alpha=group["weight_decay"])
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+                p.add_(update * trust, alpha=-group["lr"])
+        return loss
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, params=None) -> torch.optim.Optimizer:
+    """`params` (param groups) defaults to `param_groups(model)`; the strategy may pass master copies."""
+    groups = params if params is not None else param_groups(model, cfg.weight_decay)
+    impl = {"forloop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True),
+            "auto": {}}[cfg.impl]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl)
+    if cfg.name == "lamb":
+        if cfg.impl not in ("auto", "forloop"):
+            raise ConfigError(f"config: optim.impl={cfg.impl} is not available for LAMB (use auto or forloop)")
+        return Lamb(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    raise ConfigError(f"config: unknown optimizer {cfg.name}")  # unreachable: validated
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the base LR at optimizer step `step` (0-based): linear warmup, then decay."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        decay = 0.5 * (1 + math.cos(math.pi * progress))
+    else:  # linear
+        decay = 1.0 - progress
+    return min_ratio + (1 - min_ratio) * decay
+
+
+def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int, steps_per_epoch: int):
+    warmup = cfg.warmup_steps or int(round(cfg.warmup_epochs * steps_per_epoch))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, total_steps, warmup, cfg.schedule, cfg.min_lr_ratio))

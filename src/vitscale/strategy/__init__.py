@@ -1,0 +1,18 @@
+"""Strategies own devices, precision, wrapping, backward, step and checkpoint state.
+
+Only this package imports autocast, GradScaler or the distributed engines.
+"""
+from __future__ import annotations
+
+from ..config import Config
+from .single import SingleDevice, resolve_device
+
+
+def build_strategy(cfg: Config):
+    device = resolve_device(cfg.run.device)
+    if cfg.strategy.name == "single":
+        return SingleDevice(cfg.train, cfg.optim, device)
+    raise NotImplementedError(cfg.strategy.name)  # unreachable: validated by the config
+
+
+__all__ = ["build_strategy", "resolve_device", "SingleDevice"]

@@ -1,0 +1,135 @@
+"""One device (CPU or one GPU): precision, optimizer step, EMA, compile, checkpoint state.
+
+Precision modes
+- fp32: nothing special.
+- bf16 / fp16: autocast around forward+loss; fp16 uses a dynamic GradScaler (GPU only).
+- pure_bf16 / pure_fp16: the model's weights themselves are half precision (Meta's O2/O3-like
+  modes). With `master_weights` the optimizer updates an fp32 copy that is cast back after each
+  step; without it the optimizer updates the half weights directly.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ..config import OptimConfig, TrainConfig
+from ..errors import ConfigError
+from ..optim import build_optimizer, param_groups
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16, "pure_bf16": torch.bfloat16,
+        "pure_fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("config: run.device=cuda but no CUDA GPU is visible (use run.device=cpu or auto)")
+    return torch.device(name)
+
+
+class SingleDevice:
+    """The strategy verbs the loop uses: setup, autocast, backward, step, state_dict."""
+
+    name = "single"
+
+    def __init__(self, train: TrainConfig, optim: OptimConfig, device: torch.device):
+        self.cfg, self.optim_cfg, self.device = train, optim, device
+        self.precision = train.precision
+        self.half = HALF.get(self.precision)
+        if self.half is torch.float16 and device.type == "cpu":
+            raise ConfigError(f"config: train.precision={self.precision} is refused on CPU (fp16 matmul has "
+                              "no fast path there, ~1 GFLOP/s); use bf16 or pure_bf16")
+        self.pure = self.precision.startswith("pure_")
+        self.scaler = torch.amp.GradScaler(device.type, init_scale=train.loss_scale,
+                                           enabled=self.half is torch.float16)
+        self.master: list[torch.Tensor] | None = None
+        self.ema: torch.optim.swa_utils.AveragedModel | None = None
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def setup(self, model: nn.Module) -> None:
+        model.to(self.device)
+        if self.pure:
+            model.to(self.half)
+        groups = param_groups(model, self.optim_cfg.weight_decay)
+        if self.pure and self.cfg.master_weights:
+            # the optimizer sees fp32 copies; model params stay half and get refreshed from them
+            self.model_params = [p for g in groups for p in g["params"]]
+            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+            it = iter(self.master)
+            groups = [{**g, "params": [next(it) for _ in g["params"]]} for g in groups]
+        self.optimizer = build_optimizer(model, self.optim_cfg, params=groups)
+        if self.cfg.ema_decay > 0:
+            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+            self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(self.cfg.ema_decay),
+                                     use_buffers=True)
+        if self.cfg.activation_checkpointing:
+            model.set_grad_checkpointing(True)
+        self.module = model  # plain module: checkpoints, export, eval
+        self.model = torch.compile(model) if self.cfg.compile else model  # what training calls
+
+    # -- the step -------------------------------------------------------------------------------
+    def autocast(self):
+        if self.half is None or self.pure:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.half)
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.half) if self.pure else x
+
+    def no_sync(self):
+        """Context for accumulation micro-steps that must not communicate (no-op on one device)."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def step(self) -> dict:
+        """Unscale, clip, update, zero grads. Returns {'grad_norm': float, 'skipped': bool}."""
+        if self.master is not None:
+            for p, m in zip(self.model_params, self.master):
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+        params = self.master if self.master is not None else \
+            [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.scaler.unscale_(self.optimizer)
+        clip = self.optim_cfg.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
+        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale_before
+        if self.master is not None and not skipped:
+            with torch.no_grad():
+                torch._foreach_copy_(self.model_params, self.master)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None and not skipped:
+            self.ema.update_parameters(self.module)
+        return {"grad_norm": float(norm), "skipped": bool(skipped)}
+
+    def eval_module(self) -> nn.Module:
+        """The weights to evaluate: the EMA copy when EMA is on and chosen, else the model."""
+        return self.ema.module if (self.ema is not None and self.cfg.ema_eval) else self.module
+
+    # -- checkpoint state -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+              "scaler": self.scaler.state_dict()}
+        if self.master is not None:
+            sd["master"] = [m.detach().clone() for m in self.master]
+        if self.ema is not None:
+            sd["ema"] = self.ema.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.module.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.scaler.load_state_dict(sd["scaler"])
+        if self.master is not None and "master" in sd:
+            with torch.no_grad():
+                for m, saved in zip(self.master, sd["master"]):
+                    m.copy_(saved)
+        if self.ema is not None and "ema" in sd:
+            self.ema.load_state_dict(sd["ema"])

@@ -1,0 +1,40 @@
+"""Tasks turn a batch into a loss and evaluate a model; they know nothing about engines."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ClassificationTask:
+    def __init__(self, num_classes: int, label_smoothing: float = 0.0, hflip_tta: bool = False):
+        self.num_classes = num_classes
+        self.label_smoothing = label_smoothing
+        self.hflip_tta = hflip_tta
+
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Cross entropy in fp32; y = class indices [B] or soft targets [B, K] (mixup/cutmix)."""
+        logits = logits.float()
+        if y.ndim == 2 and self.label_smoothing:
+            y = y * (1 - self.label_smoothing) + self.label_smoothing / self.num_classes
+            return F.cross_entropy(logits, y)
+        return F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader, autocast, prepare=lambda x: x) -> dict:
+        """Sums over this process's shard: {'correct', 'count', 'loss_sum'} (exact, no averaging)."""
+        was_training = model.training
+        model.eval()
+        correct = count = 0
+        loss_sum = 0.0
+        for x, y in loader.iterate():
+            x = prepare(x)
+            with autocast():
+                logits = model(x).float()
+                if self.hflip_tta:
+                    logits = logits + model(x.flip(-1)).float()
+            loss_sum += F.cross_entropy(logits if not self.hflip_tta else logits / 2, y, reduction="sum").item()
+            correct += (logits.argmax(-1) == y).sum().item()
+            count += y.numel()
+        model.train(was_training)
+        return {"correct": correct, "count": count, "loss_sum": loss_sum}

@@ -1,0 +1,76 @@
+import pytest
+
+from vitscale.config import Config, load_config, parse_override
+from vitscale.errors import ConfigError
+
+
+def test_default_recipe_loads_and_validates():
+    cfg = load_config()
+    assert cfg.data.name == "fashion_mnist"
+    assert cfg.train.precision in ("fp32", "bf16")
+
+
+def test_overrides_are_typed():
+    cfg = load_config("configs/tests/tiny.toml", ["optim.lr=0.5", "train.compile=true", "data.batch_size=8",
+                                                  "model.head=pool", "train.epochs=3"])
+    assert cfg.optim.lr == 0.5 and isinstance(cfg.optim.lr, float)
+    assert cfg.train.compile is True
+    assert cfg.data.batch_size == 8
+    assert cfg.model.head == "pool"
+    assert cfg.train.epochs == 3.0 and isinstance(cfg.train.epochs, float)
+
+
+def test_recipe_by_name():
+    assert load_config("vit_b16_imagenet").model.arch == "vit_base_patch16"
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("optim.lrr=1", "did you mean 'optim.lr'"),
+    ("optm.lr=1", "did you mean 'optim'"),
+    ("train.precision=fp8", "train.precision must be one of fp32, bf16"),
+    ("data.batch_size=abc", "data.batch_size must be an integer"),
+    ("data.batch_size=-4", "data.batch_size must be >= 1"),
+    ("train.compile=maybe", "train.compile must be true or false"),
+    ("optim.lr=fast", "optim.lr must be a number"),
+    ("lr=1", "must look like section.key"),
+])
+def test_bad_overrides_give_one_line_errors(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_file_key_names_the_file_and_closest_key(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[optim]\nweight_decy = 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert str(p) in str(e.value) and "optim.weight_decay" in str(e.value)
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    p = tmp_path / "broken.toml"
+    p.write_text("[optim\nlr = ")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_cross_field_check():
+    with pytest.raises(ConfigError, match="divisible by train.accum_steps"):
+        load_config(None, ["data.batch_size=10", "train.accum_steps=3"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config("configs/tests/tiny.toml", ["optim.lr=0.25", "run.name=x y"])
+    p = tmp_path / "resolved.toml"
+    p.write_text(cfg.to_toml())
+    assert load_config(p) == cfg
+
+
+def test_parse_override_keeps_strings():
+    assert parse_override("data.root=/tmp/some dir") == ("data.root", "/tmp/some dir")
+    assert parse_override("optim.lr=1e-3") == ("optim.lr", 1e-3)
+    assert Config().run.seed == 0

@@ -1,0 +1,98 @@
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from vitscale.config import load_config
+from vitscale.evaluate import model_info
+from vitscale.models import REGISTRY, SIZES, count_params, resolve_spec, vit, vit_forward_flops, vit_forward_macs, VisionTransformer
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_every_registered_size_builds_with_expected_shapes(size):
+    dim, depth, heads, _ = SIZES[size]
+    spec = resolve_spec(f"vit_{size}_patch4", image_size=16, in_chans=3, num_classes=7, depth=1)
+    with torch.device("meta"):
+        m = VisionTransformer(spec)
+        feats = m.forward_features(torch.empty(2, 3, 16, 16))
+        out = m.forward_head(feats)
+    assert feats.shape == (2, 16 + 1, dim)
+    assert out.shape == (2, 7)
+    assert len(REGISTRY) >= 7 * len(SIZES)
+
+
+def test_vit_b16_params_and_flops():
+    spec = resolve_spec("vit_base_patch16")
+    with torch.device("meta"):
+        m = VisionTransformer(spec)
+    assert count_params(m) == 86_567_656  # the published ViT-B/16 count (timm vit_base_patch16_224)
+    assert abs(vit_forward_macs(spec) / 1e9 - 17.56) < 0.01
+    assert vit_forward_flops(spec) == 2 * vit_forward_macs(spec)
+
+
+def test_info_of_shipped_recipe():
+    info = model_info(load_config("configs/vit_b16_imagenet.toml"))
+    assert round(info["params"] / 1e6, 1) == 86.6
+    assert abs(info["flops_per_image"] / 1e9 - 35.1) < 0.1
+    assert info["train_flops_per_image"] == 3 * info["flops_per_image"]
+
+
+@pytest.mark.parametrize("head", ["token", "pool"])
+@pytest.mark.parametrize("size,patch", [(28, 4), (32, 8), (28, 7)])
+def test_flops_match_torch_flop_counter(head, size, patch):
+    # explicit attention: on CPU the counter does not see inside fused SDPA
+    m = vit("vit_pico", image_size=size, patch_size=patch, in_chans=1, num_classes=10, head=head,
+            attention="explicit", depth=2)
+    x = torch.randn(3, 1, size, size)
+    with FlopCounterMode(display=False) as fc:
+        m(x)
+    assert fc.get_total_flops() == 3 * vit_forward_flops(m.spec)
+    with FlopCounterMode(display=False) as fc:
+        m(x).sum().backward()
+    # training = 3x forward, less the input gradient of the patch embedding (images need none)
+    patch = 2 * (size // patch) ** 2 * patch ** 2 * 1 * m.spec.dim
+    assert fc.get_total_flops() == 3 * (3 * vit_forward_flops(m.spec) - patch)
+
+
+def test_fused_and_explicit_attention_agree():
+    torch.manual_seed(0)
+    a = vit("vit_pico", image_size=28, in_chans=1, num_classes=10, attention="explicit")
+    b = vit("vit_pico", image_size=28, in_chans=1, num_classes=10, attention="sdpa")
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(4, 1, 28, 28)
+    torch.testing.assert_close(a(x), b(x), rtol=1e-5, atol=1e-5)
+
+
+def test_pool_head_has_no_class_token_and_token_head_does():
+    assert vit("vit_pico", image_size=28, in_chans=1, head="pool").cls_token is None
+    m = vit("vit_pico", image_size=28, in_chans=1, head="token")
+    assert m.cls_token is not None and m.pos_embed.shape[1] == 50
+    assert {"pos_embed", "cls_token"} <= m.no_weight_decay()
+
+
+def test_activation_checkpointing_gives_same_gradients():
+    torch.manual_seed(0)
+    m = vit("vit_pico", image_size=28, in_chans=1, num_classes=10, depth=2)
+    x = torch.randn(2, 1, 28, 28)
+    m(x).square().sum().backward()
+    g1 = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    m.set_grad_checkpointing(True)
+    m(x).square().sum().backward()
+    for a, p in zip(g1, m.parameters()):
+        torch.testing.assert_close(a, p.grad)
+
+
+def test_stochastic_depth_only_in_training():
+    m = vit("vit_pico", image_size=28, in_chans=1, num_classes=10, drop_path=0.5, depth=4).eval()
+    x = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(m(x), m(x))
+    m.train()
+    torch.manual_seed(1)
+    a = m(x)
+    torch.manual_seed(2)
+    assert not torch.allclose(a, m(x))
+
+
+def test_unknown_arch_suggests_closest():
+    with pytest.raises(KeyError, match="vit_tiny"):
+        resolve_spec("vit_tinny")
