@@ -96,3 +96,19 @@ def test_stochastic_depth_only_in_training():
 def test_unknown_arch_suggests_closest():
     with pytest.raises(KeyError, match="vit_tiny"):
         resolve_spec("vit_tinny")
+
+
+@pytest.mark.parametrize("patch", [2, 4, 8])
+def test_conv_stem_flops_and_grid(patch):
+    m = vit("vit_pico", image_size=32, patch_size=patch, in_chans=3, num_classes=10, stem="conv",
+            attention="explicit", depth=1)
+    x = torch.randn(2, 3, 32, 32)
+    assert m.patch_embed(x).shape == (2, (32 // patch) ** 2, m.spec.dim)
+    with FlopCounterMode(display=False) as fc:
+        m(x)
+    assert fc.get_total_flops() == 2 * vit_forward_flops(m.spec)
+
+
+def test_conv_stem_rejects_odd_patch():
+    with pytest.raises(ValueError, match="power-of-two"):
+        vit("vit_pico", image_size=28, patch_size=7, in_chans=1, stem="conv")

@@ -83,6 +83,7 @@ class ModelConfig:
     num_classes: int = num(0, min=0, doc="0 = the dataset's class count")
     head: str = choice("token", "token", "pool")
     attention: str = choice("sdpa", "sdpa", "explicit")
+    stem: str = choice("patch", "patch", "conv", doc="patch = ViT's stride-p conv; conv = 3x3 conv stages")
     drop_path: float = num(0.0, min=0.0, max=1.0)
     dropout: float = num(0.0, min=0.0, max=1.0)
 

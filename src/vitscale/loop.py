@@ -26,7 +26,7 @@ def model_spec(cfg: Config, image_size: int, channels: int, num_classes: int):
     try:
         spec = resolve_spec(m.arch, image_size=image_size, in_chans=channels, num_classes=num_classes,
                             patch_size=m.patch_size, dim=m.dim, depth=m.depth, heads=m.heads,
-                            mlp_ratio=m.mlp_ratio, head=m.head, attention=m.attention,
+                            mlp_ratio=m.mlp_ratio, head=m.head, attention=m.attention, stem=m.stem,
                             drop_path=m.drop_path, dropout=m.dropout)
     except KeyError as e:
         raise ConfigError(f"config: model.arch: {e.args[0]}") from None

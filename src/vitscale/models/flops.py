@@ -12,11 +12,25 @@ def vit_forward_macs(spec: ViTSpec) -> int:
     """Multiply-accumulates of one image's forward pass."""
     D, N, T = spec.dim, spec.num_patches, spec.num_tokens
     hidden = int(D * spec.mlp_ratio)
-    patch = N * spec.in_chans * spec.patch_size ** 2 * D          # conv patch embedding
+    patch = stem_macs(spec)
     attn = T * D * 3 * D + 2 * T * T * D + T * D * D                 # qkv, q@k^T and attn@v, proj
     mlp = 2 * T * D * hidden                                         # fc1 + fc2
     head = D * spec.num_classes
     return patch + spec.depth * (attn + mlp) + head
+
+
+def stem_macs(spec: ViTSpec) -> int:
+    """The patch embedding: one stride-p conv, or the conv stem's 3x3 stride-2 stages + 1x1 conv."""
+    if spec.stem == "patch":
+        return spec.num_patches * spec.in_chans * spec.patch_size ** 2 * spec.dim
+    from .layers import ConvStem
+    widths = ConvStem(spec.patch_size, spec.patch_size, 1, spec.dim).widths
+    macs, c, size = 0, spec.in_chans, spec.image_size
+    for w in widths:
+        size = (size + 1) // 2  # 3x3, stride 2, padding 1
+        macs += size * size * 9 * c * w
+        c = w
+    return macs + spec.num_patches * c * spec.dim
 
 
 def vit_forward_flops(spec: ViTSpec) -> int:

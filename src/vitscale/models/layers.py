@@ -21,6 +21,32 @@ class PatchEmbed(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2)  # [B, D, g, g] -> [B, N, D]
 
 
+class ConvStem(nn.Module):
+    """Convolutional stem (Xiao et al. 2021, "Early convolutions help transformers see better"):
+    3x3 stride-2 conv + BatchNorm + ReLU stages halving the image until it reaches the patch grid,
+    then a 1x1 conv to `dim`. [B, C, H, W] -> [B, N, D], N = (H/p)^2 as with PatchEmbed.
+    `patch_size` must be a power of two."""
+
+    def __init__(self, image_size: int, patch_size: int, in_chans: int, dim: int):
+        super().__init__()
+        if image_size % patch_size or patch_size & (patch_size - 1) or patch_size < 2:
+            raise ValueError(f"conv stem needs a power-of-two patch size >= 2 dividing the image size "
+                             f"(got patch {patch_size}, image {image_size})")
+        self.grid = image_size // patch_size
+        self.num_patches = self.grid * self.grid
+        layers, c = [], in_chans
+        widths = [max(16, dim // 2 ** (s + 1)) for s in reversed(range(patch_size.bit_length() - 1))]
+        for w in widths:  # e.g. patch 4, dim 192: 1 -> 48 -> 96 channels at /2, /4
+            layers += [nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(inplace=True)]
+            c = w
+        layers.append(nn.Conv2d(c, dim, 1))
+        self.proj = nn.Sequential(*layers)
+        self.widths = widths
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # [B, D, g, g] -> [B, N, D]
+
+
 class Attention(nn.Module):
     """Multi-head self-attention; `fused` picks scaled_dot_product_attention, else explicit math."""
 

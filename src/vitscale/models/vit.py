@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import Block, PatchEmbed
+from .layers import Block, ConvStem, PatchEmbed
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class ViTSpec:
     mlp_ratio: float = 4.0
     head: str = "token"        # "token" (class token) | "pool" (global average of patch tokens)
     attention: str = "sdpa"    # "sdpa" (fused scaled_dot_product_attention) | "explicit"
+    stem: str = "patch"        # "patch" (one stride-p conv, as in ViT) | "conv" (3x3 conv stages)
     drop_path: float = 0.0
     dropout: float = 0.0
 
@@ -63,7 +64,8 @@ class VisionTransformer(nn.Module):
         super().__init__()
         self.spec = spec
         D = spec.dim
-        self.patch_embed = PatchEmbed(spec.image_size, spec.patch_size, spec.in_chans, D)
+        stem = ConvStem if spec.stem == "conv" else PatchEmbed
+        self.patch_embed = stem(spec.image_size, spec.patch_size, spec.in_chans, D)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if spec.head == "token" else None
         self.pos_embed = nn.Parameter(torch.zeros(1, spec.num_tokens, D))
         dpr = [spec.drop_path * i / max(1, spec.depth - 1) for i in range(spec.depth)]  # rises with depth
@@ -88,9 +90,10 @@ class VisionTransformer(nn.Module):
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
-        w = self.patch_embed.proj.weight  # like a Linear over the flattened patch
-        nn.init.trunc_normal_(w.view(w.shape[0], -1), std=0.02)
-        nn.init.zeros_(self.patch_embed.proj.bias)
+        if isinstance(self.patch_embed, PatchEmbed):
+            w = self.patch_embed.proj.weight  # like a Linear over the flattened patch
+            nn.init.trunc_normal_(w.view(w.shape[0], -1), std=0.02)
+            nn.init.zeros_(self.patch_embed.proj.bias)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
