@@ -33,6 +33,8 @@ def model_spec(cfg: Config, image_size: int, channels: int, num_classes: int):
     if spec.image_size % spec.patch_size:
         raise ConfigError(f"config: image size {spec.image_size} is not divisible by patch size "
                             f"{spec.patch_size} (set data.image_size or model.patch_size)")
+    if spec.stem == "conv" and (spec.patch_size & (spec.patch_size - 1) or spec.patch_size < 2):
+        raise ConfigError(f"config: model.stem=conv needs a power-of-two patch size >= 2, got {spec.patch_size}")
     if spec.dim % spec.heads:
         raise ConfigError(f"config: model dim {spec.dim} is not divisible by heads {spec.heads}")
     return spec
