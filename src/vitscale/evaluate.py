@@ -73,6 +73,7 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
         model.to(strategy.half)
     task = ClassificationTask(data.num_classes, hflip_tta=cfg.train.eval_hflip_tta)
     r = task.evaluate(model, data.test, strategy.autocast, strategy.prepare)
+    data.close()
     return {"test_accuracy": r["correct"] / max(1, r["count"]), "test_loss": r["loss_sum"] / max(1, r["count"]),
             "count": r["count"], "step": state["step"], "checkpoint": str(path)}
 

@@ -215,4 +215,8 @@ def train(cfg: Config, run_dir: Path, resume: str | Path | None = None) -> dict:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
-    return Trainer(cfg, run_dir, resume).fit()
+    trainer = Trainer(cfg, run_dir, resume)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.data.close()  # stops decoding workers, also when training stops on an error

@@ -1,0 +1,43 @@
+"""Datasets and loaders: `build_data(cfg.data, device=..., seed=...)` -> DataBundle.
+
+    bundle.train.iterate(epoch, start_batch) -> (x float32 [B,C,H,W] on device, y)
+    bundle.test.iterate()                    -> (x, y int64 [B]) over this rank's test shard
+
+y is int64 [B], or float32 [B, num_classes] soft targets when mixup/cutmix is on.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import DataError
+from .fetch import data_home, default_root, download
+from .loaders import DataBundle, TensorEvalLoader, TensorTrainLoader
+
+__all__ = ["DataBundle", "build_data", "download", "default_root", "data_home",
+           "TensorTrainLoader", "TensorEvalLoader"]
+
+
+def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> DataBundle:
+    """Load `cfg.name` and build this rank's train/test loaders (see the module docstring)."""
+    device = torch.device(device)
+    if cfg.batch_size % world_size:
+        raise DataError(f"data.batch_size ({cfg.batch_size}) must be divisible by the number of "
+                        f"processes ({world_size})")
+    if cfg.name == "folder":
+        from . import folder
+        return folder.build(cfg, device=device, seed=seed, rank=rank, world_size=world_size)
+    from .loaders import tensor_bundle
+    if cfg.name == "fashion_mnist":
+        from . import fashion_mnist
+        splits = fashion_mnist.load(cfg.root)
+    elif cfg.name in ("cifar10", "cifar100"):
+        from . import cifar
+        splits = cifar.load(cfg.name, cfg.root)
+    elif cfg.name == "synthetic":
+        from . import synthetic
+        splits = synthetic.make(cfg, seed)
+        return tensor_bundle(splits, cfg, device=device, seed=seed, rank=rank,
+                             world_size=world_size, resize=False)
+    else:
+        raise DataError(f"data.name: unknown dataset '{cfg.name}'")
+    return tensor_bundle(splits, cfg, device=device, seed=seed, rank=rank, world_size=world_size)

@@ -1,0 +1,274 @@
+"""ImageNet-style folders: root/train/<class>/*.jpg and root/{val,validation,test}/<class>/...
+
+Decoding and the per-image crop run in DataLoader worker processes with PIL; each image's
+random crop comes from a seed derived from (seed, epoch, position in the epoch), so batches do
+not depend on the number of workers. Unreadable images are dropped by the collate function and
+counted in `loader.skipped`; normalization and mixing happen on the device.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..errors import DataError
+from .loaders import DataBundle
+from .sampler import EpochPlan, derive_seed, generator, shard_range
+from .transforms import BatchAugment
+
+log = logging.getLogger("vitscale.data")
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+EVAL_SPLITS = ("val", "validation", "test")
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)    # ImageNet
+SCALE, RATIO, CROP_FRACTION = (0.35, 1.0), (3 / 4, 4 / 3), 0.875
+
+
+def _images_in(folder: Path) -> list[str]:
+    out = []
+    for dirpath, dirnames, files in os.walk(folder, followlinks=True):
+        dirnames.sort()
+        out += [os.path.join(dirpath, f) for f in sorted(files) if f.lower().endswith(EXTENSIONS)]
+    return out
+
+
+def scan(root: Path):
+    """-> classes, (train paths, labels), (eval paths, labels). Empty class folders are skipped."""
+    train_dir = root / "train"
+    if not train_dir.is_dir():
+        raise DataError(f"folder dataset: {train_dir} not found (expected {root}/train/<class>/*.jpg "
+                        f"and {root}/val/<class>/*.jpg)")
+    eval_dir = next((root / s for s in EVAL_SPLITS if (root / s).is_dir()), None)
+    if eval_dir is None:
+        raise DataError(f"folder dataset: no evaluation split in {root} (expected one of "
+                        f"{', '.join(EVAL_SPLITS)})")
+    splits = []
+    for split_dir in (train_dir, eval_dir):
+        found, empty = {}, []
+        for d in sorted(p for p in split_dir.iterdir() if p.is_dir()):
+            files = _images_in(d)
+            if files:
+                found[d.name] = files
+            else:
+                empty.append(d.name)
+        if empty:
+            log.warning("skipped %d empty class folder(s) in %s: %s", len(empty), split_dir,
+                        ", ".join(empty))
+        if not found:
+            raise DataError(f"folder dataset: no images ({'/'.join(EXTENSIONS)}) in {split_dir}/<class>/")
+        splits.append(found)
+    classes = list(splits[0])
+    index = {c: i for i, c in enumerate(classes)}
+    for name in splits[1]:
+        if name not in index:
+            raise DataError(f"folder dataset: class '{name}' in {eval_dir} has no training images "
+                            f"in {train_dir}")
+    out = []
+    for found in splits:
+        paths = [p for c in found for p in found[c]]
+        labels = [index[c] for c in found for _ in found[c]]
+        out.append((np.array(paths), np.array(labels, dtype=np.int64)))  # numpy: no refcount COW
+    return classes, out[0], out[1]
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any PIL mode -> RGB; 16/32-bit greyscale scaled to 8 bit (65535 -> 255)."""
+    if img.mode == "RGB":
+        return img
+    if img.mode.startswith("I") or img.mode == "F":
+        a = np.asarray(img).astype(np.float64)
+        a = a / 257.0 if img.mode != "F" else a * (255.0 if a.max() <= 1.0 else 1.0)
+        return Image.fromarray(np.clip(np.round(a), 0, 255).astype(np.uint8), "L").convert("RGB")
+    if img.mode == "P":
+        img = img.convert("RGBA")         # applies palette transparency without a warning
+    return img.convert("RGB")
+
+
+def rrc_box(w: int, h: int, rng: random.Random):
+    """Random-resized-crop box (left, top, right, bottom), torchvision's algorithm."""
+    area, (lo, hi) = w * h, (math.log(RATIO[0]), math.log(RATIO[1]))
+    for _ in range(10):
+        target, ar = area * rng.uniform(*SCALE), math.exp(rng.uniform(lo, hi))
+        cw, ch = round(math.sqrt(target * ar)), round(math.sqrt(target / ar))
+        if 0 < cw <= w and 0 < ch <= h:
+            x0, y0 = rng.randint(0, w - cw), rng.randint(0, h - ch)
+            return x0, y0, x0 + cw, y0 + ch
+    ratio = min(max(w / h, RATIO[0]), RATIO[1])               # fallback: central crop
+    cw, ch = (w, round(w / ratio)) if w / h < ratio else (round(h * ratio), h)
+    return (w - cw) // 2, (h - ch) // 2, (w - cw) // 2 + cw, (h - ch) // 2 + ch
+
+
+def decode(path: str, size: int, sample_seed: int, hflip: bool) -> torch.Tensor:
+    """One image -> uint8 [3,size,size]; sample_seed < 0 means the eval transform."""
+    train = sample_seed >= 0
+    with Image.open(path) as img:
+        if img.format == "JPEG":          # decode at reduced scale when the image is large
+            img.draft("RGB", (2 * size, 2 * size) if train else (round(size / CROP_FRACTION),) * 2)
+        img = to_rgb(img)
+        img.load()
+    w, h = img.size
+    if train:
+        rng = random.Random(sample_seed)
+        img = img.resize((size, size), Image.BILINEAR, box=rrc_box(w, h, rng))
+        if hflip and rng.random() < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+    else:                                 # shorter side -> size/0.875, then the central size^2
+        side = size * min(w, h) / round(size / CROP_FRACTION)
+        box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
+        img = img.resize((size, size), Image.BILINEAR, box=box)
+    return torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
+
+
+class FolderDataset(torch.utils.data.Dataset):
+    """Keys are (file index, sample seed); items are (image or None, label, path, error)."""
+
+    def __init__(self, paths: np.ndarray, labels: np.ndarray, size: int, hflip: bool):
+        self.paths, self.labels, self.size, self.hflip = paths, labels, size, hflip
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, key):
+        i, sample_seed = key
+        path = str(self.paths[i])
+        try:
+            return decode(path, self.size, sample_seed, self.hflip), int(self.labels[i]), path, ""
+        except Exception as e:  # unreadable, truncated, not an image, decompression bomb ...
+            return None, int(self.labels[i]), path, f"{type(e).__name__}: {e}"
+
+
+def collate(items, size: int):
+    """Drop failed samples -> x uint8 [b,3,S,S], y int64 [b], kept positions [b], failures."""
+    keep = [j for j, it in enumerate(items) if it[0] is not None]
+    x = torch.stack([items[j][0] for j in keep]) if keep else torch.empty(0, 3, size, size, dtype=torch.uint8)
+    y = torch.tensor([items[j][1] for j in keep], dtype=torch.long)
+    return x, y, torch.tensor(keep, dtype=torch.long), [(it[2], it[3]) for it in items if it[0] is None]
+
+
+class _Batches:
+    """Batch sampler of keys; (epoch, start) are set before each pass, so one DataLoader with
+    persistent workers serves every epoch. Holds no reference to its loader (no ref cycle: a
+    DataLoader freed by the garbage collector instead of refcounting stalls 5 s per worker)."""
+
+    def __init__(self, num_batches: int, keys_for):
+        self.num_batches, self.keys_for, self.epoch, self.start = num_batches, keys_for, 0, 0
+
+    def __len__(self):
+        return max(self.num_batches - self.start, 0)
+
+    def __iter__(self):
+        return iter(self.keys_for(self.epoch, self.start))
+
+
+def train_keys(plan: EpochPlan, seed: int):
+    """keys_for(epoch, start) -> this rank's batches of (file index, per-image seed)."""
+    def keys_for(epoch: int, start: int):
+        for b in range(start, len(plan)):
+            g_idx = plan.global_batch(epoch, b).tolist()
+            lo, hi = plan.local_range(len(g_idx))
+            pos = b * plan.batch_size                                       # position in the epoch
+            yield [(g_idx[j], derive_seed("img", seed, epoch, pos + j)) for j in range(lo, hi)]
+    return keys_for
+
+
+def eval_keys(lo: int, hi: int, batch_size: int):
+    def keys_for(epoch: int, start: int):
+        for s in range(lo + start * batch_size, hi, batch_size):
+            yield [(i, -1) for i in range(s, min(s + batch_size, hi))]
+    return keys_for
+
+
+def _dataloader(dataset, batches, cfg, device):
+    workers = cfg.num_workers
+    return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=workers,
+                                       collate_fn=functools.partial(collate, size=dataset.size),
+                                       pin_memory=device.type == "cuda",
+                                       persistent_workers=workers > 0)
+
+
+class _FolderLoader:
+    def _batches(self, epoch: int, start: int):
+        """Yields (b, x uint8 [b,3,S,S] on device, y [b], kept positions [b]), logging skips."""
+        self._sampler.epoch, self._sampler.start = epoch, start
+        for b, (x, y, keep, failures) in enumerate(self._loader, start):
+            for path, err in failures:
+                self.skipped += 1
+                log.warning("skipped unreadable image %s (%s); %d skipped so far", path, err, self.skipped)
+            yield b, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True), keep
+
+    def close(self):
+        """Stop the decoding workers now (they also stop when the loader is freed)."""
+        it = getattr(self._loader, "_iterator", None)
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+        self._loader._iterator = None
+
+
+class FolderTrainLoader(_FolderLoader):
+    def __init__(self, dataset, plan: EpochPlan, augment: BatchAugment, cfg, *, seed, device):
+        self.dataset, self.plan, self.augment, self.seed = dataset, plan, augment, seed
+        self.device, self.skipped = device, 0
+        self.batch_size = plan.batch_size // plan.world_size
+        self._sampler = _Batches(len(plan), train_keys(plan, seed))
+        self._loader = _dataloader(dataset, self._sampler, cfg, device)
+
+    def __len__(self):
+        return len(self.plan)
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        return self.plan.indices(epoch)
+
+    def iterate(self, epoch: int, start_batch: int = 0):
+        if start_batch < 0:
+            raise DataError(f"data: start_batch must be >= 0, got {start_batch}")
+        for b, x, y, keep in self._batches(epoch, start_batch):
+            n_global = len(self.plan.global_batch(epoch, b))
+            lo, hi = self.plan.local_range(n_global)
+            params = self.augment.draw(generator("aug", self.seed, epoch, b), n_global)
+            yield self.augment(x, y, params.take(slice(lo, hi)).take(keep))
+
+
+class FolderEvalLoader(_FolderLoader):
+    def __init__(self, dataset, cfg, norm, *, device, rank=0, world_size=1):
+        self.dataset, self.norm, self.device, self.skipped = dataset, norm, device, 0
+        self.batch_size = cfg.eval_batch_size
+        self.lo, self.hi = shard_range(len(dataset), rank, world_size)
+        self.num_samples = self.hi - self.lo
+        self._sampler = _Batches(len(self), eval_keys(self.lo, self.hi, self.batch_size))
+        self._loader = _dataloader(dataset, self._sampler, cfg, device)
+
+    def __len__(self):
+        return -(-self.num_samples // self.batch_size)
+
+    def indices(self) -> torch.Tensor:
+        return torch.arange(self.lo, self.hi)
+
+    def iterate(self):
+        for _, x, y, _ in self._batches(0, 0):
+            yield self.norm(x), y
+
+
+def build(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> DataBundle:
+    if not cfg.root:
+        raise DataError("data.root must be set for data.name = 'folder' (ROOT/train/<class>/...)")
+    root = Path(cfg.root).expanduser()
+    if not root.is_dir():
+        raise DataError(f"folder dataset: {root} is not a directory")
+    classes, (train_p, train_y), (eval_p, eval_y) = scan(root)
+    size, device = cfg.image_size or 224, torch.device(device)
+    plan = EpochPlan(len(train_p), cfg.batch_size, seed=seed, drop_last=cfg.drop_last,
+                     rank=rank, world_size=world_size)
+    augment = BatchAugment(cfg, mean=MEAN, std=STD, num_classes=len(classes), crop_flip=False)
+    train = FolderTrainLoader(FolderDataset(train_p, train_y, size, cfg.hflip), plan, augment, cfg,
+                              seed=seed, device=device)
+    test = FolderEvalLoader(FolderDataset(eval_p, eval_y, size, False), cfg, augment.norm,
+                            device=device, rank=rank, world_size=world_size)
+    return DataBundle(train=train, test=test, num_classes=len(classes), channels=3, image_size=size,
+                      class_names=classes, train_size=len(train_p), test_size=len(eval_p),
+                      mean=MEAN, std=STD)

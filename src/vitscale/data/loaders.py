@@ -1,0 +1,134 @@
+"""Loaders for datasets held whole in memory (Fashion-MNIST, CIFAR, synthetic).
+
+The split is one uint8 tensor [N,C,H,W], on the training device when `data.on_device`
+(airbench style), else in host memory and moved per batch. Batches are gathered by index and
+augmented with `BatchAugment` on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DataError
+from .sampler import EpochPlan, generator, shard_range
+from .transforms import BatchAugment, Normalizer, resize_u8
+
+
+@dataclass
+class DataBundle:
+    train: object          # TensorTrainLoader | FolderTrainLoader
+    test: object           # TensorEvalLoader | FolderEvalLoader
+    num_classes: int
+    channels: int
+    image_size: int        # the size the model sees
+    class_names: list
+    train_size: int
+    test_size: int
+    mean: tuple
+    std: tuple
+
+    def close(self):
+        """Stop decoding worker processes (folder data); a no-op for in-memory data."""
+        self.train.close()
+        self.test.close()
+
+
+@dataclass
+class TensorSplits:
+    train_x: torch.Tensor  # [N,C,H,W] uint8
+    train_y: torch.Tensor  # [N] int64
+    test_x: torch.Tensor   # [M,C,H,W] uint8
+    test_y: torch.Tensor   # [M] int64
+    class_names: list
+    mean: tuple
+    std: tuple
+
+
+class TensorTrainLoader:
+    """`len()` optimizer steps per epoch; `iterate(epoch, start_batch)` yields this rank's share."""
+
+    def __init__(self, x, y, plan: EpochPlan, augment: BatchAugment, *, seed: int, device):
+        self.x, self.y = x, y            # [N,C,H,W] uint8, [N] int64
+        self.plan, self.augment = plan, augment
+        self.seed, self.device = seed, torch.device(device)
+        self.batch_size = plan.batch_size // plan.world_size
+        self.skipped = 0                 # nothing can be unreadable here
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        """[n_local] sample indices this rank sees in `epoch`, in order."""
+        return self.plan.indices(epoch)
+
+    def batch(self, epoch: int, b: int):
+        """(x [B,C,H,W] float32, y [B] int64 or [B,K] float32) for batch b of `epoch`."""
+        g_idx = self.plan.global_batch(epoch, b)                         # [Bg]
+        lo, hi = self.plan.local_range(len(g_idx))
+        params = self.augment.draw(generator("aug", self.seed, epoch, b), len(g_idx))
+        idx = g_idx[lo:hi].to(self.x.device)
+        x = self.x[idx].to(self.device, non_blocking=True)
+        y = self.y[idx].to(self.device, non_blocking=True)
+        return self.augment(x, y, params.take(slice(lo, hi)))
+
+    def close(self):
+        pass
+
+    def iterate(self, epoch: int, start_batch: int = 0):
+        if start_batch < 0:
+            raise DataError(f"data: start_batch must be >= 0, got {start_batch}")
+        for b in range(start_batch, len(self.plan)):
+            yield self.batch(epoch, b)
+
+
+class TensorEvalLoader:
+    """The whole test split, no augmentation; rank r gets a contiguous shard (no padding)."""
+
+    def __init__(self, x, y, batch_size: int, norm: Normalizer, *, device, rank=0, world_size=1):
+        self.x, self.y, self.batch_size, self.norm = x, y, batch_size, norm
+        self.device = torch.device(device)
+        self.lo, self.hi = shard_range(len(x), rank, world_size)
+        self.num_samples = self.hi - self.lo
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    def indices(self) -> torch.Tensor:
+        return torch.arange(self.lo, self.hi)
+
+    def close(self):
+        pass
+
+    def iterate(self):
+        for s in range(self.lo, self.hi, self.batch_size):
+            e = min(s + self.batch_size, self.hi)
+            x = self.x[s:e].to(self.device, non_blocking=True)
+            yield self.norm(x), self.y[s:e].to(self.device, non_blocking=True)
+
+
+def tensor_bundle(splits: TensorSplits, cfg, *, device, seed: int, rank: int = 0,
+                  world_size: int = 1, resize: bool = True) -> DataBundle:
+    """Place (and resize once, if `cfg.image_size` differs) the splits; build both loaders."""
+    device = torch.device(device)
+    home = device if cfg.on_device else torch.device("cpu")
+    xs = []
+    for x in (splits.train_x, splits.test_x):
+        x = x.to(home)
+        if resize and cfg.image_size and cfg.image_size != x.shape[-1]:
+            x = resize_u8(x, cfg.image_size)
+        xs.append(x)
+    train_x, test_x = xs
+    train_y, test_y = splits.train_y.to(home), splits.test_y.to(home)
+    num_classes = len(splits.class_names)
+    plan = EpochPlan(len(train_x), cfg.batch_size, seed=seed, drop_last=cfg.drop_last,
+                     rank=rank, world_size=world_size)
+    augment = BatchAugment(cfg, mean=splits.mean, std=splits.std, num_classes=num_classes)
+    return DataBundle(
+        train=TensorTrainLoader(train_x, train_y, plan, augment, seed=seed, device=device),
+        test=TensorEvalLoader(test_x, test_y, cfg.eval_batch_size, augment.norm, device=device,
+                              rank=rank, world_size=world_size),
+        num_classes=num_classes, channels=train_x.shape[1], image_size=train_x.shape[-1],
+        class_names=list(splits.class_names), train_size=len(train_x), test_size=len(test_x),
+        mean=tuple(splits.mean), std=tuple(splits.std))
