@@ -74,3 +74,12 @@ def test_parse_override_keeps_strings():
     assert parse_override("data.root=/tmp/some dir") == ("data.root", "/tmp/some dir")
     assert parse_override("optim.lr=1e-3") == ("optim.lr", 1e-3)
     assert Config().run.seed == 0
+
+
+def test_config_command_prints_resolved_toml(capsys, tmp_path):
+    from vitscale.cli import main
+    assert main(["config", "configs/tests/tiny.toml", "--set", "optim.lr=0.125"]) == 0
+    text = capsys.readouterr().out
+    p = tmp_path / "printed.toml"
+    p.write_text(text)
+    assert load_config(p) == load_config("configs/tests/tiny.toml", ["optim.lr=0.125"])

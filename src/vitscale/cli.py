@@ -48,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     overrides(i)
     i.add_argument("--json", action="store_true")
 
+    c = sub.add_parser("config", help="print the resolved config (recipe + overrides) as TOML")
+    c.add_argument("config", nargs="?")
+    overrides(c)
+
     x = sub.add_parser("export", help="export a checkpoint's model weights to safetensors")
     x.add_argument("checkpoint")
     x.add_argument("--out", help="output file (default: RUN/model.safetensors)")
@@ -112,6 +116,12 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_config(args) -> int:
+    from .config import load_config
+    print(load_config(args.config, args.overrides).to_toml(), end="")
+    return 0
+
+
 def cmd_export(args) -> int:
     from .evaluate import export_checkpoint
     path = export_checkpoint(args.checkpoint, args.out, use_ema=not args.no_ema)
@@ -129,7 +139,7 @@ def cmd_data(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="vitscale: warning: %(message)s")
     args = _parser().parse_args(argv)
-    handler = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "export": cmd_export,
+    handler = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "export": cmd_export, "config": cmd_config,
                "data": cmd_data}[args.command]
     try:
         return handler(args)
