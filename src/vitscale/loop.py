@@ -72,6 +72,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.strategy.optimizer, cfg.optim, self.total_steps,
                                          self.steps_per_epoch)
         self.step, self.train_time, self.images_seen = 0, 0.0, 0
+        self.steady = [0.0, 0]  # time and images of steps after each process's first (compile, warm-up)
         self.best_acc, self.last_eval = None, None
         self.last_ckpt: Path | None = None
         if resume is not None:
@@ -81,15 +82,22 @@ class Trainer:
     def _state(self) -> dict:
         return {"version": 1, "config": self.cfg.to_dict(), "strategy": self.strategy.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "step": self.step,
-                "train_time": self.train_time, "images_seen": self.images_seen,
+                "train_time": self.train_time, "images_seen": self.images_seen, "steady": self.steady,
                 "best_acc": self.best_acc, "last_eval": self.last_eval, "spec": asdict(self.spec)}
 
     def _restore(self, state: dict) -> None:
         self.strategy.load_state_dict(state["strategy"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # the optimizer's lr came from the checkpoint; a resumed run may have a new schedule
+        # (e.g. more epochs), so set the lr this schedule gives at the restored step
+        for group, base, fn in zip(self.strategy.optimizer.param_groups, self.scheduler.base_lrs,
+                                   self.scheduler.lr_lambdas):
+            group["lr"] = base * fn(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.strategy.optimizer.param_groups]
         set_rng_state(state["rng"])
         self.step, self.train_time = state["step"], state["train_time"]
         self.images_seen, self.best_acc = state["images_seen"], state["best_acc"]
+        self.steady = state["steady"]
         self.last_eval = state["last_eval"]
 
     def save(self) -> Path:
@@ -131,7 +139,7 @@ class Trainer:
                     f"{cfg.data.batch_size // cfg.train.accum_steps}; {self.total_steps} steps on "
                     f"{self.strategy.device} in {cfg.train.precision}")
         window_t, window_imgs, window_data = 0.0, 0, 0.0
-        stop_reason = "done"
+        stop_reason, first = "done", True
         try:
             while self.step < self.total_steps and stop_reason == "done":
                 epoch, start = divmod(self.step, self.steps_per_epoch)
@@ -143,6 +151,12 @@ class Trainer:
                         break
                     x, y = batch
                     t_data = time.perf_counter() - t_last
+                    if x.shape[0] == 0:  # every image of this batch was unreadable (folder data)
+                        bar.message(f"step {self.step + 1}: no readable image in the batch; step skipped")
+                        self.scheduler.step()
+                        self.step += 1
+                        t_last = time.perf_counter()
+                        continue
                     loss, info = self.train_step(x, y)
                     if not math.isfinite(loss):
                         where = f"; last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
@@ -155,6 +169,9 @@ class Trainer:
                     dt, t_last = now - t_last, now
                     self.train_time += dt
                     self.images_seen += x.shape[0]
+                    if not first:
+                        self.steady = [self.steady[0] + dt, self.steady[1] + x.shape[0]]
+                    first = False
                     window_t, window_imgs, window_data = window_t + dt, window_imgs + x.shape[0], window_data + t_data
                     if self.step % cfg.run.log_every == 0 or self.step == self.total_steps:
                         sync()
@@ -196,7 +213,9 @@ class Trainer:
 
     def summary(self, stop_reason: str) -> dict:
         from .hardware import peak_flops
-        images_per_s = self.images_seen / self.train_time if self.train_time else 0.0
+        # throughput excludes each process's first step (torch.compile, allocator warm-up)
+        t, n = self.steady if self.steady[1] else (self.train_time, self.images_seen)
+        images_per_s = n / t if t else 0.0
         peak, peak_src = peak_flops(self.strategy.device, self.cfg.train.precision)
         train_flops = 3 * self.flops_per_image
         return {"test_accuracy": self.last_eval["test_accuracy"], "best_test_accuracy": self.best_acc,

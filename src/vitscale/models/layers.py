@@ -23,9 +23,11 @@ class PatchEmbed(nn.Module):
 
 class ConvStem(nn.Module):
     """Convolutional stem (Xiao et al. 2021, "Early convolutions help transformers see better"):
-    3x3 stride-2 conv + BatchNorm + ReLU stages halving the image until it reaches the patch grid,
+    3x3 stride-2 conv + norm + ReLU stages halving the image until it reaches the patch grid,
     then a 1x1 conv to `dim`. [B, C, H, W] -> [B, N, D], N = (H/p)^2 as with PatchEmbed.
-    `patch_size` must be a power of two."""
+    `patch_size` must be a power of two. BatchNorm, as in the paper (it beat a per-sample
+    GroupNorm(1, C) by ~2 points after one Fashion-MNIST epoch); its batch statistics mean that
+    accumulation and data parallelism equal the big-batch update only with the patch stem."""
 
     def __init__(self, image_size: int, patch_size: int, in_chans: int, dim: int):
         super().__init__()

@@ -1,0 +1,37 @@
+"""CUDA precision paths. CI has no GPU: these skip there, with the reason."""
+import json
+
+import pytest
+import torch
+
+from vitscale.cli import main
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "pure_bf16", "pure_fp16"])
+def test_cuda_precisions_train(tmp_path, capsys, precision):
+    out = tmp_path / precision
+    rc = main(["train", "configs/tests/tiny.toml", "--out", str(out), "--set", "run.device=cuda",
+               "--set", f"train.precision={precision}", "--set", "train.epochs=4"])
+    assert rc == 0, capsys.readouterr().err
+    s = json.loads((out / "summary.json").read_text())
+    assert s["device"].startswith("cuda") and s["test_accuracy"] > 0.4
+
+
+def test_fp16_loss_scaler_skips_overflowing_steps():
+    from vitscale.config import OptimConfig, TrainConfig
+    from vitscale.models import vit
+    from vitscale.strategy import SingleDevice
+    s = SingleDevice(TrainConfig(precision="fp16", loss_scale=2.0 ** 40), OptimConfig(), torch.device("cuda"))
+    m = vit("vit_pico", image_size=8, patch_size=4, in_chans=1, num_classes=4, depth=1)
+    s.setup(m)
+    before = [p.detach().clone() for p in m.parameters()]
+    x = torch.randn(4, 1, 8, 8, device="cuda")
+    with s.autocast():
+        loss = s.model(x).float().square().mean() * 1e6
+    s.backward(loss)
+    info = s.step()
+    assert info["skipped"]  # 2^40 * 1e6 overflows fp16 gradients: the step is skipped, scale cut
+    assert s.scaler.get_scale() < 2.0 ** 40
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
