@@ -108,9 +108,10 @@ def cmd_info(args) -> int:
     if args.json:
         print(json.dumps(info))
     else:
+        g = lambda n: f"{n / 1e9:.2f} G" if n >= 1e9 else f"{n / 1e6:.1f} M"  # noqa: E731
         print(f"{info['arch']}: {info['params'] / 1e6:.2f}M parameters, {info['tokens']} tokens, "
-              f"{info['macs_per_image'] / 1e9:.3f} GMACs = {info['flops_per_image'] / 1e9:.2f} GFLOPs per image "
-              f"forward, {info['train_flops_per_image'] / 1e9:.2f} GFLOPs per image training "
+              f"{g(info['macs_per_image'])}MACs = {g(info['flops_per_image'])}FLOPs per image "
+              f"forward, {g(info['train_flops_per_image'])}FLOPs per image training "
               f"({info['image_size']}px, patch {info['patch_size']}, dim {info['dim']}, depth {info['depth']}, "
               f"heads {info['heads']}, {info['num_classes']} classes, head={info['head']})")
     return 0

@@ -5,6 +5,7 @@ Only this package imports autocast, GradScaler or the distributed engines.
 from __future__ import annotations
 
 from ..config import Config
+from .base import Strategy
 from .single import SingleDevice, resolve_device
 
 
@@ -15,4 +16,4 @@ def build_strategy(cfg: Config):
     raise NotImplementedError(cfg.strategy.name)  # unreachable: validated by the config
 
 
-__all__ = ["build_strategy", "resolve_device", "SingleDevice"]
+__all__ = ["Strategy", "build_strategy", "resolve_device", "SingleDevice"]

@@ -30,7 +30,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class SingleDevice:
+class SingleDevice:  # implements base.Strategy
     """The strategy verbs the loop uses: setup, autocast, backward, step, state_dict."""
 
     name = "single"
