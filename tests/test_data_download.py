@@ -21,8 +21,11 @@ def server(tmp_path):
     """Serves tmp_path/www at http://127.0.0.1:PORT/ from a thread."""
     www = tmp_path / "www"
     www.mkdir()
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(www))
-    handler.log_message = lambda *a: None
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # no access log on stderr
+            pass
+
+    handler = functools.partial(Quiet, directory=str(www))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     yield www, f"http://127.0.0.1:{httpd.server_address[1]}/"

@@ -155,3 +155,12 @@ def test_truncated_checkpoint_is_a_clear_error(tmp_path, capsys):
     bad.write_bytes(b"PK\x03\x04garbage")
     rc, _, err = run(capsys, "eval", str(tmp_path))
     assert rc == 2 and "cannot read checkpoint" in err
+
+
+def test_refuses_to_train_over_an_existing_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run(capsys, "train", TINY, "--out", str(out), "--set", "train.epochs=1")[0] == 0
+    before = [p.stat().st_mtime_ns for p in ckpt.list_checkpoints(out)]
+    rc, _, err = run(capsys, "train", TINY, "--out", str(out))
+    assert rc == 2 and "--resume" in err and len(err.strip().splitlines()) == 1
+    assert [p.stat().st_mtime_ns for p in ckpt.list_checkpoints(out)] == before

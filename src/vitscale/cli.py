@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from .checkpoint import load_checkpoint
+    from .checkpoint import list_checkpoints, load_checkpoint
     from .config import apply_dict, Config, check, load_config, parse_override, _set
     from .loop import train
     if args.resume:
@@ -83,6 +83,9 @@ def cmd_train(args) -> int:
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.out) if args.out else \
             Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if list_checkpoints(run_dir):
+            raise UserError(f"{run_dir} already holds a run's checkpoints: continue it with "
+                            f"`vitscale train --resume {run_dir}` or choose another --out")
     summary = train(cfg, run_dir, resume=args.resume)
     print(f"test accuracy {100 * summary['test_accuracy']:.2f}% (best {100 * summary['best_test_accuracy']:.2f}%) "
           f"after {summary['epochs']:.2f} epochs, {summary['train_time_s']:.0f}s training, "

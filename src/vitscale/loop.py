@@ -110,7 +110,8 @@ class Trainer:
         r = self.task.evaluate(s.eval_module(), self.data.test, s.autocast, s.prepare)
         acc = r["correct"] / max(1, r["count"])
         self.last_eval = {"step": self.step, "epoch": self.step / self.steps_per_epoch,
-                          "test_accuracy": acc, "test_loss": r["loss_sum"] / max(1, r["count"])}
+                          "train_time_s": self.train_time, "test_accuracy": acc,
+                          "test_loss": r["loss_sum"] / max(1, r["count"])}
         self.best_acc = acc if self.best_acc is None else max(self.best_acc, acc)
         return self.last_eval
 
