@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
-import time
 from pathlib import Path
 
 from .errors import UserError
@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from .checkpoint import list_checkpoints, load_checkpoint
+    from .checkpoint import load_checkpoint
     from .config import apply_dict, Config, check, load_config, parse_override, _set
     from .loop import train
     if args.resume:
@@ -81,15 +81,13 @@ def cmd_train(args) -> int:
                                                    else Path(args.resume).parent.parent)
     else:
         cfg = load_config(args.config, args.overrides)
-        run_dir = Path(args.out) if args.out else \
-            Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if list_checkpoints(run_dir):
-            raise UserError(f"{run_dir} already holds a run's checkpoints: continue it with "
-                            f"`vitscale train --resume {run_dir}` or choose another --out")
+        run_dir = Path(args.out) if args.out else None
     summary = train(cfg, run_dir, resume=args.resume)
+    if summary["rank"] != 0:
+        return 0
     print(f"test accuracy {100 * summary['test_accuracy']:.2f}% (best {100 * summary['best_test_accuracy']:.2f}%) "
           f"after {summary['epochs']:.2f} epochs, {summary['train_time_s']:.0f}s training, "
-          f"{summary['images_per_s']:.0f} img/s, MFU {100 * summary['mfu']:.1f}%; run folder {run_dir}")
+          f"{summary['images_per_s']:.0f} img/s, MFU {100 * summary['mfu']:.1f}%; run folder {summary['run_dir']}")
     return 0
 
 
@@ -145,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "export": cmd_export, "config": cmd_config,
                "data": cmd_data}[args.command]
+    where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
         return handler(args)
     except UserError as e:
-        print(f"vitscale: error: {e}", file=sys.stderr)
+        print(f"vitscale: error: {where}{e}", file=sys.stderr)
         return 2
     except OSError as e:  # unreadable/unwritable paths, full disk: one line, nothing half-written
-        print(f"vitscale: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        print(f"vitscale: error: {where}{e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("vitscale: interrupted; the last complete checkpoint is kept (resume with --resume RUN)",

@@ -124,7 +124,11 @@ class TrainConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = choice("single", "single")
+    name: str = choice("single", "single", "ddp", doc="ddp: launch with torchrun --nproc-per-node N")
+    backend: str = choice("auto", "auto", "nccl", "gloo", doc="auto = nccl on GPUs, gloo on CPUs")
+    timeout_s: float = num(600.0, min=1.0, doc="collective timeout: a dead rank stops the others")
+    bucket_mb: float = num(25.0, min=0.0, doc="DDP gradient bucket size")
+    grad_compression: str = choice("none", "none", "bf16", "fp16", doc="DDP: all-reduce gradients in half")
 
 
 @dataclass

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import list_checkpoints, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Config
 from .data import build_data
-from .errors import ConfigError, DataError, TrainingError
-from .metrics import MetricsLog, Progress
+from .errors import ConfigError, DataError, TrainingError, UserError
+from .metrics import MetricsLog, NullLog, Progress
 from .models import VisionTransformer, count_params, resolve_spec, vit_forward_flops
 from .optim import build_scheduler
 from .strategy import build_strategy
@@ -43,13 +43,19 @@ def model_spec(cfg: Config, image_size: int, channels: int, num_classes: int):
 class Trainer:
     """Builds data, model and strategy from a config; `fit()` trains, evaluates and checkpoints."""
 
-    def __init__(self, cfg: Config, run_dir: Path, resume: str | Path | None = None):
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+    def __init__(self, cfg: Config, run_dir: Path | None = None, resume: str | Path | None = None):
+        self.cfg = cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
-        self.strategy = build_strategy(cfg)
-        self.data = build_data(cfg.data, device=self.strategy.device, seed=cfg.run.seed)
+        self.strategy = s = build_strategy(cfg)
+        self.run_dir = self._run_dir(run_dir, resume)
+        per_rank, rem = divmod(cfg.data.batch_size, s.world_size * cfg.train.accum_steps)
+        if rem or not per_rank:
+            raise ConfigError(f"config: data.batch_size ({cfg.data.batch_size}) must be a multiple of "
+                              f"processes ({s.world_size}) x train.accum_steps ({cfg.train.accum_steps})")
+        self.data = build_data(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank,
+                               world_size=s.world_size)
         if cfg.data.batch_size > self.data.train_size:
             raise DataError(f"data.batch_size ({cfg.data.batch_size}) is larger than the training set "
                             f"({self.data.train_size} images)")
@@ -58,7 +64,9 @@ class Trainer:
                               f"{self.data.num_classes} classes (set 0 to follow the data)")
         self.spec = model_spec(cfg, self.data.image_size, self.data.channels, self.data.num_classes)
         torch.manual_seed(cfg.run.seed)
-        model = VisionTransformer(self.spec)
+        model = VisionTransformer(self.spec)  # the same initial weights on every rank
+        if s.rank:  # a stream of its own per rank for dropout / stochastic depth
+            torch.manual_seed(cfg.run.seed + 1_000_003 * s.rank)
         self.params = count_params(model)
         self.flops_per_image = vit_forward_flops(self.spec)
         self.strategy.setup(model)
@@ -78,10 +86,29 @@ class Trainer:
         if resume is not None:
             self._restore(load_checkpoint(resume))
 
+    def _run_dir(self, run_dir, resume) -> Path:
+        """The main process names the run folder (and checks it is free); every rank gets it."""
+        s, problem = self.strategy, None
+        if s.is_main:
+            cfg = self.cfg
+            run_dir = Path(run_dir) if run_dir else \
+                Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            if resume is None and list_checkpoints(run_dir):
+                problem = (f"{run_dir} already holds a run's checkpoints: continue it with "
+                           f"`vitscale train --resume {run_dir}` or choose another --out")
+            else:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "config.toml").write_text(cfg.to_toml())
+        run_dir, problem = s.broadcast_object((str(run_dir), problem))
+        if problem:
+            raise UserError(problem)
+        return Path(run_dir)
+
     # -- checkpoints ------------------------------------------------------------------------------
     def _state(self) -> dict:
         return {"version": 1, "config": self.cfg.to_dict(), "strategy": self.strategy.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "rng": rng_state(), "step": self.step,
+                "scheduler": self.scheduler.state_dict(), "rng": self.strategy.gather_objects(rng_state()),
+                "world_size": self.strategy.world_size, "step": self.step,
                 "train_time": self.train_time, "images_seen": self.images_seen, "steady": self.steady,
                 "best_acc": self.best_acc, "last_eval": self.last_eval, "spec": asdict(self.spec)}
 
@@ -94,24 +121,33 @@ class Trainer:
                                    self.scheduler.lr_lambdas):
             group["lr"] = base * fn(self.scheduler.last_epoch)
         self.scheduler._last_lr = [g["lr"] for g in self.strategy.optimizer.param_groups]
-        set_rng_state(state["rng"])
+        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
+        set_rng_state(rngs[self.strategy.rank] if len(rngs) == self.strategy.world_size else rngs[0])
         self.step, self.train_time = state["step"], state["train_time"]
         self.images_seen, self.best_acc = state["images_seen"], state["best_acc"]
         self.steady = state["steady"]
         self.last_eval = state["last_eval"]
 
     def save(self) -> Path:
-        self.last_ckpt = save_checkpoint(self.run_dir, self.step, self._state(), self.cfg.run.keep_last)
-        return self.last_ckpt
+        """Collective (every rank's RNG goes in); the main process writes."""
+        state = self._state()
+        path = self.run_dir / "checkpoints" / f"step_{self.step:08d}.pt"
+        if self.strategy.is_main:
+            path = save_checkpoint(self.run_dir, self.step, state, self.cfg.run.keep_last)
+        self.last_ckpt = path
+        return path
 
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         s = self.strategy
         r = self.task.evaluate(s.eval_module(), self.data.test, s.autocast, s.prepare)
-        acc = r["correct"] / max(1, r["count"])
+        # exact over the whole test set: each rank holds a disjoint shard; sum the counts
+        correct, count, loss_sum = s.all_reduce_sum(torch.tensor(
+            [r["correct"], r["count"], r["loss_sum"]], dtype=torch.float64, device=s.device)).tolist()
+        acc = correct / max(1, count)
         self.last_eval = {"step": self.step, "epoch": self.step / self.steps_per_epoch,
                           "train_time_s": self.train_time, "test_accuracy": acc,
-                          "test_loss": r["loss_sum"] / max(1, r["count"])}
+                          "test_loss": loss_sum / max(1, count), "test_count": int(count)}
         self.best_acc = acc if self.best_acc is None else max(self.best_acc, acc)
         return self.last_eval
 
@@ -126,18 +162,23 @@ class Trainer:
                     loss = self.task.loss(s.model(s.prepare(xm)), ym) / A
                 s.backward(loss)
             total += loss.detach()
+        if s.world_size > 1:  # the mean over all ranks: every rank sees the same (NaN) loss
+            total = s.all_reduce_sum(total) / s.world_size
         return total.item(), s.step()
 
     def fit(self) -> dict:
         cfg = self.cfg
-        log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard)
-        bar = Progress(self.total_steps, cfg.run.progress, start=self.step, every=cfg.run.log_every)
+        s, main = self.strategy, self.strategy.is_main
+        log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard) if main else NullLog()
+        bar = Progress(self.total_steps, cfg.run.progress if main else "off", start=self.step,
+                       every=cfg.run.log_every)
         sync = torch.cuda.synchronize if self.strategy.device.type == "cuda" else (lambda: None)
         bar.message(f"run {self.run_dir}: {self.spec.depth}x{self.spec.dim} ViT, {self.params / 1e6:.2f}M params, "
                     f"{self.spec.num_tokens} tokens, {self.flops_per_image / 1e6:.1f} MFLOPs/img fwd; "
                     f"{self.data.train_size} train / {self.data.test_size} test images; "
-                    f"batch {cfg.data.batch_size} = {cfg.train.accum_steps} x "
-                    f"{cfg.data.batch_size // cfg.train.accum_steps}; {self.total_steps} steps on "
+                    f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
+                    f"{cfg.train.accum_steps} micro-batches x "
+                    f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; {self.total_steps} steps on "
                     f"{self.strategy.device} in {cfg.train.precision}")
         window_t, window_imgs, window_data = 0.0, 0, 0.0
         stop_reason, first = "done", True
@@ -152,7 +193,10 @@ class Trainer:
                         break
                     x, y = batch
                     t_data = time.perf_counter() - t_last
-                    if x.shape[0] == 0:  # every image of this batch was unreadable (folder data)
+                    empty = torch.tensor(float(x.shape[0] == 0), device=s.device)
+                    if s.world_size > 1:  # all ranks skip together, or DDP would wait forever
+                        empty = s.all_reduce_sum(empty)
+                    if empty.item():  # every image of a batch was unreadable (folder data)
                         bar.message(f"step {self.step + 1}: no readable image in the batch; step skipped")
                         self.scheduler.step()
                         self.step += 1
@@ -169,27 +213,30 @@ class Trainer:
                     now = time.perf_counter()
                     dt, t_last = now - t_last, now
                     self.train_time += dt
-                    self.images_seen += x.shape[0]
+                    images = x.shape[0] * s.world_size  # global
+                    self.images_seen += images
                     if not first:
-                        self.steady = [self.steady[0] + dt, self.steady[1] + x.shape[0]]
+                        self.steady = [self.steady[0] + dt, self.steady[1] + images]
                     first = False
-                    window_t, window_imgs, window_data = window_t + dt, window_imgs + x.shape[0], window_data + t_data
+                    window_t, window_imgs, window_data = window_t + dt, window_imgs + images, window_data + t_data
                     if self.step % cfg.run.log_every == 0 or self.step == self.total_steps:
                         sync()
                         rec = {"kind": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
                                "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                                "images_per_s": window_imgs / window_t,
-                               "step_time_s": window_t / max(1, window_imgs / x.shape[0]),
-                               "data_time_s": window_data / max(1, window_imgs / x.shape[0]),
+                               "step_time_s": window_t / max(1, window_imgs / images),
+                               "data_time_s": window_data / max(1, window_imgs / images),
                                "grad_norm": info["grad_norm"], "skipped": info["skipped"]}
                         log.log(rec)
                         window_t, window_imgs, window_data = 0.0, 0, 0.0
                     bar.update(self.step, f"loss {loss:.4f} | {self.images_seen / self.train_time:.0f} img/s")
                     if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
                         self.save()
-                    if cfg.train.time_limit_s and self.train_time >= cfg.train.time_limit_s:
-                        stop_reason = "time limit"
-                        break
+                    if cfg.train.time_limit_s:  # the ranks agree, or one would wait for the others
+                        over = torch.tensor(float(self.train_time >= cfg.train.time_limit_s), device=s.device)
+                        if s.all_reduce_sum(over).item():
+                            stop_reason = "time limit"
+                            break
                     t_last = time.perf_counter()  # checkpoint I/O is not training time
                 epoch_done = self.step % self.steps_per_epoch == 0
                 if epoch_done and cfg.run.eval_every and (self.step // self.steps_per_epoch) % cfg.run.eval_every == 0:
@@ -209,7 +256,8 @@ class Trainer:
             self.save()
         log.close()
         summary = self.summary(stop_reason)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
     def summary(self, stop_reason: str) -> dict:
@@ -223,18 +271,17 @@ class Trainer:
                 "test_loss": self.last_eval["test_loss"], "train_time_s": self.train_time,
                 "images_per_s": images_per_s, "params": self.params,
                 "flops_per_image": self.flops_per_image, "train_flops_per_image": train_flops,
-                "mfu": train_flops * images_per_s / peak, "peak_flops": peak, "peak_source": peak_src,
+                "mfu": train_flops * images_per_s / (peak * self.strategy.world_size),
+                "peak_flops": peak, "peak_source": peak_src, "world_size": self.strategy.world_size,
                 "steps": self.step, "epochs": self.step / self.steps_per_epoch,
                 "images_seen": self.images_seen, "stop_reason": stop_reason,
                 "precision": self.cfg.train.precision, "device": str(self.strategy.device),
                 "threads": torch.get_num_threads(), "torch": torch.__version__,
-                "checkpoint": str(self.last_ckpt)}
+                "checkpoint": str(self.last_ckpt), "run_dir": str(self.run_dir), "rank": self.strategy.rank}
 
 
-def train(cfg: Config, run_dir: Path, resume: str | Path | None = None) -> dict:
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(cfg.to_toml())
+def train(cfg: Config, run_dir: Path | None = None, resume: str | Path | None = None) -> dict:
+    """Train; `run_dir` None = run.out_dir/run.name-TIMESTAMP. Returns the summary (every rank)."""
     trainer = Trainer(cfg, run_dir, resume)
     try:
         return trainer.fit()

@@ -36,6 +36,16 @@ class MetricsLog:
             self.tb.close()
 
 
+class NullLog:
+    """What ranks other than the main one log: nothing."""
+
+    def log(self, record: dict, prefix: str = "train") -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Progress:
     """A rich progress bar with loss, throughput and ETA on a terminal; plain lines otherwise."""
 

@@ -13,6 +13,9 @@ def build_strategy(cfg: Config):
     device = resolve_device(cfg.run.device)
     if cfg.strategy.name == "single":
         return SingleDevice(cfg.train, cfg.optim, device)
+    if cfg.strategy.name == "ddp":
+        from .ddp import DDPStrategy
+        return DDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type)
     raise NotImplementedError(cfg.strategy.name)  # unreachable: validated by the config
 
 

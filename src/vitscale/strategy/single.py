@@ -68,7 +68,24 @@ class SingleDevice:  # implements base.Strategy
         if self.cfg.activation_checkpointing:
             model.set_grad_checkpointing(True)
         self.module = model  # plain module: checkpoints, export, eval
-        self.model = torch.compile(model) if self.cfg.compile else model  # what training calls
+        wrapped = self.wrap(model)
+        self.model = torch.compile(wrapped) if self.cfg.compile else wrapped  # what training calls
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The engine's wrapper around the plain model (none on one device)."""
+        return model
+
+    # -- the process group (one process here) ---------------------------------------------------
+    rank, world_size, is_main = 0, 1, True
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def gather_objects(self, obj) -> list:
+        return [obj]
+
+    def broadcast_object(self, obj):
+        return obj
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):

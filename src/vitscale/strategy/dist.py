@@ -1,0 +1,58 @@
+"""Process-group set-up from the launcher's environment (torchrun, the deepspeed launcher, SLURM)
+and the few collectives the loop needs (through the strategy's verbs, never directly)."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) as set by torchrun / the deepspeed launcher; (0, 1, 0) alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("LOCAL_PROCESS_RANK", "0")))
+    return rank, world, local
+
+
+def init_process_group(device_type: str, backend: str = "auto", timeout_s: float = 600.0) -> None:
+    """Join the group the launcher describes (env://); NCCL on GPUs, gloo on CPUs by default."""
+    if dist.is_initialized():
+        return
+    rank, world, local = env_world()
+    if "MASTER_ADDR" not in os.environ:
+        raise ConfigError("strategy: a multi-process strategy needs a launcher: run it with "
+                          "`torchrun --nproc-per-node N -m vitscale train ...` (MASTER_ADDR is not set)")
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order (on every rank)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,89 @@
+"""DDP on CPU: 2 gloo ranks launched by torchrun give the single-process result."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vitscale import checkpoint as ckpt
+from vitscale.cli import main
+
+TINY = "configs/tests/tiny.toml"
+BASE = ["run.threads=1", "train.epochs=2", "optim.grad_clip=1.0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sets(items):
+    return [a for item in items for a in ("--set", item)]
+
+
+def torchrun(out, extra, nproc=2, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "vitscale", "train", TINY, "--out", str(out), *sets(BASE + extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def weights(run_dir):
+    return torch.load(ckpt.list_checkpoints(run_dir)[-1], weights_only=False)["strategy"]["model"]
+
+
+def rel_diff(a, b):
+    num = sum((a[k].double() - b[k].double()).square().sum() for k in a)
+    den = sum(b[k].double().square().sum() for k in b)
+    return float((num / den).sqrt())
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    assert main(["train", TINY, "--out", str(out), *sets(BASE)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("extra,tol", [
+    (["strategy.name=ddp"], 1e-5),
+    (["strategy.name=ddp", "train.accum_steps=2"], 1e-5),     # no_sync micro-steps, then one all-reduce
+    (["strategy.name=ddp", "strategy.grad_compression=bf16"], 2e-2),  # bf16 gradients: ~3 digits
+])
+def test_ddp_two_ranks_match_single_process(tmp_path, single, extra, tol):
+    out = tmp_path / "ddp"
+    p = torchrun(out, extra)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = rel_diff(weights(out), weights(single))
+    print(f"relative weight difference DDP vs single, {extra}: {d:.2e}")
+    assert d <= tol, d
+    s_ddp = json.loads((out / "summary.json").read_text())
+    s_one = json.loads((single / "summary.json").read_text())
+    assert s_ddp["world_size"] == 2 and s_ddp["steps"] == s_one["steps"]
+    assert s_ddp["images_seen"] == s_one["images_seen"]
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # evaluation gathered across ranks: every test image counted once
+    assert all(e["test_count"] == 32 for e in evals if e["kind"] == "eval")
+    assert abs(s_ddp["test_accuracy"] - s_one["test_accuracy"]) <= 1 / 32
+    assert "Traceback" not in p.stderr
+
+
+def test_ddp_batch_not_divisible_is_a_clear_error(tmp_path):
+    p = torchrun(tmp_path / "bad", ["strategy.name=ddp", "data.batch_size=18", "train.accum_steps=2"])
+    assert p.returncode != 0
+    for rank in (0, 1):  # one line per rank, named; torchrun adds its own report after them
+        assert (f"vitscale: error: [rank {rank}] config: data.batch_size (18) must be a multiple of "
+                f"processes (2) x train.accum_steps (2)") in p.stderr
+    assert "src/vitscale" not in p.stderr  # no traceback from vitscale itself
+
+
+def test_ddp_without_launcher_says_how_to_launch(tmp_path, capsys, monkeypatch):
+    for k in ("MASTER_ADDR", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert main(["train", TINY, "--out", str(tmp_path / "x"), "--set", "strategy.name=ddp"]) == 2
+    assert "torchrun --nproc-per-node" in capsys.readouterr().err
