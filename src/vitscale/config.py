@@ -124,11 +124,14 @@ class TrainConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = choice("single", "single", "ddp", doc="ddp: launch with torchrun --nproc-per-node N")
+    name: str = choice("single", "single", "ddp", "fsdp", doc="ddp/fsdp: launch with torchrun --nproc-per-node N")
     backend: str = choice("auto", "auto", "nccl", "gloo", doc="auto = nccl on GPUs, gloo on CPUs")
     timeout_s: float = num(600.0, min=1.0, doc="collective timeout: a dead rank stops the others")
     bucket_mb: float = num(25.0, min=0.0, doc="DDP gradient bucket size")
     grad_compression: str = choice("none", "none", "bf16", "fp16", doc="DDP: all-reduce gradients in half")
+    reduce_dtype: str = choice("fp32", "fp32", "bf16", doc="FSDP: gradient reduce-scatter precision")
+    reshard_after_forward: bool = True  # FSDP: free gathered parameters after forward (ZeRO-3 style)
+    cpu_offload: bool = False           # FSDP: keep sharded parameters and optimizer state on CPU
 
 
 @dataclass

@@ -140,7 +140,8 @@ class Trainer:
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         s = self.strategy
-        r = self.task.evaluate(s.eval_module(), self.data.test, s.autocast, s.prepare)
+        batches = max(s.gather_objects(len(self.data.test)))  # the same number of forwards on every rank
+        r = self.task.evaluate(s.eval_module(), self.data.test, s.autocast, s.prepare, batches)
         # exact over the whole test set: each rank holds a disjoint shard; sum the counts
         correct, count, loss_sum = s.all_reduce_sum(torch.tensor(
             [r["correct"], r["count"], r["loss_sum"]], dtype=torch.float64, device=s.device)).tolist()

@@ -1,6 +1,8 @@
 """Tasks turn a batch into a loss and evaluate a model; they know nothing about engines."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,13 +23,19 @@ class ClassificationTask:
         return F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, loader, autocast, prepare=lambda x: x) -> dict:
-        """Sums over this process's shard: {'correct', 'count', 'loss_sum'} (exact, no averaging)."""
+    def evaluate(self, model: nn.Module, loader, autocast, prepare=lambda x: x, batches: int = 0) -> dict:
+        """Sums over this process's shard: {'correct', 'count', 'loss_sum'} (exact, no averaging).
+        `batches`: run at least this many forward passes, padding with empty batches (sharded
+        models need every rank in every forward)."""
         was_training = model.training
         model.eval()
         correct = count = 0
         loss_sum = 0.0
-        for x, y in loader.iterate():
+        seen = 0
+        for x, y in itertools.chain(loader.iterate(), _empty_batches(loader, batches)):
+            seen += 1
+            if seen > max(batches, len(loader)):
+                break
             x = prepare(x)
             with autocast():
                 logits = model(x).float()
@@ -38,3 +46,12 @@ class ClassificationTask:
             count += y.numel()
         model.train(was_training)
         return {"correct": correct, "count": count, "loss_sum": loss_sum}
+
+
+def _empty_batches(loader, batches: int):
+    """Zero-size batches shaped like the loader's, for ranks whose shard has fewer batches."""
+    if batches <= len(loader):
+        return
+    x, y = next(iter(loader.iterate()))
+    while True:
+        yield x[:0], y[:0]

@@ -16,6 +16,9 @@ def build_strategy(cfg: Config):
     if cfg.strategy.name == "ddp":
         from .ddp import DDPStrategy
         return DDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type)
+    if cfg.strategy.name == "fsdp":
+        from .fsdp import FSDPStrategy
+        return FSDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type)
     raise NotImplementedError(cfg.strategy.name)  # unreachable: validated by the config
 
 

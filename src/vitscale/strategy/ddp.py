@@ -3,16 +3,12 @@ during backward; `no_sync` for accumulation micro-steps; optional bf16/fp16 grad
 (a comm hook written for gloo too: DDP's built-in bf16_compress_hook refuses gloo)."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config import OptimConfig, StrategyConfig, TrainConfig
-from . import dist as vdist
-from .single import SingleDevice
+from .dist import Distributed
 
 COMPRESS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -32,16 +28,8 @@ def compress_hook(dtype: torch.dtype):
     return hook
 
 
-class DDPStrategy(SingleDevice):
+class DDPStrategy(Distributed):
     name = "ddp"
-
-    def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str):
-        vdist.init_process_group(device_type, scfg.backend, scfg.timeout_s)
-        self.rank, self.world_size, local = vdist.env_world()
-        self.is_main = self.rank == 0
-        device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
-        self.scfg = scfg
-        super().__init__(train, optim, device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -52,14 +40,5 @@ class DDPStrategy(SingleDevice):
         return ddp
 
     def no_sync(self):
-        return self.model.no_sync() if hasattr(self.model, "no_sync") else \
-            getattr(self.model, "_orig_mod").no_sync()  # compiled DDP
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return vdist.all_reduce_sum(t)
-
-    def gather_objects(self, obj) -> list:
-        return vdist.gather_objects(obj)
-
-    def broadcast_object(self, obj):
-        return vdist.broadcast_object(obj)
+        ddp = getattr(self.model, "_orig_mod", self.model)  # compiled DDP keeps it inside
+        return ddp.no_sync()

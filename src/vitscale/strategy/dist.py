@@ -8,7 +8,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError
+from .single import SingleDevice
 
 
 def env_world() -> tuple[int, int, int]:
@@ -56,3 +58,24 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+class Distributed(SingleDevice):
+    """One process per device in a process group: the collectives behind the loop's verbs."""
+
+    def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str):
+        init_process_group(device_type, scfg.backend, scfg.timeout_s)
+        self.rank, self.world_size, local = env_world()
+        self.is_main = self.rank == 0
+        self.scfg = scfg
+        device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
+        super().__init__(train, optim, device)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(t)
+
+    def gather_objects(self, obj) -> list:
+        return gather_objects(obj)
+
+    def broadcast_object(self, obj):
+        return broadcast_object(obj)

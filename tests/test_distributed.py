@@ -1,4 +1,5 @@
-"""DDP on CPU: 2 gloo ranks launched by torchrun give the single-process result."""
+"""DDP and FSDP2 on CPU: 2 gloo ranks launched by torchrun give the single-process result."""
+import shutil
 import json
 import os
 import socket
@@ -25,10 +26,11 @@ def sets(items):
     return [a for item in items for a in ("--set", item)]
 
 
-def torchrun(out, extra, nproc=2, timeout=240):
+def torchrun(out, extra, nproc=2, timeout=240, resume=None):
+    what = ["--resume", str(resume)] if resume else [TINY, "--out", str(out), *sets(BASE + extra)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "vitscale", "train", TINY, "--out", str(out), *sets(BASE + extra)]
+           "-m", "vitscale", "train", *what]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -54,13 +56,16 @@ def single(tmp_path_factory):
     (["strategy.name=ddp"], 1e-5),
     (["strategy.name=ddp", "train.accum_steps=2"], 1e-5),     # no_sync micro-steps, then one all-reduce
     (["strategy.name=ddp", "strategy.grad_compression=bf16"], 2e-2),  # bf16 gradients: ~3 digits
+    (["strategy.name=fsdp"], 1e-5),
+    (["strategy.name=fsdp", "train.accum_steps=2", "strategy.reshard_after_forward=false"], 1e-5),
+    (["strategy.name=fsdp", "train.precision=bf16"], 5e-2),  # bf16 compute, fp32 reduce and master
 ])
 def test_ddp_two_ranks_match_single_process(tmp_path, single, extra, tol):
     out = tmp_path / "ddp"
     p = torchrun(out, extra)
     assert p.returncode == 0, p.stderr[-3000:]
     d = rel_diff(weights(out), weights(single))
-    print(f"relative weight difference DDP vs single, {extra}: {d:.2e}")
+    print(f"relative weight difference vs single process, {extra}: {d:.2e}")
     assert d <= tol, d
     s_ddp = json.loads((out / "summary.json").read_text())
     s_one = json.loads((single / "summary.json").read_text())
@@ -82,8 +87,42 @@ def test_ddp_batch_not_divisible_is_a_clear_error(tmp_path):
     assert "src/vitscale" not in p.stderr  # no traceback from vitscale itself
 
 
+def test_fsdp_refuses_what_it_does_not_support(tmp_path, capsys):
+    assert main(["train", TINY, "--out", str(tmp_path / "x"), "--set", "strategy.name=fsdp",
+                 "--set", "train.ema_decay=0.9"]) == 2
+    assert "strategy.name=fsdp does not support train.ema_decay" in capsys.readouterr().err
+
+
 def test_ddp_without_launcher_says_how_to_launch(tmp_path, capsys, monkeypatch):
     for k in ("MASTER_ADDR", "WORLD_SIZE", "RANK"):
         monkeypatch.delenv(k, raising=False)
     assert main(["train", TINY, "--out", str(tmp_path / "x"), "--set", "strategy.name=ddp"]) == 2
     assert "torchrun --nproc-per-node" in capsys.readouterr().err
+
+
+def test_fsdp_uneven_eval_shards_do_not_hang(tmp_path):
+    # 33 test images over 2 ranks in batches of 16: 2 batches on rank 0, 1 on rank 1; the short
+    # rank pads with empty forwards so that every all-gather has both ranks
+    out = tmp_path / "uneven"
+    p = torchrun(out, ["strategy.name=fsdp", "data.test_size=33", "data.eval_batch_size=16",
+                       "strategy.timeout_s=60"], timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+    assert evals and all(e["test_count"] == 33 for e in evals)
+
+
+def test_fsdp_checkpoint_resumes_on_another_world_size(tmp_path):
+    full = tmp_path / "full"
+    extra = ["strategy.name=fsdp", "run.checkpoint_every=3", "run.keep_last=100", "train.epochs=3"]
+    p = torchrun(full, extra)
+    assert p.returncode == 0, p.stderr[-3000:]
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    for c in ckpt.list_checkpoints(part):
+        if c.name != "step_00000006.pt":
+            c.unlink()
+    p = torchrun(None, [], nproc=1, resume=part)  # 2 ranks -> 1 rank, same global batch
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = rel_diff(weights(part), weights(full))
+    print(f"relative weight difference FSDP 2->1 ranks resumed vs uninterrupted: {d:.2e}")
+    assert d <= 1e-5, d
