@@ -61,6 +61,15 @@ def test_adamw_implementations_agree(impl):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_lr_scaling_rules():
+    from vitscale.optim import scaled_lr
+    cfg = OptimConfig(lr=1e-3, lr_ref_batch=256)
+    assert scaled_lr(cfg, 1024) == 1e-3
+    assert scaled_lr(OptimConfig(lr=1e-3, lr_ref_batch=256, lr_scaling="linear"), 1024) == pytest.approx(4e-3)
+    assert scaled_lr(OptimConfig(lr=1e-3, lr_ref_batch=256, lr_scaling="sqrt"), 1024) == pytest.approx(2e-3)
+    assert scaled_lr(OptimConfig(lr=1e-3, lr_ref_batch=256, lr_scaling="linear"), 64) == pytest.approx(2.5e-4)
+
+
 def test_lr_schedule_formulas():
     # warmup 10 steps (linear from 1/10 to 1), then cosine to min_ratio over the remaining 90
     assert lr_factor(0, 100, 10, "cosine", 0.0) == pytest.approx(0.1)

@@ -164,3 +164,15 @@ def test_refuses_to_train_over_an_existing_run(tmp_path, capsys):
     rc, _, err = run(capsys, "train", TINY, "--out", str(out))
     assert rc == 2 and "--resume" in err and len(err.strip().splitlines()) == 1
     assert [p.stat().st_mtime_ns for p in ckpt.list_checkpoints(out)] == before
+
+
+def test_lr_scaling_reaches_the_optimizer(tmp_path, capsys):
+    out = tmp_path / "scaled"
+    rc, _, err = run(capsys, "train", TINY, "--out", str(out), "--set", "optim.lr_scaling=linear",
+                     "--set", "optim.lr_ref_batch=4", "--set", "optim.schedule=constant",
+                     "--set", "optim.warmup_steps=0", "--set", "train.epochs=1")
+    assert rc == 0, err
+    assert json.loads((out / "summary.json").read_text())["lr"] == pytest.approx(3e-3 * 16 / 4)
+    state = torch.load(ckpt.list_checkpoints(out)[-1], weights_only=False)
+    assert state["strategy"]["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1.2e-2)
+    assert state["config"]["optim"]["lr"] == pytest.approx(3e-3)  # the saved config keeps the user's value

@@ -104,6 +104,9 @@ class OptimConfig:
     warmup_steps: int = num(0, min=0, doc="overrides warmup_epochs when > 0")
     min_lr_ratio: float = num(0.0, min=0.0, max=1.0)
     grad_clip: float = num(0.0, min=0.0, doc="max global grad norm (0 = off)")
+    lr_scaling: str = choice("none", "none", "linear", "sqrt",
+                             doc="scale lr with data.batch_size / lr_ref_batch (keep warmup on)")
+    lr_ref_batch: int = num(256, min=1, doc="the global batch that optim.lr was tuned for")
 
 
 @dataclass

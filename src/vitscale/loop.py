@@ -5,7 +5,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -16,7 +16,7 @@ from .data import build_data
 from .errors import ConfigError, DataError, TrainingError, UserError
 from .metrics import MetricsLog, NullLog, Progress
 from .models import VisionTransformer, count_params, resolve_spec, vit_forward_flops
-from .optim import build_scheduler
+from .optim import build_scheduler, scaled_lr
 from .strategy import build_strategy
 from .tasks import ClassificationTask
 
@@ -48,7 +48,10 @@ class Trainer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
-        self.strategy = s = build_strategy(cfg)
+        self.lr = scaled_lr(cfg.optim, cfg.data.batch_size)
+        # the strategy builds its optimizer at the lr for this global batch; the saved config
+        # keeps what the user wrote (lr, lr_scaling, lr_ref_batch)
+        self.strategy = s = build_strategy(replace(cfg, optim=replace(cfg.optim, lr=self.lr)))
         self.run_dir = self._run_dir(run_dir, resume)
         per_rank, rem = divmod(cfg.data.batch_size, s.world_size * cfg.train.accum_steps)
         if rem or not per_rank:
@@ -179,7 +182,9 @@ class Trainer:
                     f"{self.data.train_size} train / {self.data.test_size} test images; "
                     f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
                     f"{cfg.train.accum_steps} micro-batches x "
-                    f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; {self.total_steps} steps on "
+                    f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; lr {self.lr:.3g}"
+                    f"{'' if cfg.optim.lr_scaling == 'none' else f' ({cfg.optim.lr_scaling} scaling from {cfg.optim.lr:g} at batch {cfg.optim.lr_ref_batch})'}"
+                    f"; {self.total_steps} steps on "
                     f"{self.strategy.device} in {cfg.train.precision}")
         window_t, window_imgs, window_data = 0.0, 0, 0.0
         stop_reason, first = "done", True
@@ -276,7 +281,7 @@ class Trainer:
                 "peak_flops": peak, "peak_source": peak_src, "world_size": self.strategy.world_size,
                 "steps": self.step, "epochs": self.step / self.steps_per_epoch,
                 "images_seen": self.images_seen, "stop_reason": stop_reason,
-                "precision": self.cfg.train.precision, "device": str(self.strategy.device),
+                "precision": self.cfg.train.precision, "lr": self.lr, "device": str(self.strategy.device),
                 "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "checkpoint": str(self.last_ckpt), "run_dir": str(self.run_dir), "rank": self.strategy.rank}
 

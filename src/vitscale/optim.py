@@ -75,6 +75,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, params=None) -> torch.op
     raise ConfigError(f"config: unknown optimizer {cfg.name}")  # unreachable: validated
 
 
+def scaled_lr(cfg: OptimConfig, global_batch: int) -> float:
+    """optim.lr adjusted to the global batch: linear (Goyal et al.) or square-root scaling."""
+    ratio = global_batch / cfg.lr_ref_batch
+    return cfg.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.lr_scaling]
+
+
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
     """Multiplier of the base LR at optimizer step `step` (0-based): linear warmup, then decay."""
     if warmup and step < warmup:
