@@ -66,23 +66,30 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from .checkpoint import load_checkpoint
-    from .config import apply_dict, Config, check, load_config, parse_override, _set
+    from .checkpoint import list_checkpoints, load_checkpoint
+    from .config import Config, apply_dict, check, load_config, parse_override, _set
     from .loop import train
-    if args.resume:
-        if args.config:
-            raise UserError("train: give either a CONFIG or --resume DIR (the run's own config is used)")
-        state = load_checkpoint(args.resume)
-        cfg = apply_dict(Config(), state["config"], source=f"{args.resume} (saved config)")
+    resume = args.resume
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not resume and args.out and restarts and list_checkpoints(args.out):
+        resume = args.out  # torchrun --max-restarts brought us back: continue from the last checkpoint
+        if os.environ.get("RANK", "0") == "0":
+            print(f"vitscale: restart {restarts}: resuming {args.out} from its last complete checkpoint",
+                  file=sys.stderr)
+    elif resume and args.config:
+        raise UserError("train: give either a CONFIG or --resume DIR (the run's own config is used)")
+    if resume:
+        state = load_checkpoint(resume)
+        cfg = apply_dict(Config(), state["config"], source=f"{resume} (saved config)")
         for text in args.overrides:
             _set(cfg, *parse_override(text))
         check(cfg)
-        run_dir = Path(args.out) if args.out else (Path(args.resume) if Path(args.resume).is_dir()
-                                                   else Path(args.resume).parent.parent)
+        run_dir = Path(args.out) if args.out else (Path(resume) if Path(resume).is_dir()
+                                                   else Path(resume).parent.parent)
     else:
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.out) if args.out else None
-    summary = train(cfg, run_dir, resume=args.resume)
+    summary = train(cfg, run_dir, resume=resume)
     if summary["rank"] != 0:
         return 0
     print(f"test accuracy {100 * summary['test_accuracy']:.2f}% (best {100 * summary['best_test_accuracy']:.2f}%) "
@@ -138,6 +145,14 @@ def cmd_data(args) -> int:
     return 0
 
 
+def _is_comm_failure(e: BaseException) -> bool:
+    """A collective failed: a peer process died, hung past the timeout or the network broke."""
+    import torch.distributed as dist
+    text = str(e)
+    return isinstance(e, getattr(dist, "DistError", ())) or any(
+        k in text for k in ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out"))
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="vitscale: warning: %(message)s")
     args = _parser().parse_args(argv)
@@ -152,6 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # unreadable/unwritable paths, full disk: one line, nothing half-written
         print(f"vitscale: error: {where}{e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
+    except Exception as e:
+        if not (where and _is_comm_failure(e)):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"vitscale: error: {where}lost contact with another process ({first[:300]}); stopping. "
+              "The last complete checkpoint is kept: resume with `vitscale train --resume RUN`, or launch "
+              "with `torchrun --max-restarts N ... --out RUN` to restart and resume automatically",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("vitscale: interrupted; the last complete checkpoint is kept (resume with --resume RUN)",
               file=sys.stderr)
