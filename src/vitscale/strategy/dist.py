@@ -33,8 +33,15 @@ def init_process_group(device_type: str, backend: str = "auto", timeout_s: float
         backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(local)
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # the store env:// would make, with keys of their own per torchrun restart: after a restart,
+    # gloo otherwise now and then reads a dead process's address and fails to connect
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")), world,
+                          is_master=rank == 0 and not agent, timeout=timeout, multi_tenant=not agent)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"vitscale/attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
