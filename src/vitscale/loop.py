@@ -266,6 +266,18 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
+    def state_bytes(self) -> dict:
+        """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
+        state; gradients, while they exist, take as many bytes as the parameters."""
+        def local(t):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+        opt, master = self.strategy.optimizer, getattr(self.strategy, "master", None) or []
+        return {"params": sum(local(p) for p in self.strategy.module.parameters()),
+                "master_params": sum(local(m) for m in master),
+                "optimizer_state": sum(local(v) for st in opt.state.values() for v in st.values()
+                                       if torch.is_tensor(v) and v.ndim)}
+
     def summary(self, stop_reason: str) -> dict:
         from .hardware import peak_flops
         # throughput excludes each process's first step (torch.compile, allocator warm-up)
@@ -283,7 +295,8 @@ class Trainer:
                 "images_seen": self.images_seen, "stop_reason": stop_reason,
                 "precision": self.cfg.train.precision, "lr": self.lr, "device": str(self.strategy.device),
                 "threads": torch.get_num_threads(), "torch": torch.__version__,
-                "checkpoint": str(self.last_ckpt), "run_dir": str(self.run_dir), "rank": self.strategy.rank}
+                "checkpoint": str(self.last_ckpt), "run_dir": str(self.run_dir), "rank": self.strategy.rank,
+                "state_bytes_per_rank": self.strategy.gather_objects(self.state_bytes())}
 
 
 def train(cfg: Config, run_dir: Path | None = None, resume: str | Path | None = None) -> dict:
