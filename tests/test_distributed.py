@@ -78,6 +78,11 @@ def test_ddp_two_ranks_match_single_process(tmp_path, single, extra, tol):
     # evaluation gathered across ranks: every test image counted once
     assert all(e["test_count"] == 32 for e in evals if e["kind"] == "eval")
     assert abs(s_ddp["test_accuracy"] - s_one["test_accuracy"]) <= 1 / 32
+    if "strategy.name=ddp" in extra:  # every gradient all-reduced once per optimizer step
+        width = 2 if "strategy.grad_compression=bf16" in extra else 4
+        train = [e for e in evals if e["kind"] == "train"]
+        assert train and all(e["comm_allreduce_bytes_per_step"] == width * s_one["params"] for e in train)
+        assert all(e["comm_allreduce_s_per_step"] > 0 for e in train)
     # memory actually held per rank: DDP replicates everything, FSDP2 holds about half on 2 ranks
     one, ranks = s_one["state_bytes_per_rank"][0], s_ddp["state_bytes_per_rank"]
     for r in ranks:

@@ -127,7 +127,8 @@ class TrainConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = choice("single", "single", "ddp", "fsdp", doc="ddp/fsdp: launch with torchrun --nproc-per-node N")
+    name: str = choice("single", "single", "ddp", "fsdp", "deepspeed",
+                       doc="ddp/fsdp/deepspeed: launch with torchrun --nproc-per-node N")
     backend: str = choice("auto", "auto", "nccl", "gloo", doc="auto = nccl on GPUs, gloo on CPUs")
     timeout_s: float = num(600.0, min=1.0, doc="collective timeout: a dead rank stops the others")
     bucket_mb: float = num(25.0, min=0.0, doc="DDP gradient bucket size")
@@ -135,6 +136,15 @@ class StrategyConfig:
     reduce_dtype: str = choice("fp32", "fp32", "bf16", doc="FSDP: gradient reduce-scatter precision")
     reshard_after_forward: bool = True  # FSDP: free gathered parameters after forward (ZeRO-3 style)
     cpu_offload: bool = False           # FSDP: keep sharded parameters and optimizer state on CPU
+    zero_stage: int = num(2, min=0, max=3, doc="DeepSpeed ZeRO stage: 0 = data parallel, 1 = optimizer "
+                          "state sharded, 2 = + gradients, 3 = + parameters")
+    offload_optimizer: bool = False     # DeepSpeed: optimizer state and step on the CPU (ZeRO 1-3)
+    offload_params: bool = False        # DeepSpeed: parameters on the CPU (ZeRO 3)
+    ds_config: str = field(default="", metadata={"doc": "DeepSpeed: JSON file merged over the generated "
+                                                 "ds_config (its keys win; batch keys must agree)"})
+    wall_clock_breakdown: bool = False  # DeepSpeed: forward/backward/step timers in its log
+    comms_logger: bool = False          # DeepSpeed: communication summary at each checkpoint
+    flops_profiler: bool = False        # DeepSpeed: FLOPs profile of the second step
 
 
 @dataclass

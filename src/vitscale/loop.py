@@ -232,7 +232,8 @@ class Trainer:
                                "images_per_s": window_imgs / window_t,
                                "step_time_s": window_t / max(1, window_imgs / images),
                                "data_time_s": window_data / max(1, window_imgs / images),
-                               "grad_norm": info["grad_norm"], "skipped": info["skipped"]}
+                               "grad_norm": info["grad_norm"], "skipped": info["skipped"],
+                               **s.comm_stats(round(window_imgs / images))}
                         log.log(rec)
                         window_t, window_imgs, window_data = 0.0, 0, 0.0
                     bar.update(self.step, f"loss {loss:.4f} | {self.images_seen / self.train_time:.0f} img/s")

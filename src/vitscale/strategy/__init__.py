@@ -19,6 +19,9 @@ def build_strategy(cfg: Config):
     if cfg.strategy.name == "fsdp":
         from .fsdp import FSDPStrategy
         return FSDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type)
+    if cfg.strategy.name == "deepspeed":
+        from .deepspeed import DeepSpeedStrategy
+        return DeepSpeedStrategy(cfg.train, cfg.optim, cfg.strategy, device.type, cfg.data.batch_size)
     raise NotImplementedError(cfg.strategy.name)  # unreachable: validated by the config
 
 

@@ -32,6 +32,9 @@ class Strategy(Protocol):
     def step(self) -> dict:
         """Clip, update, zero gradients; returns {'grad_norm': float, 'skipped': bool}."""
 
+    def comm_stats(self, steps: int) -> dict:
+        """Bytes moved and time spent in collectives since the last call, per optimizer step."""
+
     def eval_module(self) -> nn.Module:
         """The weights to evaluate (EMA ones when chosen)."""
 

@@ -87,6 +87,10 @@ class SingleDevice:  # implements base.Strategy
     def broadcast_object(self, obj):
         return obj
 
+    def comm_stats(self, steps: int) -> dict:
+        """Communication since the last call, per optimizer step (none on one device)."""
+        return {}
+
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):
         if self.half is None or self.pure:
