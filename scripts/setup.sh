@@ -13,5 +13,7 @@ fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -c constraints.txt -e ".[dev]"
-.venv/bin/python -c "import torch, vitscale; print('vitscale ready, torch', torch.__version__)"
+# DeepSpeed (strategy.name=deepspeed) as pure Python: DS_BUILD_OPS=0 skips its C++/CUDA ops at install;
+# vitscale needs none of them on CPU (it hands DeepSpeed a torch optimizer)
+DS_BUILD_OPS=0 .venv/bin/pip install -q -c constraints.txt -e ".[dev,deepspeed]"
+.venv/bin/python -c "import torch, vitscale, deepspeed; print('vitscale ready, torch', torch.__version__, '| deepspeed', deepspeed.__version__)"

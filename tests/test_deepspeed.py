@@ -58,40 +58,6 @@ DS = ["strategy.name=deepspeed"]
 # ZeRO-3 gather and release every parameter, as it would for a real model; also tests the merge
 Z3_JSON = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 
-# a Trainer wired for DeepSpeed's engine checkpoints, the way the loop is to call them
-WIRED = '''
-import sys
-from pathlib import Path
-from vitscale import loop
-from vitscale.checkpoint import load_checkpoint, resolve_checkpoint
-from vitscale.config import Config, apply_dict, check, load_config
-
-
-class Wired(loop.Trainer):
-    def __init__(self, cfg, run_dir=None, resume=None):
-        self._resume = resume
-        super().__init__(cfg, run_dir, resume)
-
-    def save(self):
-        self.strategy.save_engine(self.run_dir / "checkpoints" / f"step_{self.step:08d}.ds",
-                                  keep_last=self.cfg.run.keep_last)
-        return super().save()
-
-    def _restore(self, state):
-        self.strategy.load_engine(resolve_checkpoint(self._resume).with_suffix(".ds"))
-        super()._restore(state)
-
-
-mode, target, *overrides = sys.argv[1:]
-if mode == "resume":
-    cfg = apply_dict(Config(), load_checkpoint(target)["config"])
-    check(cfg)
-    Wired(cfg, Path(target), resume=target).fit()
-else:
-    Wired(load_config(mode, overrides), Path(target)).fit()
-'''
-
-
 def launch(args, nproc=2, timeout=240):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
@@ -120,7 +86,7 @@ def zero3(tmp_path_factory):
     (tmp / "ds.json").write_text(json.dumps(Z3_JSON))
     p = ds_train(tmp / "run", ["strategy.zero_stage=3", f"strategy.ds_config={tmp / 'ds.json'}"])
     assert p.returncode == 0, p.stderr[-3000:]
-    return tmp / "run"
+    return tmp / "run", p.stderr
 
 
 def check_run(out, single, tol, stderr):
@@ -158,9 +124,9 @@ def test_deepspeed_two_ranks_match_single_process(tmp_path, single, extra, tol):
 
 
 def test_zero3_matches_single_process_and_user_config_is_merged(zero3, single):
-    p_stderr = ""
-    check_run(zero3, single, 1e-5, p_stderr)
-    sd = saved_strategy(zero3)
+    run, stderr = zero3
+    check_run(run, single, 1e-5, stderr)
+    sd = saved_strategy(run)
     assert sd["zero_stage"] == 3
     assert sd["ds_config"]["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}
     one = weights(single)  # consolidated: plain module keys, full fp32 tensors
@@ -168,6 +134,7 @@ def test_zero3_matches_single_process_and_user_config_is_merged(zero3, single):
 
 
 def test_eval_and_export_of_a_deepspeed_run(zero3, tmp_path, capsys, monkeypatch):
+    zero3 = zero3[0]
     for k in ("MASTER_ADDR", "WORLD_SIZE", "RANK"):  # `vitscale eval` runs alone, without a launcher
         monkeypatch.delenv(k, raising=False)
     assert main(["eval", str(zero3), "--json"]) == 0
@@ -194,12 +161,10 @@ def test_one_process_without_a_launcher(tmp_path, single):
 
 
 def test_engine_checkpoint_resumes_exactly(tmp_path):
-    script = tmp_path / "wired.py"
-    script.write_text(WIRED)
     full = tmp_path / "full"
     extra = ["strategy.zero_stage=2", "train.precision=bf16", "run.checkpoint_every=3", "run.keep_last=2",
              "train.epochs=3"]
-    p = launch([str(script), TINY, str(full), *BASE, *DS, *extra])
+    p = launch(["-m", "vitscale", "train", TINY, "--out", str(full), *sets(BASE + DS + extra)])
     assert p.returncode == 0, p.stderr[-3000:]
     names = sorted(x.name for x in (full / "checkpoints").iterdir() if x.name.startswith("step_"))
     assert names == ["step_00000009.ds", "step_00000009.pt", "step_00000012.ds", "step_00000012.pt"]  # pruned
@@ -207,12 +172,13 @@ def test_engine_checkpoint_resumes_exactly(tmp_path):
     shutil.copytree(full, part)
     for old in (part / "checkpoints").glob("step_00000012.*"):
         shutil.rmtree(old) if old.is_dir() else old.unlink()
-    p = launch([str(script), "resume", str(part)])
+    (part / "summary.json").unlink()
+    p = launch(["-m", "vitscale", "train", "--resume", str(part)])
     assert p.returncode == 0, p.stderr[-3000:]
     d = rel_diff(weights(part), weights(full))
     print(f"relative weight difference DeepSpeed resumed from step 9 vs uninterrupted: {d:.2e}")
     assert d == 0.0, d
-    p = launch([str(script), "resume", str(part)], nproc=1)  # ZeRO shards do not re-partition
+    p = launch(["-m", "vitscale", "train", "--resume", str(part)], nproc=1)  # ZeRO shards do not re-partition
     assert p.returncode != 0 and "resume with the same number of processes" in p.stderr
 
 

@@ -144,7 +144,7 @@ class StrategyConfig:
                                                  "ds_config (its keys win; batch keys must agree)"})
     wall_clock_breakdown: bool = False  # DeepSpeed: forward/backward/step timers in its log
     comms_logger: bool = False          # DeepSpeed: communication summary at each checkpoint
-    flops_profiler: bool = False        # DeepSpeed: FLOPs profile of the second step
+    flops_profiler: bool = False        # DeepSpeed: FLOPs profile of the third step (after warm-up)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import list_checkpoints, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import Config
 from .data import build_data
 from .errors import ConfigError, DataError, TrainingError, UserError
@@ -87,6 +87,8 @@ class Trainer:
         self.best_acc, self.last_eval = None, None
         self.last_ckpt: Path | None = None
         if resume is not None:
+            if hasattr(s, "load_engine"):
+                s.load_engine(resolve_checkpoint(resume).with_suffix(".ds"))
             self._restore(load_checkpoint(resume))
 
     def _run_dir(self, run_dir, resume) -> Path:
@@ -133,6 +135,9 @@ class Trainer:
 
     def save(self) -> Path:
         """Collective (every rank's RNG goes in); the main process writes."""
+        s = self.strategy
+        if hasattr(s, "save_engine"):  # DeepSpeed keeps its partitioned state in its own folder
+            s.save_engine(self.run_dir / "checkpoints" / f"step_{self.step:08d}.ds", keep_last=self.cfg.run.keep_last)
         state = self._state()
         path = self.run_dir / "checkpoints" / f"step_{self.step:08d}.pt"
         if self.strategy.is_main:
@@ -304,6 +309,8 @@ def train(cfg: Config, run_dir: Path | None = None, resume: str | Path | None = 
     """Train; `run_dir` None = run.out_dir/run.name-TIMESTAMP. Returns the summary (every rank)."""
     trainer = Trainer(cfg, run_dir, resume)
     try:
-        return trainer.fit()
+        summary = trainer.fit()
     finally:
         trainer.data.close()  # stops decoding workers, also when training stops on an error
+    trainer.strategy.close()  # leave the process group cleanly (not after a failure: peers may be gone)
+    return summary

@@ -145,8 +145,9 @@ def free_port() -> int:
 def disable_shm_comm_op() -> None:
     """DeepSpeed's CPU accelerator compiles a shared-memory all-reduce op (35-115 s) at every
     communication init; only tensor-parallel inference (`inference_all_reduce`) uses it. Marking
-    it incompatible in the op table (the documented, persistent module dict) skips the build;
-    training communicates through the torch process group (gloo) as before."""
+    it incompatible in `deepspeed.ops.__compatible_ops__`, the table `build_shm_op` consults (a
+    module dict that keeps edits), skips the build; training communicates through the torch
+    process group (gloo) as before. No environment variable or ds_config key turns it off."""
     import deepspeed.ops as ops
     table = ops.__compatible_ops__  # probes the ops once (cheap compiler checks), then cached
     table["deepspeed_shm_comm"] = False

@@ -86,3 +86,8 @@ class Distributed(SingleDevice):
 
     def broadcast_object(self, obj):
         return broadcast_object(obj)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

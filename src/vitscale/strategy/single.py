@@ -91,6 +91,9 @@ class SingleDevice:  # implements base.Strategy
         """Communication since the last call, per optimizer step (none on one device)."""
         return {}
 
+    def close(self) -> None:
+        """Release what the strategy holds (the process group, for multi-process strategies)."""
+
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):
         if self.half is None or self.pure:
