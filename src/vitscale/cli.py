@@ -148,9 +148,10 @@ def cmd_data(args) -> int:
 def _is_comm_failure(e: BaseException) -> bool:
     """A collective failed: a peer process died, hung past the timeout or the network broke."""
     import torch.distributed as dist
-    text = str(e)
+    text = str(e).lower()
     return isinstance(e, getattr(dist, "DistError", ())) or any(
-        k in text for k in ("gloo", "NCCL", "Connection reset", "Connection closed", "timed out"))
+        k in text for k in ("gloo", "nccl", "connection reset", "connection closed", "timed out",
+                            "timeout", "pair closure"))
 
 
 def main(argv: list[str] | None = None) -> int:
