@@ -7,7 +7,6 @@ cpu_adam build), so nothing is compiled, cold cache or warm.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -17,28 +16,7 @@ import torch
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 
-TINY = "configs/tests/tiny.toml"
-BASE = ["run.threads=1", "train.epochs=2", "optim.grad_clip=1.0"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def sets(items):
-    return [a for item in items for a in ("--set", item)]
-
-
-def weights(run_dir):
-    return torch.load(ckpt.list_checkpoints(run_dir)[-1], weights_only=False)["strategy"]["model"]
-
-
-def rel_diff(a, b):
-    num = sum((a[k].double() - b[k].double()).square().sum() for k in a)
-    den = sum(b[k].double().square().sum() for k in b)
-    return float((num / den).sqrt())
+from test_distributed import BASE, TINY, free_port, rel_diff, sets, weights  # shared helpers
 
 
 def _deepspeed_importable() -> tuple[bool, str]:
