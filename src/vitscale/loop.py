@@ -175,6 +175,14 @@ class Trainer:
             total = s.all_reduce_sum(total) / s.world_size
         return total.item(), s.step()
 
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank when `flag` holds on any (so that no rank waits for the others);
+        a plain bool on one process: no tensor, no device sync in the step."""
+        s = self.strategy
+        if s.world_size == 1:
+            return flag
+        return bool(s.all_reduce_sum(torch.tensor(float(flag), device=s.device)).item())
+
     def fit(self) -> dict:
         cfg = self.cfg
         s, main = self.strategy, self.strategy.is_main
@@ -204,10 +212,8 @@ class Trainer:
                         break
                     x, y = batch
                     t_data = time.perf_counter() - t_last
-                    empty = torch.tensor(float(x.shape[0] == 0), device=s.device)
-                    if s.world_size > 1:  # all ranks skip together, or DDP would wait forever
-                        empty = s.all_reduce_sum(empty)
-                    if empty.item():  # every image of a batch was unreadable (folder data)
+                    # every image of a batch was unreadable (folder data): all ranks skip together
+                    if self._any_rank(x.shape[0] == 0):
                         bar.message(f"step {self.step + 1}: no readable image in the batch; step skipped")
                         self.scheduler.step()
                         self.step += 1
@@ -244,11 +250,9 @@ class Trainer:
                     bar.update(self.step, f"loss {loss:.4f} | {self.images_seen / self.train_time:.0f} img/s")
                     if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
                         self.save()
-                    if cfg.train.time_limit_s:  # the ranks agree, or one would wait for the others
-                        over = torch.tensor(float(self.train_time >= cfg.train.time_limit_s), device=s.device)
-                        if s.all_reduce_sum(over).item():
-                            stop_reason = "time limit"
-                            break
+                    if cfg.train.time_limit_s and self._any_rank(self.train_time >= cfg.train.time_limit_s):
+                        stop_reason = "time limit"
+                        break
                     t_last = time.perf_counter()  # checkpoint I/O is not training time
                 epoch_done = self.step % self.steps_per_epoch == 0
                 if epoch_done and cfg.run.eval_every and (self.step // self.steps_per_epoch) % cfg.run.eval_every == 0:
