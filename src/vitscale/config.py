@@ -50,8 +50,18 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    name: str = choice("fashion_mnist", "fashion_mnist", "cifar10", "cifar100", "folder", "synthetic")
+    name: str = choice("fashion_mnist", "fashion_mnist", "cifar10", "cifar100", "folder", "synthetic",
+                       "openclipart", "csv", "webdataset",
+                       doc="openclipart/csv/webdataset are image-text pairs (CLIP models)")
     root: str = ""                  # "" = the dataset's default location
+    test_root: str = field(default="", metadata={"doc": "image-text data: held-out CSV or shards "
+                                                 "(\"\" = hold out data.test_fraction of root)"})
+    test_fraction: float = num(0.1, min=0.0, max=0.9, doc="image-text data: held-out share when "
+                               "there is no test_root (a fixed split by sample key)")
+    captions: bool = False          # classification data as image-text pairs for CLIP (caption_template)
+    caption_template: str = "a photo of a {}."
+    csv_image_key: str = "filepath"  # csv/tsv columns (OpenCLIP's defaults)
+    csv_caption_key: str = "title"
     image_size: int = num(0, min=0, doc="0 = the dataset's native size")
     channels: int = num(3, min=1, max=4, doc="synthetic only")
     num_classes: int = num(10, min=2, doc="synthetic only")
@@ -86,6 +96,35 @@ class ModelConfig:
     stem: str = choice("patch", "patch", "conv", doc="patch = ViT's stride-p conv; conv = 3x3 conv stages")
     drop_path: float = num(0.0, min=0.0, max=1.0)
     dropout: float = num(0.0, min=0.0, max=1.0)
+    # CLIP models (arch clip_*): the text tower and the shared embedding
+    embed_dim: int = num(0, min=0, doc="CLIP: shared embedding size (0 = the arch's default)")
+    text_dim: int = num(0, min=0, doc="CLIP: text transformer width (0 = the arch's default)")
+    text_depth: int = num(0, min=0, doc="CLIP: text transformer layers (0 = the arch's default)")
+    text_heads: int = num(0, min=0, doc="CLIP: text attention heads (0 = the arch's default)")
+    context_length: int = num(77, min=2, doc="CLIP: tokens per caption (start and end included)")
+
+
+@dataclass
+class ClipConfig:
+    loss: str = choice("openclip", "openclip", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3",
+                       "sogclr", "isogclr", doc="openclip = mini-batch InfoNCE; the others are FastCLIP's "
+                       "global contrastive losses")
+    gamma_schedule: str = choice("auto", "auto", "cosine", "constant",
+                                 doc="inner-estimator gamma; auto = cosine for fastclip_*, constant for "
+                                 "sogclr/isogclr")
+    gamma_min: float = num(0.2, min=0.0, max=1.0, doc="gamma after the decay (and the constant value)")
+    gamma_decay_epochs: float = num(0.0, min=0.0, doc="epochs of the cosine decay (0 = half of train.epochs)")
+    tau_init: float = num(0.07, min=0.01, max=1.0, doc="initial temperature (openclip: logit_scale = 1/tau)")
+    tau_lr: float = num(2e-4, min=0.0, doc="learning rate of learnable temperatures")
+    tau_lr_cut: float = num(3.0, min=1.0, doc="fastclip_v3: divide the tau lr by this once tau <= 0.03")
+    rho: float = num(6.5, min=0.0, doc="RGCL penalty (fastclip_v2/v3, isogclr)")
+    eps: float = num(1e-14, min=0.0, doc="log(eps + g) in the global losses")
+    tau_beta1: float = num(0.9, min=0.0, max=1.0)
+    tau_beta2: float = num(0.999, min=0.0, max=1.0)
+    state_dtype: str = choice("fp32", "fp32", "bf16", doc="per-sample u / tau storage")
+    shard_state: bool = False       # keep only this rank's share of the per-sample state
+    prompt_templates: str = choice("default", "default", "single",
+                                   doc="zero-shot prompts: the dataset's set or just 'a photo of a {}.'")
 
 
 @dataclass
@@ -155,6 +194,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    clip: ClipConfig = field(default_factory=ClipConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
