@@ -10,10 +10,22 @@ if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && comm
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
 fi
+# OpenClipArt (data.name=openclipart): ~8k PNG clip art with SVG metadata for the captions
+if [ ! -d /usr/share/openclipart/png ] || [ ! -d /usr/share/openclipart/svg ]; then
+  if command -v apt-get >/dev/null; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq openclipart-png openclipart-svg >/dev/null
+  fi
+fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 # DeepSpeed (strategy.name=deepspeed) as pure Python: DS_BUILD_OPS=0 skips its C++/CUDA ops at install;
 # vitscale needs none of them on CPU (it hands DeepSpeed a torch optimizer)
 DS_BUILD_OPS=0 .venv/bin/pip install -q -c constraints.txt -e ".[dev,deepspeed]"
+# CLIP's BPE vocabulary file (bpe_simple_vocab_16e6.txt.gz) ships in open-clip-torch; vitscale only
+# reads that file, so no deps (they would pull torchvision)
+.venv/bin/pip install -q --no-deps -c constraints.txt open-clip-torch
 .venv/bin/python -c "import torch, vitscale, deepspeed; print('vitscale ready, torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
