@@ -20,6 +20,8 @@ def data_geometry(cfg: Config) -> tuple[int, int, int]:
     d = cfg.data
     if d.name in NATIVE:
         size, ch, nc = NATIVE[d.name]
+    elif d.name in ("openclipart", "csv", "webdataset"):  # image-text pairs, no classes
+        size, ch, nc = (64 if d.name == "openclipart" else 224), 3, 0
     elif d.name == "synthetic":
         size, ch, nc = 32, d.channels, d.num_classes
     else:  # folder: classes come from the folder tree unless the model fixes them
@@ -31,7 +33,19 @@ def data_geometry(cfg: Config) -> tuple[int, int, int]:
 
 
 def model_info(cfg: Config) -> dict:
-    from .loop import model_spec
+    from .loop import clip_spec, model_spec
+    from .models import CLIP, clip_forward_flops, is_clip_arch
+    if is_clip_arch(cfg.model.arch):
+        size, ch, _ = data_geometry(cfg)
+        spec = clip_spec(cfg, size, ch)
+        with torch.device("meta"):
+            model = CLIP(spec)
+            params, vision = count_params(model), count_params(model.visual)
+        flops = clip_forward_flops(spec)
+        return {"arch": cfg.model.arch, "kind": "clip", **asdict(spec), "params": params,
+                "vision_params": vision, "text_params": params - vision - 1,
+                "tokens": spec.vision.num_tokens, "context_length": spec.text.context_length,
+                "macs_per_image": flops // 2, "flops_per_image": flops, "train_flops_per_image": 3 * flops}
     spec = model_spec(cfg, *data_geometry(cfg))
     with torch.device("meta"):
         params = count_params(VisionTransformer(spec))
@@ -59,29 +73,61 @@ def _weights(state: dict, use_ema: bool) -> dict:
     return sd["model"]
 
 
+class _OneProcess:
+    """The strategy verbs a task's evaluate_all uses, for a plain model in this process."""
+    rank, world_size, is_main = 0, 1, True
+
+    def __init__(self, model, strategy):
+        self.model, self.device = model, strategy.device
+        self.autocast, self.prepare = strategy.autocast, strategy.prepare
+
+    def eval_module(self):
+        return self.model
+
+    def gather_objects(self, obj) -> list:
+        return [obj]
+
+    def all_reduce_sum(self, t):
+        return t
+
+
 def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
-    from .data import build_data
+    """The run's own metrics for a checkpoint: accuracy for a ViT; held-out retrieval and
+    zero-shot accuracy for a CLIP model."""
+    from .loop import build_task_data
+    from .models import CLIP, ClipSpec, TextSpec
     from .strategy import build_strategy
     from .tasks import ClassificationTask
     state, cfg, path = _load(checkpoint, overrides)
+    cfg.strategy.name = "single"  # evaluation runs in this one process, whatever trained it
     strategy = build_strategy(cfg)
-    data = build_data(cfg.data, device=strategy.device, seed=cfg.run.seed)
-    model = VisionTransformer(ViTSpec(**state["spec"]))
+    data, clip = build_task_data(cfg, strategy)
+    if clip:
+        from .clip_task import ClipTask
+        spec = state["spec"]
+        model = CLIP(ClipSpec(vision=ViTSpec(**spec["vision"]), text=TextSpec(**spec["text"]),
+                              embed_dim=spec["embed_dim"], init_tau=spec["init_tau"]))
+        task = ClipTask(None, cfg.model.context_length, cfg.clip.prompt_templates)
+    else:
+        model = VisionTransformer(ViTSpec(**state["spec"]))
+        task = ClassificationTask(data.num_classes, hflip_tta=cfg.train.eval_hflip_tta)
     model.load_state_dict(_weights(state, cfg.train.ema_decay > 0 and cfg.train.ema_eval))
     model.to(strategy.device)
     if strategy.pure:
         model.to(strategy.half)
-    task = ClassificationTask(data.num_classes, hflip_tta=cfg.train.eval_hflip_tta)
-    r = task.evaluate(model, data.test, strategy.autocast, strategy.prepare)
-    data.close()
-    return {"test_accuracy": r["correct"] / max(1, r["count"]), "test_loss": r["loss_sum"] / max(1, r["count"]),
-            "count": r["count"], "step": state["step"], "checkpoint": str(path)}
+    try:
+        result = task.evaluate_all(_OneProcess(model, strategy), data)
+    finally:
+        data.close()
+    if "test_count" in result:
+        result["count"] = result["test_count"]
+    return {**result, "step": state["step"], "checkpoint": str(path)}
 
 
 def export_checkpoint(checkpoint, out=None, use_ema: bool = True) -> Path:
     state, cfg, path = _load(checkpoint)
     weights = {k: v.float() for k, v in _weights(state, use_ema).items()}
     out = Path(out) if out else path.parent.parent / "model.safetensors"
-    meta = {"format": "vitscale-vit", "spec": json.dumps(state["spec"]), "config": json.dumps(cfg.to_dict()),
+    meta = {"format": f"vitscale-{state.get('kind', 'vit')}", "spec": json.dumps(state["spec"]), "config": json.dumps(cfg.to_dict()),
             "step": str(state["step"])}
     return export_safetensors(weights, out, meta)

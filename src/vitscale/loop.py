@@ -15,7 +15,8 @@ from .config import Config
 from .data import build_data
 from .errors import ConfigError, DataError, TrainingError, UserError
 from .metrics import MetricsLog, NullLog, Progress
-from .models import VisionTransformer, count_params, resolve_spec, vit_forward_flops
+from .models import (CLIP, VisionTransformer, clip_forward_flops, count_params, is_clip_arch,
+                     resolve_clip_spec, resolve_spec, vit_forward_flops)
 from .optim import build_scheduler, scaled_lr
 from .strategy import build_strategy
 from .tasks import ClassificationTask
@@ -40,6 +41,51 @@ def model_spec(cfg: Config, image_size: int, channels: int, num_classes: int):
     return spec
 
 
+IMAGE_TEXT = ("openclipart", "csv", "webdataset")
+
+
+def clip_spec(cfg: Config, image_size: int, channels: int):
+    m = cfg.model
+    try:
+        spec = resolve_clip_spec(
+            m.arch, embed_dim=m.embed_dim,
+            vision=dict(image_size=image_size, in_chans=channels, patch_size=m.patch_size, dim=m.dim,
+                        depth=m.depth, heads=m.heads, mlp_ratio=m.mlp_ratio, attention=m.attention,
+                        stem=m.stem, drop_path=m.drop_path, dropout=m.dropout),
+            text=dict(dim=m.text_dim, depth=m.text_depth, heads=m.text_heads, attention=m.attention,
+                      context_length=m.context_length))
+    except KeyError as e:
+        raise ConfigError(f"config: model.arch: {e.args[0]}") from None
+    spec = spec.__class__(**{**spec.__dict__, "init_tau": cfg.clip.tau_init})
+    v, t = spec.vision, spec.text
+    if v.image_size % v.patch_size:
+        raise ConfigError(f"config: image size {v.image_size} is not divisible by patch size {v.patch_size} "
+                          f"(set data.image_size or model.patch_size)")
+    for what, d, h in (("model", v.dim, v.heads), ("model text", t.dim, t.heads)):
+        if d % h:
+            raise ConfigError(f"config: {what} dim {d} is not divisible by heads {h}")
+    return spec
+
+
+def build_task_data(cfg: Config, s):
+    """(data bundle, clip?) for this rank: image-text pairs for CLIP models, else labelled images."""
+    clip = is_clip_arch(cfg.model.arch)
+    if not clip and cfg.data.name in IMAGE_TEXT:
+        raise ConfigError(f"config: data.name={cfg.data.name} holds image-text pairs: train a CLIP model "
+                          f"(model.arch=clip_mini, clip_vit_b32, ...)")
+    if clip:
+        if cfg.train.accum_steps > 1:
+            raise ConfigError("config: train.accum_steps > 1 is not supported for CLIP: contrastive losses "
+                              "need the whole batch at once (lower data.batch_size or add processes)")
+        if cfg.data.name not in IMAGE_TEXT and not cfg.data.captions:
+            raise ConfigError(f"config: a CLIP model needs image-text pairs: data.name=openclipart|csv|"
+                              f"webdataset, or data.captions=true to caption {cfg.data.name}'s labels")
+        from .data import build_image_text
+        return build_image_text(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank,
+                                world_size=s.world_size, context_length=cfg.model.context_length), True
+    return build_data(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank, world_size=s.world_size), False
+
+
 class Trainer:
     """Builds data, model and strategy from a config; `fit()` trains, evaluates and checkpoints."""
 
@@ -57,27 +103,37 @@ class Trainer:
         if rem or not per_rank:
             raise ConfigError(f"config: data.batch_size ({cfg.data.batch_size}) must be a multiple of "
                               f"processes ({s.world_size}) x train.accum_steps ({cfg.train.accum_steps})")
-        self.data = build_data(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank,
-                               world_size=s.world_size)
+        self.data, self.clip = build_task_data(cfg, s)
         if cfg.data.batch_size > self.data.train_size:
             raise DataError(f"data.batch_size ({cfg.data.batch_size}) is larger than the training set "
                             f"({self.data.train_size} images)")
-        if cfg.model.num_classes and cfg.model.num_classes != self.data.num_classes:
+        if not self.clip and cfg.model.num_classes and cfg.model.num_classes != self.data.num_classes:
             raise ConfigError(f"config: model.num_classes={cfg.model.num_classes} but the dataset has "
                               f"{self.data.num_classes} classes (set 0 to follow the data)")
-        self.spec = model_spec(cfg, self.data.image_size, self.data.channels, self.data.num_classes)
+        if self.clip:
+            self.spec = clip_spec(cfg, self.data.image_size, self.data.channels)
+            self.flops_per_image = clip_forward_flops(self.spec)  # one (image, caption) pair
+        else:
+            self.spec = model_spec(cfg, self.data.image_size, self.data.channels, self.data.num_classes)
+            self.flops_per_image = vit_forward_flops(self.spec)
         torch.manual_seed(cfg.run.seed)
-        model = VisionTransformer(self.spec)  # the same initial weights on every rank
+        model = (CLIP if self.clip else VisionTransformer)(self.spec)  # the same initial weights on every rank
         if s.rank:  # a stream of its own per rank for dropout / stochastic depth
             torch.manual_seed(cfg.run.seed + 1_000_003 * s.rank)
         self.params = count_params(model)
-        self.flops_per_image = vit_forward_flops(self.spec)
         self.strategy.setup(model)
-        self.task = ClassificationTask(self.data.num_classes, cfg.train.label_smoothing,
-                                       cfg.train.eval_hflip_tta)
         self.steps_per_epoch = len(self.data.train)
         if self.steps_per_epoch == 0:
             raise DataError(f"data.batch_size ({cfg.data.batch_size}) gives no full batch per epoch")
+        if self.clip:
+            from .clip_task import ClipTask
+            from .losses import build_clip_loss
+            loss = build_clip_loss(cfg.clip, dataset_size=self.data.train_size, epochs=cfg.train.epochs,
+                                   steps_per_epoch=self.steps_per_epoch, device=s.device)
+            self.task = ClipTask(loss, cfg.model.context_length, cfg.clip.prompt_templates)
+        else:
+            self.task = ClassificationTask(self.data.num_classes, cfg.train.label_smoothing,
+                                           cfg.train.eval_hflip_tta)
         total = math.ceil(cfg.train.epochs * self.steps_per_epoch)
         self.total_steps = min(total, cfg.run.max_steps) if cfg.run.max_steps else total
         self.scheduler = build_scheduler(self.strategy.optimizer, cfg.optim, self.total_steps,
@@ -115,7 +171,8 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "rng": self.strategy.gather_objects(rng_state()),
                 "world_size": self.strategy.world_size, "step": self.step,
                 "train_time": self.train_time, "images_seen": self.images_seen, "steady": self.steady,
-                "best_acc": self.best_acc, "last_eval": self.last_eval, "spec": asdict(self.spec)}
+                "best_acc": self.best_acc, "last_eval": self.last_eval, "spec": asdict(self.spec),
+                "kind": "clip" if self.clip else "vit", "task": self.task.state_dict()}
 
     def _restore(self, state: dict) -> None:
         self.strategy.load_state_dict(state["strategy"])
@@ -132,6 +189,7 @@ class Trainer:
         self.images_seen, self.best_acc = state["images_seen"], state["best_acc"]
         self.steady = state["steady"]
         self.last_eval = state["last_eval"]
+        self.task.load_state_dict(state.get("task", {}))
 
     def save(self) -> Path:
         """Collective (every rank's RNG goes in); the main process writes."""
@@ -147,33 +205,39 @@ class Trainer:
 
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self) -> dict:
-        s = self.strategy
-        batches = max(s.gather_objects(len(self.data.test)))  # the same number of forwards on every rank
-        r = self.task.evaluate(s.eval_module(), self.data.test, s.autocast, s.prepare, batches)
-        # exact over the whole test set: each rank holds a disjoint shard; sum the counts
-        correct, count, loss_sum = s.all_reduce_sum(torch.tensor(
-            [r["correct"], r["count"], r["loss_sum"]], dtype=torch.float64, device=s.device)).tolist()
-        acc = correct / max(1, count)
+        """The task's metrics over the whole test set (every rank gets the same numbers)."""
+        r = self.task.evaluate_all(self.strategy, self.data)
         self.last_eval = {"step": self.step, "epoch": self.step / self.steps_per_epoch,
-                          "train_time_s": self.train_time, "test_accuracy": acc,
-                          "test_loss": loss_sum / max(1, count), "test_count": int(count)}
-        self.best_acc = acc if self.best_acc is None else max(self.best_acc, acc)
+                          "train_time_s": self.train_time, **r}
+        value = r.get(self.task.metric)
+        if value is not None:
+            self.best_acc = value if self.best_acc is None else max(self.best_acc, value)
         return self.last_eval
 
+    def describe_eval(self, ev: dict) -> str:
+        m, best = self.task.metric, self.best_acc
+        text = f"{m.replace('_', ' ')} {100 * ev.get(m, float('nan')):.2f}% (best {100 * (best or 0):.2f}%)"
+        zs = [f"{k[len('zeroshot_'):-len('_top1')]} zero-shot {100 * v:.2f}%" for k, v in ev.items()
+              if k.startswith("zeroshot_") and k.endswith("_top1")]
+        return ", ".join([text] + zs)
+
     # -- training ---------------------------------------------------------------------------------
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict]:
-        """One optimizer step over a batch split into accum_steps micro-batches; returns the loss."""
+    def train_step(self, batch: tuple) -> tuple[float, dict]:
+        """One optimizer step over a batch ((images, labels) or (images, tokens, index)) split
+        into accum_steps micro-batches; returns the loss."""
         s, A = self.strategy, self.cfg.train.accum_steps
-        total = torch.zeros((), device=x.device)
-        for i, (xm, ym) in enumerate(zip(x.chunk(A), y.chunk(A))):
+        total = torch.zeros((), device=batch[0].device)
+        for i, micro in enumerate(zip(*(t.chunk(A) for t in batch))):
             with s.no_sync() if i < A - 1 else contextlib.nullcontext():
                 with s.autocast():
-                    loss = self.task.loss(s.model(s.prepare(xm)), ym) / A
+                    loss = self.task.forward_loss(s.model, micro, s.prepare) / A
                 s.backward(loss)
             total += loss.detach()
         if s.world_size > 1:  # the mean over all ranks: every rank sees the same (NaN) loss
             total = s.all_reduce_sum(total) / s.world_size
-        return total.item(), s.step()
+        info = s.step()
+        self.task.after_step()
+        return total.item(), info
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank when `flag` holds on any (so that no rank waits for the others);
@@ -190,9 +254,10 @@ class Trainer:
         bar = Progress(self.total_steps, cfg.run.progress if main else "off", start=self.step,
                        every=cfg.run.log_every)
         sync = torch.cuda.synchronize if self.strategy.device.type == "cuda" else (lambda: None)
-        bar.message(f"run {self.run_dir}: {self.spec.depth}x{self.spec.dim} ViT, {self.params / 1e6:.2f}M params, "
-                    f"{self.spec.num_tokens} tokens, {self.flops_per_image / 1e6:.1f} MFLOPs/img fwd; "
-                    f"{self.data.train_size} train / {self.data.test_size} test images; "
+        bar.message(f"run {self.run_dir}: {self.describe_model()}, {self.params / 1e6:.2f}M params, "
+                    f"{self.flops_per_image / 1e6:.1f} MFLOPs/{'pair' if self.clip else 'img'} fwd; "
+                    f"{self.data.train_size} train / {self.data.test_size} test "
+                    f"{'pairs' if self.clip else 'images'}; "
                     f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
                     f"{cfg.train.accum_steps} micro-batches x "
                     f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; lr {self.lr:.3g}"
@@ -204,22 +269,23 @@ class Trainer:
         try:
             while self.step < self.total_steps and stop_reason == "done":
                 epoch, start = divmod(self.step, self.steps_per_epoch)
+                self.task.set_epoch(epoch)
                 batches = self.data.train.iterate(epoch, start_batch=start)
                 t_last = time.perf_counter()
                 while self.step < self.total_steps:
                     batch = next(batches, None)
                     if batch is None:
                         break
-                    x, y = batch
+                    n_local = batch[0].shape[0]
                     t_data = time.perf_counter() - t_last
                     # every image of a batch was unreadable (folder data): all ranks skip together
-                    if self._any_rank(x.shape[0] == 0):
+                    if self._any_rank(n_local == 0):
                         bar.message(f"step {self.step + 1}: no readable image in the batch; step skipped")
                         self.scheduler.step()
                         self.step += 1
                         t_last = time.perf_counter()
                         continue
-                    loss, info = self.train_step(x, y)
+                    loss, info = self.train_step(batch)
                     if not math.isfinite(loss):
                         where = f"; last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
                             "; no checkpoint was written before it"
@@ -230,7 +296,7 @@ class Trainer:
                     now = time.perf_counter()
                     dt, t_last = now - t_last, now
                     self.train_time += dt
-                    images = x.shape[0] * s.world_size  # global
+                    images = n_local * s.world_size  # global
                     self.images_seen += images
                     if not first:
                         self.steady = [self.steady[0] + dt, self.steady[1] + images]
@@ -244,7 +310,7 @@ class Trainer:
                                "step_time_s": window_t / max(1, window_imgs / images),
                                "data_time_s": window_data / max(1, window_imgs / images),
                                "grad_norm": info["grad_norm"], "skipped": info["skipped"],
-                               **s.comm_stats(round(window_imgs / images))}
+                               **self.task.logs(), **s.comm_stats(round(window_imgs / images))}
                         log.log(rec)
                         window_t, window_imgs, window_data = 0.0, 0, 0.0
                     bar.update(self.step, f"loss {loss:.4f} | {self.images_seen / self.train_time:.0f} img/s")
@@ -258,8 +324,7 @@ class Trainer:
                 if epoch_done and cfg.run.eval_every and (self.step // self.steps_per_epoch) % cfg.run.eval_every == 0:
                     ev = self.evaluate()
                     log.log({"kind": "eval", **ev}, prefix="eval")
-                    bar.message(f"epoch {ev['epoch']:.2f} step {self.step}: test accuracy "
-                                f"{100 * ev['test_accuracy']:.2f}% (best {100 * self.best_acc:.2f}%), "
+                    bar.message(f"epoch {ev['epoch']:.2f} step {self.step}: {self.describe_eval(ev)}, "
                                 f"{self.train_time:.0f}s training")
                 if epoch_done and not cfg.run.checkpoint_every:
                     self.save()
@@ -276,6 +341,13 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
+    def describe_model(self) -> str:
+        if self.clip:
+            v, t = self.spec.vision, self.spec.text
+            return (f"CLIP (image {v.depth}x{v.dim} ViT, {v.num_tokens} tokens; text {t.depth}x{t.dim}, "
+                    f"{t.context_length} tokens; embedding {self.spec.embed_dim})")
+        return f"{self.spec.depth}x{self.spec.dim} ViT, {self.spec.num_tokens} tokens"
+
     def state_bytes(self) -> dict:
         """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
         state; gradients, while they exist, take as many bytes as the parameters."""
@@ -286,7 +358,8 @@ class Trainer:
         return {"params": sum(local(p) for p in self.strategy.module.parameters()),
                 "master_params": sum(local(m) for m in master),
                 "optimizer_state": sum(local(v) for st in opt.state.values() for v in st.values()
-                                       if torch.is_tensor(v) and v.ndim)}
+                                       if torch.is_tensor(v) and v.ndim),
+                "loss_state": self.task.state_bytes()}
 
     def summary(self, stop_reason: str) -> dict:
         from .hardware import peak_flops
@@ -295,8 +368,8 @@ class Trainer:
         images_per_s = n / t if t else 0.0
         peak, peak_src = peak_flops(self.strategy.device, self.cfg.train.precision)
         train_flops = 3 * self.flops_per_image
-        return {"test_accuracy": self.last_eval["test_accuracy"], "best_test_accuracy": self.best_acc,
-                "test_loss": self.last_eval["test_loss"], "train_time_s": self.train_time,
+        metrics = {k: v for k, v in self.last_eval.items() if k not in ("step", "epoch", "train_time_s")}
+        return {**metrics, f"best_{self.task.metric}": self.best_acc, "train_time_s": self.train_time,
                 "images_per_s": images_per_s, "params": self.params,
                 "flops_per_image": self.flops_per_image, "train_flops_per_image": train_flops,
                 "mfu": train_flops * images_per_s / (peak * self.strategy.world_size),

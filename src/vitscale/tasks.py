@@ -9,6 +9,8 @@ from torch import nn
 
 
 class ClassificationTask:
+    metric = "test_accuracy"  # the metric whose best value a run keeps
+
     def __init__(self, num_classes: int, label_smoothing: float = 0.0, hflip_tta: bool = False):
         self.num_classes = num_classes
         self.label_smoothing = label_smoothing
@@ -21,6 +23,39 @@ class ClassificationTask:
             y = y * (1 - self.label_smoothing) + self.label_smoothing / self.num_classes
             return F.cross_entropy(logits, y)
         return F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
+
+    # the verbs the loop uses (the CLIP task has the same set)
+    def forward_loss(self, model, batch, prepare) -> torch.Tensor:
+        x, y = batch
+        return self.loss(model(prepare(x)), y)
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def logs(self) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+    def state_bytes(self) -> int:
+        return 0
+
+    def evaluate_all(self, s, data) -> dict:
+        """Accuracy and loss over the whole test set: each rank evaluates its disjoint shard with
+        the same number of forwards; the counts are summed exactly."""
+        batches = max(s.gather_objects(len(data.test)))
+        r = self.evaluate(s.eval_module(), data.test, s.autocast, s.prepare, batches)
+        correct, count, loss_sum = s.all_reduce_sum(torch.tensor(
+            [r["correct"], r["count"], r["loss_sum"]], dtype=torch.float64, device=s.device)).tolist()
+        return {"test_accuracy": correct / max(1, count), "test_loss": loss_sum / max(1, count),
+                "test_count": int(count)}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, loader, autocast, prepare=lambda x: x, batches: int = 0) -> dict:

@@ -50,9 +50,10 @@ class ConvStem(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention; `fused` picks scaled_dot_product_attention, else explicit math."""
+    """Multi-head self-attention; `fused` picks scaled_dot_product_attention, else explicit math.
+    `causal`: token t attends to tokens <= t only (the CLIP text transformer)."""
 
-    def __init__(self, dim: int, heads: int, fused: bool = True, dropout: float = 0.0):
+    def __init__(self, dim: int, heads: int, fused: bool = True, dropout: float = 0.0, causal: bool = False):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim {dim} is not divisible by heads {heads}")
@@ -62,6 +63,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.dropout = dropout
+        self.causal = causal
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -69,9 +71,12 @@ class Attention(nn.Module):
         q, k, v = qkv.unbind(0)  # each [B, h, T, hd]
         p = self.dropout if self.training else 0.0
         if self.fused:
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
         else:
             attn = (q * self.scale) @ k.transpose(-2, -1)  # [B, h, T, T]
+            if self.causal:
+                future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu_(1)
+                attn = attn.masked_fill(future, float("-inf"))
             attn = attn.softmax(dim=-1)
             if p:
                 attn = F.dropout(attn, p)
@@ -104,10 +109,10 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, fused_attn: bool = True,
-                 drop_path: float = 0.0, dropout: float = 0.0):
+                 drop_path: float = 0.0, dropout: float = 0.0, causal: bool = False):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, heads, fused=fused_attn, dropout=dropout)
+        self.attn = Attention(dim, heads, fused=fused_attn, dropout=dropout, causal=causal)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), dropout=dropout)
         self.drop_path = drop_path

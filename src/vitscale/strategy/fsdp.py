@@ -48,7 +48,8 @@ class FSDPStrategy(Distributed):
         mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=DTYPES[self.scfg.reduce_dtype])
         offload = CPUOffloadPolicy() if self.scfg.cpu_offload else OffloadPolicy()
         kw = dict(mp_policy=mp, offload_policy=offload, reshard_after_forward=self.scfg.reshard_after_forward)
-        for block in model.blocks:
+        from ..models.layers import Block
+        for block in [m for m in model.modules() if isinstance(m, Block)]:  # both towers of a CLIP
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         self.module = self.model = model

@@ -1,0 +1,141 @@
+"""The CLIP task: contrastive loss on (image, caption, index) batches; retrieval and zero-shot
+evaluation. It knows nothing about engines: it gets the model to call and the strategy's verbs.
+
+Evaluation
+- Retrieval on the held-out pairs: image->text and text->image recall@1/5/10. Captions with
+  identical tokens are indistinguishable, so any of them counts as a hit (with unique captions
+  this is the usual index match; with captions built from class names it is class retrieval).
+- Zero-shot classification: each class's text embedding is the normalized mean of its prompts'
+  normalized embeddings (CLIP's recipe); top-1 / top-5 accuracy over the set's images.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from .data.tokenizer import tokenize
+from .errors import DataError
+
+RECALL_K = (1, 5, 10)
+
+
+def recall_at_k(img: torch.Tensor, txt: torch.Tensor, caption_ids: torch.Tensor, ks=RECALL_K) -> dict:
+    """img, txt: [N, E] normalized features of N pairs; caption_ids [N]: equal ids = same caption.
+    Returns {'i2t_r1': ..., 't2i_r1': ..., ...} as fractions."""
+    sim = img.float() @ txt.float().T                                 # [N images, N texts]
+    same = caption_ids[:, None] == caption_ids[None, :]               # [N, N] positives
+    out = {}
+    for name, s, pos in (("i2t", sim, same), ("t2i", sim.T, same.T)):
+        # rank of the best positive = number of items scoring strictly higher than it
+        best_pos = s.masked_fill(~pos, float("-inf")).max(dim=1, keepdim=True).values
+        rank = (s > best_pos).sum(dim=1)                              # [N]
+        for k in ks:
+            out[f"{name}_r{k}"] = (rank < k).float().mean().item()
+    return out
+
+
+def caption_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """[N, L] token rows -> [N] ids, equal exactly where the rows are equal."""
+    return torch.unique(tokens, dim=0, return_inverse=True)[1]
+
+
+class ClipTask:
+    metric = "retrieval_r1"  # mean of image->text and text->image recall@1 on the held-out pairs
+
+    def __init__(self, loss_module, context_length: int, prompt_templates: str = "default"):
+        self.loss_module = loss_module
+        self.context_length = context_length
+        self.prompt_templates = prompt_templates
+        self.last_logs: dict = {}
+
+    # -- training ---------------------------------------------------------------------------------
+    def forward_loss(self, model, batch, prepare) -> torch.Tensor:
+        images, tokens, index = batch
+        img, txt, logit_scale = model(prepare(images), tokens)
+        loss, self.last_logs = self.loss_module(img, txt, logit_scale, index)
+        return loss
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loss_module.set_epoch(epoch)
+
+    def after_step(self) -> None:
+        self.loss_module.after_step()
+
+    def logs(self) -> dict:
+        return dict(self.last_logs)
+
+    def state_dict(self) -> dict:
+        return self.loss_module.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.loss_module.load_state_dict(sd)
+
+    def state_bytes(self) -> int:
+        return self.loss_module.state_bytes()
+
+    # -- evaluation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _encode(self, model, loader, autocast, prepare, batches: int, pairs: bool):
+        """This rank's shard: (image features, text features or None, tokens or labels).
+        Every rank runs `batches` forwards (empty ones past the end of its shard): sharded
+        engines need every rank in every forward."""
+        img, txt, second, empty = [], [], [], None
+        it = itertools.chain(loader.iterate(), itertools.repeat(None))
+        for _, b in zip(range(max(batches, len(loader))), it):
+            if b is None:
+                if empty is None:
+                    raise DataError("the held-out set is too small to give every process a batch "
+                                    "(use fewer processes or a larger test split)")
+                b = empty
+            empty = tuple(t[:0] for t in b)
+            with autocast():
+                i, t, _ = model(prepare(b[0]), b[1] if pairs else None)
+            img.append(i.float().cpu())
+            if pairs:
+                txt.append(t.float().cpu())
+            second.append(b[1].cpu())
+        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
+        return cat(img), cat(txt), cat(second)
+
+    @torch.no_grad()
+    def evaluate_all(self, s, data) -> dict:
+        """Metrics over the whole held-out set and every zero-shot set (all ranks get them)."""
+        model = s.eval_module()
+        was_training = model.training
+        model.eval()
+        out = {}
+        batches = max(s.gather_objects(len(data.test)))
+        if batches:
+            parts = s.gather_objects(self._encode(model, data.test, s.autocast, s.prepare, batches, True))
+            parts = [p for p in parts if len(p[0])]
+            img, txt = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            width = max(p[2].shape[1] for p in parts)
+            toks = torch.cat([F.pad(p[2], (0, width - p[2].shape[1])) for p in parts])
+            r = recall_at_k(img, txt, caption_ids(toks))
+            out["retrieval_r1"] = (r["i2t_r1"] + r["t2i_r1"]) / 2
+            out.update({f"test_{k}": v for k, v in r.items()})
+            out["test_pairs"] = len(img)
+        for name, zs in getattr(data, "zeroshot", {}).items():
+            out.update(self.zeroshot(s, model, name, zs))
+        model.train(was_training)
+        return out
+
+    def zeroshot(self, s, model, name: str, zs) -> dict:
+        templates = zs.templates if self.prompt_templates == "default" else ["a photo of a {}."]
+        prompts = [t.format(c) for c in zs.class_names for t in templates]
+        tokens = tokenize(prompts, self.context_length).to(s.device)
+        with s.autocast():
+            _, txt, _ = model(None, tokens)
+        classes = F.normalize(txt.float().view(len(zs.class_names), len(templates), -1).mean(1), dim=-1)
+        batches = max(s.gather_objects(len(zs.loader)))
+        img, _, labels = self._encode(model, zs.loader, s.autocast, s.prepare, batches, False)
+        k = min(5, len(zs.class_names))
+        top = (img @ classes.cpu().T).topk(k, dim=1).indices              # [n, k]
+        hit = top == labels[:, None]
+        counts = torch.tensor([hit[:, 0].sum().item(), hit.any(1).sum().item(), len(labels)],
+                              dtype=torch.float64, device=s.device)
+        c1, c5, n = s.all_reduce_sum(counts).tolist()
+        return {f"zeroshot_{name}_top1": c1 / max(1, n), f"zeroshot_{name}_top5": c5 / max(1, n),
+                f"zeroshot_{name}_count": int(n)}

@@ -1,0 +1,103 @@
+"""CLIP: a ViT image tower and a causal text tower projected to one embedding, plus a learnable
+`logit_scale` (log of the inverse temperature, used by the OpenCLIP mini-batch loss).
+
+    encode_image(images [B, C, H, W]) -> [B, E]     encode_text(tokens [B, L]) -> [B, E]
+    forward(images, tokens) -> (image features [B, E], text features [B, E], logit_scale [1]),
+    features L2-normalized. `logit_scale` has shape [1], not [] (FSDP2 cannot shard a 0-d tensor).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .text import TextSpec, TextTransformer, text_forward_macs
+from .vit import VisionTransformer, ViTSpec
+
+
+@dataclass(frozen=True)
+class ClipSpec:
+    vision: ViTSpec
+    text: TextSpec
+    embed_dim: int = 512
+    init_tau: float = 0.07
+
+
+# name -> (vision ViTSpec, text (dim, depth, heads), embed_dim)
+CLIP_REGISTRY: dict[str, ClipSpec] = {
+    # tests: a few thousand parameters per tower
+    "clip_tiny": ClipSpec(ViTSpec(image_size=32, patch_size=8, dim=32, depth=2, heads=2, mlp_ratio=2.0),
+                          TextSpec(dim=32, depth=2, heads=2, mlp_ratio=2.0, embed_dim=32), 32),
+    # CPU experiments at 64 px (OpenClipArt): 65 image tokens, short captions
+    "clip_mini": ClipSpec(ViTSpec(image_size=64, patch_size=8, dim=192, depth=6, heads=3),
+                          TextSpec(dim=192, depth=4, heads=3, embed_dim=192), 192),
+    "clip_small": ClipSpec(ViTSpec(image_size=224, patch_size=16, dim=384, depth=12, heads=6),
+                           TextSpec(dim=384, depth=12, heads=6, embed_dim=384), 384),
+    # CLIP's ViT-B/32 and ViT-B/16 (text width 512, 12 layers, 8 heads; embedding 512)
+    "clip_vit_b32": ClipSpec(ViTSpec(image_size=224, patch_size=32, dim=768, depth=12, heads=12),
+                             TextSpec(dim=512, depth=12, heads=8, embed_dim=512), 512),
+    "clip_vit_b16": ClipSpec(ViTSpec(image_size=224, patch_size=16, dim=768, depth=12, heads=12),
+                             TextSpec(dim=512, depth=12, heads=8, embed_dim=512), 512),
+}
+
+
+def is_clip_arch(arch: str) -> bool:
+    return arch.startswith("clip_")
+
+
+def resolve_clip_spec(arch: str, *, vision: dict | None = None, text: dict | None = None,
+                      embed_dim: int = 0) -> ClipSpec:
+    """Registry spec with overrides (zero/None values keep the registry's)."""
+    if arch not in CLIP_REGISTRY:
+        import difflib
+        close = difflib.get_close_matches(arch, CLIP_REGISTRY, n=1, cutoff=0.0)
+        raise KeyError(f"unknown CLIP model '{arch}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    spec = CLIP_REGISTRY[arch]
+    keep = lambda d: {k: v for k, v in (d or {}).items() if v not in (None, 0, 0.0, "")}  # noqa: E731
+    E = embed_dim or spec.embed_dim
+    return replace(spec, embed_dim=E, vision=replace(spec.vision, **keep(vision), num_classes=E, head="token"),
+                   text=replace(spec.text, **keep(text), embed_dim=E))
+
+
+class CLIP(nn.Module):
+    def __init__(self, spec: ClipSpec):
+        super().__init__()
+        self.spec = spec
+        self.visual = VisionTransformer(replace(spec.vision, num_classes=spec.embed_dim))  # head = projection
+        self.text = TextTransformer(replace(spec.text, embed_dim=spec.embed_dim))
+        self.logit_scale = nn.Parameter(torch.full((1,), math.log(1 / spec.init_tau)))
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.visual.set_grad_checkpointing(enable)
+        self.text.grad_checkpointing = enable
+
+    def no_weight_decay(self) -> set[str]:
+        return ({f"visual.{n}" for n in self.visual.no_weight_decay()}
+                | {f"text.{n}" for n in self.text.no_weight_decay()} | {"logit_scale"})
+
+    def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        f = self.visual(images)
+        return F.normalize(f, dim=-1) if normalize else f
+
+    def encode_text(self, tokens: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        f = self.text(tokens)
+        return F.normalize(f, dim=-1) if normalize else f
+
+    def forward(self, images: torch.Tensor | None, tokens: torch.Tensor | None):
+        """Either input may be None (its features come back None): evaluation encodes one side
+        through `forward`, so that engines that gather parameters in forward hooks (FSDP2,
+        ZeRO-3) see every call."""
+        img = None if images is None else self.encode_image(images)
+        txt = None if tokens is None else self.encode_text(tokens)
+        return img, txt, self.logit_scale
+
+
+def clip_forward_flops(spec: ClipSpec, text_length: int | None = None) -> int:
+    """FLOPs of one (image, caption) pair's forward pass, both towers (1 MAC = 2 FLOPs)."""
+    from .flops import vit_forward_macs
+    vision = replace(spec.vision, num_classes=spec.embed_dim)
+    return 2 * (vit_forward_macs(vision) + text_forward_macs(replace(spec.text, embed_dim=spec.embed_dim),
+                                                             text_length))

@@ -1,0 +1,86 @@
+"""The CLIP text tower: a causal transformer over BPE tokens, pooled at the end-of-text token.
+
+Shapes: tokens int64 [B, L] -> token embeddings [B, L, W] -> blocks (causal) -> ln_final ->
+the feature at each row's end-of-text position [B, W] -> projection [B, E].
+As in CLIP/OpenCLIP, the end-of-text token has the largest id (49407), so its position is
+`tokens.argmax(-1)`; padding (id 0) comes after it and is never attended to by it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .layers import Block
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    vocab_size: int = 49408
+    context_length: int = 77
+    dim: int = 512
+    depth: int = 12
+    heads: int = 8
+    mlp_ratio: float = 4.0
+    embed_dim: int = 512          # output (shared embedding) size
+    attention: str = "sdpa"       # "sdpa" | "explicit"
+
+
+class TextTransformer(nn.Module):
+    def __init__(self, spec: TextSpec):
+        super().__init__()
+        self.spec = spec
+        W = spec.dim
+        self.token_embedding = nn.Embedding(spec.vocab_size, W)
+        self.positional_embedding = nn.Parameter(torch.zeros(spec.context_length, W))
+        self.blocks = nn.ModuleList(
+            Block(W, spec.heads, spec.mlp_ratio, fused_attn=spec.attention == "sdpa", causal=True)
+            for _ in range(spec.depth))
+        self.ln_final = nn.LayerNorm(W, eps=1e-6)
+        self.proj = nn.Linear(W, spec.embed_dim, bias=False)
+        self.grad_checkpointing = False
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """OpenCLIP's text init: token 0.02, positions 0.01, then width- and depth-scaled stds."""
+        W, L = self.spec.dim, self.spec.depth
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.positional_embedding, std=0.01)
+        attn_std, proj_std, fc_std = W ** -0.5, W ** -0.5 * (2 * L) ** -0.5, (2 * W) ** -0.5
+        for blk in self.blocks:
+            nn.init.normal_(blk.attn.qkv.weight, std=attn_std)
+            nn.init.normal_(blk.attn.proj.weight, std=proj_std)
+            nn.init.normal_(blk.mlp.fc1.weight, std=fc_std)
+            nn.init.normal_(blk.mlp.fc2.weight, std=proj_std)
+            for b in (blk.attn.qkv.bias, blk.attn.proj.bias, blk.mlp.fc1.bias, blk.mlp.fc2.bias):
+                nn.init.zeros_(b)
+        nn.init.normal_(self.proj.weight, std=W ** -0.5)
+
+    def no_weight_decay(self) -> set[str]:
+        """Nothing beyond norms and biases (OpenCLIP decays the token and position embeddings)."""
+        return set()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        L = tokens.shape[1]
+        if L > self.spec.context_length:
+            raise ValueError(f"{L} tokens per caption, the model takes at most {self.spec.context_length}")
+        x = self.token_embedding(tokens) + self.positional_embedding[:L]  # [B, L, W]
+        for blk in self.blocks:
+            if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        x = self.ln_final(x)
+        x = x[torch.arange(x.shape[0], device=x.device), tokens.argmax(dim=-1)]  # [B, W] at end-of-text
+        return self.proj(x)  # [B, E]
+
+
+def text_forward_macs(spec: TextSpec, length: int | None = None) -> int:
+    """Multiply-accumulates of one caption's forward pass (matmuls; SDPA counted in full, as
+    torch.utils.flop_counter counts it, also where causal masking lets a kernel skip half)."""
+    W, T = spec.dim, length or spec.context_length
+    hidden = int(W * spec.mlp_ratio)
+    per_block = T * W * 3 * W + 2 * T * T * W + T * W * W + 2 * T * W * hidden
+    return spec.depth * per_block + W * spec.embed_dim
