@@ -32,7 +32,7 @@ def recall_at_k(img: torch.Tensor, txt: torch.Tensor, caption_ids: torch.Tensor,
         best_pos = s.masked_fill(~pos, float("-inf")).max(dim=1, keepdim=True).values
         rank = (s > best_pos).sum(dim=1)                              # [N]
         for k in ks:
-            out[f"{name}_r{k}"] = (rank < k).float().mean().item()
+            out[f"{name}_r{k}"] = (rank < k).double().mean().item()
     return out
 
 
