@@ -39,13 +39,40 @@ def world(group) -> tuple[int, int, object]:
     return dist.get_world_size(group), dist.get_rank(group), group
 
 
+# torch >= 2.13 names them *_single and deprecates *_into_tensor / *_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def gather_no_grad(x: torch.Tensor, k: int, group) -> torch.Tensor:
     """[b, ...] -> [k*b, ...] in rank order, no autograd (sends (k-1)*numel(x))."""
     if k == 1:
         return x.detach()
-    out = [torch.empty_like(x) for _ in range(k)]
-    dist.all_gather(out, x.detach().contiguous(), group=group)
-    return torch.cat(out)
+    out = torch.empty((k * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x.detach().contiguous(), group=group)
+    return out
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """all_gather whose backward is a reduce-scatter (sum): rank r gets sum_q dL_q/dx_r.  gloo has no
+    reduce-scatter, so there it is an all_to_all followed by a local sum (same elements sent)."""
+
+    @staticmethod
+    def forward(ctx, x, k, group):
+        ctx.k, ctx.group = k, group
+        out = torch.empty((k * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "gloo":
+            parts = list(torch.empty_like(grad).chunk(ctx.k))
+            dist.all_to_all(parts, list(grad.chunk(ctx.k)), group=ctx.group)
+            return torch.stack(parts).sum(0), None, None
+        out = torch.empty_like(grad.chunk(ctx.k)[0])
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, grad, group=ctx.group)
+        return out, None, None
 
 
 def no_autocast(device_type: str):
@@ -99,8 +126,7 @@ class ClipLoss(nn.Module):
     @staticmethod
     def gather_with_grad(x: torch.Tensor, k: int, group) -> torch.Tensor:
         """[b, d] -> [k*b, d]; the backward sums the gathered gradients of all ranks into x's."""
-        import torch.distributed.nn.functional as dnnf
-        return torch.cat(dnnf.all_gather(x.contiguous(), group=group))
+        return _GatherWithGrad.apply(x, k, group)
 
     def forward(self, img_f, txt_f, logit_scale, index=None):
         k, rank, group = world(self.group)

@@ -1,0 +1,116 @@
+"""Launched by tests/test_clip_losses_dist.py: K gloo ranks (torch.multiprocessing.spawn, FileStore)
+train a tiny two-tower linear "model" wrapped in DDP, each rank with its slice of a global batch, and
+compare with the single-process full-batch loss on the whole batch (computed by rank 0 before the
+process group exists).  Writes {variant: {"max_rel": ..., "comm": ..., ...}} to the JSON at argv[2]."""
+import json
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from vitscale.losses import ClipLoss, FastClipLoss
+
+B, D, P, NDATA, STEPS = 3, 4, 6, 40, 2        # per-rank batch, feature dim, input dim, dataset size
+VARIANTS = ("openclip", "fastclip_v1", "fastclip_v3", "fastclip_v2")
+
+
+class Towers(nn.Module):
+    def __init__(self, with_scale):
+        super().__init__()
+        torch.manual_seed(0)
+        self.img, self.txt = nn.Linear(P, D), nn.Linear(P, D)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07))) if with_scale else None
+
+    def forward(self, xi, xt):
+        return F.normalize(self.img(xi), dim=1), F.normalize(self.txt(xt), dim=1)
+
+
+def data(k):
+    g = torch.Generator().manual_seed(1)
+    xs = [(torch.randn(k * B, P, generator=g), torch.randn(k * B, P, generator=g),
+           torch.randperm(NDATA, generator=g)[:k * B]) for _ in range(STEPS)]
+    u0 = torch.rand(2, NDATA, generator=g, dtype=torch.float64) + 0.5
+    t0 = torch.rand(2, NDATA, generator=g) * 0.05 + 0.03
+    return xs, u0, t0
+
+
+def make_loss(variant, u0, t0):
+    if variant == "openclip":
+        return ClipLoss()
+    m = FastClipLoss(variant, dataset_size=NDATA, gamma_schedule="cosine", gamma_min=0.2,
+                     gamma_decay_epochs=4, tau_init=0.05, tau_lr=1e-3, rho=6.5, eps=1e-14)
+    m.set_epoch(1)                                    # gamma < 1: the old u matters
+    m.lu1.copy_(u0[0].log()), m.lu2.copy_(u0[1].log())
+    if m.individual:
+        m.tau1.copy_(t0[0]), m.tau2.copy_(t0[1])
+    return m
+
+
+def run(variant, k, rank, model, loss_mod, xs):
+    """STEPS forward/backward/after_step; returns per-step grads, losses, temperature grads, state."""
+    out = {"grads": [], "loss": [], "tau_grad": []}
+    sl = slice(rank * B, (rank + 1) * B) if k > 1 else slice(None)
+    for xi, xt, idx in xs:
+        model.zero_grad()
+        e1, e2 = model(xi[sl], xt[sl])
+        scale = (model.module if k > 1 else model).logit_scale
+        loss, _ = loss_mod(e1, e2, scale if scale is not None else torch.zeros(()), idx[sl])
+        loss.backward()
+        out["grads"].append([p.grad.clone() for p in model.parameters()])
+        out["loss"].append(loss.item())
+        pend = getattr(loss_mod, "_pending", None)
+        if torch.is_tensor(pend):
+            out["tau_grad"].append(pend.clone())
+        loss_mod.after_step()
+    out["state"] = {k_: v for k_, v in loss_mod.state_dict().items() if torch.is_tensor(v)}
+    return out
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def worker(rank, k, path, store):
+    xs, u0, t0 = data(k)
+    refs = {}
+    if rank == 0:                                      # single process, whole global batch
+        for v in VARIANTS:
+            refs[v] = run(v, 1, 0, Towers(v == "openclip"), make_loss(v, u0, t0), xs)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=k)
+    results = {}
+    for v in VARIANTS:
+        model = nn.parallel.DistributedDataParallel(Towers(v == "openclip"))
+        loss_mod = make_loss(v, u0, t0)
+        got = run(v, k, rank, model, loss_mod, xs)
+        allgot = [None] * k
+        dist.all_gather_object(allgot, {"loss": got["loss"], "state": got["state"]})
+        if rank == 0:
+            ref = refs[v]
+            r = {"grad": max(rel(a, b) for ga, gb in zip(got["grads"], ref["grads"]) for a, b in zip(ga, gb))}
+            if v != "openclip":  # every rank reports the global objective estimate
+                r["loss"] = max(abs(x - y) / abs(y) for o in allgot for x, y in zip(o["loss"], ref["loss"]))
+                r["state"] = max(rel(o["state"][n].masked_fill(o["state"][n] == -math.inf, 0),
+                                     ref["state"][n].masked_fill(ref["state"][n] == -math.inf, 0))
+                                 for o in allgot for n in ref["state"])
+            else:                # mean over ranks of the local losses = full-batch InfoNCE
+                r["loss"] = max(abs(sum(o["loss"][s] for o in allgot) / k - ref["loss"][s]) / ref["loss"][s]
+                                for s in range(STEPS))
+            if got["tau_grad"]:
+                r["tau_grad"] = max(abs(a.item() - b.item()) / abs(b.item())
+                                    for a, b in zip(got["tau_grad"], ref["tau_grad"]))
+            results[v] = {"max_rel": r, "comm": loss_mod.comm_elements}
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump({"k": k, "b": B, "d": D, "steps": STEPS, "results": results}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    k, path = int(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    mp.spawn(worker, args=(k, path, path + ".store"), nprocs=k, join=True)
