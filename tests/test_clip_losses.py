@@ -300,3 +300,24 @@ def test_shard_state_refused():
     c.loss, c.shard_state = "fastclip_v3", True
     with pytest.raises(ValueError, match="not implemented"):
         build_clip_loss(c, dataset_size=10, epochs=2, steps_per_epoch=1, device="cpu")
+
+
+def test_losses_compute_in_fp32_under_autocast_and_take_bf16_features():
+    e1, e2 = feats(6, 8, seed=7)
+    for m in (ClipLoss(), make("fastclip_v3")):
+        a, _ = m(e1.float(), e2.float(), torch.tensor(2.0), torch.arange(6))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            b, _ = m(e1.float(), e2.float(), torch.tensor(2.0), torch.arange(6))
+            c, _ = m(e1.bfloat16(), e2.bfloat16(), torch.tensor(2.0), torch.arange(6))
+        assert b.dtype == torch.float32 and a.item() == b.item() and torch.isfinite(c)
+
+
+def test_gamma_zero_keeps_u():
+    m = make("fastclip_v1", gamma_min=0.0, gamma_decay_epochs=1)
+    e1, e2 = feats(4, 3)
+    m(e1.float(), e2.float(), None, torch.arange(4))
+    u = m.lu1.clone()
+    m.set_epoch(3)
+    assert m.gamma == 0.0
+    loss, _ = m(e1.float(), e2.float(), None, torch.arange(4))
+    assert torch.equal(m.lu1, u) and torch.isfinite(loss)

@@ -143,10 +143,11 @@ class FastClipLoss(nn.Module):
         log_nm1 = math.log(n_all - 1)
         lg, log_eps = self.gamma, (math.log(self.eps) if self.eps > 0 else -math.inf)
         log_keep = math.log(1 - lg) if lg < 1 else -math.inf
+        log_gam = math.log(lg) if lg > 0 else -math.inf
         cols, L = [index.double()], []
         for z, lu in ((z1, self.lu1), (z2, self.lu2)):
             log_g = torch.logsumexp(z.detach(), 1) - log_nm1                  # log g_i [b]
-            lu_new = torch.logaddexp(lu[index].float() + log_keep, log_g + math.log(lg))
+            lu_new = torch.logaddexp(lu[index].float() + log_keep, log_g + log_gam)
             cols.append(lu_new.double())
             L.append(torch.logaddexp(lu_new, torch.full_like(lu_new, log_eps)))  # log(eps + u)
         if self.learn_global or self.individual:
