@@ -11,10 +11,11 @@ import torch
 
 from ..errors import DataError
 from .fetch import data_home, default_root, download
+from .image_text import ImageTextBundle, build_image_text
 from .loaders import DataBundle, TensorEvalLoader, TensorTrainLoader
 
 __all__ = ["DataBundle", "build_data", "download", "default_root", "data_home",
-           "TensorTrainLoader", "TensorEvalLoader"]
+           "TensorTrainLoader", "TensorEvalLoader", "ImageTextBundle", "build_image_text"]
 
 
 def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> DataBundle:

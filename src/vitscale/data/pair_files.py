@@ -1,0 +1,381 @@
+"""Image-text pairs on disk: a CSV/TSV of (image path, caption), or webdataset tar shards.
+
+Both are random-access record lists decoded per batch in DataLoader worker processes with PIL,
+exactly like folder.py (random-resized crop + flip for training, central crop for evaluation,
+seeded per image, so batches do not depend on the number of workers), which gives every
+image-text source the same batching: `EpochPlan` global batches, rank slices, exact resume,
+lockstep steps on every rank.
+
+webdataset (img2dataset / OpenCLIP layout: KEY.jpg|jpeg|png|webp + KEY.txt [+ KEY.json] in
+uncompressed .tar files): each shard is scanned once (member offsets and captions, cached under
+data_home()/webdataset-index keyed by path, size and mtime); samples are then read by seeking to
+their offset, so every rank and worker reads exactly the samples of its batches. The stable index
+is the position in the sorted shard list (shard offset + position in the shard). This wants
+shards on a local or network file system, not streamed from object storage.
+
+Held-out pairs: data.test_root (another CSV / shard set), else the samples whose crc32(key)
+falls below data.test_fraction (key = the image path as written in the CSV, or the sample KEY),
+the same split on every machine. Unreadable images are dropped from their batch and counted.
+"""
+from __future__ import annotations
+
+import csv
+import functools
+import glob
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import tarfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import DataError
+from .fetch import data_home
+from .folder import _Batches, _FolderLoader, decode, eval_keys, train_keys
+from .sampler import EpochPlan, generator, shard_range
+from .transforms import BatchAugment
+
+log = logging.getLogger("vitscale.data")
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)           # OpenAI CLIP's
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+def held_out(key: str, fraction: float) -> bool:
+    """Stable across runs and machines (not Python's salted hash())."""
+    return zlib.crc32(key.encode("utf-8")) < fraction * 2**32
+
+
+@dataclass
+class Records:
+    """N samples: captions, keys, and where each image is (a file, or bytes inside a shard)."""
+    captions: np.ndarray            # [N] str
+    keys: np.ndarray                # [N] str (split key)
+    paths: np.ndarray               # [N] str: image file, or the shard for tar records
+    offset: np.ndarray | None = None   # [N] int64 byte offset inside the shard (tar only)
+    size: np.ndarray | None = None     # [N] int64
+
+    def __len__(self):
+        return len(self.captions)
+
+    def take(self, mask: np.ndarray) -> "Records":
+        pick = lambda a: None if a is None else a[mask]  # noqa: E731
+        return Records(self.captions[mask], self.keys[mask], self.paths[mask], pick(self.offset),
+                       pick(self.size))
+
+    def split(self, fraction: float):
+        test = np.array([held_out(k, fraction) for k in self.keys.tolist()], dtype=bool)
+        return self.take(~test), self.take(test)
+
+
+# ---------------------------------------------------------------- CSV / TSV
+def read_csv(path: str, image_key: str, caption_key: str) -> Records:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"csv dataset: {p} not found")
+    sep = "\t" if p.suffix.lower() == ".tsv" else ","
+    with open(p, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=sep)
+        cols = reader.fieldnames or []
+        for key, what in ((image_key, "data.csv_image_key"), (caption_key, "data.csv_caption_key")):
+            if key not in cols:
+                raise DataError(f"csv dataset {p}: no column '{key}' ({what}); columns: "
+                                f"{', '.join(cols) or 'none (empty file)'}")
+        rows = [(r[image_key] or "", r[caption_key] or "") for r in reader]
+    if not rows:
+        raise DataError(f"csv dataset {p}: no rows")
+    base = p.parent
+    paths = [str(Path(i) if os.path.isabs(i) else base / i) for i, _ in rows]
+    return Records(np.array([c for _, c in rows]), np.array([i for i, _ in rows]), np.array(paths))
+
+
+# ---------------------------------------------------------------- webdataset shards
+def expand_braces(pattern: str) -> list[str]:
+    """'a/{000..003}.tar' and 'a/{x,y}.tar' (nested, several groups) -> the list of names."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    body, head, tail = m.group(1), pattern[:m.start()], pattern[m.end():]
+    r = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if r:
+        a, b = r.groups()
+        width = len(a) if a.startswith("0") or len(a) == len(b) else 0
+        items = [str(i).zfill(width) for i in range(int(a), int(b) + 1)]
+    else:
+        items = body.split(",")
+    return [x for it in items for x in expand_braces(head + it + tail)]
+
+
+def shard_list(root: str) -> list[str]:
+    if not root:
+        raise DataError("data.root must name the webdataset shards (a folder of .tar files or a "
+                        "pattern like /data/{00000..00009}.tar)")
+    p = Path(root).expanduser()
+    if p.is_dir():
+        shards = sorted(str(s) for s in p.glob("*.tar"))
+    else:
+        shards = sorted({s for pat in expand_braces(str(p)) for s in glob.glob(pat)})
+        missing = [s for s in expand_braces(str(p)) if not any(ch in s for ch in "*?[") and not os.path.exists(s)]
+        if missing:
+            raise DataError(f"webdataset: {len(missing)} shard(s) of {root} not found, e.g. {missing[0]}")
+    if not shards:
+        raise DataError(f"webdataset: no .tar shards at {root}")
+    return shards
+
+
+def scan_shard(path: str) -> dict:
+    """{keys, exts, offsets, sizes, captions, incomplete}: one pass over the tar's headers."""
+    samples: dict = {}
+    try:
+        with tarfile.open(path, "r:") as tf:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                d, base = os.path.split(m.name)
+                if "." not in base:
+                    continue
+                stem, ext = base.split(".", 1)
+                s = samples.setdefault(os.path.join(d, stem), {})
+                ext = ext.lower()
+                if ext in IMAGE_EXTS and "img" not in s:
+                    s["img"] = (m.offset_data, m.size)
+                elif ext == "txt":
+                    s["txt"] = tf.extractfile(m).read().decode("utf-8", "replace").strip()
+    except (tarfile.TarError, OSError) as e:
+        raise DataError(f"webdataset: cannot read shard {path} ({type(e).__name__}: {e}); shards "
+                        f"must be uncompressed .tar") from None
+    out = {"keys": [], "offsets": [], "sizes": [], "captions": [], "incomplete": 0}
+    for key, s in samples.items():
+        if "img" not in s or "txt" not in s:
+            out["incomplete"] += 1
+            continue
+        out["keys"].append(key)
+        out["offsets"].append(s["img"][0])
+        out["sizes"].append(s["img"][1])
+        out["captions"].append(s["txt"])
+    return out
+
+
+def shard_index(path: str) -> dict:
+    """scan_shard, cached on disk (keyed by absolute path, size and mtime)."""
+    st = os.stat(path)
+    tag = hashlib.blake2b(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode(),
+                          digest_size=12).hexdigest()
+    cache = data_home() / "webdataset-index" / f"{tag}.json"
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):
+        pass
+    idx = scan_shard(path)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(idx))
+        os.replace(tmp, cache)
+    except OSError as e:
+        log.warning("webdataset: could not cache the index of %s (%s)", path, e)
+    return idx
+
+
+def read_shards(root: str) -> Records:
+    caps, keys, paths, offs, sizes, incomplete = [], [], [], [], [], 0
+    for shard in shard_list(root):
+        idx = shard_index(shard)
+        n = len(idx["keys"])
+        caps += idx["captions"]
+        keys += idx["keys"]
+        paths += [shard] * n
+        offs += idx["offsets"]
+        sizes += idx["sizes"]
+        incomplete += idx["incomplete"]
+    if incomplete:
+        log.warning("webdataset %s: skipped %d sample(s) without an image or a .txt caption",
+                    root, incomplete)
+    if not keys:
+        raise DataError(f"webdataset: no samples (KEY.jpg + KEY.txt) in {root}")
+    return Records(np.array(caps), np.array(keys), np.array(paths),
+                   np.array(offs, dtype=np.int64), np.array(sizes, dtype=np.int64))
+
+
+# ---------------------------------------------------------------- decoding in workers
+class PairDataset(torch.utils.data.Dataset):
+    """Keys (index, sample seed) -> (image uint8 [3,S,S] or None, tokens [L], index, source, error)."""
+
+    def __init__(self, rec: Records, size: int, hflip: bool, context_length: int):
+        self.rec, self.size, self.hflip, self.context_length = rec, size, hflip, context_length
+
+    def __len__(self):
+        return len(self.rec)
+
+    def _source(self, i: int):
+        path = str(self.rec.paths[i])
+        if self.rec.offset is None:
+            return path, path
+        with open(path, "rb") as f:
+            f.seek(int(self.rec.offset[i]))
+            data = f.read(int(self.rec.size[i]))
+        return io.BytesIO(data), f"{path}:{self.rec.keys[i]}"
+
+    def __getitem__(self, key):
+        from .tokenizer import get_tokenizer
+        i, sample_seed = key
+        tokens = get_tokenizer()(str(self.rec.captions[i]), self.context_length)[0]
+        try:
+            src, name = self._source(i)
+        except OSError as e:
+            return None, tokens, i, str(self.rec.paths[i]), f"{type(e).__name__}: {e}"
+        try:
+            return decode(src, self.size, sample_seed, self.hflip), tokens, i, name, ""
+        except Exception as e:  # noqa: BLE001 - unreadable, truncated, not an image ...
+            return None, tokens, i, name, f"{type(e).__name__}: {e}"
+
+
+def collate(items, size: int):
+    """-> x uint8 [b,3,S,S], tokens [b,L], index [b], kept positions [b], failures."""
+    keep = [j for j, it in enumerate(items) if it[0] is not None]
+    L = items[0][1].shape[0] if items else 1
+    x = torch.stack([items[j][0] for j in keep]) if keep else torch.empty(0, 3, size, size, dtype=torch.uint8)
+    tok = torch.stack([items[j][1] for j in keep]) if keep else torch.empty(0, L, dtype=torch.long)
+    idx = torch.tensor([items[j][2] for j in keep], dtype=torch.long)
+    return x, tok, idx, torch.tensor(keep, dtype=torch.long), [(it[3], it[4]) for it in items if it[0] is None]
+
+
+class _PairLoader(_FolderLoader):
+    def _make(self, dataset, keys_for, num_batches, cfg):
+        self.dataset, self.skipped = dataset, 0
+        self._sampler = _Batches(num_batches, keys_for)
+        workers = cfg.num_workers
+        self._loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=self._sampler, num_workers=workers,
+            collate_fn=functools.partial(collate, size=dataset.size),
+            pin_memory=self.device.type == "cuda", persistent_workers=workers > 0)
+
+    def _pairs(self, epoch: int, start: int):
+        self._sampler.epoch, self._sampler.start = epoch, start
+        for b, (x, tok, idx, keep, failures) in enumerate(self._loader, start):
+            for src, err in failures:
+                self.skipped += 1
+                log.warning("skipped unreadable image %s (%s); %d skipped so far", src, err, self.skipped)
+            dev = self.device
+            yield b, x.to(dev, non_blocking=True), tok.to(dev, non_blocking=True), idx.to(dev), keep
+
+
+class PairFileTrainLoader(_PairLoader):
+    def __init__(self, dataset, plan: EpochPlan, augment: BatchAugment, cfg, *, seed, device):
+        self.plan, self.augment, self.seed, self.device = plan, augment, seed, torch.device(device)
+        self.batch_size = plan.batch_size // plan.world_size
+        self._make(dataset, train_keys(plan, seed), len(plan), cfg)
+
+    def __len__(self):
+        return len(self.plan)
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        return self.plan.indices(epoch)
+
+    def iterate(self, epoch: int, start_batch: int = 0):
+        if start_batch < 0:
+            raise DataError(f"data: start_batch must be >= 0, got {start_batch}")
+        for b, x, tok, idx, keep in self._pairs(epoch, start_batch):
+            n_global = len(self.plan.global_batch(epoch, b))
+            lo, hi = self.plan.local_range(n_global)
+            params = self.augment.draw(generator("aug", self.seed, epoch, b), n_global)
+            x, idx = self.augment(x, idx, params.take(slice(lo, hi)).take(keep))
+            yield x, tok, idx
+
+
+class PairFileEvalLoader(_PairLoader):
+    def __init__(self, dataset, cfg, norm, *, device, rank=0, world_size=1):
+        self.norm, self.device = norm, torch.device(device)
+        self.batch_size = cfg.eval_batch_size
+        self.lo, self.hi = shard_range(len(dataset), rank, world_size)
+        self.num_samples = self.hi - self.lo
+        self._make(dataset, eval_keys(self.lo, self.hi, self.batch_size), len(self), cfg)
+
+    def __len__(self):
+        return -(-self.num_samples // self.batch_size)
+
+    def indices(self) -> torch.Tensor:
+        return torch.arange(self.lo, self.hi)
+
+    def iterate(self):
+        for _, x, tok, idx, _ in self._pairs(0, 0):
+            yield self.norm(x), tok, idx
+
+
+class FolderPairs:
+    """A folder classification bundle's loaders as pairs: tokens = class_tokens[label]."""
+
+    def __init__(self, inner, class_tokens, train: bool):
+        self.inner, self.train = inner, train
+        self.class_tokens = class_tokens.to(inner.device)
+        self.batch_size = inner.batch_size
+        self.num_samples = getattr(inner, "num_samples", None)
+
+    @classmethod
+    def wrap(cls, data, class_tokens):
+        return cls(data.train, class_tokens, True), cls(data.test, class_tokens, False)
+
+    @property
+    def skipped(self):
+        return self.inner.skipped
+
+    def __len__(self):
+        return len(self.inner)
+
+    def indices(self, *epoch):
+        return self.inner.indices(*epoch)
+
+    def close(self):
+        self.inner.close()
+
+    def iterate(self, epoch: int = 0, start_batch: int = 0):
+        inner = self.inner
+        if start_batch < 0:
+            raise DataError(f"data: start_batch must be >= 0, got {start_batch}")
+        for b, x, y, keep in inner._batches(epoch if self.train else 0, start_batch if self.train else 0):
+            keep_d = keep.to(x.device)
+            if self.train:
+                g = inner.plan.global_batch(epoch, b)
+                lo, hi = inner.plan.local_range(len(g))
+                idx = g[lo:hi].to(x.device)[keep_d]
+                params = inner.augment.draw(generator("aug", inner.seed, epoch, b), len(g))
+                x, _ = inner.augment(x, y, params.take(slice(lo, hi)).take(keep))
+            else:
+                idx = inner.lo + b * inner.batch_size + keep_d
+                x = inner.norm(x)
+            yield x, self.class_tokens[y], idx
+
+
+def build(cfg, *, device, seed: int, rank: int, world_size: int, context_length: int):
+    from .image_text import ImageTextBundle
+    if cfg.name == "csv":
+        if not cfg.root:
+            raise DataError("data.root must name the csv/tsv file for data.name = 'csv'")
+        read = lambda p: read_csv(p, cfg.csv_image_key, cfg.csv_caption_key)  # noqa: E731
+    else:
+        read = read_shards
+    rec = read(cfg.root)
+    if cfg.test_root:
+        train, test = rec, read(cfg.test_root)
+    else:
+        train, test = rec.split(cfg.test_fraction)
+    if not len(train):
+        raise DataError(f"{cfg.name} dataset {cfg.root}: every sample fell in the held-out split")
+    size = cfg.image_size or 224
+    plan = EpochPlan(len(train), cfg.batch_size, seed=seed, drop_last=True, rank=rank,
+                     world_size=world_size)
+    augment = BatchAugment(cfg, mean=CLIP_MEAN, std=CLIP_STD, num_classes=1, crop_flip=False)
+    train_loader = PairFileTrainLoader(PairDataset(train, size, cfg.hflip, context_length), plan,
+                                       augment, cfg, seed=seed, device=device)
+    test_loader = PairFileEvalLoader(PairDataset(test, size, False, context_length), cfg, augment.norm,
+                                     device=device, rank=rank, world_size=world_size)
+    return ImageTextBundle(train=train_loader, test=test_loader, zeroshot={}, train_size=len(train),
+                           test_size=len(test), channels=3, image_size=size, mean=CLIP_MEAN,
+                           std=CLIP_STD, captions_test=test.captions.tolist())
