@@ -26,15 +26,15 @@ def sets(items):
     return [a for item in items for a in ("--set", item)]
 
 
-def torchrun(out, extra, nproc=2, timeout=240, resume=None):
-    what = ["--resume", str(resume)] if resume else [TINY, "--out", str(out), *sets(BASE + extra)]
+def torchrun(out, extra, nproc=2, timeout=240, resume=None, config=TINY, base=BASE):
+    what = ["--resume", str(resume)] if resume else [config, "--out", str(out), *sets(base + extra)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "vitscale", "train", *what]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if p.returncode and "address already in use" in p.stderr.lower():  # free_port() lost a race
-        return torchrun(out, extra, nproc, timeout, resume)
+        return torchrun(out, extra, nproc, timeout, resume, config, base)
     return p
 
 

@@ -55,7 +55,9 @@ class ClipTask:
         images, tokens, index = batch
         img, txt, logit_scale = model(prepare(images), tokens)
         loss, self.last_logs = self.loss_module(img, txt, logit_scale, index)
-        return loss
+        # the global losses keep their own temperature and leave logit_scale unused; a zero
+        # gradient keeps every parameter in the graph (DDP and ZeRO expect one for each)
+        return loss + 0.0 * logit_scale.sum()
 
     def set_epoch(self, epoch: int) -> None:
         self.loss_module.set_epoch(epoch)
