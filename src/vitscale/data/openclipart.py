@@ -35,7 +35,9 @@ ROOT = Path("/usr/share/openclipart")
 NO_ZEROSHOT = ("special", "unsorted")
 TEMPLATES = ("clip art of {}.", "a drawing of {}.", "an icon of {}.", "a cartoon of {}.")
 MAX_KEYWORDS = 8
-DROP_KEYWORDS = {"unsorted", "clip art", "clipart", "image", "svg", "png", "media", "public domain"}
+FORMAT = "v1"               # bump when captions or decoding change (cache key)
+MAX_PIXELS = 40_000_000     # 18 posters of 100-230 Mpixel would take minutes and GBs: skipped
+DROP_KEYWORDS = {"unsorted", "hash", "clip art", "clipart", "image", "svg", "png", "media", "public domain"}
 
 
 def _text(s: str) -> str:
@@ -94,6 +96,8 @@ def caption_for(svg: str, stem: str) -> tuple[str, bool, bool]:
 def load_image(path: str, size: int) -> np.ndarray:
     """PNG -> uint8 [size,size,3]: alpha over white, fit inside the square, white padding."""
     with Image.open(path) as img:
+        if img.size[0] * img.size[1] > MAX_PIXELS:
+            raise ValueError(f"{img.size[0]}x{img.size[1]} is over {MAX_PIXELS // 10**6} Mpixel")
         img = img.convert("RGBA")
         bg = Image.new("RGBA", img.size, (255, 255, 255, 255))
         img = Image.alpha_composite(bg, img).convert("RGB")
@@ -107,7 +111,8 @@ def load_image(path: str, size: int) -> np.ndarray:
 
 
 def _one(args):
-    warnings.simplefilter("ignore", Image.DecompressionBombWarning)   # a few posters are huge
+    warnings.simplefilter("ignore", Image.DecompressionBombWarning)   # MAX_PIXELS guards us
+    Image.MAX_IMAGE_PIXELS = None
     root, rel, size = args
     png = os.path.join(root, "png", rel)
     svg = os.path.join(root, "svg", rel[:-4] + ".svg")
@@ -173,7 +178,7 @@ def load(root: str = "", size: int = 64, *, limit: int | None = None) -> dict:
         small = [r for r in rels if (root_p / "png" / r).stat().st_size < 256_000]   # fast subset
         step = max(1, len(small) // limit)
         return decode_all(root_p, small[::step][:limit], size)
-    tag = hashlib.blake2b(("\n".join([str(root_p.resolve())] + rels)).encode(), digest_size=6).hexdigest()
+    tag = hashlib.blake2b(("\n".join([FORMAT, str(root_p.resolve())] + rels)).encode(), digest_size=6).hexdigest()
     cache = data_home() / f"openclipart_{size}_{tag}.pt"
     if cache.exists():
         try:
@@ -181,6 +186,7 @@ def load(root: str = "", size: int = 64, *, limit: int | None = None) -> dict:
         except Exception as e:  # noqa: BLE001 - a corrupt cache is rebuilt
             log.warning("OpenClipArt: rebuilding unreadable cache %s (%s)", cache, e)
     log.info("OpenClipArt: decoding %d images at %dx%d once (cache: %s)", len(rels), size, size, cache)
+    print(f"OpenClipArt: decoding {len(rels)} images once into {cache} ...", flush=True)
     data = decode_all(root_p, rels, size)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")
