@@ -92,7 +92,8 @@ class CLIP(nn.Module):
         ZeRO-3) see every call."""
         img = None if images is None else self.encode_image(images)
         txt = None if tokens is None else self.encode_text(tokens)
-        return img, txt, self.logit_scale
+        # a copy made inside forward: FSDP2 frees the gathered parameter's storage after forward
+        return img, txt, self.logit_scale.clone()
 
 
 def clip_forward_flops(spec: ClipSpec, text_length: int | None = None) -> int:
