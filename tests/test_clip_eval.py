@@ -28,6 +28,8 @@ def test_recall_matches_naive_reference_unique_and_repeated_captions():
         assert got.keys() == want.keys()
         for k in want:
             assert abs(got[k] - want[k]) < 1e-12, (k, got[k], want[k])
+        chunked = recall_at_k(img, txt, cap, chunk=7)  # queries in uneven chunks: the same numbers
+        assert chunked == got
     # perfect features: every recall is 1
     assert set(recall_at_k(img, img, torch.arange(n)).values()) == {1.0}
 

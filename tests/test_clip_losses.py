@@ -295,13 +295,6 @@ def test_state_bytes_and_bf16():
     assert torch.isfinite(loss) and torch.isfinite(m.lu1[:8]).all()
 
 
-def test_shard_state_refused():
-    c = ClipConfig()
-    c.loss, c.shard_state = "fastclip_v3", True
-    with pytest.raises(ValueError, match="not implemented"):
-        build_clip_loss(c, dataset_size=10, epochs=2, steps_per_epoch=1, device="cpu")
-
-
 def test_losses_compute_in_fp32_under_autocast_and_take_bf16_features():
     e1, e2 = feats(6, 8, seed=7)
     for m in (ClipLoss(), make("fastclip_v3")):

@@ -21,16 +21,22 @@ from .errors import DataError
 RECALL_K = (1, 5, 10)
 
 
-def recall_at_k(img: torch.Tensor, txt: torch.Tensor, caption_ids: torch.Tensor, ks=RECALL_K) -> dict:
+def recall_at_k(img: torch.Tensor, txt: torch.Tensor, caption_ids: torch.Tensor, ks=RECALL_K,
+                chunk: int = 1024) -> dict:
     """img, txt: [N, E] normalized features of N pairs; caption_ids [N]: equal ids = same caption.
-    Returns {'i2t_r1': ..., 't2i_r1': ..., ...} as fractions."""
-    sim = img.float() @ txt.float().T                                 # [N images, N texts]
-    same = caption_ids[:, None] == caption_ids[None, :]               # [N, N] positives
+    Returns {'i2t_r1': ..., 't2i_r1': ..., ...} as fractions. Queries go in chunks of `chunk` rows,
+    so memory stays O(chunk * N) for large held-out sets."""
+    img, txt = img.float(), txt.float()
     out = {}
-    for name, s, pos in (("i2t", sim, same), ("t2i", sim.T, same.T)):
-        # rank of the best positive = number of items scoring strictly higher than it
-        best_pos = s.masked_fill(~pos, float("-inf")).max(dim=1, keepdim=True).values
-        rank = (s > best_pos).sum(dim=1)                              # [N]
+    for name, queries, keys in (("i2t", img, txt), ("t2i", txt, img)):
+        ranks = []
+        for lo in range(0, len(queries), chunk):
+            s = queries[lo:lo + chunk] @ keys.T                           # [c, N]
+            pos = caption_ids[lo:lo + chunk, None] == caption_ids[None, :]  # [c, N] positives
+            # rank of the best positive = the number of items scoring strictly higher than it
+            best = s.masked_fill(~pos, float("-inf")).max(dim=1, keepdim=True).values
+            ranks.append((s > best).sum(dim=1))
+        rank = torch.cat(ranks)
         for k in ks:
             out[f"{name}_r{k}"] = (rank < k).double().mean().item()
     return out

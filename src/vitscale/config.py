@@ -122,7 +122,6 @@ class ClipConfig:
     tau_beta1: float = num(0.9, min=0.0, max=1.0)
     tau_beta2: float = num(0.999, min=0.0, max=1.0)
     state_dtype: str = choice("fp32", "fp32", "bf16", doc="per-sample u / tau storage")
-    shard_state: bool = False       # keep only this rank's share of the per-sample state
     prompt_templates: str = choice("default", "default", "single",
                                    doc="zero-shot prompts: the dataset's set or just 'a photo of a {}.'")
 

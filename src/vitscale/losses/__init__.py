@@ -19,9 +19,6 @@ def build_clip_loss(cfg_clip, *, dataset_size: int, epochs: float, steps_per_epo
         return ClipLoss(device=device, group=group)
     if cfg_clip.loss not in VARIANTS:
         raise ValueError(f"clip.loss {cfg_clip.loss!r}: expected openclip or one of {VARIANTS}")
-    if getattr(cfg_clip, "shard_state", False):
-        raise ValueError("clip.shard_state = true is not implemented (the per-sample state is "
-                         "replicated on every rank); set clip.shard_state = false")
     schedule = cfg_clip.gamma_schedule
     if schedule == "auto":
         schedule = "constant" if cfg_clip.loss in ("sogclr", "isogclr") else "cosine"
