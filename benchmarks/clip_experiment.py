@@ -48,8 +48,8 @@ def cmd_report(args) -> None:
     if not runs:
         sys.exit(f"no finished runs under {args.root}")
     zs_key = None
-    lines = ["| loss | steps | i2t R@1 | i2t R@5 | t2i R@1 | t2i R@5 | zero-shot top-1 | final tau | pairs/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| loss | steps | i2t R@1 | i2t R@5 | t2i R@1 | t2i R@5 | zero-shot top-1 | final tau |",
+             "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         s = json.loads((run / "summary.json").read_text())
         zs_key = zs_key or next((k for k in s if k.startswith("zeroshot_") and k.endswith("_top1")), None)
@@ -58,7 +58,7 @@ def cmd_report(args) -> None:
         pct = lambda k: f"{100 * s[k]:.2f}" if k in s else "-"  # noqa: E731
         lines.append(f"| {run.name} | {s['steps']} | {pct('test_i2t_r1')} | {pct('test_i2t_r5')} | "
                      f"{pct('test_t2i_r1')} | {pct('test_t2i_r5')} | {pct(zs_key) if zs_key else '-'} | "
-                     f"{'-' if tau is None else f'{tau:.4f}'} | {s['images_per_s']:.1f} |")
+                     f"{'-' if tau is None else f'{tau:.4f}'} |")
     print("\n".join(lines))
     if args.png:
         import matplotlib

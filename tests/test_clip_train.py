@@ -108,6 +108,12 @@ def test_two_ranks_match_single_process(tmp_path, loss, extra, tol):
     for k, v in single.items():
         if torch.is_tensor(v) and v.is_floating_point():
             torch.testing.assert_close(two[k], v, rtol=1e-4, atol=1e-6, msg=k)
+    # the loss's collectives per step in the metrics: FastCLIP's formulas (SOURCES.md) at K=2, b=8, d=32
+    k, b, d = 2, 8, 32
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    comm = {(r["loss_comm_features_per_step"], r["loss_comm_scalars_per_step"]) for r in rows if r["kind"] == "train"}
+    scalars = {"openclip": 0, "fastclip_v3": 4, "fastclip_v2": 5}[loss] * (k - 1) * b
+    assert comm == {((4 if loss == "openclip" else 2) * (k - 1) * b * d, scalars)}, comm
     s2 = json.loads((out / "summary.json").read_text())
     s1 = json.loads((one / "summary.json").read_text())
     assert s2["test_pairs"] == s1["test_pairs"] == 32

@@ -72,7 +72,16 @@ class ClipTask:
         self.loss_module.after_step()
 
     def logs(self) -> dict:
-        return dict(self.last_logs)
+        """The last step's loss logs, and the loss's own collectives per step since the last call
+        (elements sent per worker: features, and per-sample scalars for the global losses)."""
+        out = dict(self.last_logs)
+        comm = dict(getattr(self.loss_module, "comm_elements", {}))
+        last, self._comm_seen = getattr(self, "_comm_seen", {}), comm
+        steps = comm.get("steps", 0) - last.get("steps", 0)
+        if steps and (comm.get("features") or comm.get("scalars")):
+            for k in ("features", "scalars"):
+                out[f"loss_comm_{k}_per_step"] = (comm[k] - last.get(k, 0)) / steps
+        return out
 
     def state_dict(self) -> dict:
         return self.loss_module.state_dict()
