@@ -1,7 +1,10 @@
-"""Command line: vitscale {train,eval,info,export,data} ... (hyperparameters live in configs)."""
+"""Command line: vitscale {train,eval,info,export,config,data,bench,sweep,ladder,tune,predict} ...
+(hyperparameters live in configs)."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -62,7 +65,17 @@ def _parser() -> argparse.ArgumentParser:
     dl = dsub.add_parser("download", help="fetch an official archive and check its md5")
     dl.add_argument("name", choices=["cifar10", "cifar100", "fashion-mnist"])
     dl.add_argument("--root", help="target folder (default: the dataset's default location)")
+
+    # the performance lab: each module declares its own arguments (HELP, add_arguments, run)
+    for name in LAB:
+        mod = importlib.import_module(f".{name}", __package__)
+        mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=mod.__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter))
     return p
+
+
+LAB = [name for name in ("bench", "sweep", "ladder", "tune", "predict")
+       if importlib.util.find_spec(f"{__package__}.{name}") is not None]
 
 
 def cmd_train(args) -> int:
@@ -180,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="vitscale: warning: %(message)s")
     args = _parser().parse_args(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "export": cmd_export, "config": cmd_config,
-               "data": cmd_data}[args.command]
+               "data": cmd_data}.get(args.command)
+    if handler is None:  # a performance-lab command
+        handler = importlib.import_module(f".{args.command}", __package__).run
     where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
         return handler(args)
