@@ -1,0 +1,146 @@
+"""Time the training step of a recipe: images/s, step time over trials, MFU, peak memory and the
+step split (data / forward / backward / communication / optimizer).
+
+The headline numbers come from un-instrumented steps (`Trainer.train_step`, exactly what training
+runs; warm-up excluded; synchronized timers). The split comes from a separate instrumented pass on
+one batch, with a sync between phases.
+
+examples:
+  vitscale bench                                   # the default recipe
+  vitscale bench configs/vit_b16_imagenet.toml --synthetic --set train.precision=bf16
+  torchrun --nproc-per-node 2 -m vitscale bench configs/tests/tiny.toml --set strategy.name=ddp --json
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+HELP = "time the training step: img/s, MFU, memory, forward/backward/comm/optimizer split"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per trial (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")
+    p.add_argument("--trials", type=int, default=3, help="trials of --steps steps (default 3)")
+    p.add_argument("--split-steps", type=int, default=0,
+                   help="steps of the instrumented split pass (default: min(steps, 5))")
+    p.add_argument("--synthetic", action="store_true", help="reuse one fixed batch (no data cost)")
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--out", help="also write the JSON result to this file")
+
+
+def mfu(flops_per_image: float, images_per_s: float, peak: float, world_size: int) -> float:
+    """Training FLOPs (3 x forward: forward + backward's two matmuls per forward one) actually
+    done per second over the peak of all devices."""
+    return 3 * flops_per_image * images_per_s / (peak * world_size)
+
+
+def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_steps: int = 0) -> dict:
+    import torch
+
+    from .hardware import peak_flops
+    from .lab_harness import Bench, gather_max, hardware_info, max_rss_bytes, rate, versions
+    rss0 = max_rss_bytes()
+    cuda = torch.cuda.is_available() and cfg.run.device != "cpu"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    b = Bench(cfg, synthetic)
+    s = b.s
+    try:
+        if warmup:
+            b.steps(warmup)
+        if s.world_size > 1:
+            s.comm_stats(1)
+        times = [b.steps(steps) for _ in range(trials)]
+        comm = s.comm_stats(steps * trials)
+        flat = gather_max(s, [v for t in times for v in t])
+        times = list(zip(flat[::2], flat[1::2]))
+        r = rate(times, steps, b.global_batch)
+        split = b.split(split_steps or min(steps, 5))
+        if cuda:
+            mem, mem_src = torch.cuda.max_memory_allocated(s.device), "cuda max_memory_allocated (this process)"
+        else:
+            mem, mem_src = max_rss_bytes() - rss0, "process max RSS growth (ru_maxrss), CPU"
+        mem = max(s.gather_objects(mem))
+        split_all = s.gather_objects({k: v for k, v in split.items() if k != "notes"})
+        peak, peak_src = peak_flops(s.device, cfg.train.precision)  # every rank at once: shared cores
+        peak = s.broadcast_object(peak)
+        ips = r["images_per_s"]
+        world = s.world_size
+        out = {
+            "images_per_s": ips, "images_per_s_per_device": ips / world,
+            "mfu": mfu(b.trainer.flops_per_image, ips, peak, world),
+            "peak_flops": peak, "peak_source": peak_src,
+            "flops_per_image": b.trainer.flops_per_image, "train_flops_per_image": 3 * b.trainer.flops_per_image,
+            "step_time_s": r["step_time_s"],
+            "split": {"data": r["data_s"],
+                      **{k: _max_or_none([d[k] for d in split_all]) for k in
+                         ("forward", "backward", "comm_exposed", "comm_overlapped", "optimizer",
+                          "instrumented_step")}},
+            "split_notes": ["step_time_s/images_per_s: un-instrumented steps (data fetch included); "
+                            "split: a separate instrumented pass on one batch with syncs between phases "
+                            "(max across ranks), data from the timed steps"] + split["notes"],
+            "comm": comm, "peak_memory_bytes": mem, "memory_source": mem_src,
+            "world_size": world, "batch_size": cfg.data.batch_size,
+            "micro_batch": cfg.data.batch_size // world // cfg.train.accum_steps,
+            "steps": steps, "warmup": warmup, "trials": trials, "synthetic": synthetic,
+            "params": b.trainer.params, "config": cfg.to_dict(), "versions": versions(),
+            "hardware": hardware_info(s.device), "strategy": s.name, "rank": s.rank,
+        }
+        if "comm_total" in split:
+            out["split"]["comm_total"] = max(d["comm_total"] for d in split_all)
+    finally:
+        b.close()
+    s.close()  # leave the process group cleanly (multi-process runs)
+    return out
+
+
+def _max_or_none(values):
+    return None if any(v is None for v in values) else max(values)
+
+
+def describe(r: dict) -> str:
+    ms = lambda v: "n/a" if v is None else f"{1e3 * v:.1f} ms"  # noqa: E731
+    st, sp, h = r["step_time_s"], r["split"], r["hardware"]
+    c = r["config"]
+    lines = [
+        f"{h['name']} x {r['world_size']} ({h['device']}, {h['threads']} threads/process), {r['strategy']}, "
+        f"{c['train']['precision']}, global batch {r['batch_size']} (micro-batch {r['micro_batch']}), "
+        f"{r['trials']} trials x {r['steps']} steps after {r['warmup']} warm-up"
+        f"{', one fixed batch' if r['synthetic'] else ''}",
+        f"throughput  {r['images_per_s']:.1f} img/s ({r['images_per_s_per_device']:.1f} per device)",
+        f"step time   min {ms(st['min'])}, median {ms(st['median'])}, max {ms(st['max'])}",
+        f"MFU         {100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e9:.0f} GFLOP/s per device "
+        f"({r['peak_source']}); {r['train_flops_per_image'] / 1e6:.0f} MFLOP per training image",
+        f"memory      {r['peak_memory_bytes'] / 2 ** 20:.0f} MiB ({r['memory_source']})",
+        "split/step  " + ", ".join(f"{k} {ms(sp[k])}" for k in
+                                    ("data", "forward", "backward", "comm_exposed", "comm_overlapped", "optimizer"))
+        + f" (instrumented step {ms(sp['instrumented_step'])})",
+    ]
+    if r["comm"]:
+        lines.append(f"comm        {r['comm']['comm_allreduce_bytes_per_step'] / 2 ** 20:.2f} MiB in "
+                     f"{r['comm']['comm_allreduce_calls_per_step']:.0f} all-reduce calls per step")
+    lines += [f"note        {n}" for n in r["split_notes"]]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from .lab_harness import check_counts, lab_config
+    check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0),
+                 split_steps=(args.split_steps, 0))
+    cfg = lab_config(args.config, args.overrides)
+    r = measure(cfg, args.steps, args.warmup, args.trials, args.synthetic, args.split_steps)
+    if r["rank"] != 0:
+        return 0
+    text = json.dumps(r, indent=2, default=str)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text if args.json else describe(r))
+    return 0
+
+
+__all__ = ["HELP", "add_arguments", "run", "measure", "mfu", "describe", "asdict"]

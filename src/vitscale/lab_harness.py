@@ -1,0 +1,289 @@
+"""The performance lab's timing harness (bench, ladder, tune share it).
+
+`Bench` wraps one `Trainer` and times its exact training step (`Trainer.train_step`) on real
+batches from the loader (or one fixed batch), with synchronized timers; `split()` is a separate,
+instrumented pass (syncs between phases) that divides a step into forward / backward /
+communication / optimizer. `side_by_side()` times several Benches in interleaved rounds so that
+machine noise hits every configuration alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+perf = time.perf_counter
+
+
+def log(msg: str) -> None:
+    """Progress for humans: stderr, main process only."""
+    if os.environ.get("RANK", "0") == "0":
+        print(msg, file=sys.stderr, flush=True)
+
+
+def lab_config(path, overrides):
+    """The recipe + overrides, quiet (no progress bar, no TensorBoard); under a multi-process
+    launcher a `single` strategy would train N independent copies, so it becomes `ddp`."""
+    from .config import _set, check, load_config
+    cfg = load_config(path, overrides)
+    _set(cfg, "run.progress", "off")
+    _set(cfg, "run.tensorboard", False)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.strategy.name == "single":
+        log("launched with several processes and strategy.name=single: using strategy.name=ddp")
+        _set(cfg, "strategy.name", "ddp")
+    check(cfg)
+    return cfg
+
+
+def with_overrides(cfg, overrides: dict):
+    """A copy of `cfg` with {dotted key: value} set and checked (ConfigError if it does not validate)."""
+    from .config import _set, check
+    out = copy.deepcopy(cfg)
+    for k, v in overrides.items():
+        _set(out, k, v)
+    check(out)
+    return out
+
+
+def check_counts(**counts) -> None:
+    for name, (value, lo) in counts.items():
+        if value < lo:
+            raise UserError(f"--{name.replace('_', '-')} must be >= {lo}, got {value}")
+
+
+def micros(batch: tuple, accum: int):
+    return zip(*(t.chunk(accum) for t in batch))
+
+
+class Bench:
+    """One Trainer (run folder in a temp dir: no checkpoints, no eval) and a batch source."""
+
+    def __init__(self, cfg, synthetic: bool = False):
+        from .loop import Trainer
+        self.cfg = cfg
+        self.tmp = tempfile.TemporaryDirectory(prefix="vitscale-bench-")
+        self.trainer = Trainer(cfg, Path(self.tmp.name) / "run")
+        self.s = self.trainer.strategy
+        cuda = self.s.device.type == "cuda"
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self._epoch, self._it = 0, iter(())
+        self.fixed = self.fetch() if synthetic else None
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.data.batch_size
+
+    def fetch(self) -> tuple:
+        """The loader's next batch, on to the next epoch when one ends."""
+        batch = next(self._it, None)
+        while batch is None:
+            self._it = self.trainer.data.train.iterate(self._epoch)
+            self._epoch += 1
+            batch = next(self._it, None)
+        return batch
+
+    def steps(self, n: int) -> tuple[float, float]:
+        """n training steps exactly as the loop runs them: (wall seconds incl. data, data seconds)."""
+        self.sync()
+        t0, data = perf(), 0.0
+        for _ in range(n):
+            a = perf()
+            batch = self.fixed if self.fixed is not None else self.fetch()
+            data += perf() - a
+            self.trainer.train_step(batch)
+        self.sync()
+        return perf() - t0, data
+
+    def split(self, n: int) -> dict:
+        """Instrumented pass over one batch (syncs between phases), seconds per step.
+        DDP/FSDP: each step first runs forward+backward under `no_sync()` (backward compute alone),
+        then the normal step; exposed communication = normal backward - no_sync backward."""
+        tr, s, A = self.trainer, self.s, self.cfg.train.accum_steps
+        batch = self.fixed if self.fixed is not None else self.fetch()
+        can_nosync = s.world_size > 1 and s.name in ("ddp", "fsdp")
+        fwd = bwd = local = opt = total = comm = 0.0
+
+        def forward(micro):
+            with s.autocast():
+                return tr.task.forward_loss(s.model, micro, s.prepare) / A
+
+        s.comm_stats(1)  # drop what the timed steps counted
+        for _ in range(n):
+            if can_nosync:
+                with s.no_sync():
+                    for micro in micros(batch, A):
+                        loss = forward(micro)
+                        self.sync()
+                        a = perf()
+                        s.backward(loss)
+                        self.sync()
+                        local += perf() - a
+                s.optimizer.zero_grad(set_to_none=True)
+                s.comm_stats(1)
+            self.sync()
+            t0 = perf()
+            for i, micro in enumerate(micros(batch, A)):
+                with s.no_sync() if i < A - 1 else contextlib.nullcontext():
+                    a = perf()
+                    loss = forward(micro)
+                    self.sync()
+                    b = perf()
+                    fwd += b - a
+                    s.backward(loss)
+                    self.sync()
+                    bwd += perf() - b
+            a = perf()
+            s.step()
+            tr.task.after_step()
+            self.sync()
+            opt += perf() - a
+            total += perf() - t0
+            comm += s.comm_stats(1).get("comm_allreduce_s_per_step", 0.0)
+        out = {"forward": fwd / n, "optimizer": opt / n, "instrumented_step": total / n, "notes": []}
+        if s.world_size == 1:
+            out.update(backward=bwd / n, comm_exposed=0.0, comm_overlapped=0.0)
+            out["notes"].append("one process: no communication")
+        elif can_nosync:
+            compute = min(local, bwd) / n  # noise must not make the phases outgrow the step
+            out.update(backward=compute, comm_exposed=bwd / n - compute)
+            if s.name == "ddp":
+                out["comm_overlapped"] = max(0.0, comm / n - out["comm_exposed"])
+                out["comm_total"] = comm / n
+            else:
+                out["comm_overlapped"] = None
+                out["notes"].append("fsdp: forward/backward all-gathers are not separable (no comm hook); "
+                                    "comm_exposed = backward reduce-scatter exposed, comm_overlapped not measured")
+        else:
+            out.update(backward=bwd / n, comm_exposed=None, comm_overlapped=None)
+            out["notes"].append(f"{s.name}: the engine communicates inside backward/step and has no "
+                                "no_sync pass to compare with: backward includes its communication")
+        out["notes"].append("the loss all-reduce of a multi-process step is left out of the split")
+        return out
+
+    def close(self) -> None:
+        self.trainer.data.close()
+        del self.trainer, self.s, self.fixed
+        self.tmp.cleanup()
+
+
+def gather_max(s, times: list) -> list:
+    """Per entry, the max across ranks (the slowest rank sets the pace)."""
+    per_rank = s.gather_objects(times)
+    return [max(vals) for vals in zip(*per_rank)]
+
+
+def side_by_side(benches: list[Bench], steps: int, rounds: int, warmup: int, label=None) -> list:
+    """Interleaved rounds: round r runs `steps` steps of bench 0, 1, ..., n-1. Returns per bench
+    the per-round (wall s, data s) (max across ranks), or None where a bench ran out of memory."""
+    out: list = [[] for _ in benches]
+    for i, b in enumerate(benches):
+        if warmup and b is not None:
+            t0 = perf()
+            try:
+                b.steps(warmup)
+            except torch.OutOfMemoryError:
+                out[i] = None
+                torch.cuda.empty_cache()
+            if label:
+                log(f"  warm-up {label(i)}: {warmup} steps in {perf() - t0:.1f}s")
+    for r in range(rounds):
+        for i, b in enumerate(benches):
+            if b is None or out[i] is None:
+                continue
+            try:
+                out[i].append(b.steps(steps))
+            except torch.OutOfMemoryError:
+                out[i] = None
+                torch.cuda.empty_cache()
+    s = next(b.s for b in benches if b is not None)
+    flat = [x for o in out if o for x in o]
+    flat = gather_max(s, [v for x in flat for v in x])
+    it = iter(zip(flat[::2], flat[1::2]))
+    return [None if o is None else [next(it) for _ in o] for o in out]
+
+
+def rate(bench_times: list, steps: int, batch: int) -> dict:
+    """images/s from the median round; step time spread over rounds."""
+    per_step = sorted(w / steps for w, _ in bench_times)
+    med = statistics.median(per_step)
+    return {"images_per_s": batch / med, "step_time_s": {"min": per_step[0], "median": med, "max": per_step[-1]},
+            "data_s": statistics.median(d / steps for _, d in bench_times)}
+
+
+def measure_configs(cfgs: list, steps: int, rounds: int, warmup: int, synthetic: bool = False,
+                    names: list | None = None) -> list:
+    """Build one Bench per config, time them side by side, free them. Per config a dict
+    (images_per_s, step_time_s, flops_per_image, ...) or {'error': reason}."""
+    names = names or [str(i) for i in range(len(cfgs))]
+    benches, results = [], []
+    for cfg in cfgs:
+        try:
+            benches.append(Bench(cfg, synthetic))
+            results.append({})
+        except torch.OutOfMemoryError:
+            benches.append(None)
+            results.append({"error": "out of memory"})
+            torch.cuda.empty_cache()
+    times = side_by_side(benches, steps, rounds, warmup, label=lambda i: names[i])
+    for i, (b, t) in enumerate(zip(benches, times)):
+        if b is None:
+            continue
+        if t is None:
+            results[i] = {"error": "out of memory"}
+        else:
+            results[i] = {**rate(t, steps, b.global_batch), "flops_per_image": b.trainer.flops_per_image,
+                          "world_size": b.s.world_size, "device": b.s.device}
+        b.close()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return results
+
+
+# -- the machine and the software ---------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_info(device: torch.device) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+    return {"device": device.type, "name": name, "threads": torch.get_num_threads(), "cores": os.cpu_count()}
+
+
+def machine_line(device: torch.device) -> str:
+    h = hardware_info(device)
+    return (f"{h['name']} ({h['cores']} cores, {h['threads']} torch threads), {h['device']}, "
+            f"torch {torch.__version__}")
+
+
+def versions() -> dict:
+    from importlib import metadata
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("vitscale", "deepspeed"):  # metadata, not an import: deepspeed takes seconds to import
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            if pkg == "vitscale":
+                out[pkg] = "unknown"
+    return out
+
+
+def max_rss_bytes() -> int:
+    """The process's peak resident set so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
