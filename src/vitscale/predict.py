@@ -1,0 +1,163 @@
+"""Predict data-parallel scaling (2 to 512 GPUs) from one single-device step.
+
+The step's compute comes from a `vitscale bench --json` result (--bench FILE) or, without one, is
+estimated as train FLOPs per image x batch / (GPU peak x MFU) with forward:backward = 1:2 and no
+optimizer or data time. Gradient bytes = parameters x bytes of the reduce dtype. Collectives follow
+the ring / hierarchical model of vitscale.comm_model (formulas in its docstrings):
+
+  DDP        all-reduce 2(K-1)/K x B, overlapped with backward: exposed = max(0, comm - overlap x bwd)
+  ZeRO-1/2   reduce-scatter (overlapped) + all-gather after the step: the same 2(K-1)/K x B
+  ZeRO-3     all-gather in forward and backward + reduce-scatter: 3(K-1)/K x B
+
+examples:
+  vitscale predict configs/vit_b16_imagenet.toml --gpu H100 --mfu 0.4 --link nvlink+infiniband,pcie
+  vitscale bench configs/fashion_mnist.toml --json --out b.json && vitscale predict configs/fashion_mnist.toml --bench b.json
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import UserError
+
+HELP = "predict DDP / ZeRO / FSDP scaling to 512 GPUs from one measured or estimated step"
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+STRATEGY_NAMES = {"ddp": "DDP", "zero12": "ZeRO-1/2", "zero3": "ZeRO-3 / FSDP2"}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("config", nargs="?", help="TOML recipe (its model, batch and precision)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--bench", metavar="FILE.json", help="a single-device `vitscale bench --json` result")
+    p.add_argument("--link", default=None, metavar="LIST",
+                   help="comma list of links, each NAME or INTRA+INTER (names: nvlink, pcie, pcie3, infiniband, "
+                        "infiniband_ndr, ethernet, ethernet10, or GBPS[:LATENCY_US]); default "
+                        "nvlink+infiniband,pcie+infiniband,pcie+ethernet,ethernet10")
+    p.add_argument("--gpus", default="2,4,8,16,32,64,128,256,512", metavar="LIST")
+    p.add_argument("--per-node", type=int, default=8, help="GPUs per node (intra-node link up to this many)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (latency term per bucket)")
+    p.add_argument("--overlap", type=float, default=0.7, help="share of backward time that hides communication")
+    p.add_argument("--strategy", default="ddp", metavar="LIST", help="comma list of ddp, zero12, zero3")
+    p.add_argument("--reduce-dtype", choices=sorted(DTYPE_BYTES), help="default: fp32, or bf16 when the "
+                   "config compresses gradients (strategy.grad_compression / reduce_dtype)")
+    p.add_argument("--gpu", default="H100", help="without --bench: GPU whose peak (hardware.GPU_PEAKS) is used")
+    p.add_argument("--mfu", type=float, default=0.4, help="without --bench: assumed model FLOPs utilization")
+    p.add_argument("--out", metavar="DIR", help="write predict.md, predict.json and predict_speedup.png here")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--gpus: expected a comma list of integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise UserError("--gpus: GPU counts must be >= 1")
+    return out
+
+
+def step_cost_from_bench(bench: dict, accum: int = 1):
+    """StepCost from a bench JSON: split times when present, else the median step with fwd:bwd = 1:2."""
+    from .comm_model import StepCost
+    if int(bench.get("world_size", 1)) != 1:
+        raise UserError("--bench: give a single-device bench result (world_size 1)")
+    step = float(bench["step_time_s"]["median"])
+    split = bench.get("split") or {}
+    fwd, bwd = split.get("forward"), split.get("backward")
+    if fwd is None or bwd is None:
+        fwd, bwd = step / 3, 2 * step / 3
+        return StepCost(int(bench["batch_size"]), fwd, bwd, 0.0, 0.0, accum), "bench median step (no split: fwd:bwd 1:2)"
+    opt, data = split.get("optimizer") or 0.0, split.get("data") or 0.0
+    rest = step - (fwd + bwd + opt + data)  # untimed remainder (zero_grad, syncs): count it as backward
+    return (StepCost(int(bench["batch_size"]), fwd, bwd + max(0.0, rest), opt, data, accum),
+            "bench split (forward, backward, optimizer, data)")
+
+
+def step_cost_estimate(train_flops_per_image: float, batch: int, peak: float, mfu: float, accum: int = 1):
+    """compute = train FLOPs per image x batch / (peak x MFU), split 1/3 forward, 2/3 backward."""
+    from .comm_model import StepCost
+    t = train_flops_per_image * batch / (peak * mfu)
+    return StepCost(batch, t / 3, 2 * t / 3, 0.0, 0.0, accum)
+
+
+def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2, 4, 8), per_node: int = 8,
+            bucket_mb: float = 25.0, overlap: float = 0.7, strategies=("ddp",), reduce_dtype: str | None = None,
+            gpu: str = "H100", mfu: float = 0.4) -> dict:
+    from . import comm_model as cm
+    from .evaluate import model_info
+    from .hardware import gpu_peak, precision_dtype
+    info = model_info(cfg)
+    if reduce_dtype is None:
+        s = cfg.strategy
+        reduce_dtype = "bf16" if "bf16" in (s.grad_compression, s.reduce_dtype) else \
+            "fp16" if s.grad_compression == "fp16" else "fp32"
+    grad_bytes = info["params"] * DTYPE_BYTES[reduce_dtype]
+    if bench is not None:
+        cost, source = step_cost_from_bench(bench, cfg.train.accum_steps)
+    else:
+        dtype = precision_dtype(cfg.train.precision)
+        peak = gpu_peak(gpu, dtype)
+        if not peak:
+            raise UserError(f"--gpu {gpu}: no {dtype} peak in hardware.GPU_PEAKS")
+        cost = step_cost_estimate(info["train_flops_per_image"], cfg.data.batch_size, peak, mfu, cfg.train.accum_steps)
+        source = f"estimated: {info['train_flops_per_image'] / 1e9:.3g} GFLOP/image x {cfg.data.batch_size} " \
+                 f"/ ({gpu} {dtype} peak {peak / 1e12:.3g} TFLOP/s x MFU {mfu:g}); optimizer and data time not modelled"
+    try:
+        link_list = cm.parse_links(links or cm.DEFAULT_LINKS)
+    except ValueError as e:
+        raise UserError(f"--link: {e}") from None
+    for st in strategies:
+        if st not in cm.STRATEGIES:
+            raise UserError(f"--strategy: unknown {st!r} (one of {', '.join(cm.STRATEGIES)})")
+    ks = sorted(set([1, *gpus]))
+    curves = []
+    for label, intra, inter in link_list:
+        for st in strategies:
+            rows = cm.scaling_table(cost, st, grad_bytes, ks, intra, inter, per_node, bucket_mb * 1e6, overlap)
+            curves.append({"link": label, "intra": intra.name, "inter": inter.name, "strategy": st, "rows": rows})
+    return {"arch": info["arch"], "params": info["params"], "grad_bytes": grad_bytes, "reduce_dtype": reduce_dtype,
+            "batch": cost.batch, "step_1gpu_s": cost.forward + cost.backward + cost.optimizer + cost.data,
+            "cost": cost.__dict__, "source": source, "per_node": per_node, "bucket_mb": bucket_mb,
+            "overlap": overlap, "curves": curves}
+
+
+def markdown(result: dict) -> str:
+    r = result
+    lines = [f"{r['arch']}: {r['params'] / 1e6:.2f}M params, gradients {r['grad_bytes'] / 1e6:.1f} MB "
+             f"({r['reduce_dtype']}), batch {r['batch']:g} per device at 1 GPU, step {1e3 * r['step_1gpu_s']:.1f} ms "
+             f"({r['source']}); {r['per_node']} GPUs/node, buckets {r['bucket_mb']:g} MB, overlap {r['overlap']:g}", ""]
+    for c in r["curves"]:
+        lines += [f"### {STRATEGY_NAMES[c['strategy']]} over {c['link']} ({c['intra']} / {c['inter']})", "",
+                  "| GPUs | strong speedup | strong eff. | weak eff. | weak img/s | comm/step ms | exposed share (weak) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in c["rows"]:
+            lines.append(f"| {row['gpus']} | {row['strong_speedup']:.2f} | {100 * row['strong_efficiency']:.1f}% | "
+                         f"{100 * row['weak_efficiency']:.1f}% | {row['weak_images_per_s']:.0f} | "
+                         f"{1e3 * row['comm_s']:.2f} | {100 * row['weak_comm_share']:.1f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from .config import load_config
+    cfg = load_config(args.config, args.overrides)
+    bench = None
+    if args.bench:
+        try:
+            bench = json.loads(Path(args.bench).read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"--bench {args.bench}: not JSON ({e})") from None
+    result = predict(cfg, bench=bench, links=args.link, gpus=_ints(args.gpus), per_node=args.per_node,
+                     bucket_mb=args.bucket_mb, overlap=args.overlap,
+                     strategies=[s.strip() for s in args.strategy.split(",") if s.strip()],
+                     reduce_dtype=args.reduce_dtype, gpu=args.gpu, mfu=args.mfu)
+    text = markdown(result)
+    print(text)
+    if args.out:
+        from .report import plot_predicted_speedup
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "predict.md").write_text(text + "\n")
+        (out / "predict.json").write_text(json.dumps(result, indent=1) + "\n")
+        plot_predicted_speedup(result, out / "predict_speedup.png")
+        print(f"wrote {out}/predict.md, predict.json, predict_speedup.png")
+    return 0

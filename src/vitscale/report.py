@@ -1,0 +1,216 @@
+"""Tables and PNG plots for sweeps (results.jsonl records) and scaling predictions (matplotlib Agg)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+SPLIT = ("data", "forward", "backward", "comm_exposed", "optimizer")
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def label(rec: dict, skip=()) -> str:
+    parts = [f"{k.split('.')[-1]}={v}" for k, v in rec["overrides"].items() if k not in skip]
+    return " ".join([f"n={rec['nproc']}", *parts])
+
+
+def _group(rec: dict, study) -> str:
+    skip = {"strategy.name"} | ({"data.batch_size"} if study == "weak" else set())
+    return repr(sorted((k, str(v)) for k, v in rec["overrides"].items() if k not in skip))
+
+
+def grad_bytes(bench: dict) -> float | None:
+    """Gradient bytes all-reduced per optimizer step: bench's measured count when nproc > 1,
+    else parameters x 4 bytes (fp32 gradients)."""
+    for src in (bench, bench.get("comm") or {}):
+        if src.get("comm_allreduce_bytes_per_step"):
+            return float(src["comm_allreduce_bytes_per_step"])
+    params = bench.get("params")
+    if params is None and bench.get("config"):
+        try:
+            from .config import Config, apply_dict
+            from .evaluate import model_info
+            params = model_info(apply_dict(Config(), bench["config"], source="bench config"))["params"]
+        except Exception:  # noqa: BLE001 - a table column, not worth failing the report for
+            return None
+    return 4.0 * params if params else None
+
+
+def derive(records: list[dict], study=None) -> list[dict]:
+    """Per record: speedup = img/s / img/s at nproc 1 of the same group, efficiency = speedup / nproc
+    (strong: same global batch, so this is T(1)/T(K); weak: per-device batch fixed, so efficiency is
+    T(1)/T(K)); accum: gradient bytes sent per sample = grad bytes / global batch, and what the same
+    micro-batch without accumulation would send (x accum_steps)."""
+    base = {}
+    for r in records:
+        if r["ok"] and r["nproc"] == 1:
+            base.setdefault(_group(r, study), r["bench"]["images_per_s"])
+    out = []
+    for r in records:
+        d = {}
+        if r["ok"]:
+            b = r["bench"]
+            ref = base.get(_group(r, study))
+            if ref:
+                d["speedup"] = b["images_per_s"] / ref
+                d["efficiency"] = d["speedup"] / r["nproc"]
+            if study == "accum":
+                g = grad_bytes(b)
+                accum = int(r["overrides"].get("train.accum_steps", 1))
+                if g:
+                    d["bytes_per_sample"] = g / b["batch_size"]
+                    d["bytes_per_sample_no_accum"] = g * accum / b["batch_size"]
+        out.append(d)
+    return out
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{1e3 * v:.1f}"
+
+
+def markdown_table(records: list[dict], study=None) -> str:
+    derived = derive(records, study)
+    head = ["point", "global batch", "img/s", "img/s/device", "step ms (min-max)", *(f"{s} ms" for s in SPLIT),
+            "peak MB", "MFU", "speedup", "efficiency"]
+    if study == "accum":
+        head += ["grad bytes/sample", "without accum"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r, d in zip(records, derived):
+        if not r["ok"]:
+            lines.append(f"| {label(r)} | failed: {str(r['error']).replace('|', '/')} |" + " |" * (len(head) - 2))
+            continue
+        b = r["bench"]
+        st, split = b["step_time_s"], b.get("split") or {}
+        mem = b.get("peak_memory_bytes")
+        row = [label(r), str(b["batch_size"]), f"{b['images_per_s']:.1f}", f"{b['images_per_s_per_device']:.1f}",
+               f"{_ms(st['median'])} ({_ms(st['min'])}-{_ms(st['max'])})", *(_ms(split.get(s)) for s in SPLIT),
+               "-" if mem is None else f"{mem / 2**20:.0f}",
+               "-" if b.get("mfu") is None else f"{100 * b['mfu']:.1f}%",
+               f"{d['speedup']:.2f}" if "speedup" in d else "-",
+               f"{100 * d['efficiency']:.0f}%" if "efficiency" in d else "-"]
+        if study == "accum":
+            row += [f"{d['bytes_per_sample']:.0f}" if "bytes_per_sample" in d else "-",
+                    f"{d['bytes_per_sample_no_accum']:.0f}" if "bytes_per_sample_no_accum" in d else "-"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_split(records: list[dict], path: Path) -> None:
+    plt = _plt()
+    ok = [r for r in records if r["ok"]]
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(ok) + 2), 4))
+    bottom = [0.0] * len(ok)
+    for s in SPLIT:
+        vals = [1e3 * ((r["bench"].get("split") or {}).get(s) or 0.0) for r in ok]
+        ax.bar(range(len(ok)), vals, bottom=bottom, label=s)
+        bottom = [a + b for a, b in zip(bottom, vals)]
+    ax.plot(range(len(ok)), [1e3 * r["bench"]["step_time_s"]["median"] for r in ok], "k_", ms=20, label="step (median)")
+    ax.set_xticks(range(len(ok)), [label(r).replace(" ", "\n") for r in ok], fontsize=7)
+    ax.set_ylabel("ms per step")
+    ax.set_title("step split per point")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_scaling(records: list[dict], derived: list[dict], path: Path, study) -> None:
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    groups = {}
+    for r, d in zip(records, derived):
+        if "speedup" in d:
+            groups.setdefault(_group(r, study), []).append((r["nproc"], d["speedup"], d["efficiency"], r))
+    ns = sorted({r["nproc"] for r in records})
+    a1.plot(ns, ns, "k--", label="ideal")
+    a2.plot(ns, [1.0] * len(ns), "k--", label="ideal")
+    for g, pts in groups.items():
+        pts.sort(key=lambda p: p[0])
+        name = label(pts[0][3], skip={"strategy.name", "data.batch_size"}).replace("n=1", "").strip() or "measured"
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
+        a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=name)
+    a1.set(xlabel="processes", ylabel="speedup (img/s vs 1 process)", title=f"{study or 'scaling'}: speedup")
+    a2.set(xlabel="processes", ylabel="efficiency", title=f"{study or 'scaling'}: efficiency", ylim=(0, 1.2))
+    a1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_batch(records: list[dict], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    by_n = {}
+    for r in records:
+        if r["ok"]:
+            by_n.setdefault(r["nproc"], []).append((r["bench"]["batch_size"], r["bench"]["images_per_s"]))
+    for n, pts in sorted(by_n.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{n} process(es)")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="global batch", ylabel="images/s", title="throughput vs batch")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory(records: list[dict], path: Path) -> None:
+    plt = _plt()
+    ok = [r for r in records if r["ok"]]
+    names = [label(r, skip={"nproc"}).replace("name=", "") for r in ok]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a1.bar(range(len(ok)), [(r["bench"].get("peak_memory_bytes") or 0) / 2**20 for r in ok])
+    a2.bar(range(len(ok)), [r["bench"]["images_per_s"] for r in ok], color="tab:orange")
+    for ax, title in ((a1, "peak memory per process (MiB)"), (a2, "images/s")):
+        ax.set_xticks(range(len(ok)), [n.replace(" ", "\n") for n in names], fontsize=7)
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(records: list[dict], out: Path, study=None) -> list[Path]:
+    """results.md and the plots that apply to these records; returns the files written."""
+    out = Path(out)
+    (out / "results.md").write_text(f"# sweep{' (' + study + ')' if study else ''}\n\n" + markdown_table(records, study))
+    written = [out / "results.md"]
+    ok = [r for r in records if r["ok"]]
+    if not ok:
+        return written
+    plot_split(records, out / "split.png")
+    written.append(out / "split.png")
+    derived = derive(records, study)
+    if len({r["nproc"] for r in ok}) > 1 and any("speedup" in d for d in derived):
+        plot_scaling(records, derived, out / "scaling.png", study)
+        written.append(out / "scaling.png")
+    if len({r["bench"]["batch_size"] for r in ok}) > 1 and study not in ("weak", "strong"):
+        plot_batch(records, out / "batch.png")
+        written.append(out / "batch.png")
+    if study == "memory" or any("strategy.name" in r["overrides"] for r in ok):
+        plot_memory(records, out / "memory.png")
+        written.append(out / "memory.png")
+    return written
+
+
+def plot_predicted_speedup(result: dict, path: Path, kind: str = "weak") -> None:
+    """Speedup vs GPUs (log-log), one curve per link and strategy, with the ideal line."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    ks = []
+    for c in result["curves"]:
+        ks = [r["gpus"] for r in c["rows"]]
+        ax.plot(ks, [r[f"{kind}_speedup"] for r in c["rows"]], "o-", ms=3, label=f"{c['strategy']} {c['link']}")
+    ax.plot(ks, ks, "k--", label="ideal")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set(xlabel="GPUs", ylabel=f"{kind}-scaling speedup (throughput)",
+           title=f"predicted {kind} scaling: {result['arch']}, batch {result['batch']:g}/GPU")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
