@@ -235,6 +235,9 @@ def measure_configs(cfgs: list, steps: int, rounds: int, warmup: int, synthetic:
             benches.append(None)
             results.append({"error": "out of memory"})
             torch.cuda.empty_cache()
+        except UserError as e:  # e.g. a batch larger than the training set
+            benches.append(None)
+            results.append({"error": str(e)})
     times = side_by_side(benches, steps, rounds, warmup, label=lambda i: names[i])
     for i, (b, t) in enumerate(zip(benches, times)):
         if b is None:

@@ -1,0 +1,228 @@
+"""Ablation ladder: from a plain fp32 baseline, add one speed-up at a time (cumulative) and measure
+every rung side by side in one run: one Trainer per rung in this process, timed in interleaved
+rounds (round r runs N steps of rung 0, 1, ..., n-1), so machine noise hits all rungs alike.
+Rungs that change numerics (precision, head, attention kernel, batch) can also be trained for the
+same number of steps from the same seed and tested (--train-steps). A rung may be slower than the
+one before it: the ladder reports what it measures.
+
+examples:
+  vitscale ladder --out runs/ladder                # the default recipe
+  vitscale ladder configs/vit_b16_imagenet.toml --synthetic --train-steps 0
+  torchrun --nproc-per-node 2 -m vitscale ladder configs/tests/tiny.toml   # + the sharding rung
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HELP = "ablation ladder: cumulative speed-ups measured side by side, speedups + accuracy, table + PNG"
+
+BASELINE = {"train.precision": "fp32", "model.head": "token", "optim.impl": "forloop",
+            "model.attention": "explicit", "train.compile": False}
+
+
+@dataclass
+class Rung:
+    key: str                    # short name for --skip
+    name: str
+    delta: dict                 # what this rung adds
+    numerics: bool              # changes what is computed (then it is trained and tested)
+    overrides: dict = field(default_factory=dict)  # cumulative: baseline + every delta so far
+    skip: str | None = None     # why it was not measured
+    note: str = ""
+
+
+KEYS = ("precision", "foreach", "fused", "pool", "sdpa", "compile", "batch", "sharding")
+
+
+def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
+    """The cumulative rungs for this config and process count; a rung whose config does not
+    validate (e.g. fused optimizer for LAMB) or named in `skip` is skipped with the reason and
+    adds nothing."""
+    from .errors import UserError
+    from .lab_harness import with_overrides
+    per_device = cfg.data.batch_size // world_size
+    half = "bf16"  # bf16 autocast: the fast path on CPUs with AVX-512 bf16 and on Ampere+ GPUs
+    rungs = [
+        Rung("baseline", "baseline (fp32, class token, for-loop AdamW, explicit attention)", dict(BASELINE), True),
+        Rung("precision", f"+ mixed precision ({half})", {"train.precision": half}, True),
+        Rung("foreach", "+ multi-tensor optimizer (foreach)", {"optim.impl": "foreach"}, False),
+        Rung("fused", "+ fused optimizer", {"optim.impl": "fused"}, False),
+        Rung("pool", "+ pooled head", {"model.head": "pool"}, True),
+        Rung("sdpa", "+ fused attention (sdpa)", {"model.attention": "sdpa"}, True),
+        Rung("compile", "+ compile", {"train.compile": True}, False),
+        Rung("batch", f"+ larger batch ({per_device} -> {2 * per_device} per device)",
+             {"data.batch_size": 2 * cfg.data.batch_size}, True),
+        Rung("sharding", "+ sharding (fsdp)", {"strategy.name": "fsdp", "train.compile": False}, False,
+             note="FSDP2 here does not compile: compile is off on this rung"),
+    ]
+    acc: dict = {}
+    for r in rungs:
+        if r.key in skip:
+            r.skip = "left out (--skip)"
+        elif r.delta.get("strategy.name") == "fsdp" and world_size < 2:
+            r.skip = "sharding needs more than one process (launch with torchrun --nproc-per-node N)"
+        else:
+            try:
+                with_overrides(cfg, {**acc, **r.delta})
+            except UserError as e:
+                r.skip = str(e)
+        if r.skip is None:
+            acc = {**acc, **r.delta}
+        r.overrides = dict(acc)
+    return rungs
+
+
+def accuracy(cfg, steps: int) -> dict:
+    """Train `steps` steps from the config's seed (a temp run folder) and test."""
+    from .lab_harness import with_overrides
+    from .loop import Trainer
+    cfg = with_overrides(cfg, {"run.max_steps": steps, "run.eval_every": 0, "run.checkpoint_every": steps + 1})
+    with tempfile.TemporaryDirectory(prefix="vitscale-ladder-") as tmp:
+        t = Trainer(cfg, Path(tmp) / "run")
+        try:
+            s = t.fit()
+        finally:
+            t.data.close()
+    return {k: s[k] for k in (t.task.metric, "steps", "images_seen") if k in s}
+
+
+def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, synthetic: bool = False,
+           skip: tuple = ()) -> dict:
+    import torch
+
+    from .lab_harness import hardware_info, log, measure_configs, versions, with_overrides
+    from .strategy.dist import env_world
+    world = env_world()[1]
+    rungs = build_rungs(cfg, world, skip)
+    live = [r for r in rungs if r.skip is None]
+    for r in rungs:
+        log(f"rung {r.name}: " + (f"skipped ({r.skip})" if r.skip else
+                                  " ".join(f"{k}={v}" for k, v in r.overrides.items())))
+    t0 = time.perf_counter()
+    results = measure_configs([with_overrides(cfg, r.overrides) for r in live], steps, rounds, warmup,
+                              synthetic, names=[r.name for r in live])
+    log(f"timed {len(live)} rungs side by side: {rounds} rounds x {steps} steps in {time.perf_counter() - t0:.0f}s")
+    res = dict(zip((r.name for r in live), results))
+    rows, base, prev = [], None, None
+    for r in rungs:
+        row = {"rung": r.name, "overrides": r.delta, "skipped": r.skip, "note": r.note}
+        m = res.get(r.name)
+        if m and "error" in m:
+            row["skipped"] = m["error"]
+        elif m:
+            ips = m["images_per_s"]
+            base = base or ips
+            row.update(images_per_s=ips, step_time_s=m["step_time_s"], speedup_vs_baseline=ips / base,
+                       speedup_vs_previous=ips / prev if prev else 1.0)
+            prev = ips
+            if train_steps and r.numerics:
+                log(f"training {r.name} for {train_steps} steps")
+                row["accuracy"] = accuracy(with_overrides(cfg, r.overrides), train_steps)
+        rows.append(row)
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu")
+    return {"rungs": rows, "steps": steps, "rounds": rounds, "warmup": warmup, "train_steps": train_steps,
+            "synthetic": synthetic, "world_size": world, "batch_size": cfg.data.batch_size,
+            "hardware": hardware_info(device), "versions": versions(), "config": cfg.to_dict(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def table(r: dict) -> str:
+    metric = None
+    lines = ["| rung | img/s | step (median, ms) | vs baseline | vs previous | test accuracy |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for row in r["rungs"]:
+        if row.get("skipped"):
+            lines.append(f"| {row['rung']} | skipped: {row['skipped']} | | | | |")
+            continue
+        acc = row.get("accuracy")
+        if acc:
+            metric = next(k for k in acc if k not in ("steps", "images_seen"))
+        acc_s = f"{100 * acc[metric]:.2f}%" if acc else "(same numerics)" if r["train_steps"] else ""
+        slower = " (slower)" if row["speedup_vs_previous"] < 0.98 else ""
+        lines.append(f"| {row['rung']}{' — ' + row['note'] if row['note'] else ''} | {row['images_per_s']:.1f} | "
+                     f"{1e3 * row['step_time_s']['median']:.1f} | {row['speedup_vs_baseline']:.2f}x | "
+                     f"{row['speedup_vs_previous']:.2f}x{slower} | {acc_s} |")
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [x for x in r["rungs"] if not x.get("skipped")]
+    names = [x["rung"].split(" (")[0] if x["rung"].startswith("baseline") else x["rung"] for x in rows]
+    sp = [x["speedup_vs_baseline"] for x in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    colors = ["tab:red" if i and x["speedup_vs_previous"] < 0.98 else "tab:blue" for i, x in enumerate(rows)]
+    ax.barh(range(len(rows)), sp, color=colors)
+    for i, v in enumerate(sp):
+        ax.text(v, i, f" {v:.2f}x ({rows[i]['images_per_s']:.0f} img/s)", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.set_xlim(0, max(sp) * 1.35)
+    ax.set_xlabel("images/s relative to the baseline (red: slower than the rung above)")
+    h = r["hardware"]
+    ax.set_title(f"ablation ladder, {h['name']} x {r['world_size']} ({h['device']}), batch {r['batch_size']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(r: dict, command: str) -> str:
+    h = r["hardware"]
+    return (f"# Ablation ladder\n\n`{command}`\n\n{r['date']}; {h['name']} ({h['cores']} cores, {h['threads']} "
+            f"torch threads), {h['device']}, {r['world_size']} process(es), torch {r['versions']['torch']}; "
+            f"global batch {r['batch_size']}; {r['rounds']} interleaved rounds x {r['steps']} steps per rung after "
+            f"{r['warmup']} warm-up steps; images/s from the median round"
+            f"{'; one fixed batch' if r['synthetic'] else ''}. Test accuracy after {r['train_steps']} training "
+            f"steps from the same seed (rungs that change numerics).\n\n{table(r)}\n\n![ladder](ladder.png)\n")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per rung per round (default 10)")
+    p.add_argument("--trials", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps per rung (compile happens here)")
+    p.add_argument("--train-steps", type=int, default=50,
+                   help="train numerics-changing rungs this many steps and test them (0 = off; default 50)")
+    p.add_argument("--synthetic", action="store_true", help="reuse one fixed batch (no data cost)")
+    p.add_argument("--skip", default="", metavar="RUNG,...",
+                   help=f"leave rungs out (the later ones stay cumulative): {','.join(KEYS)}")
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--out", default="runs/ladder", help="folder for ladder.md, ladder.png, ladder.json")
+
+
+def run(args) -> int:
+    import shlex
+    import sys
+
+    from .errors import UserError
+    from .lab_harness import check_counts, lab_config
+    check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0),
+                 train_steps=(args.train_steps, 0))
+    skip = tuple(k.strip() for k in args.skip.split(",") if k.strip())
+    bad = [k for k in skip if k not in KEYS]
+    if bad:
+        raise UserError(f"--skip: unknown rung {', '.join(bad)} (rungs: {', '.join(KEYS)})")
+    cfg = lab_config(args.config, args.overrides)
+    r = ladder(cfg, args.steps, args.trials, args.warmup, args.train_steps, args.synthetic, skip)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "vitscale " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("vitscale") \
+        else "vitscale ladder ..."
+    (out / "ladder.json").write_text(json.dumps(r, indent=2, default=str) + "\n")
+    (out / "ladder.md").write_text(markdown(r, command))
+    plot(r, out / "ladder.png")
+    print(json.dumps(r, indent=2, default=str) if args.json else f"{table(r)}\nwrote {out}/ladder.md, ladder.png, ladder.json")
+    return 0
