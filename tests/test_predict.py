@@ -114,3 +114,17 @@ def test_predict_command_estimate_and_bench(tmp_path, capsys):
     assert res["cost"]["backward"] == pytest.approx(0.06) and res["step_1gpu_s"] == pytest.approx(0.1)
     assert [c["strategy"] for c in res["curves"]] == ["ddp", "zero3"]
     assert main(["predict", "configs/tests/tiny.toml", "--link", "pigeon"]) == 2
+
+
+def test_link_fit_recovers_the_ring_model():
+    from vitscale.linkbench import fit
+    bw, lat, k = 3e9, 20e-6, 2
+    rows = [(b, 2 * (k - 1) * lat + 2 * (k - 1) / k * b / bw) for b in (1e3, 1e6, 1e7, 6e7)]
+    got_bw, got_lat = fit(rows, k)
+    assert got_bw == pytest.approx(bw) and got_lat == pytest.approx(lat)
+
+
+def test_measure_gloo_runs_two_processes():
+    from vitscale.linkbench import measure_gloo
+    m = measure_gloo(2, sizes=(2**12, 2**18), iters=2)
+    assert [b for b, _ in m["rows"]] == [2**12, 2**18] and all(t > 0 for _, t in m["rows"])

@@ -31,7 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--bench", metavar="FILE.json", help="a single-device `vitscale bench --json` result")
     p.add_argument("--link", default=None, metavar="LIST",
                    help="comma list of links, each NAME or INTRA+INTER (names: nvlink, pcie, pcie3, infiniband, "
-                        "infiniband_ndr, ethernet, ethernet10, or GBPS[:LATENCY_US]); default "
+                        "infiniband_ndr, ethernet, ethernet10, loopback = a gloo all-reduce measured here between 2 local processes, or GBPS[:LATENCY_US]); default "
                         "nvlink+infiniband,pcie+infiniband,pcie+ethernet,ethernet10")
     p.add_argument("--gpus", default="2,4,8,16,32,64,128,256,512", metavar="LIST")
     p.add_argument("--per-node", type=int, default=8, help="GPUs per node (intra-node link up to this many)")
@@ -146,7 +146,17 @@ def run(args) -> int:
             bench = json.loads(Path(args.bench).read_text())
         except json.JSONDecodeError as e:
             raise UserError(f"--bench {args.bench}: not JSON ({e})") from None
-    result = predict(cfg, bench=bench, links=args.link, gpus=_ints(args.gpus), per_node=args.per_node,
+    links = args.link
+    if links and "loopback" in links:  # measure this machine's gloo all-reduce and use it as a link
+        from .comm_model import LINKS, Link
+        from .linkbench import measure_gloo
+        m = measure_gloo(2)
+        LINKS["loopback"] = Link(f"gloo loopback, measured {m['bw'] / 1e9:.2f} GB/s, {1e6 * m['latency']:.0f} us",
+                                 m["bw"], m["latency"])
+        print(f"measured gloo all-reduce between 2 local processes: bandwidth {m['bw'] / 1e9:.3f} GB/s, latency "
+              f"{1e6 * m['latency']:.1f} us per ring step; " +
+              ", ".join(f"{b / 2**20:g} MiB {1e3 * t:.2f} ms" for b, t in m["rows"]))
+    result = predict(cfg, bench=bench, links=links, gpus=_ints(args.gpus), per_node=args.per_node,
                      bucket_mb=args.bucket_mb, overlap=args.overlap,
                      strategies=[s.strip() for s in args.strategy.split(",") if s.strip()],
                      reduce_dtype=args.reduce_dtype, gpu=args.gpu, mfu=args.mfu)
