@@ -1,0 +1,194 @@
+"""Find the fastest settings of a recipe on this machine that keep the numerics it allows:
+precision (within --allow-precision), attention kernel, optimizer implementation, micro-batch
+(the global batch is kept through train.accum_steps) and torch.compile. Candidates are measured
+side by side (interleaved rounds, the ladder's harness), one knob at a time, starting from the
+recipe's own values; the micro-batch doubles from a small one until images/s improves by less
+than 3% (CPU) or memory runs out (GPU). Writes the tuned TOML with the measured gain in its header.
+
+examples:
+  vitscale tune                                    # the default recipe, its own precision only
+  vitscale tune configs/cifar10.toml --allow-precision bf16,fp32 --budget-s 600 --out tuned.toml
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+HELP = "search the fastest attention/compile/optimizer/precision/micro-batch for a recipe on this machine"
+
+THRESHOLD = 0.03  # a larger micro-batch must be this much faster (CPU)
+MIN_MICRO = 16
+
+
+def accum_choices(per_device: int, accum: int, min_micro: int = MIN_MICRO) -> list[int]:
+    """accum_steps values, smallest micro-batch first: per_device / 2^k down to 1 accumulation
+    step, never below min(min_micro, the recipe's micro-batch); the global batch never changes."""
+    lo = min(per_device // accum, min_micro)
+    out, a = [], 1
+    while per_device % a == 0 and per_device // a >= lo:
+        out.append(a)
+        a *= 2
+    if accum not in out:
+        out.append(accum)
+    return sorted(out, key=lambda a: per_device // a)
+
+
+def search(choices: list, accums: list[int], measure, *, gpu: bool = False, threshold: float = THRESHOLD,
+           out_of_time=lambda: False, say=lambda msg: None, start_accum: int = 1,
+           margin: float = 0.01) -> tuple[dict, list]:
+    """Coordinate search from the recipe ({} = its own values). `choices`: [(key, [values])] and
+    the string "micro" where the micro-batch walk goes (a knob's first value is the incumbent); `measure(list of override dicts)` times
+    them side by side -> images/s or None (invalid / out of memory). Returns (best, history)."""
+    best: dict = {}
+    history: list = []
+
+    def group(cands):
+        ips = measure(cands)
+        history.extend(zip(cands, ips))
+        return ips
+
+    def fastest(cands, ips):
+        """The fastest; the first candidate (the incumbent) keeps its place unless another beats
+        it by more than `margin` (noise must not flip settings)."""
+        ok = [(v, i) for i, v in enumerate(ips) if v is not None]
+        if not ok:
+            return best
+        v, i = max(ok)
+        return cands[0] if ips[0] is not None and v <= ips[0] * (1 + margin) else cands[i]
+
+    for step in choices:
+        if out_of_time():
+            say("budget reached: keeping the best settings so far")
+            break
+        if step == "micro":
+            if len(accums) < 2:
+                continue
+            start = best.get("train.accum_steps", start_accum)
+            cur = {**best, "train.accum_steps": accums[0]}
+            for a in accums[1:]:
+                nxt = {**best, "train.accum_steps": a}
+                ips = group([cur, nxt])
+                if ips[1] is None or ips[0] is None:
+                    cur = nxt if ips[0] is None else cur
+                    break
+                if (gpu and ips[1] >= ips[0] * (1 - threshold)) or ips[1] > ips[0] * (1 + threshold):
+                    cur = nxt
+                else:
+                    break
+                if out_of_time():
+                    break
+            if cur.get("train.accum_steps") != start:  # the walk's pick against the recipe's own
+                orig = dict(best)
+                best = fastest([orig, cur], group([orig, cur]))
+            continue
+        key, values = step
+        if len(values) < 2:
+            continue
+        cands = [{**best, key: v} for v in values]
+        best = fastest(cands, group(cands))
+    return best, history
+
+
+def describe(over: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in over.items()) or "(the recipe as written)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable)")
+    p.add_argument("--allow-precision", default="", metavar="P1,P2",
+                   help="precisions the search may use (default: the recipe's own only)")
+    p.add_argument("--budget-s", type=float, default=300.0, help="stop searching after this many seconds")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per candidate per round (default 5)")
+    p.add_argument("--trials", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per candidate (default 2)")
+    p.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the search")
+    p.add_argument("--synthetic", action="store_true", help="reuse one fixed batch (no data cost)")
+    p.add_argument("--out", default="tuned.toml", help="where to write the tuned recipe")
+
+
+def run(args) -> int:
+    import os
+
+    import torch
+
+    from .config import TrainConfig
+    from .errors import UserError
+    from .hardware import peak_flops
+    from .lab_harness import (check_counts, lab_config, log, machine_line, measure_configs, with_overrides)
+    from .strategy.dist import broadcast_object, env_world
+    check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0))
+    if args.budget_s <= 0:
+        raise UserError(f"--budget-s must be > 0, got {args.budget_s}")
+    cfg = lab_config(args.config, args.overrides)
+    valid = TrainConfig.__dataclass_fields__["precision"].metadata["choices"]
+    allowed = [p.strip() for p in args.allow_precision.split(",") if p.strip()] or [cfg.train.precision]
+    bad = [p for p in allowed if p not in valid]
+    if bad:
+        raise UserError(f"--allow-precision: unknown precision {', '.join(bad)} (choose from {', '.join(valid)})")
+    world = env_world()[1]
+    per_device = cfg.data.batch_size // world
+    gpu = torch.cuda.is_available() and cfg.run.device != "cpu"
+    def first(key, values):  # the recipe's own value first: it is the incumbent
+        cur = _value(cfg, key)
+        return (key, [cur] + [v for v in values if v != cur] if cur in values else values)
+    choices = [first("train.precision", allowed), first("model.attention", ["explicit", "sdpa"]),
+               first("optim.impl", ["forloop", "foreach", "fused"]), "micro"]
+    if not args.no_compile:
+        choices.append(first("train.compile", [False, True]))
+    accums = accum_choices(per_device, cfg.train.accum_steps)
+    t0 = time.perf_counter()
+    out_of_time = lambda: broadcast_object(time.perf_counter() - t0 > args.budget_s)  # noqa: E731
+
+    def measure(cands: list[dict], rounds: int = args.trials) -> list:
+        cfgs, idx, out = [], [], [None] * len(cands)
+        for i, c in enumerate(cands):
+            try:
+                cfgs.append(with_overrides(cfg, c))
+                idx.append(i)
+            except UserError as e:
+                log(f"  {describe(c)}: not valid here ({e})")
+        for i, r in zip(idx, measure_configs(cfgs, args.steps, rounds, args.warmup, args.synthetic,
+                                             names=[describe(cands[i]) for i in idx])):
+            out[i] = r.get("images_per_s")
+            measure.last[i] = r
+            log(f"  {describe(cands[i])}: " + (f"{out[i]:.1f} img/s" if out[i] else r.get("error", "failed")))
+        return out
+    measure.last = {}
+
+    log(f"tuning on {machine_line(torch.device('cuda' if gpu else 'cpu'))}: precisions {allowed}, "
+        f"micro-batches {[per_device // a for a in accums]} (global batch {cfg.data.batch_size}), "
+        f"budget {args.budget_s:.0f}s")
+    best, history = search(choices, accums, measure, gpu=gpu, out_of_time=out_of_time, say=log,
+                           start_accum=cfg.train.accum_steps)
+    chosen = {k: v for k, v in best.items() if _value(cfg, k) != v}
+    log(f"final side-by-side: the recipe vs {describe(chosen)}")
+    measure.last = {}
+    ips = measure([{}, chosen] if chosen else [{}], rounds=max(args.trials, 3))
+    base_ips, tuned_ips = ips[0], ips[-1]
+    tuned = measure.last[len(ips) - 1]
+    device = tuned["device"]
+    peak, src = peak_flops(device, "bf16")
+    peak = broadcast_object(peak)
+    mfu = 3 * tuned["flops_per_image"] * tuned_ips / (peak * tuned["world_size"])
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    machine = machine_line(device)
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    header = [f"# tuned by `vitscale tune` on {date}", f"# machine: {machine}, {world} process(es)",
+              f"# measured side by side ({max(args.trials, 3)} rounds x {args.steps} steps): recipe "
+              f"{base_ips:.1f} img/s, tuned {tuned_ips:.1f} img/s ({tuned_ips / base_ips:.2f}x)",
+              f"# tuned MFU {100 * mfu:.1f}% of the bf16 matmul peak {peak / 1e9:.0f} GFLOP/s ({src})",
+              f"# allowed precisions: {','.join(allowed)}; {len(history)} candidate measurements",
+              "# chosen overrides: " + (" ".join(f"--set {k}={v}" for k, v in chosen.items()) or "none")]
+    Path(args.out).write_text("\n".join(header) + "\n\n" + with_overrides(cfg, chosen).to_toml())
+    print(f"tuned: {describe(chosen)}\nrecipe {base_ips:.1f} img/s -> tuned {tuned_ips:.1f} img/s "
+          f"({tuned_ips / base_ips:.2f}x) on {machine}\ntuned MFU {100 * mfu:.1f}% of the measured bf16 matmul "
+          f"peak ({peak / 1e9:.0f} GFLOP/s per device)\nwrote {args.out}")
+    return 0
+
+
+def _value(cfg, dotted: str):
+    sec, key = dotted.split(".")
+    return getattr(getattr(cfg, sec), key)
