@@ -1,0 +1,171 @@
+"""vitscale bench: MFU arithmetic, the step-split bookkeeping (fake strategy with known phases),
+the JSON on the tiny recipe, a 2-process DDP run, and one-line errors. No timing is asserted."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from vitscale.bench import mfu
+from vitscale.cli import main
+from vitscale.config import load_config
+from vitscale.lab_harness import Bench
+
+from test_distributed import free_port, sets
+
+TINY = "configs/tests/tiny.toml"
+FAST = ["--steps", "2", "--trials", "2", "--warmup", "1", "--split-steps", "1", "--set", "run.threads=1"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads(monkeypatch):
+    from vitscale import hardware
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda *a, **k: 1e11)
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_mfu_arithmetic():
+    # 75 MFLOP forward per image -> 225 MFLOP per training image; 200 img/s = 45 GFLOP/s
+    assert mfu(75e6, 200.0, 400e9, 1) == pytest.approx(45e9 / 400e9)
+    # two devices: the same total throughput is half the utilisation
+    assert mfu(75e6, 200.0, 400e9, 2) == pytest.approx(45e9 / 800e9)
+
+
+class FakeStrategy:
+    """Phases that sleep: forward 2 ms, backward 3 ms (+ 4 ms of communication when syncing),
+    optimizer 1 ms; the counting hook says the all-reduce took 6 ms."""
+
+    def __init__(self, world_size, name="ddp"):
+        self.world_size, self.name, self.syncing, self.comm = world_size, name, True, 0.0
+        self.optimizer = type("O", (), {"zero_grad": lambda self, set_to_none=True: None})()
+        self.model, self.prepare = (lambda x: x), (lambda x: x)
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.syncing = False
+        yield
+        self.syncing = True
+
+    def backward(self, loss):
+        time.sleep(0.003 + (0.004 if self.syncing and self.world_size > 1 else 0))
+        if self.syncing and self.world_size > 1:
+            self.comm += 0.006
+
+    def step(self):
+        time.sleep(0.001)
+        return {"grad_norm": 0.0, "skipped": False}
+
+    def comm_stats(self, steps):
+        out = {"comm_allreduce_s_per_step": self.comm / steps} if self.name == "ddp" else {}
+        self.comm = 0.0
+        return out
+
+
+def fake_bench(world_size, name="ddp", accum=1):
+    b = Bench.__new__(Bench)
+    b.cfg = load_config(TINY, [f"train.accum_steps={accum}"])
+    task = type("T", (), {"forward_loss": lambda self, m, micro, prep: (time.sleep(0.002), torch.ones(()))[1],
+                          "after_step": lambda self: None})()
+    b.trainer = type("Tr", (), {"task": task})()
+    b.s, b.sync, b.fixed = FakeStrategy(world_size, name), (lambda: None), (torch.zeros(4, 1), torch.zeros(4))
+    return b
+
+
+@pytest.mark.parametrize("world,name,accum", [(1, "single", 1), (2, "ddp", 1), (2, "ddp", 2), (2, "fsdp", 1),
+                                              (2, "deepspeed", 1)])
+def test_split_bookkeeping(world, name, accum):
+    sp = fake_bench(world, name, accum).split(2)
+    for k in ("forward", "backward", "optimizer", "instrumented_step"):
+        assert isinstance(sp[k], float) and sp[k] > 0
+    known = [sp[k] for k in ("forward", "backward", "comm_exposed", "optimizer") if sp[k] is not None]
+    assert sum(known) <= sp["instrumented_step"] + 1e-9  # the phases are parts of the instrumented step
+    assert sp["notes"]
+    if world == 1:
+        assert sp["comm_exposed"] == 0.0 and sp["comm_overlapped"] == 0.0
+    elif name == "ddp":
+        assert sp["comm_exposed"] >= 0 and sp["comm_overlapped"] >= 0
+        assert sp["comm_total"] == pytest.approx(0.006)  # the hook's seconds, per step
+    elif name == "fsdp":
+        assert sp["comm_exposed"] >= 0 and sp["comm_overlapped"] is None
+    else:  # no no_sync pass to compare with: not measurable, said so
+        assert sp["comm_exposed"] is None and sp["comm_overlapped"] is None
+        assert any("deepspeed" in n for n in sp["notes"])
+
+
+KEYS = {"images_per_s": float, "images_per_s_per_device": float, "mfu": float, "peak_flops": float,
+        "peak_source": str, "step_time_s": dict, "split": dict, "peak_memory_bytes": int, "memory_source": str,
+        "world_size": int, "batch_size": int, "config": dict, "versions": dict, "hardware": dict}
+
+
+def check_schema(r):
+    for k, t in KEYS.items():
+        assert isinstance(r[k], t), (k, r[k])
+    assert set(r["step_time_s"]) == {"min", "median", "max"}
+    assert r["step_time_s"]["min"] <= r["step_time_s"]["median"] <= r["step_time_s"]["max"]
+    assert {"data", "forward", "backward", "comm_exposed", "comm_overlapped", "optimizer"} <= set(r["split"])
+    assert r["images_per_s"] > 0 and 0 < r["mfu"]
+    assert r["images_per_s_per_device"] == pytest.approx(r["images_per_s"] / r["world_size"])
+    assert {"python", "torch", "vitscale"} <= set(r["versions"])
+    assert {"device", "name", "threads", "cores"} <= set(r["hardware"])
+
+
+@pytest.mark.parametrize("synthetic", [False, True])
+def test_bench_json_on_tiny(capsys, tmp_path, synthetic):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", TINY, "--json", "--out", str(out), *FAST, *(["--synthetic"] if synthetic else [])])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    r = json.loads(printed)
+    assert json.loads(out.read_text()) == r
+    check_schema(r)
+    assert r["world_size"] == 1 and r["batch_size"] == 16 and r["config"]["data"]["batch_size"] == 16
+    assert r["split"]["comm_exposed"] == 0.0 and r["hardware"]["device"] == "cpu"
+    assert r["peak_flops"] == 1e11 and "measured" in r["peak_source"]
+    assert r["synthetic"] is synthetic
+    if synthetic:
+        assert r["split"]["data"] < r["step_time_s"]["median"]
+
+
+def test_bench_human_output(capsys):
+    assert main(["bench", TINY, *FAST]) == 0
+    out = capsys.readouterr().out
+    for word in ("throughput", "step time", "MFU", "memory", "split/step", "instrumented"):
+        assert word in out
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--trials", "0"], "--trials must be >= 1"),
+    (["--set", "train.precison=bf16"], "did you mean 'train.precision'"),
+    (["--set", "train.precision=fp16", "--set", "run.device=cpu"], "refused on CPU"),
+])
+def test_bench_bad_input_one_line(capsys, argv, expect):
+    rc = main(["bench", TINY, *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and expect in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_two_processes_ddp(tmp_path):
+    out = tmp_path / "ddp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "vitscale", "bench", TINY, "--json", "--out", str(out),
+           "--steps", "2", "--trials", "1", "--warmup", "1", "--split-steps", "1",
+           *sets(["strategy.name=ddp", "run.threads=1"])]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert json.loads(p.stdout) == r  # rank 0 alone printed
+    check_schema(r)
+    assert r["world_size"] == 2 and r["strategy"] == "ddp" and r["batch_size"] == 16
+    assert r["comm"]["comm_allreduce_bytes_per_step"] > 0 and r["comm"]["comm_allreduce_calls_per_step"] >= 1
+    for k in ("comm_exposed", "comm_overlapped", "comm_total"):
+        assert isinstance(r["split"][k], float) and r["split"][k] >= 0
