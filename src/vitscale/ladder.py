@@ -43,8 +43,11 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
     """The cumulative rungs for this config and process count; a rung whose config does not
     validate (e.g. fused optimizer for LAMB) or named in `skip` is skipped with the reason and
     adds nothing."""
+    import torch
+
     from .errors import UserError
     from .lab_harness import with_overrides
+    from .optim import build_optimizer
     per_device = cfg.data.batch_size // world_size
     half = "bf16"  # bf16 autocast: the fast path on CPUs with AVX-512 bf16 and on Ampere+ GPUs
     rungs = [
@@ -68,7 +71,9 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
             r.skip = "sharding needs more than one process (launch with torchrun --nproc-per-node N)"
         else:
             try:
-                with_overrides(cfg, {**acc, **r.delta})
+                c = with_overrides(cfg, {**acc, **r.delta})
+                if "optim.impl" in r.delta:  # e.g. LAMB has no foreach/fused implementation
+                    build_optimizer(torch.nn.Linear(1, 1), c.optim)
             except UserError as e:
                 r.skip = str(e)
         if r.skip is None:

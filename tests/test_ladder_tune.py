@@ -1,0 +1,183 @@
+"""vitscale ladder and tune: rung construction, a tiny ladder end to end, tune's search logic with a
+fake measure function, tune end to end with a fake harness, one-line errors. No timing is asserted."""
+import json
+
+import pytest
+import torch
+
+from vitscale import lab_harness
+from vitscale.cli import main
+from vitscale.config import load_config
+from vitscale.ladder import BASELINE, build_rungs
+from vitscale.tune import accum_choices, search
+
+TINY = "configs/tests/tiny.toml"
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch):
+    from vitscale import hardware
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda *a, **k: 1e11)
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+# -- ladder ---------------------------------------------------------------------------------------
+def test_rungs_are_cumulative():
+    cfg = load_config(TINY)
+    rungs = build_rungs(cfg, world_size=1)
+    assert [r.key for r in rungs] == ["baseline", "precision", "foreach", "fused", "pool", "sdpa", "compile",
+                                      "batch", "sharding"]
+    assert rungs[0].overrides == BASELINE
+    for prev, r in zip(rungs, rungs[1:]):
+        if r.skip is None:
+            assert r.overrides == {**prev.overrides, **r.delta}
+        else:
+            assert r.overrides == prev.overrides  # a skipped rung adds nothing
+    top = rungs[-2].overrides
+    assert top == {"train.precision": "bf16", "model.head": "pool", "optim.impl": "fused",
+                   "model.attention": "sdpa", "train.compile": True, "data.batch_size": 32}
+    assert [r.numerics for r in rungs] == [True, True, False, False, True, True, False, True, False]
+    assert rungs[-1].skip and "more than one process" in rungs[-1].skip
+
+
+def test_rungs_two_processes_and_invalid_ones():
+    cfg = load_config(TINY, ["optim.name=lamb"])
+    rungs = {r.key: r for r in build_rungs(cfg, world_size=2, skip=("compile",))}
+    assert rungs["sharding"].skip is None
+    assert rungs["sharding"].overrides["strategy.name"] == "fsdp"
+    assert rungs["sharding"].overrides["train.compile"] is False
+    assert rungs["batch"].overrides["data.batch_size"] == 32  # 8 -> 16 per device on 2 processes
+    assert "LAMB" in rungs["foreach"].skip and "LAMB" in rungs["fused"].skip
+    assert rungs["compile"].skip == "left out (--skip)"
+    assert "optim.impl" not in rungs["sharding"].overrides or rungs["sharding"].overrides["optim.impl"] == "forloop"
+
+
+def test_tiny_ladder_end_to_end(capsys, tmp_path):
+    out = tmp_path / "ladder"
+    rc = main(["ladder", TINY, "--set", "run.threads=1", "--steps", "1", "--trials", "2", "--warmup", "1",
+               "--train-steps", "2", "--skip", "compile", "--json", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (out / "ladder.md").exists() and (out / "ladder.png").stat().st_size > 0
+    assert json.loads((out / "ladder.json").read_text())["rungs"] == r["rungs"]
+    rows = {row["rung"].split(" (")[0]: row for row in r["rungs"]}
+    assert rows["baseline"]["speedup_vs_baseline"] == 1.0
+    measured = [row for row in r["rungs"] if not row["skipped"]]
+    assert len(measured) == 7
+    for row in measured:
+        assert row["images_per_s"] > 0
+        assert row["speedup_vs_baseline"] == pytest.approx(row["images_per_s"] / measured[0]["images_per_s"])
+    # numerics-changing rungs were trained and tested; the others not
+    trained = [row["rung"].split(" (")[0] for row in measured if "accuracy" in row]
+    assert trained == ["baseline", "+ mixed precision", "+ pooled head", "+ fused attention", "+ larger batch"]
+    assert all(0 <= row["accuracy"]["test_accuracy"] <= 1 and row["accuracy"]["steps"] == 2
+               for row in measured if "accuracy" in row)
+    assert "| rung |" in (out / "ladder.md").read_text()
+
+
+# -- tune: the search -----------------------------------------------------------------------------
+def fake_measure(speed, log):
+    def measure(cands):
+        log.extend(cands)
+        return [speed(c) for c in cands]
+    return measure
+
+
+def speed_of(c):
+    s = 100.0
+    s *= {"fp32": 1.0, "bf16": 1.8}[c.get("train.precision", "fp32")]
+    s *= {"sdpa": 1.0, "explicit": 1.3}[c.get("model.attention", "sdpa")]
+    s *= {"forloop": 1.0, "foreach": 0.9, "fused": 1.2}[c.get("optim.impl", "forloop")]
+    micro = 128 // c.get("train.accum_steps", 1)
+    s *= {16: 0.6, 32: 0.8, 64: 0.82, 128: 1.5}[micro]  # 32 -> 64 gains < 3%: stop there
+    s *= 0.9 if c.get("train.compile") else 1.0
+    return s
+
+
+CHOICES = [("model.attention", ["sdpa", "explicit"]), ("optim.impl", ["forloop", "foreach", "fused"]),
+           "micro", ("train.compile", [False, True])]
+
+
+def test_search_picks_the_fastest_and_respects_allowed_precisions():
+    seen = []
+    best, history = search([("train.precision", ["fp32"])] + CHOICES, accum_choices(128, 1),
+                           fake_measure(speed_of, seen))
+    assert best["model.attention"] == "explicit" and best["optim.impl"] == "fused"
+    assert best["train.compile"] is False
+    assert all(c.get("train.precision", "fp32") == "fp32" for c in seen)  # bf16 was not allowed
+    best2, _ = search([("train.precision", ["fp32", "bf16"])] + CHOICES, accum_choices(128, 1),
+                      fake_measure(speed_of, []))
+    assert best2["train.precision"] == "bf16"
+    assert len(history) == len(seen)
+
+
+def test_micro_batch_doubling_keeps_global_batch_and_stops_below_3_percent():
+    assert accum_choices(128, 1) == [8, 4, 2, 1]           # micro 16, 32, 64, 128: 128 = micro x accum
+    assert accum_choices(256, 1, min_micro=64) == [4, 2, 1]
+    assert accum_choices(48, 3) == [3, 2, 1]               # micro 16, 24, 48: the recipe's own accum stays
+    seen = []
+    best, _ = search(["micro"], accum_choices(128, 1), fake_measure(speed_of, seen))
+    accums = {c.get("train.accum_steps", 1) for c in seen}
+    # 16 -> 32 gained 33%, 32 -> 64 only 2.5%: stop; micro 128 (accum 1) is never tried by the walk,
+    # but the recipe's own accum 1 is compared with the walk's pick at the end
+    assert accums == {8, 4, 2, 1}
+    assert [c.get("train.accum_steps", 1) for c in seen] == [8, 4, 4, 2, 1, 4]
+    assert seen[4] == {}   # the recipe itself, against the walk's pick
+    assert best == {}      # the recipe (micro 128) is the fastest
+
+
+def test_micro_batch_doubling_on_gpu_until_out_of_memory():
+    speed = lambda c: {8: 50.0, 4: 70.0, 2: 70.5, 1: None}[c.get("train.accum_steps", 8)]  # noqa: E731
+    best, _ = search(["micro"], [8, 4, 2, 1], fake_measure(speed, []), gpu=True, start_accum=8)
+    assert best["train.accum_steps"] == 2  # the largest micro-batch that fits (micro 128 ran out of memory)
+
+
+def test_search_keeps_the_incumbent_within_noise_and_stops_on_budget():
+    speed = lambda c: 101.0 if c.get("model.attention") == "sdpa" else 100.0  # noqa: E731
+    best, _ = search([("model.attention", ["explicit", "sdpa"])], [1], fake_measure(speed, []))
+    assert best["model.attention"] == "explicit"  # 1% is noise: the recipe's value stays
+    best, hist = search(CHOICES, [1], fake_measure(speed_of, []), out_of_time=lambda: True)
+    assert best == {} and hist == []
+
+
+# -- tune: end to end with a fake harness -----------------------------------------------------------
+def test_tune_writes_recipe_with_gain(capsys, tmp_path, monkeypatch):
+    def fake_measure_configs(cfgs, steps, rounds, warmup, synthetic=False, names=None):
+        out = []
+        for c in cfgs:
+            over = {"train.precision": c.train.precision, "model.attention": c.model.attention,
+                    "optim.impl": c.optim.impl if c.optim.impl != "auto" else "forloop",
+                    "train.accum_steps": c.train.accum_steps * 128 // c.data.batch_size,
+                    "train.compile": c.train.compile}
+            out.append({"images_per_s": speed_of(over), "flops_per_image": 1e6, "world_size": 1,
+                        "device": torch.device("cpu"), "step_time_s": {}})
+        return out
+    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    out = tmp_path / "tuned.toml"
+    rc = main(["tune", TINY, "--set", "data.batch_size=64", "--set", "data.train_size=128",
+               "--allow-precision", "fp32", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    text = out.read_text()
+    assert "# machine:" in text and "tuned MFU" in text and "recipe" in text
+    cfg = load_config(out)
+    assert cfg.data.batch_size == 64                      # the global batch never changes
+    assert cfg.train.precision == "fp32" and cfg.model.attention == "explicit" and cfg.optim.impl == "fused"
+    assert 64 % cfg.train.accum_steps == 0
+    assert "tuned MFU" in printed.out and "x)" in printed.out
+    assert "img/s" in printed.err  # a progress line per candidate
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["tune", TINY, "--allow-precision", "fp8"], "unknown precision fp8"),
+    (["tune", TINY, "--budget-s", "0"], "--budget-s must be > 0"),
+    (["ladder", TINY, "--skip", "turbo"], "unknown rung turbo"),
+    (["ladder", TINY, "--steps", "0"], "--steps must be >= 1"),
+    (["ladder", "nope.toml"], "config file not found"),
+])
+def test_bad_input_one_line(capsys, argv, expect):
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and expect in err and len(err.strip().splitlines()) == 1, err
