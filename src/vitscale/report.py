@@ -197,20 +197,22 @@ def write_report(records: list[dict], out: Path, study=None) -> list[Path]:
     return written
 
 
-def plot_predicted_speedup(result: dict, path: Path, kind: str = "weak") -> None:
-    """Speedup vs GPUs (log-log), one curve per link and strategy, with the ideal line."""
+def plot_predicted_speedup(result: dict, path: Path) -> None:
+    """Strong- and weak-scaling speedup vs GPUs (log-log), one curve per link and strategy, with ideal."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    ks = []
-    for c in result["curves"]:
-        ks = [r["gpus"] for r in c["rows"]]
-        ax.plot(ks, [r[f"{kind}_speedup"] for r in c["rows"]], "o-", ms=3, label=f"{c['strategy']} {c['link']}")
-    ax.plot(ks, ks, "k--", label="ideal")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set(xlabel="GPUs", ylabel=f"{kind}-scaling speedup (throughput)",
-           title=f"predicted {kind} scaling: {result['arch']}, batch {result['batch']:g}/GPU")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, kind, what in ((axes[0], "strong", f"global batch {result['batch']:g}"),
+                           (axes[1], "weak", f"{result['batch']:g} images per GPU")):
+        ks = []
+        for c in result["curves"]:
+            ks = [r["gpus"] for r in c["rows"]]
+            ax.plot(ks, [r[f"{kind}_speedup"] for r in c["rows"]], "o-", ms=3, label=f"{c['strategy']} {c['link']}")
+        ax.plot(ks, ks, "k--", label="ideal")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set(xlabel="GPUs", ylabel="speedup (throughput vs 1 GPU)", title=f"predicted {kind} scaling, {what}")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{result['arch']}: {result['source'][:110]}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
