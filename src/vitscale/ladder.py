@@ -76,6 +76,8 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
                     build_optimizer(torch.nn.Linear(1, 1), c.optim)
             except UserError as e:
                 r.skip = str(e)
+        if r.key == "sharding" and not acc.get("train.compile"):
+            r.note = ""  # nothing was compiled before this rung
         if r.skip is None:
             acc = {**acc, **r.delta}
         r.overrides = dict(acc)
@@ -186,8 +188,10 @@ def markdown(r: dict, command: str) -> str:
             f"torch threads), {h['device']}, {r['world_size']} process(es), torch {r['versions']['torch']}; "
             f"global batch {r['batch_size']}; {r['rounds']} interleaved rounds x {r['steps']} steps per rung after "
             f"{r['warmup']} warm-up steps; images/s from the median round"
-            f"{'; one fixed batch' if r['synthetic'] else ''}. Test accuracy after {r['train_steps']} training "
-            f"steps from the same seed (rungs that change numerics).\n\n{table(r)}\n\n![ladder](ladder.png)\n")
+            f"{'; one fixed batch' if r['synthetic'] else ''}."
+            + (f" Test accuracy after {r['train_steps']} training steps from the same seed (rungs that change "
+               "numerics; the lr schedule is the recipe's, cut at that step)." if r["train_steps"] else "")
+            + f"\n\n{table(r)}\n\n![ladder](ladder.png)\n")
 
 
 def add_arguments(p) -> None:
@@ -208,7 +212,6 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     import shlex
-    import sys
 
     from .errors import UserError
     from .lab_harness import check_counts, lab_config
@@ -224,8 +227,13 @@ def run(args) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "vitscale " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("vitscale") \
-        else "vitscale ladder ..."
+    command = " ".join(["vitscale ladder", *([args.config] if args.config else []),
+                        *(f"--set {shlex.quote(o)}" for o in args.overrides),
+                        f"--steps {args.steps} --trials {args.trials} --warmup {args.warmup} "
+                        f"--train-steps {args.train_steps}", *(["--synthetic"] if args.synthetic else []),
+                        *([f"--skip {args.skip}"] if args.skip else []), f"--out {shlex.quote(args.out)}"])
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        command = f"torchrun --nproc-per-node {os.environ['WORLD_SIZE']} -m {command}"
     (out / "ladder.json").write_text(json.dumps(r, indent=2, default=str) + "\n")
     (out / "ladder.md").write_text(markdown(r, command))
     plot(r, out / "ladder.png")
