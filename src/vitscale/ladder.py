@@ -190,7 +190,7 @@ def markdown(r: dict, command: str) -> str:
             f"{r['warmup']} warm-up steps; images/s from the median round"
             f"{'; one fixed batch' if r['synthetic'] else ''}."
             + (f" Test accuracy after {r['train_steps']} training steps from the same seed (rungs that change "
-               "numerics; the lr schedule is the recipe's, cut at that step)." if r["train_steps"] else "")
+               "numerics; the lr schedule of a run that long: the recipe's warm-up, then its decay over the remaining steps)." if r["train_steps"] else "")
             + f"\n\n{table(r)}\n\n![ladder](ladder.png)\n")
 
 
