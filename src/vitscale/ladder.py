@@ -190,7 +190,8 @@ def markdown(r: dict, command: str) -> str:
             f"{r['warmup']} warm-up steps; images/s from the median round"
             f"{'; one fixed batch' if r['synthetic'] else ''}."
             + (f" Test accuracy after {r['train_steps']} training steps from the same seed (rungs that change "
-               "numerics; the lr schedule of a run that long: the recipe's warm-up, then its decay over the remaining steps)." if r["train_steps"] else "")
+               "numerics; the lr schedule of a run that long: the recipe's warm-up, then its decay over the "
+               "remaining steps)." if r["train_steps"] else "")
             + f"\n\n{table(r)}\n\n![ladder](ladder.png)\n")
 
 
@@ -237,5 +238,6 @@ def run(args) -> int:
     (out / "ladder.json").write_text(json.dumps(r, indent=2, default=str) + "\n")
     (out / "ladder.md").write_text(markdown(r, command))
     plot(r, out / "ladder.png")
-    print(json.dumps(r, indent=2, default=str) if args.json else f"{table(r)}\nwrote {out}/ladder.md, ladder.png, ladder.json")
+    print(json.dumps(r, indent=2, default=str) if args.json
+          else f"{table(r)}\nwrote {out}/ladder.md, ladder.png, ladder.json")
     return 0

@@ -33,7 +33,8 @@ def accum_choices(per_device: int, accum: int, min_micro: int = MIN_MICRO) -> li
     return sorted(out, key=lambda a: per_device // a)
 
 
-def search(choices: list, accums: list[int], measure, *, gpu: bool = False, threshold: float = THRESHOLD,
+def search(choices: list, accums: list[int], measure, *, gpu: bool = False,
+           threshold: float = THRESHOLD,
            out_of_time=lambda: False, say=lambda msg: None, start_accum: int = 1,
            margin: float = 0.01) -> tuple[dict, list]:
     """Coordinate search from the recipe ({} = its own values). `choices`: [(key, [values])] and
