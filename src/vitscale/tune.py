@@ -37,9 +37,10 @@ def search(choices: list, accums: list[int], measure, *, gpu: bool = False,
            threshold: float = THRESHOLD,
            out_of_time=lambda: False, say=lambda msg: None, start_accum: int = 1,
            margin: float = 0.01) -> tuple[dict, list]:
-    """Coordinate search from the recipe ({} = its own values). `choices`: [(key, [values])] and
-    the string "micro" where the micro-batch walk goes (a knob's first value is the incumbent); `measure(list of override dicts)` times
-    them side by side -> images/s or None (invalid / out of memory). Returns (best, history)."""
+    """Coordinate search from the recipe ({} = its own values). `choices`: [(key, [values])] (a
+    knob's first value is the incumbent) and the string "micro" where the micro-batch walk goes;
+    `measure(list of override dicts)` times them side by side -> images/s or None (invalid / out
+    of memory). Returns (best, history)."""
     best: dict = {}
     history: list = []
 
