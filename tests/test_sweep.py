@@ -71,6 +71,8 @@ def test_bench_argv():
     assert sets_of(two) == {"strategy.name": "ddp"}
     fsdp = sweep.bench_argv(TINY, {"nproc": 2, "overrides": {"strategy.name": "fsdp"}}, [], [])
     assert sets_of(fsdp) == {"strategy.name": "fsdp"}
+    base = sweep.bench_argv(TINY, {"nproc": 2, "overrides": {}}, ["strategy.name=fsdp"], [])
+    assert sets_of(base) == {"strategy.name": "fsdp"}
 
 
 def test_sweep_failure_resume_and_report(tmp_path):

@@ -119,7 +119,8 @@ def free_port() -> int:
 def bench_argv(config: str | None, point: dict, base_sets: list[str], bench_flags: list[str]) -> list[str]:
     """The command line that benchmarks one point."""
     over = dict(point["overrides"])
-    if point["nproc"] > 1 and "strategy.name" not in over:
+    base_keys = {b.partition("=")[0].strip() for b in base_sets}
+    if point["nproc"] > 1 and "strategy.name" not in over and "strategy.name" not in base_keys:
         over["strategy.name"] = "ddp"
     sets = [a for s in [*base_sets, *(f"{k}={v}" for k, v in over.items())] for a in ("--set", s)]
     tail = ["bench", *([config] if config else []), *sets, "--json", *bench_flags]
