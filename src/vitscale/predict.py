@@ -117,7 +117,8 @@ def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2
     return {"arch": info["arch"], "params": info["params"], "grad_bytes": grad_bytes, "reduce_dtype": reduce_dtype,
             "batch": cost.batch, "step_1gpu_s": cost.forward + cost.backward + cost.optimizer + cost.data,
             "cost": cost.__dict__, "source": source, "per_node": per_node, "bucket_mb": bucket_mb,
-            "overlap": overlap, "curves": curves}
+            "overlap": overlap, "curves": curves,
+            "links": {label: {"intra": intra.__dict__, "inter": inter.__dict__} for label, intra, inter in link_list}}
 
 
 def markdown(result: dict) -> str:
@@ -146,11 +147,12 @@ def run(args) -> int:
             bench = json.loads(Path(args.bench).read_text())
         except json.JSONDecodeError as e:
             raise UserError(f"--bench {args.bench}: not JSON ({e})") from None
-    links = args.link
+    links, measured = args.link, None
     if links and "loopback" in links:  # measure this machine's gloo all-reduce and use it as a link
         from .comm_model import LINKS, Link
         from .linkbench import measure_gloo
         m = measure_gloo(2)
+        measured = m
         LINKS["loopback"] = Link(f"gloo loopback, measured {m['bw'] / 1e9:.2f} GB/s, {1e6 * m['latency']:.0f} us",
                                  m["bw"], m["latency"])
         print(f"measured gloo all-reduce between 2 local processes: bandwidth {m['bw'] / 1e9:.3f} GB/s, latency "
@@ -160,6 +162,8 @@ def run(args) -> int:
                      bucket_mb=args.bucket_mb, overlap=args.overlap,
                      strategies=[s.strip() for s in args.strategy.split(",") if s.strip()],
                      reduce_dtype=args.reduce_dtype, gpu=args.gpu, mfu=args.mfu)
+    if measured:
+        result["loopback_measurement"] = measured
     text = markdown(result)
     print(text)
     if args.out:
