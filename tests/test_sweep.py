@@ -121,6 +121,16 @@ def test_subprocess_runner_parses_json_and_errors():
     assert bad is None and err == "vitscale: error: bad key x"
 
 
+def test_one_line_error_from_torchrun_stderr():
+    stderr = ("vitscale: error: [rank 0] config: model.dim (32) must be divisible by model.heads (3)\n"
+              "vitscale: error: [rank 1] config: model.dim (32) must be divisible by model.heads (3)\n"
+              "Traceback (most recent call last):\n  File x\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \nvitscale FAILED\n")
+    assert sweep.one_line_error(stderr, 1).startswith("vitscale: error: [rank 0] config: model.dim (32)")
+    assert sweep.one_line_error("Traceback\n  File y\nRuntimeError: boom\nmore\n", 1) == "RuntimeError: boom"
+    assert sweep.one_line_error("", 3) == "exit code 3"
+
+
 def test_sweep_cli_needs_points():
     assert main(["sweep", TINY]) == 2
     assert main(["sweep", TINY, "--grid", "novalues"]) == 2

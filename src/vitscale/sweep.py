@@ -131,11 +131,21 @@ def bench_argv(config: str | None, point: dict, base_sets: list[str], bench_flag
 
 
 def one_line_error(stderr: str, rc: int) -> str:
+    """vitscale's own one-line error (rank 0's first), else the last Python exception line, else the
+    last line that says 'error', else the last line."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("vitscale: error:"):
+            return ln[:400]
+    for ln in reversed(lines):
+        head = ln.split(":", 1)[0]
+        if ":" in ln and head.replace(".", "").isidentifier() and head.endswith(("Error", "Exception")) \
+                and ln.split(":", 1)[1].strip():
+            return ln[:400]
     for ln in reversed(lines):
         if "error" in ln.lower():
             return ln[:400]
-    return (lines[-1][:400] if lines else f"exit code {rc}")
+    return lines[-1][:400] if lines else f"exit code {rc}"
 
 
 def subprocess_runner(argv: list[str], timeout: float) -> tuple[dict | None, str | None]:
