@@ -113,6 +113,12 @@ def test_predict_command_estimate_and_bench(tmp_path, capsys):
     # the untimed remainder (0.1 - 0.09) is counted as backward
     assert res["cost"]["backward"] == pytest.approx(0.06) and res["step_1gpu_s"] == pytest.approx(0.1)
     assert [c["strategy"] for c in res["curves"]] == ["ddp", "zero3"]
+    bench["split"].update(forward=0.06, backward=0.1, optimizer=0.04)     # instrumented pass: 0.2 s > 0.1 s step
+    (tmp_path / "b.json").write_text(json.dumps(bench))
+    assert main(["predict", "configs/tests/tiny.toml", "--bench", str(tmp_path / "b.json"), "--gpus", "2",
+                 "--out", str(tmp_path / "s")]) == 0
+    res = json.loads((tmp_path / "s" / "predict.json").read_text())
+    assert res["step_1gpu_s"] == pytest.approx(0.1) and res["cost"]["forward"] == pytest.approx(0.03)
     assert main(["predict", "configs/tests/tiny.toml", "--link", "pigeon"]) == 2
 
 

@@ -56,7 +56,9 @@ def _ints(text: str) -> list[int]:
 
 
 def step_cost_from_bench(bench: dict, accum: int = 1):
-    """StepCost from a bench JSON: split times when present, else the median step with fwd:bwd = 1:2."""
+    """StepCost from a bench JSON whose total is its median step: the split's phases (scaled down when
+    the instrumented pass took longer than the median step, the remainder added to backward when it
+    took less), else the median step with fwd:bwd = 1:2."""
     from .comm_model import StepCost
     if int(bench.get("world_size", 1)) != 1:
         raise UserError("--bench: give a single-device bench result (world_size 1)")
@@ -67,8 +69,13 @@ def step_cost_from_bench(bench: dict, accum: int = 1):
         fwd, bwd = step / 3, 2 * step / 3
         return StepCost(int(bench["batch_size"]), fwd, bwd, 0.0, 0.0, accum), "bench median step (no split: fwd:bwd 1:2)"
     opt, data = split.get("optimizer") or 0.0, split.get("data") or 0.0
-    rest = step - (fwd + bwd + opt + data)  # untimed remainder (zero_grad, syncs): count it as backward
-    return (StepCost(int(bench["batch_size"]), fwd, bwd + max(0.0, rest), opt, data, accum),
+    total = fwd + bwd + opt + data
+    if total > step:  # the instrumented pass (syncs between phases) ran slower: scale it to the median step
+        k = step / total
+        return (StepCost(int(bench["batch_size"]), fwd * k, bwd * k, opt * k, data * k, accum),
+                f"bench split scaled by {k:.3f} to the median step")
+    # untimed remainder (zero_grad, syncs): counted as backward
+    return (StepCost(int(bench["batch_size"]), fwd, bwd + step - total, opt, data, accum),
             "bench split (forward, backward, optimizer, data)")
 
 
