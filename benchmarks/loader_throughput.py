@@ -22,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+# load_config(None) is the default recipe: reset its model dimensions so that the arch's own apply
+PLAIN_VIT = ["model.dim=0", "model.depth=0", "model.heads=0", "model.mlp_ratio=0", "model.patch_size=0",
+             "model.stem=patch", "model.head=token", "model.attention=sdpa"]
 
 
 def write_folder(root: Path, n: int, size: int = 256, classes: int = 10, seed: int = 0) -> None:
@@ -99,7 +102,7 @@ def main() -> int:
         rates[w] = loader_rate(root, w, args.batch, args.size, batches)
         print(f"| {w} | {rates[w]:.0f} | {rates[w] / max(1, w):.0f} |", flush=True)
     one = rates.get(1) or rates[max(rates)]
-    cfg = load_config(None, [f"model.arch={args.arch}", "data.name=synthetic", "data.channels=3",
+    cfg = load_config(None, [*PLAIN_VIT, f"model.arch={args.arch}", "data.name=synthetic", "data.channels=3",
                              f"data.image_size={args.size}", "data.num_classes=1000", f"data.batch_size={args.step_batch}",
                              f"data.train_size={2 * args.step_batch}", f"train.precision={args.precision}",
                              "run.progress=off", "run.tensorboard=false"])
@@ -108,10 +111,9 @@ def main() -> int:
     print(f"\n| consumer | step img/s | loader(1 worker)/step | workers needed |\n|---|---:|---:|---:|")
     print(f"| {args.arch} {args.precision} train step here (batch {args.step_batch}, measured) | "
           f"{r['images_per_s']:.1f} | {one / r['images_per_s']:.1f} | {math.ceil(r['images_per_s'] / one)} |")
-    for arch in args.gpu_archs.split(","):
-        from vitscale.config import _set
-        _set(cfg, "model.arch", arch)
-        info = model_info(cfg)
+    for arch in args.gpu_archs.split(","):   # a fresh config: the Trainer resolved the benchmarked one
+        info = model_info(load_config(None, [*PLAIN_VIT, f"model.arch={arch}", "data.name=synthetic", "data.channels=3",
+                                             f"data.image_size={args.size}", "data.num_classes=1000"]))
         gpu_ips = peak * args.mfu / info["train_flops_per_image"]
         print(f"| {arch} on one {args.gpu} (estimated: {info['train_flops_per_image'] / 1e9:.2f} GFLOP/img, "
               f"MFU {args.mfu:g}) | {gpu_ips:.0f} | {one / gpu_ips:.3f} | {math.ceil(gpu_ips / one)} |")
