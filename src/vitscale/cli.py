@@ -213,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
               "The last complete checkpoint is kept: resume with `vitscale train --resume RUN`, or launch "
               "with `torchrun --max-restarts N ... --out RUN` to restart and resume automatically",
               file=sys.stderr)
-        return 1
+        # leave now: the broken process group's C++ destructors can abort (SIGABRT) at interpreter
+        # exit when a peer is gone, which would turn this clean exit 1 into a crash
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     except KeyboardInterrupt:
         print("vitscale: interrupted; the last complete checkpoint is kept (resume with --resume RUN)",
               file=sys.stderr)
