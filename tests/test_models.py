@@ -112,3 +112,26 @@ def test_conv_stem_flops_and_grid(patch):
 def test_conv_stem_rejects_odd_patch():
     with pytest.raises(ValueError, match="power-of-two"):
         vit("vit_pico", image_size=28, patch_size=7, in_chans=1, stem="conv")
+
+
+def test_conv_stem_batchnorm_runs_with_half_weights_and_fp32_statistics():
+    # FSDP2 / DeepSpeed bf16 cast parameters but not buffers: the stem must still run, normalize
+    # in fp32 and update its fp32 running statistics exactly as the fp32 module would
+    from vitscale.models.layers import ConvStem
+    torch.manual_seed(0)
+    ref = ConvStem(16, 4, 1, 32)
+    half = ConvStem(16, 4, 1, 32)
+    half.load_state_dict(ref.state_dict())
+    for m in half.modules():
+        for name, prm in m.named_parameters(recurse=False):
+            prm.data = prm.data.to(torch.bfloat16)
+    x = torch.randn(4, 1, 16, 16)
+    out = half(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    want = ref(x)
+    bn_ref = [m for m in ref.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    bn_half = [m for m in half.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    for a, b in zip(bn_ref, bn_half):
+        assert b.running_mean.dtype == torch.float32 and int(b.num_batches_tracked) == 1
+        torch.testing.assert_close(b.running_mean, a.running_mean, rtol=0.05, atol=0.02)
+    torch.testing.assert_close(out.float(), want, rtol=0.05, atol=0.05)  # bf16 weights: ~2 digits

@@ -21,6 +21,27 @@ class PatchEmbed(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2)  # [B, D, g, g] -> [B, N, D]
 
 
+class BatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm that normalizes in the dtype of its running statistics (fp32), whatever dtype its
+    input and affine weights have. Engines that cast parameters but not buffers to bf16 (FSDP2's
+    MixedPrecisionPolicy, DeepSpeed's bf16 mode) would otherwise hand F.batch_norm a mix of bf16
+    and fp32 tensors, which it refuses. Same parameters, buffers and state-dict keys."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = self.running_mean.dtype if self.running_mean is not None else torch.float32
+        if x.dtype == dt and self.weight.dtype == dt:
+            return super().forward(x)
+        # the momentum bookkeeping of nn.BatchNorm2d.forward, then the same call in `dt`
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+        momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        use_batch_stats = self.training or self.running_mean is None
+        return F.batch_norm(x.to(dt), self.running_mean if not self.training or self.track_running_stats else None,
+                            self.running_var if not self.training or self.track_running_stats else None,
+                            self.weight.to(dt), self.bias.to(dt), use_batch_stats, momentum or 0.0,
+                            self.eps).to(x.dtype)
+
+
 class ConvStem(nn.Module):
     """Convolutional stem (Xiao et al. 2021, "Early convolutions help transformers see better"):
     3x3 stride-2 conv + norm + ReLU stages halving the image until it reaches the patch grid,
@@ -39,7 +60,7 @@ class ConvStem(nn.Module):
         layers, c = [], in_chans
         widths = [max(16, dim // 2 ** (s + 1)) for s in reversed(range(patch_size.bit_length() - 1))]
         for w in widths:  # e.g. patch 4, dim 192: 1 -> 48 -> 96 channels at /2, /4
-            layers += [nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(inplace=True)]
+            layers += [nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False), BatchNorm2d(w), nn.ReLU(inplace=True)]
             c = w
         layers.append(nn.Conv2d(c, dim, 1))
         self.proj = nn.Sequential(*layers)
