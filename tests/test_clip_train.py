@@ -2,7 +2,6 @@
 FastCLIP per-sample state; `vitscale eval` reproduces the run's metrics; 2 gloo ranks under DDP,
 FSDP2 and DeepSpeed give the single-process weights (the losses' distributed gradient is exact)."""
 import json
-import shutil
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 
 from test_distributed import rel_diff, sets, torchrun, weights
+from test_train import interrupted_copy
 
 CLIP = "configs/tests/clip_tiny.toml"
 LOSSES = ["openclip", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr"]
@@ -59,12 +59,7 @@ def test_resume_is_exact_with_per_sample_state(tmp_path, loss):
     full = tmp_path / "full"
     run(full, f"clip.loss={loss}", "run.checkpoint_every=3", "run.keep_last=100", "train.epochs=3")
     # an interrupted copy: only the checkpoint at step 6 (mid-epoch 2, gamma < 1) survives
-    part = tmp_path / "part"
-    shutil.copytree(full, part)
-    for p in ckpt.list_checkpoints(part):
-        if p.name != "step_00000006.pt":
-            p.unlink()
-    (part / "summary.json").unlink()
+    part = interrupted_copy(full, tmp_path / "part", step=6)
     assert main(["train", "--resume", str(part)]) == 0
     a, b = state(part), state(full)
     assert a["step"] == b["step"] == 12

@@ -14,13 +14,7 @@ from vitscale.tune import accum_choices, search
 TINY = "configs/tests/tiny.toml"
 
 
-@pytest.fixture(autouse=True)
-def _quiet(monkeypatch):
-    from vitscale import hardware
-    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda *a, **k: 1e11)
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+from test_bench import _restore_threads  # noqa: F401  (autouse: fixed peak, threads restored)
 
 
 # -- ladder ---------------------------------------------------------------------------------------

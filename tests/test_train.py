@@ -69,12 +69,7 @@ def test_resumed_run_ends_with_the_same_weights(tmp_path, capsys, extra):
     full = tmp_path / "full"
     assert run(capsys, "train", TINY, "--out", str(full), *sets)[0] == 0
     # an interrupted copy: only the checkpoint at step 6 (mid-epoch 2) survives
-    part = tmp_path / "part"
-    shutil.copytree(full, part)
-    for p in ckpt.list_checkpoints(part):
-        if p.name != "step_00000006.pt":
-            p.unlink()
-    (part / "summary.json").unlink()
+    part = interrupted_copy(full, tmp_path / "part", step=6)
     rc, _, err = run(capsys, "train", "--resume", str(part))
     assert rc == 0, err
     a, b = final_weights(full), final_weights(part)
@@ -84,6 +79,16 @@ def test_resumed_run_ends_with_the_same_weights(tmp_path, capsys, extra):
     sa = json.loads((full / "summary.json").read_text())
     sb = json.loads((part / "summary.json").read_text())
     assert sa["test_accuracy"] == sb["test_accuracy"] and sb["steps"] == 12
+
+
+def interrupted_copy(full, part, step: int):
+    """A copy of the finished run `full` as if it had stopped after the checkpoint at `step`."""
+    shutil.copytree(full, part)
+    for p in ckpt.list_checkpoints(part):
+        if p.name != f"step_{step:08d}.pt":
+            p.unlink()
+    (part / "summary.json").unlink()
+    return part
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys, monkeypatch):

@@ -13,6 +13,12 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+
+
 def label(rec: dict, skip=()) -> str:
     parts = [f"{k.split('.')[-1]}={v}" for k, v in rec["overrides"].items() if k not in skip]
     return " ".join([f"n={rec['nproc']}", *parts])
@@ -113,9 +119,7 @@ def plot_split(records: list[dict], path: Path) -> None:
     ax.set_ylabel("ms per step")
     ax.set_title("step split per point")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_scaling(records: list[dict], derived: list[dict], path: Path, study) -> None:
@@ -136,9 +140,7 @@ def plot_scaling(records: list[dict], derived: list[dict], path: Path, study) ->
     a1.set(xlabel="processes", ylabel="speedup (img/s vs 1 process)", title=f"{study or 'scaling'}: speedup")
     a2.set(xlabel="processes", ylabel="efficiency", title=f"{study or 'scaling'}: efficiency", ylim=(0, 1.2))
     a1.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_batch(records: list[dict], path: Path) -> None:
@@ -154,9 +156,7 @@ def plot_batch(records: list[dict], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set(xlabel="global batch", ylabel="images/s", title="throughput vs batch")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_memory(records: list[dict], path: Path) -> None:
@@ -169,9 +169,7 @@ def plot_memory(records: list[dict], path: Path) -> None:
     for ax, title in ((a1, "peak memory per process (MiB)"), (a2, "images/s")):
         ax.set_xticks(range(len(ok)), [n.replace(" ", "\n") for n in names], fontsize=7)
         ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def write_report(records: list[dict], out: Path, study=None) -> list[Path]:
@@ -213,6 +211,4 @@ def plot_predicted_speedup(result: dict, path: Path) -> None:
         ax.set(xlabel="GPUs", ylabel="speedup (throughput vs 1 GPU)", title=f"predicted {kind} scaling, {what}")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{result['arch']}: {result['source'][:110]}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)

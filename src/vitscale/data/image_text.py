@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import DataError
-from .sampler import EpochPlan, generator, shard_range
-from .transforms import BatchAugment, Normalizer
+from .sampler import EpochPlan, generator
+from .loaders import TensorEvalLoader, TensorTrainLoader
+from .transforms import BatchAugment
 
 DEFAULT_TEMPLATES = ("a photo of a {}.", "a drawing of {}.", "an image of {}.")
 
@@ -60,20 +61,9 @@ def readable(name: str) -> str:
     return name.replace("_", " ").strip()
 
 
-class PairTrainLoader:
-    """In-memory pairs: x uint8 [N,C,H,W], tokens int64 [N,L] (same home), batches by EpochPlan."""
-
-    def __init__(self, x, tokens, plan: EpochPlan, augment: BatchAugment, *, seed: int, device):
-        self.x, self.tokens, self.plan, self.augment = x, tokens, plan, augment
-        self.seed, self.device = seed, torch.device(device)
-        self.batch_size = plan.batch_size // plan.world_size
-        self.skipped = 0
-
-    def __len__(self) -> int:
-        return len(self.plan)
-
-    def indices(self, epoch: int) -> torch.Tensor:
-        return self.plan.indices(epoch)
+class PairTrainLoader(TensorTrainLoader):
+    """In-memory pairs: x uint8 [N,C,H,W], y = tokens int64 [N,L] (same home), batches by
+    EpochPlan; a batch is (images, tokens, dataset index)."""
 
     def batch(self, epoch: int, b: int):
         g_idx = self.plan.global_batch(epoch, b)
@@ -82,46 +72,19 @@ class PairTrainLoader:
         idx = g_idx[lo:hi]
         home = idx.to(self.x.device)
         x = self.x[home].to(self.device, non_blocking=True)
-        tokens = self.tokens[home].to(self.device, non_blocking=True)
+        tokens = self.y[home].to(self.device, non_blocking=True)
         index = idx.to(self.device, non_blocking=True)
         x, index = self.augment(x, index, params.take(slice(lo, hi)))
         return x, tokens, index
 
-    def iterate(self, epoch: int, start_batch: int = 0):
-        if start_batch < 0:
-            raise DataError(f"data: start_batch must be >= 0, got {start_batch}")
-        for b in range(start_batch, len(self.plan)):
-            yield self.batch(epoch, b)
 
-    def close(self):
-        pass
-
-
-class PairEvalLoader:
-    """In-memory held-out pairs, no augmentation; rank r gets a contiguous shard."""
-
-    def __init__(self, x, tokens, batch_size: int, norm: Normalizer, *, device, rank=0, world_size=1):
-        self.x, self.tokens, self.batch_size, self.norm = x, tokens, batch_size, norm
-        self.device = torch.device(device)
-        self.lo, self.hi = shard_range(len(x), rank, world_size)
-        self.num_samples = self.hi - self.lo
-        self.skipped = 0
-
-    def __len__(self) -> int:
-        return -(-self.num_samples // self.batch_size)
-
-    def indices(self) -> torch.Tensor:
-        return torch.arange(self.lo, self.hi)
+class PairEvalLoader(TensorEvalLoader):
+    """In-memory held-out pairs (y = tokens), no augmentation; rank r gets a contiguous shard;
+    a batch is (images, tokens, index)."""
 
     def iterate(self):
-        for s in range(self.lo, self.hi, self.batch_size):
-            e = min(s + self.batch_size, self.hi)
-            x = self.x[s:e].to(self.device, non_blocking=True)
-            yield (self.norm(x), self.tokens[s:e].to(self.device, non_blocking=True),
-                   torch.arange(s, e, device=self.device))
-
-    def close(self):
-        pass
+        for (x, tokens), s in zip(super().iterate(), range(self.lo, self.hi, self.batch_size)):
+            yield x, tokens, torch.arange(s, s + len(x), device=self.device)
 
 
 def check_augment(cfg):

@@ -9,11 +9,38 @@ all_to_all on gloo) sends (K-1)*b*d as well.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+
+class StepLogs(Mapping):
+    """A loss's per-step logs kept as one detached device tensor until read. The loop reads them
+    only on logging steps, so the other steps pay no host-device sync for them."""
+
+    def __init__(self, values: dict):
+        self._keys = list(values)
+        device = next(v.device for v in values.values() if torch.is_tensor(v))
+        self._tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                                    for v in values.values()])
+        self._floats: dict | None = None
+
+    def _values(self) -> dict:
+        if self._floats is None:
+            self._floats = dict(zip(self._keys, self._tensor.tolist()))
+        return self._floats
+
+    def __getitem__(self, key):
+        return self._values()[key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def gamma_at(epoch: float, schedule: str, gamma_min: float, decay_epochs: float) -> float:
@@ -95,7 +122,7 @@ class ClipLoss(nn.Module):
         self.group = group
         self._labels: dict = {}
         self.comm_elements = {"features": 0, "scalars": 0, "steps": 0}
-        self._tau = float("nan")
+        self._logs: StepLogs | None = None
 
     # no per-sample state, no learnable temperature here (logit_scale is a model parameter)
     def set_epoch(self, epoch: int) -> None:
@@ -115,7 +142,7 @@ class ClipLoss(nn.Module):
 
     @property
     def temperature(self) -> float:
-        return self._tau
+        return self._logs["tau"] if self._logs is not None else float("nan")
 
     def labels(self, device, b: int, rank: int) -> torch.Tensor:
         key = (str(device), b, rank)
@@ -148,6 +175,5 @@ class ClipLoss(nn.Module):
                 labels = self.labels(e1.device, b, 0)
             loss = (F.cross_entropy(logits_i, labels) + F.cross_entropy(logits_t, labels)) / 2
         self.comm_elements["steps"] += 1
-        vals = torch.stack([loss.detach(), 1.0 / scale.detach()]).tolist()  # one device sync
-        self._tau = vals[1]
-        return loss, {"loss": vals[0], "tau": vals[1], "logit_scale": 1.0 / vals[1]}
+        self._logs = StepLogs({"loss": loss.detach(), "tau": 1.0 / scale.detach(), "logit_scale": scale.detach()})
+        return loss, self._logs

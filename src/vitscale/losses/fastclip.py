@@ -37,7 +37,7 @@ import math
 import torch
 from torch import nn
 
-from .clip import gamma_at, gather_no_grad, no_autocast, world
+from .clip import StepLogs, gamma_at, gather_no_grad, no_autocast, world
 
 VARIANTS = ("fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr")
 TAU_MIN, TAU_MAX, TAU_CUT_AT, ADAM_EPS = 0.01, 1.0, 0.03, 1e-8
@@ -192,8 +192,8 @@ class FastClipLoss(nn.Module):
         sur = sur / ((n_all - 1) * b)
         obj = (c1 * Lall[0] + c2 * Lall[1]).mean() + self.rho * (c1 + c2).mean()
         loss = sur - sur.detach() + obj.detach()
-        vals = torch.stack([obj.detach(), (c1.mean() + c2.mean()) / 2]).tolist()  # one device sync
-        return loss, {"loss": vals[0], "tau": vals[1], "gamma": self.gamma}
+        return loss, StepLogs({"loss": obj.detach(), "tau": (c1.mean() + c2.mean()).detach() / 2,
+                               "gamma": self.gamma})
 
     # ---- temperatures -----------------------------------------------------------------------
     @torch.no_grad()
