@@ -73,24 +73,6 @@ def _weights(state: dict, use_ema: bool) -> dict:
     return sd["model"]
 
 
-class _OneProcess:
-    """The strategy verbs a task's evaluate_all uses, for a plain model in this process."""
-    rank, world_size, is_main = 0, 1, True
-
-    def __init__(self, model, strategy):
-        self.model, self.device = model, strategy.device
-        self.autocast, self.prepare = strategy.autocast, strategy.prepare
-
-    def eval_module(self):
-        return self.model
-
-    def gather_objects(self, obj) -> list:
-        return [obj]
-
-    def all_reduce_sum(self, t):
-        return t
-
-
 def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     """The run's own metrics for a checkpoint: accuracy for a ViT; held-out retrieval and
     zero-shot accuracy for a CLIP model."""
@@ -116,7 +98,8 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     if strategy.pure:
         model.to(strategy.half)
     try:
-        result = task.evaluate_all(_OneProcess(model, strategy), data)
+        strategy.module = model  # the single-device strategy's verbs evaluate this plain model
+        result = task.evaluate_all(strategy, data)
     finally:
         data.close()
     if "test_count" in result:

@@ -56,7 +56,7 @@ def clip_spec(cfg: Config, image_size: int, channels: int):
                       context_length=m.context_length))
     except KeyError as e:
         raise ConfigError(f"config: model.arch: {e.args[0]}") from None
-    spec = spec.__class__(**{**spec.__dict__, "init_tau": cfg.clip.tau_init})
+    spec = replace(spec, init_tau=cfg.clip.tau_init)
     v, t = spec.vision, spec.text
     if v.image_size % v.patch_size:
         raise ConfigError(f"config: image size {v.image_size} is not divisible by patch size {v.patch_size} "
