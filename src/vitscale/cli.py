@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         handler = importlib.import_module(f".{args.command}", __package__).run
     where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
-        return handler(args)
+        rc = handler(args)
     except UserError as e:
         print(f"vitscale: error: {where}{e}", file=sys.stderr)
         return 2
@@ -215,13 +215,23 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         # leave now: the broken process group's C++ destructors can abort (SIGABRT) at interpreter
         # exit when a peer is gone, which would turn this clean exit 1 into a crash
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _exit_now(1)
     except KeyboardInterrupt:
         print("vitscale: interrupted; the last complete checkpoint is kept (resume with --resume RUN)",
               file=sys.stderr)
         return 130
+    if where:
+        # a finished multi-process run: leave without the interpreter's teardown, where the threads
+        # of gloo / DeepSpeed's communication backend can abort the process (SIGABRT, "terminate
+        # called without an active exception") after all work is written
+        _exit_now(rc)
+    return rc
+
+
+def _exit_now(rc: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":
