@@ -1,9 +1,16 @@
-"""Checkpoints: written atomically (temp file + rename), keep-last-N, RNG states, safetensors export."""
+"""Checkpoints: written atomically (temp file + rename), keep-last-N, RNG states, safetensors export.
+
+A checkpoint is `checkpoints/step_N.pt`; an engine that keeps its big state in a folder of its own
+(DeepSpeed: `step_N.ds`, FSDP2 sharded: `step_N.dcp`) writes it next to the .pt first, and the .pt
+names its suffix under "engine". Optimizer states are index-keyed (torch.optim) or keyed by
+parameter name (FSDP2's `torch.distributed.checkpoint.state_dict`); the helpers below convert.
+"""
 from __future__ import annotations
 
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -91,3 +98,94 @@ def export_safetensors(state_dict: dict, path: Path, metadata: dict[str, str]) -
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, path)
     return path
+
+
+# -- engine folders (step_N.ds, step_N.dcp) ----------------------------------------------------
+def engine_folder(path: Path, state: dict) -> Path | None:
+    """The engine folder written next to the checkpoint `path`, or None when the .pt holds it all."""
+    suffix = state.get("engine")
+    if suffix is None and saved_strategy(state) == "deepspeed":
+        suffix = ".ds"  # written before checkpoints named their engine folder
+    return Path(path).with_suffix(suffix) if suffix else None
+
+
+def saved_strategy(state: dict) -> str:
+    return state.get("config", {}).get("strategy", {}).get("name", "single")
+
+
+def prune_folders(folder: Path, suffix: str, keep_last: int) -> None:
+    """Remove all but the newest `keep_last` step_N<suffix> folders in `folder`."""
+    pattern = re.compile(rf"^step_(\d+){re.escape(suffix)}$")
+    found = sorted((int(m.group(1)), p) for p in Path(folder).iterdir()
+                   if p.is_dir() and (m := pattern.match(p.name)))
+    for _, old in found[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_dcp(path: Path, keys: set[str] | None = None) -> dict:
+    """A torch.distributed.checkpoint folder consolidated in this process (no process group used):
+    full tensors on the CPU; `keys` limits it to those top-level entries (e.g. {"model"})."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise UserError(f"sharded checkpoint folder not found or incomplete: {path} (expected the "
+                        "step_N.dcp folder written next to the .pt checkpoint)")
+    sd: dict = {}
+    # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does (dcp.load itself
+    # cannot fill an empty dict): every rank that calls it reads the whole checkpoint
+    _load_state_dict(sd, storage_reader=FileSystemReader(str(path)),
+                     planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    return sd
+
+
+def check_resume(state: dict, path: Path, strategy: str) -> None:
+    """One-line UserError when the engine that wrote `state` cannot be resumed by `strategy`:
+    DeepSpeed's engine checkpoint resumes only under DeepSpeed, and DeepSpeed resumes only from it."""
+    saved = saved_strategy(state)
+    if (saved == "deepspeed") == (strategy == "deepspeed"):
+        return
+    if saved == "deepspeed":
+        raise UserError(f"cannot resume {path} under strategy.name={strategy}: it was written by "
+                        "strategy.name=deepspeed, whose optimizer state is in DeepSpeed's own engine "
+                        "checkpoint; resume it with strategy.name=deepspeed (same processes; other "
+                        "counts after DeepSpeed's ds_to_universal), or take its weights with "
+                        f"`vitscale export {path}`")
+    raise UserError(f"cannot resume {path} under strategy.name=deepspeed: it was written by "
+                    f"strategy.name={saved} and DeepSpeed resumes only from its own engine checkpoint; "
+                    f"resume it with strategy.name={saved} (single, ddp and fsdp resume each other's "
+                    f"checkpoints), or take its weights with `vitscale export {path}`")
+
+
+# -- optimizer state: index-keyed (torch.optim) <-> parameter-name-keyed (FSDP2) ----------------
+def optim_keyed_by_name(osd: dict) -> bool:
+    return any(isinstance(k, str) for g in osd["param_groups"] for k in g["params"])
+
+
+def optim_state_by_name(osd: dict, names: list[str]) -> dict:
+    """torch.optim's state dict (parameters numbered in the optimizer's order) keyed by parameter
+    names instead; `names[i]` is the name of the optimizer's i-th parameter."""
+    _same_count(osd, names)
+    return {"state": {names[i]: v for i, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
+
+
+def optim_state_by_index(osd: dict, names: list[str]) -> dict:
+    """The reverse of optim_state_by_name: a name-keyed optimizer state numbered for an optimizer
+    whose i-th parameter is `names[i]`."""
+    _same_count(osd, names)
+    index = {n: i for i, n in enumerate(names)}
+    missing = sorted({n for g in osd["param_groups"] for n in g["params"]} - set(index))
+    if missing:
+        raise UserError(f"checkpoint optimizer state names parameters this model lacks: {', '.join(missing[:3])}")
+    return {"state": {index[n]: v for n, v in osd["state"].items()},
+            # torch.optim pairs saved and current parameters by position: number them in its order
+            "param_groups": [{**g, "params": sorted(index[n] for n in g["params"])} for g in osd["param_groups"]]}
+
+
+def _same_count(osd: dict, names: list[str]) -> None:
+    saved = sum(len(g["params"]) for g in osd["param_groups"])
+    if saved != len(names):
+        raise UserError(f"checkpoint optimizer state holds {saved} parameters, this model's optimizer "
+                        f"{len(names)}: not the same model")

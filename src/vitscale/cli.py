@@ -79,7 +79,7 @@ LAB = [name for name in ("bench", "sweep", "ladder", "tune", "predict")
 
 
 def cmd_train(args) -> int:
-    from .checkpoint import list_checkpoints, load_checkpoint
+    from .checkpoint import check_resume, list_checkpoints, load_checkpoint, resolve_checkpoint
     from .config import Config, apply_dict, check, load_config, parse_override, _set
     from .loop import train
     resume = args.resume
@@ -97,6 +97,7 @@ def cmd_train(args) -> int:
         for text in args.overrides:
             _set(cfg, *parse_override(text))
         check(cfg)
+        check_resume(state, resolve_checkpoint(resume), cfg.strategy.name)  # before an engine starts
         run_dir = Path(args.out) if args.out else (Path(resume) if Path(resume).is_dir()
                                                    else Path(resume).parent.parent)
     else:

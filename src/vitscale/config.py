@@ -174,6 +174,11 @@ class StrategyConfig:
     reduce_dtype: str = choice("fp32", "fp32", "bf16", doc="FSDP: gradient reduce-scatter precision")
     reshard_after_forward: bool = True  # FSDP: free gathered parameters after forward (ZeRO-3 style)
     cpu_offload: bool = False           # FSDP: keep sharded parameters and optimizer state on CPU
+    checkpoint_format: str = choice("full", "full", "sharded", doc="FSDP checkpoints: full = model and "
+                                    "optimizer gathered into step_N.pt by the main process; sharded = "
+                                    "each rank writes its shards to step_N.dcp (torch.distributed."
+                                    "checkpoint; for models too large to gather). Other strategies have "
+                                    "one format and ignore it")
     zero_stage: int = num(2, min=0, max=3, doc="DeepSpeed ZeRO stage: 0 = data parallel, 1 = optimizer "
                           "state sharded, 2 = + gradients, 3 = + parameters")
     offload_optimizer: bool = False     # DeepSpeed: optimizer state and step on the CPU (ZeRO 1-3)

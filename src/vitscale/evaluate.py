@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import export_safetensors, load_checkpoint, resolve_checkpoint
+from .checkpoint import engine_folder, export_safetensors, load_checkpoint, read_dcp, resolve_checkpoint
 from .config import Config, apply_dict, check, parse_override, _set
 from .errors import ConfigError
 from .models import VisionTransformer, ViTSpec, count_params, vit_forward_flops, vit_forward_macs
@@ -59,6 +59,9 @@ def _load(checkpoint, overrides=()) -> tuple[dict, Config, Path]:
     state = load_checkpoint(path)
     if "config" not in state or "strategy" not in state:
         raise ConfigError(f"{path} is not a vitscale training checkpoint")
+    folder = engine_folder(path, state)
+    if "model" not in state["strategy"] and folder is not None:  # FSDP2 sharded: consolidate here
+        state["strategy"]["model"] = read_dcp(folder, keys={"model"})["model"]
     cfg = apply_dict(Config(), state["config"], source=f"{path} (saved config)")
     for text in overrides:
         _set(cfg, *parse_override(text))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import (check_resume, engine_folder, list_checkpoints, load_checkpoint, resolve_checkpoint,
+                         rng_state, save_checkpoint, set_rng_state)
 from .config import Config
 from .data import build_data
 from .errors import ConfigError, DataError, TrainingError, UserError
@@ -143,9 +144,13 @@ class Trainer:
         self.best_acc, self.last_eval = None, None
         self.last_ckpt: Path | None = None
         if resume is not None:
-            if hasattr(s, "load_engine"):
-                s.load_engine(resolve_checkpoint(resume).with_suffix(".ds"))
-            self._restore(load_checkpoint(resume))
+            path = resolve_checkpoint(resume)
+            state = load_checkpoint(path)
+            check_resume(state, path, s.name)  # one line where the engines cannot resume each other
+            folder = engine_folder(path, state)  # the engine's own folder next to it (.ds, .dcp)
+            if folder is not None:
+                s.load_engine(folder)
+            self._restore(state)
 
     def _run_dir(self, run_dir, resume) -> Path:
         """The main process names the run folder (and checks it is free); every rank gets it."""
@@ -194,9 +199,11 @@ class Trainer:
     def save(self) -> Path:
         """Collective (every rank's RNG goes in); the main process writes."""
         s = self.strategy
-        if hasattr(s, "save_engine"):  # DeepSpeed keeps its partitioned state in its own folder
-            s.save_engine(self.run_dir / "checkpoints" / f"step_{self.step:08d}.ds", keep_last=self.cfg.run.keep_last)
-        state = self._state()
+        suffix = s.engine_suffix  # DeepSpeed, FSDP2 sharded: big state in a folder every rank writes
+        if suffix:
+            s.save_engine(self.run_dir / "checkpoints" / f"step_{self.step:08d}{suffix}",
+                          keep_last=self.cfg.run.keep_last)
+        state = {**self._state(), "engine": suffix}
         path = self.run_dir / "checkpoints" / f"step_{self.step:08d}.pt"
         if self.strategy.is_main:
             path = save_checkpoint(self.run_dir, self.step, state, self.cfg.run.keep_last)

@@ -41,3 +41,14 @@ class Strategy(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, sd: dict) -> None: ...
+
+    # an engine that keeps its big state in a folder of its own next to step_N.pt names the
+    # folder's suffix (DeepSpeed ".ds", FSDP2 sharded ".dcp"); None: everything is in the .pt
+    engine_suffix: str | None
+
+    def save_engine(self, path, keep_last: int = 0):
+        """Collective: write the engine folder `path` (only when engine_suffix is set)."""
+
+    def load_engine(self, path) -> None:
+        """Collective: restore from an engine folder written next to a checkpoint (before
+        load_state_dict, which then loads what the .pt holds)."""

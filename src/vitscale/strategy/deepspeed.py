@@ -155,6 +155,7 @@ def disable_shm_comm_op() -> None:
 
 class DeepSpeedStrategy(Distributed):
     name = "deepspeed"
+    engine_suffix = ".ds"  # the loop calls save_engine(step_N.ds) before writing step_N.pt
 
     def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str,
                  batch_size: int):

@@ -2,22 +2,37 @@
 and optimizer state split across ranks. Precision comes from a MixedPrecisionPolicy (bf16
 parameters for compute, fp32 gradient reduction by default), not from autocast.
 
-Checkpoints hold the full (unsharded) model and optimizer state, gathered through
-`torch.distributed.checkpoint.state_dict`, so they resume under any world size and under the
-single-device and DDP strategies too.
+Checkpoints (`strategy.checkpoint_format`):
+- "full" (default): the full (unsharded) model and optimizer state, gathered on every rank's CPU
+  through `torch.distributed.checkpoint.state_dict`, written by the main process into step_N.pt.
+- "sharded": every rank writes its own shards with `torch.distributed.checkpoint` (`dcp.save` of
+  the sharded model and optimizer state dicts) into the folder step_N.dcp (written under a temp
+  name, renamed by the main process once complete, keep-last-N like the .pt files); step_N.pt
+  then holds only the small state (config, RNG, schedule, step). Nothing is ever gathered: for
+  models too large for one host's memory.
+Either resumes under any world size (DCP re-shards on load) and under the single-device and DDP
+strategies, and FSDP2 resumes their checkpoints: the optimizer state is keyed by parameter name
+here, by index there, and `load_state_dict` / SingleDevice convert. `vitscale eval` / `export`
+consolidate a sharded folder in one process.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ..errors import ConfigError
+from ..checkpoint import optim_keyed_by_name, optim_state_by_name, prune_folders
+from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
 from .dist import Distributed
 
@@ -40,6 +55,8 @@ class FSDPStrategy(Distributed):
         super().__init__(train, optim, scfg, device_type)
         self.param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(train.precision)
         self.half = None  # precision lives in the MixedPrecisionPolicy, not in autocast
+        # sharded checkpoints: the loop calls save_engine(step_N.dcp) before writing step_N.pt
+        self.engine_suffix = ".dcp" if scfg.checkpoint_format == "sharded" else None
 
     def setup(self, model: nn.Module) -> None:
         model.to(self.device)
@@ -81,12 +98,54 @@ class FSDPStrategy(Distributed):
         return self.module
 
     def state_dict(self) -> dict:
-        """Collective: every rank gathers; the full tensors land on CPU."""
+        """Collective. Full format: every rank gathers, the full tensors land on the CPU. Sharded:
+        only the small state (the shards went to save_engine's folder)."""
+        if self.engine_suffix:
+            return {"scaler": self.scaler.state_dict(), "format": "sharded"}
         return {"model": get_model_state_dict(self.model, options=FULL),
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL),
                 "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        set_model_state_dict(self.model, sd["model"], options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, sd["optimizer"], options=opts)
+        """A full state: this strategy's, or single/DDP's (index-keyed optimizer state, renamed)."""
+        if "model" in sd:  # absent when load_engine restored the sharded folder
+            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+            set_model_state_dict(self.model, sd["model"], options=opts)
+            osd = sd["optimizer"]
+            if not optim_keyed_by_name(osd):  # single / DDP: numbered in the same optimizer order
+                osd = optim_state_by_name(osd, self.param_names())
+            set_optimizer_state_dict(self.model, self.optimizer, osd, options=opts)
+        self.scaler.load_state_dict(sd["scaler"])
+
+    def _sharded_state(self) -> dict:
+        return {"model": get_model_state_dict(self.model),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+
+    def save_engine(self, path: str | Path, keep_last: int = 0) -> Path:
+        """Collective: every rank writes its shards (torch.distributed.checkpoint) into a temp
+        folder; once all are written the main process renames it to `path` (step_N.dcp) and, with
+        keep_last > 0, removes older step_*.dcp folders. Never a half-written step_N.dcp."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
+        dist.barrier()
+        dcp.save(self._sharded_state(), checkpoint_id=str(tmp))  # returns once the metadata is written
+        if self.is_main:
+            shutil.rmtree(path, ignore_errors=True)  # the same step written again (after a crash)
+            os.replace(tmp, path)
+            if keep_last:
+                prune_folders(path.parent, path.suffix, keep_last)
+        return path
+
+    def load_engine(self, path: str | Path) -> None:
+        """Collective: load a step_N.dcp folder into this run's shards (any world size: DCP
+        re-shards)."""
+        path = Path(path)
+        if path.suffix != ".dcp" or not (path / ".metadata").is_file():
+            raise UserError(f"sharded checkpoint folder not found or incomplete: {path} (expected the "
+                            "step_N.dcp folder written next to the .pt checkpoint)")
+        sd = self._sharded_state()
+        dcp.load(sd, checkpoint_id=str(path))
+        set_model_state_dict(self.model, sd["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, sd["optimizer"])

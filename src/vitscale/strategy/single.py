@@ -147,13 +147,39 @@ class SingleDevice:  # implements base.Strategy
             sd["ema"] = self.ema.state_dict()
         return sd
 
+    # no engine folder of its own next to step_N.pt (DeepSpeed: ".ds", FSDP2 sharded: ".dcp")
+    engine_suffix: str | None = None
+
+    def param_names(self) -> list[str]:
+        """The name of each parameter the optimizer updates, in the optimizer's order."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        params = self.model_params if self.master is not None else \
+            [p for g in self.optimizer.param_groups for p in g["params"]]
+        return [names[id(p)] for p in params]
+
+    def load_engine(self, path) -> None:
+        """Resume from FSDP2's sharded checkpoint folder (step_N.dcp): consolidated in this
+        process, optimizer state renumbered from parameter names."""
+        from ..checkpoint import read_dcp
+        full = read_dcp(path)
+        self.load_state_dict({**full, "scaler": self.scaler.state_dict()})
+
     def load_state_dict(self, sd: dict) -> None:
-        self.module.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])
+        from ..checkpoint import optim_keyed_by_name, optim_state_by_index
+        if "model" in sd:  # absent when an engine folder held it (load_engine)
+            self.module.load_state_dict(sd["model"])
+            osd = sd["optimizer"]
+            if optim_keyed_by_name(osd):  # written by FSDP2: keyed by parameter name
+                osd = optim_state_by_index(osd, self.param_names())
+            self.optimizer.load_state_dict(osd)
         self.scaler.load_state_dict(sd["scaler"])
         if self.master is not None and "master" in sd:
             with torch.no_grad():
                 for m, saved in zip(self.master, sd["master"]):
                     m.copy_(saved)
+        elif self.master is not None and "model" in sd:  # another strategy's fp32 weights
+            with torch.no_grad():
+                for m, name in zip(self.master, self.param_names()):
+                    m.copy_(sd["model"][name])
         if self.ema is not None and "ema" in sd:
             self.ema.load_state_dict(sd["ema"])
