@@ -16,7 +16,7 @@ import torch
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 
-from test_distributed import BASE, TINY, free_port, rel_diff, sets, weights  # shared helpers
+from test_distributed import BASE, TINY, comm_per_step, free_port, rel_diff, sets, weights  # shared helpers
 
 
 def _deepspeed_importable() -> tuple[bool, str]:
@@ -99,11 +99,33 @@ def test_deepspeed_two_ranks_match_single_process(tmp_path, single, extra, tol):
     sd = saved_strategy(out)
     assert sd["ds_config"]["train_micro_batch_size_per_gpu"] * 2 * sd["ds_config"]["gradient_accumulation_steps"] == 16
     assert sd["ds_config"]["gradient_clipping"] == 1.0
+    check_comm(out, extra)
+
+
+def check_comm(out, extra):
+    """Bytes per step / 4P against what each ZeRO stage communicates: gradients reduced (ZeRO-2 and 3
+    at every micro-batch, ZeRO-1 once per step), updated parameters all-gathered (ZeRO-1/2, in the
+    weights' dtype), ZeRO-3 gathering every parameter before use (at least once per step: with
+    DeepSpeed's default stage3_max_reuse_distance the tiny model's parameters stay gathered from
+    forward to backward)."""
+    A = 2 if "train.accum_steps=2" in extra else 1
+    stage = int(next(x for x in extra if x.startswith("strategy.zero_stage="))[-1])
+    width = 0.5 if "train.precision=bf16" in extra else 1.0
+    micro = A if stage >= 2 else 1
+    for c in comm_per_step(out):
+        print(f"ZeRO-{stage} {extra}: bytes per step / 4P: {c}")
+        grads = c.get("allreduce", 0) + c.get("reducescatter", 0)
+        assert micro * width <= grads <= micro * width * 1.01, c
+        if stage in (1, 2):
+            assert c["allgather"] == pytest.approx(width, rel=1e-3), c
+        else:
+            assert c["allgather"] >= 1, c
 
 
 def test_zero3_matches_single_process_and_user_config_is_merged(zero3, single):
     run, stderr = zero3
     check_run(run, single, 1e-5, stderr)
+    check_comm(run, ["strategy.zero_stage=3"])
     sd = saved_strategy(run)
     assert sd["zero_stage"] == 3
     assert sd["ds_config"]["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +41,16 @@ def torchrun(out, extra, nproc=2, timeout=240, resume=None, config=TINY, base=BA
 
 def weights(run_dir):
     return torch.load(ckpt.list_checkpoints(run_dir)[-1], weights_only=False)["strategy"]["model"]
+
+
+def comm_per_step(run_dir) -> list[dict]:
+    """Each train record's bytes per collective kind per step, in units of the fp32 parameter
+    bytes (4P), e.g. {"allgather": 2.02, "reducescatter": 1.01}."""
+    P = json.loads((Path(run_dir) / "summary.json").read_text())["params"]
+    recs = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k[len("comm_"):-len("_bytes_per_step")]: v / (4 * P) for k, v in r.items()
+             if k.startswith("comm_") and k.endswith("_bytes_per_step") and k != "comm_bytes_per_step"}
+            for r in recs if r["kind"] == "train"]
 
 
 def rel_diff(a, b):
@@ -83,6 +94,17 @@ def test_ddp_two_ranks_match_single_process(tmp_path, single, extra, tol):
         train = [e for e in evals if e["kind"] == "train"]
         assert train and all(e["comm_allreduce_bytes_per_step"] == width * s_one["params"] for e in train)
         assert all(e["comm_allreduce_s_per_step"] > 0 for e in train)
+        assert all(set(c) == {"allreduce"} for c in comm_per_step(out))  # nothing else communicates
+    else:  # FSDP2: parameters all-gathered per micro-batch (again in backward when resharded), in the
+        # compute dtype; gradients reduce-scattered once per step in fp32; shards padded to equal size
+        A = 2 if "train.accum_steps=2" in extra else 1
+        gathers = A * (1 if "strategy.reshard_after_forward=false" in extra else 2) * \
+            (0.5 if "train.precision=bf16" in extra else 1)
+        for c in comm_per_step(out):
+            print(f"FSDP2 {extra}: bytes per step / 4P: {c}")
+            assert gathers <= c["allgather"] <= 1.05 * gathers, c
+            assert 1 <= c["reducescatter"] <= 1.05, c
+            assert c["allreduce"] < 0.01, c  # the gradient norm's scalars only
     # memory actually held per rank: DDP replicates everything, FSDP2 holds about half on 2 ranks
     one, ranks = s_one["state_bytes_per_rank"][0], s_ddp["state_bytes_per_rank"]
     for r in ranks:

@@ -16,6 +16,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from .strategy.comm import KINDS
+
 HELP = "time the training step: img/s, MFU, memory, forward/backward/comm/optimizer split"
 
 
@@ -121,9 +123,12 @@ def describe(r: dict) -> str:
                                     ("data", "forward", "backward", "comm_exposed", "comm_overlapped", "optimizer"))
         + f" (instrumented step {ms(sp['instrumented_step'])})",
     ]
-    if r["comm"]:
-        lines.append(f"comm        {r['comm']['comm_allreduce_bytes_per_step'] / 2 ** 20:.2f} MiB in "
-                     f"{r['comm']['comm_allreduce_calls_per_step']:.0f} all-reduce calls per step")
+    c = r["comm"]
+    for kind in KINDS:
+        if f"comm_{kind}_calls_per_step" in c:
+            lines.append(f"comm        {kind}: {c[f'comm_{kind}_bytes_per_step'] / 2 ** 20:.2f} MiB in "
+                         f"{c[f'comm_{kind}_calls_per_step']:.0f} calls per step, "
+                         f"{ms(c[f'comm_{kind}_s_per_step'])} launch to completion")
     lines += [f"note        {n}" for n in r["split_notes"]]
     return "\n".join(lines)
 

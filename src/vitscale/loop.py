@@ -234,16 +234,17 @@ class Trainer:
         into accum_steps micro-batches; returns the loss."""
         s, A = self.strategy, self.cfg.train.accum_steps
         total = torch.zeros((), device=batch[0].device)
-        for i, micro in enumerate(zip(*(t.chunk(A) for t in batch))):
-            with s.no_sync() if i < A - 1 else contextlib.nullcontext():
-                with s.autocast():
-                    loss = self.task.forward_loss(s.model, micro, s.prepare) / A
-                s.backward(loss)
-            total += loss.detach()
-        if s.world_size > 1:  # the mean over all ranks: every rank sees the same (NaN) loss
-            total = s.all_reduce_sum(total) / s.world_size
-        info = s.step()
-        self.task.after_step()
+        with s.comm_window():  # the step's collectives are counted (comm_stats)
+            for i, micro in enumerate(zip(*(t.chunk(A) for t in batch))):
+                with s.no_sync() if i < A - 1 else contextlib.nullcontext():
+                    with s.autocast():
+                        loss = self.task.forward_loss(s.model, micro, s.prepare) / A
+                    s.backward(loss)
+                total += loss.detach()
+            if s.world_size > 1:  # the mean over all ranks: every rank sees the same (NaN) loss
+                total = s.all_reduce_sum(total) / s.world_size
+            info = s.step()
+            self.task.after_step()
         return total.item(), info
 
     def _any_rank(self, flag: bool) -> bool:

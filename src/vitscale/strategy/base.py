@@ -32,6 +32,9 @@ class Strategy(Protocol):
     def step(self) -> dict:
         """Clip, update, zero gradients; returns {'grad_norm': float, 'skipped': bool}."""
 
+    def comm_window(self) -> ContextManager:
+        """Context around a training step: the collectives issued inside are counted."""
+
     def comm_stats(self, steps: int) -> dict:
         """Bytes moved and time spent in collectives since the last call, per optimizer step."""
 

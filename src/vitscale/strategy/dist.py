@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError
+from .comm import COUNTER, install
 from .single import SingleDevice
 
 
@@ -46,7 +47,8 @@ def init_process_group(device_type: str, backend: str = "auto", timeout_s: float
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        with COUNTER.paused():  # vitscale's bookkeeping, not the engine's communication
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
@@ -55,7 +57,8 @@ def gather_objects(obj) -> list:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with COUNTER.paused():
+        dist.all_gather_object(out, obj)
     return out
 
 
@@ -63,7 +66,8 @@ def broadcast_object(obj, src: int = 0):
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with COUNTER.paused():
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -72,6 +76,7 @@ class Distributed(SingleDevice):
 
     def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str):
         init_process_group(device_type, scfg.backend, scfg.timeout_s)
+        install()  # count the engines' collectives (before an engine keeps references to them)
         self.rank, self.world_size, local = env_world()
         self.is_main = self.rank == 0
         self.scfg = scfg
@@ -86,6 +91,12 @@ class Distributed(SingleDevice):
 
     def broadcast_object(self, obj):
         return broadcast_object(obj)
+
+    def comm_window(self):
+        return COUNTER.window()
+
+    def comm_stats(self, steps: int) -> dict:
+        return COUNTER.take(steps)
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -87,8 +87,12 @@ class SingleDevice:  # implements base.Strategy
     def broadcast_object(self, obj):
         return obj
 
+    def comm_window(self):
+        """Context around a training step: its collectives are counted (none on one device)."""
+        return contextlib.nullcontext()
+
     def comm_stats(self, steps: int) -> dict:
-        """Communication since the last call, per optimizer step (none on one device)."""
+        """Communication counted since the last call, per optimizer step (none on one device)."""
         return {}
 
     def close(self) -> None:

@@ -1,0 +1,176 @@
+"""Communication accounting for every engine: the collectives a training step issues, counted where
+they enter `torch.distributed`.
+
+DDP's reducer calls vitscale's comm hook, FSDP2 calls `dist.all_gather_single` /
+`dist.reduce_scatter_single`, DeepSpeed's comm backend calls `torch.distributed.all_reduce`,
+`reduce_scatter_tensor`, `all_gather_into_tensor`, ...; DTensor reductions (FSDP2's gradient norm)
+go through `torch.distributed._functional_collectives.all_reduce`. `install()` wraps those
+functions once per process (before an engine captures a reference to them); a wrapped call is
+counted only inside `window()`, the training step, so evaluation, checkpoint gathers and vitscale's
+own scalar reductions (`paused()`) stay out of the numbers.
+
+Per collective kind (allreduce, allgather, reducescatter, broadcast, reduce, alltoall):
+- bytes: the payload, i.e. the full buffer the collective is about: the reduced tensor for
+  all-reduce/reduce/broadcast, the gathered output for all-gather, the input that is reduced and
+  scattered for reduce-scatter, the input for all-to-all. A ring moves 2(N-1)/N x payload per link
+  for an all-reduce and (N-1)/N x payload for an all-gather or reduce-scatter.
+- calls;
+- seconds from launch to completion (an async collective's future callback; a synchronous one's
+  call). Collectives overlap compute and one another, so the sum is not the exposed time. The
+  functional all-reduce returns before it completes: its time is the launch only.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("allreduce", "allgather", "reducescatter", "broadcast", "reduce", "alltoall")
+
+
+def _arg(args, kwargs, pos: int, name: str):
+    return args[pos] if len(args) > pos else kwargs.get(name)
+
+
+# function name -> (kind, position and keyword of the payload argument)
+SPECS = {
+    "all_reduce": ("allreduce", 0, "tensor"),
+    "all_reduce_coalesced": ("allreduce", 0, "tensors"),
+    "all_gather": ("allgather", 0, "tensor_list"),
+    "all_gather_single": ("allgather", 0, "output_tensor"),
+    "all_gather_into_tensor": ("allgather", 0, "output_tensor"),
+    "_all_gather_base": ("allgather", 0, "output_tensor"),
+    "reduce_scatter": ("reducescatter", 1, "input_list"),
+    "reduce_scatter_single": ("reducescatter", 1, "input"),
+    "reduce_scatter_tensor": ("reducescatter", 1, "input"),
+    "_reduce_scatter_base": ("reducescatter", 1, "input"),
+    "broadcast": ("broadcast", 0, "tensor"),
+    "_broadcast_coalesced": ("broadcast", 1, "tensors"),  # DDP's buffer broadcast (C++ binding)
+    "reduce": ("reduce", 0, "tensor"),
+    "all_to_all_single": ("alltoall", 1, "input"),
+}
+FUNCTIONAL = {"all_reduce": ("allreduce", 0, "self")}
+
+
+def nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(nbytes(t) for t in x)
+    return 0
+
+
+class Counter:
+    """Bytes, calls and seconds per collective kind since the last `take()` (thread-safe: async
+    completions arrive on the backend's threads)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.active = 0              # > 0 inside window() (global: autograd may run on other threads)
+        self.local = threading.local()  # .depth: nested torch.distributed calls count once
+        self.reset()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.stats = {k: [0, 0, 0.0] for k in KINDS}
+
+    def add(self, kind: str, nbytes: int = 0, calls: int = 0, seconds: float = 0.0) -> None:
+        with self.lock:
+            s = self.stats[kind]
+            s[0] += nbytes
+            s[1] += calls
+            s[2] += seconds
+
+    def take(self, steps: int) -> dict:
+        """Per optimizer step: comm_<kind>_{bytes,calls,s}_per_step for each kind seen, and the
+        totals comm_{bytes,calls,s}_per_step (empty when nothing was counted); then reset."""
+        with self.lock:
+            stats, self.stats = self.stats, {k: [0, 0, 0.0] for k in KINDS}
+        n = max(1, steps)
+        out = {}
+        for kind, (b, c, s) in stats.items():
+            if c:
+                out.update({f"comm_{kind}_bytes_per_step": b / n, f"comm_{kind}_calls_per_step": c / n,
+                            f"comm_{kind}_s_per_step": s / n})
+        if out:
+            out.update({"comm_bytes_per_step": sum(v[0] for v in stats.values()) / n,
+                        "comm_calls_per_step": sum(v[1] for v in stats.values()) / n,
+                        "comm_s_per_step": sum(v[2] for v in stats.values()) / n})
+        return out
+
+    @contextlib.contextmanager
+    def window(self):
+        """Count the collectives issued inside (the training step)."""
+        with self.lock:
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Do not count what is issued inside (on this thread): vitscale's own bookkeeping."""
+        depth = getattr(self.local, "depth", 0)
+        self.local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self.local.depth = depth
+
+    def wrap(self, fn, kind: str, pos: int, name: str, completes: bool = True):
+        counter = self
+
+        def counted(*args, **kwargs):
+            local = counter.local
+            if not counter.active or getattr(local, "depth", 0):
+                return fn(*args, **kwargs)
+            local.depth = 1
+            t0 = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                local.depth = 0
+            counter.add(kind, nbytes(_arg(args, kwargs, pos, name)), 1)
+            if completes and isinstance(out, dist.Work):
+                try:  # async: time to completion, reported by the backend's future
+                    out.get_future().then(lambda _f: counter.add(kind, seconds=time.perf_counter() - t0))
+                    return out
+                except RuntimeError:  # a Work without a future (e.g. inside coalescing)
+                    pass
+            counter.add(kind, seconds=time.perf_counter() - t0)
+            return out
+
+        counted.__wrapped__ = fn
+        counted.__name__ = getattr(fn, "__name__", "collective")
+        counted._vitscale_counted = True
+        return counted
+
+
+COUNTER = Counter()
+_installed = False
+
+
+def install() -> Counter:
+    """Wrap the collectives in `torch.distributed` (both its namespaces) and the functional
+    all-reduce; once per process, idempotent."""
+    global _installed
+    if _installed:
+        return COUNTER
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.distributed_c10d as c10d
+    for name, (kind, pos, arg) in SPECS.items():
+        for ns in (dist, c10d):
+            fn = getattr(ns, name, None)
+            if fn is not None and not getattr(fn, "_vitscale_counted", False):
+                setattr(ns, name, COUNTER.wrap(fn, kind, pos, arg))
+    for name, (kind, pos, arg) in FUNCTIONAL.items():
+        fn = getattr(funcol, name, None)
+        if fn is not None and not getattr(fn, "_vitscale_counted", False):
+            setattr(funcol, name, COUNTER.wrap(fn, kind, pos, arg, completes=False))
+    _installed = True
+    return COUNTER
