@@ -126,6 +126,9 @@ def test_zero3_matches_single_process_and_user_config_is_merged(zero3, single):
     run, stderr = zero3
     check_run(run, single, 1e-5, stderr)
     check_comm(run, ["strategy.zero_stage=3"])
+    summary = json.loads((run / "summary.json").read_text())
+    for r in summary["state_bytes_per_rank"]:  # each rank holds its half of the fp32 parameters
+        assert 0.45 <= r["params"] / (4 * summary["params"]) <= 0.6, r
     sd = saved_strategy(run)
     assert sd["zero_stage"] == 3
     assert sd["ds_config"]["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}

@@ -363,7 +363,9 @@ class Trainer:
             t = t.to_local() if hasattr(t, "to_local") else t
             return t.numel() * t.element_size()
         opt, master = self.strategy.optimizer, getattr(self.strategy, "master", None) or []
-        return {"params": sum(local(p) for p in self.strategy.module.parameters()),
+        # ZeRO-3: `p` is an empty placeholder while released; the rank's slice is `p.ds_tensor`
+        return {"params": sum(local(p) + local(getattr(p, "ds_tensor", torch.empty(0)))
+                              for p in self.strategy.module.parameters()),
                 "master_params": sum(local(m) for m in master),
                 "optimizer_state": sum(local(v) for st in opt.state.values() for v in st.values()
                                        if torch.is_tensor(v) and v.ndim),
