@@ -37,6 +37,13 @@ def interrupted_copy(run_dir, dest, step=6):
     return dest
 
 
+def shown(pytestconfig, capsys, text):
+    """print() past capsys, under `pytest -s` only."""
+    if pytestconfig.getoption("capture") == "no":
+        with capsys.disabled():
+            print(text)
+
+
 def alone(monkeypatch):
     for k in NO_LAUNCHER:  # in this process, without a launcher
         monkeypatch.delenv(k, raising=False)
@@ -78,14 +85,16 @@ def test_sharded_resumes_on_one_rank(sharded_run, tmp_path):
     assert d <= 1e-5, d
 
 
-def test_sharded_resumes_under_single_and_exports(sharded_run, tmp_path, monkeypatch, capsys):
+def test_sharded_resumes_under_single_and_exports(sharded_run, tmp_path, monkeypatch, capsys, pytestconfig):
     alone(monkeypatch)
     part = interrupted_copy(sharded_run, tmp_path / "part")
     # FSDP2 sharded (name-keyed optimizer state) -> one process without FSDP (index-keyed)
-    assert main(["train", "--resume", str(part), "--set", "strategy.name=single"]) == 0
+    assert main(["train", "--resume", str(part), "--set", "strategy.name=single", "--set", "run.keep_last=1"]) == 0
+    # pruning the step-6 checkpoint took its .dcp folder too, though this strategy writes none
+    assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["step_00000012.pt"]
     d = rel_diff(final_weights(part), final_weights(sharded_run))
-    with capsys.disabled():
-        print(f"relative weight difference FSDP sharded (2 ranks) -> single resumed vs uninterrupted: {d:.2e}")
+    shown(pytestconfig, capsys, f"relative weight difference FSDP sharded (2 ranks) -> single resumed vs "
+                                f"uninterrupted: {d:.2e}")
     assert d <= 1e-5, d
     # eval and export consolidate the sharded folder in this one process
     capsys.readouterr()
@@ -144,15 +153,14 @@ def resume_torchrun(run_dir, extra, nproc=2):
     return p
 
 
-def test_deepspeed_and_other_engines_refuse_each_other(single_run, tmp_path, monkeypatch, capsys):
+def test_deepspeed_and_other_engines_refuse_each_other(single_run, tmp_path, monkeypatch, capsys, pytestconfig):
     alone(monkeypatch)
     part = interrupted_copy(single_run, tmp_path / "part")
     capsys.readouterr()
     # a plain checkpoint under DeepSpeed: refused before DeepSpeed starts
     assert main(["train", "--resume", str(part), "--set", "strategy.name=deepspeed"]) == 2
     err = capsys.readouterr().err.strip()
-    with capsys.disabled():
-        print(err)
+    shown(pytestconfig, capsys, err)
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert "under strategy.name=deepspeed" in err and "written by strategy.name=single" in err
     # a DeepSpeed checkpoint (its .pt says so) under another strategy
@@ -166,8 +174,7 @@ def test_deepspeed_and_other_engines_refuse_each_other(single_run, tmp_path, mon
     torch.save(state, path)
     assert main(["train", "--resume", str(part), "--set", "strategy.name=single"]) == 2
     err = capsys.readouterr().err.strip()
-    with capsys.disabled():
-        print(err)
+    shown(pytestconfig, capsys, err)
     assert len(err.splitlines()) == 1 and "written by strategy.name=deepspeed" in err
 
 

@@ -19,6 +19,7 @@ import torch
 from .errors import UserError
 
 CKPT_RE = re.compile(r"^step_(\d+)\.pt$")
+ENGINE_SUFFIXES = (".ds", ".dcp")  # DeepSpeed's engine folder, FSDP2's sharded one
 
 
 def rng_state() -> dict:
@@ -65,6 +66,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int) -> Pa
     atomic_save(state, path)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
+        for suffix in ENGINE_SUFFIXES:  # its engine folder, also one another strategy wrote
+            shutil.rmtree(old.with_suffix(suffix), ignore_errors=True)
     return path
 
 

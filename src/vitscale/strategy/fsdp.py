@@ -128,12 +128,14 @@ class FSDPStrategy(Distributed):
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
         if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
+            shutil.rmtree(tmp, ignore_errors=True)  # this step's save, interrupted before
         dist.barrier()
         dcp.save(self._sharded_state(), checkpoint_id=str(tmp))  # returns once the metadata is written
         if self.is_main:
             shutil.rmtree(path, ignore_errors=True)  # the same step written again (after a crash)
             os.replace(tmp, path)
+            for stale in path.parent.glob(".step_*.dcp.tmp"):  # an interrupted save's leftovers
+                shutil.rmtree(stale, ignore_errors=True)
             if keep_last:
                 prune_folders(path.parent, path.suffix, keep_last)
         return path
