@@ -164,6 +164,25 @@ def test_tune_writes_recipe_with_gain(capsys, tmp_path, monkeypatch):
     assert "img/s" in printed.err  # a progress line per candidate
 
 
+def test_tune_keeps_the_recipe_when_the_winner_loses_the_final_comparison(capsys, tmp_path, monkeypatch):
+    def fake_measure_configs(cfgs, steps, rounds, warmup, synthetic=False, names=None):
+        final = names and names[0] == "(the recipe as written)"  # noise: the recipe wins at the end
+        return [{"images_per_s": (200.0 if final and i == 0 else 100.0 + 10 * (c.model.attention == "sdpa")),
+                 "flops_per_image": 1e6, "world_size": 1, "device": torch.device("cpu"), "step_time_s": {}}
+                for i, c in enumerate(cfgs)]
+    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    out = tmp_path / "tuned.toml"
+    rc = main(["tune", TINY, "--set", "data.batch_size=64", "--set", "data.train_size=128", "--no-compile",
+               "--out", str(out)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    text = out.read_text()
+    assert "# chosen overrides: none" in text and "# rejected (slower than the recipe" in text
+    tuned, recipe = load_config(out), load_config(TINY, ["data.batch_size=64", "data.train_size=128"])
+    assert tuned.to_dict() == recipe.to_dict()  # the recipe, unchanged
+    assert "(1.00x)" in printed.out and "keeping the recipe" in printed.err
+
+
 @pytest.mark.parametrize("argv,expect", [
     (["tune", TINY, "--allow-precision", "fp8"], "unknown precision fp8"),
     (["tune", TINY, "--budget-s", "0"], "--budget-s must be > 0"),

@@ -170,6 +170,11 @@ def run(args) -> int:
     ips = measure([{}, chosen] if chosen else [{}], rounds=max(args.trials, 3))
     base_ips, tuned_ips = ips[0], ips[-1]
     tuned = measure.last[len(ips) - 1]
+    rejected = {}
+    if chosen and not (tuned_ips and base_ips and tuned_ips > base_ips):
+        # the search's winner lost to the recipe side by side (noise picked it): keep the recipe
+        log(f"  {describe(chosen)} did not beat the recipe side by side: keeping the recipe")
+        rejected, chosen, tuned_ips, tuned = chosen, {}, base_ips, measure.last[0]
     device = tuned["device"]
     peak, src = peak_flops(device, "bf16")
     peak = broadcast_object(peak)
@@ -184,6 +189,9 @@ def run(args) -> int:
               f"# tuned MFU {100 * mfu:.1f}% of the bf16 matmul peak {peak / 1e9:.0f} GFLOP/s ({src})",
               f"# allowed precisions: {','.join(allowed)}; {len(history)} candidate measurements",
               "# chosen overrides: " + (" ".join(f"--set {k}={v}" for k, v in chosen.items()) or "none")]
+    if rejected:
+        header.append("# rejected (slower than the recipe in the final side-by-side): "
+                      + " ".join(f"--set {k}={v}" for k, v in rejected.items()))
     Path(args.out).write_text("\n".join(header) + "\n\n" + with_overrides(cfg, chosen).to_toml())
     print(f"tuned: {describe(chosen)}\nrecipe {base_ips:.1f} img/s -> tuned {tuned_ips:.1f} img/s "
           f"({tuned_ips / base_ips:.2f}x) on {machine}\ntuned MFU {100 * mfu:.1f}% of the measured bf16 matmul "
