@@ -147,6 +147,9 @@ class Counter:
 
         counted.__wrapped__ = fn
         counted.__name__ = getattr(fn, "__name__", "collective")
+        # torch.compile never traces the counting (a compiled DDP model's forward reaches DDP's
+        # buffer broadcast): it runs eagerly around the collective, as the collective itself does
+        counted = torch._dynamo.disable(counted, recursive=True)
         counted._vitscale_counted = True
         return counted
 
