@@ -184,23 +184,32 @@ def eval_keys(lo: int, hi: int, batch_size: int):
     return keys_for
 
 
-def _dataloader(dataset, batches, cfg, device):
+def _dataloader(dataset, batches, cfg, device, collate_fn):
     workers = cfg.num_workers
     return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=workers,
-                                       collate_fn=functools.partial(collate, size=dataset.size),
+                                       collate_fn=functools.partial(collate_fn, size=dataset.size),
                                        pin_memory=device.type == "cuda",
                                        persistent_workers=workers > 0)
 
 
 class _FolderLoader:
+    """Decoding workers over a dataset whose collate gives (tensors..., kept positions, failures):
+    folder.py's (x, y), pair_files.py's (x, tokens, index)."""
+
+    def _start(self, dataset, keys_for, num_batches, cfg, device, collate_fn):
+        self.dataset, self.device, self.skipped = dataset, torch.device(device), 0
+        self._sampler = _Batches(num_batches, keys_for)
+        self._loader = _dataloader(dataset, self._sampler, cfg, self.device, collate_fn)
+
     def _batches(self, epoch: int, start: int):
-        """Yields (b, x uint8 [b,3,S,S] on device, y [b], kept positions [b]), logging skips."""
+        """Yields (b, x uint8 [b,3,S,S] on device, the other tensors on device..., kept positions
+        [b]), logging skips."""
         self._sampler.epoch, self._sampler.start = epoch, start
-        for b, (x, y, keep, failures) in enumerate(self._loader, start):
+        for b, (*tensors, keep, failures) in enumerate(self._loader, start):
             for path, err in failures:
                 self.skipped += 1
                 log.warning("skipped unreadable image %s (%s); %d skipped so far", path, err, self.skipped)
-            yield b, x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True), keep
+            yield (b, *(t.to(self.device, non_blocking=True) for t in tensors), keep)
 
     def close(self):
         """Stop the decoding workers now (they also stop when the loader is freed)."""
@@ -211,12 +220,10 @@ class _FolderLoader:
 
 
 class FolderTrainLoader(_FolderLoader):
-    def __init__(self, dataset, plan: EpochPlan, augment: BatchAugment, cfg, *, seed, device):
-        self.dataset, self.plan, self.augment, self.seed = dataset, plan, augment, seed
-        self.device, self.skipped = device, 0
+    def __init__(self, dataset, plan: EpochPlan, augment: BatchAugment, cfg, *, seed, device, collate_fn=collate):
+        self.plan, self.augment, self.seed = plan, augment, seed
         self.batch_size = plan.batch_size // plan.world_size
-        self._sampler = _Batches(len(plan), train_keys(plan, seed))
-        self._loader = _dataloader(dataset, self._sampler, cfg, device)
+        self._start(dataset, train_keys(plan, seed), len(plan), cfg, device, collate_fn)
 
     def __len__(self):
         return len(self.plan)
@@ -227,21 +234,25 @@ class FolderTrainLoader(_FolderLoader):
     def iterate(self, epoch: int, start_batch: int = 0):
         if start_batch < 0:
             raise DataError(f"data: start_batch must be >= 0, got {start_batch}")
-        for b, x, y, keep in self._batches(epoch, start_batch):
+        for b, x, *rest, keep in self._batches(epoch, start_batch):
             n_global = len(self.plan.global_batch(epoch, b))
             lo, hi = self.plan.local_range(n_global)
             params = self.augment.draw(generator("aug", self.seed, epoch, b), n_global)
-            yield self.augment(x, y, params.take(slice(lo, hi)).take(keep))
+            yield self.emit(x, rest, params.take(slice(lo, hi)).take(keep))
+
+    def emit(self, x, rest, params):
+        """The training batch from the decoded images and the collate's other tensors."""
+        y, = rest
+        return self.augment(x, y, params)
 
 
 class FolderEvalLoader(_FolderLoader):
-    def __init__(self, dataset, cfg, norm, *, device, rank=0, world_size=1):
-        self.dataset, self.norm, self.device, self.skipped = dataset, norm, device, 0
+    def __init__(self, dataset, cfg, norm, *, device, rank=0, world_size=1, collate_fn=collate):
+        self.norm = norm
         self.batch_size = cfg.eval_batch_size
         self.lo, self.hi = shard_range(len(dataset), rank, world_size)
         self.num_samples = self.hi - self.lo
-        self._sampler = _Batches(len(self), eval_keys(self.lo, self.hi, self.batch_size))
-        self._loader = _dataloader(dataset, self._sampler, cfg, device)
+        self._start(dataset, eval_keys(self.lo, self.hi, self.batch_size), len(self), cfg, device, collate_fn)
 
     def __len__(self):
         return -(-self.num_samples // self.batch_size)
@@ -250,8 +261,8 @@ class FolderEvalLoader(_FolderLoader):
         return torch.arange(self.lo, self.hi)
 
     def iterate(self):
-        for _, x, y, _ in self._batches(0, 0):
-            yield self.norm(x), y
+        for _, x, *rest, _ in self._batches(0, 0):
+            yield (self.norm(x), *rest)
 
 
 def build(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> DataBundle:

@@ -20,7 +20,6 @@ the same split on every machine. Unreadable images are dropped from their batch 
 from __future__ import annotations
 
 import csv
-import functools
 import glob
 import hashlib
 import io
@@ -38,8 +37,8 @@ import torch
 
 from ..errors import DataError
 from .fetch import data_home
-from .folder import _Batches, _FolderLoader, decode, eval_keys, train_keys
-from .sampler import EpochPlan, generator, shard_range
+from .folder import FolderEvalLoader, FolderTrainLoader, decode
+from .sampler import EpochPlan, generator
 from .transforms import BatchAugment
 
 log = logging.getLogger("vitscale.data")
@@ -247,66 +246,16 @@ def collate(items, size: int):
     return x, tok, idx, torch.tensor(keep, dtype=torch.long), [(it[3], it[4]) for it in items if it[0] is None]
 
 
-class _PairLoader(_FolderLoader):
-    def _make(self, dataset, keys_for, num_batches, cfg):
-        self.dataset, self.skipped = dataset, 0
-        self._sampler = _Batches(num_batches, keys_for)
-        workers = cfg.num_workers
-        self._loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=self._sampler, num_workers=workers,
-            collate_fn=functools.partial(collate, size=dataset.size),
-            pin_memory=self.device.type == "cuda", persistent_workers=workers > 0)
+class PairFileTrainLoader(FolderTrainLoader):
+    """folder.py's training loader over pairs: the collate gives (x, tokens, index)."""
 
-    def _pairs(self, epoch: int, start: int):
-        self._sampler.epoch, self._sampler.start = epoch, start
-        for b, (x, tok, idx, keep, failures) in enumerate(self._loader, start):
-            for src, err in failures:
-                self.skipped += 1
-                log.warning("skipped unreadable image %s (%s); %d skipped so far", src, err, self.skipped)
-            dev = self.device
-            yield b, x.to(dev, non_blocking=True), tok.to(dev, non_blocking=True), idx.to(dev), keep
-
-
-class PairFileTrainLoader(_PairLoader):
     def __init__(self, dataset, plan: EpochPlan, augment: BatchAugment, cfg, *, seed, device):
-        self.plan, self.augment, self.seed, self.device = plan, augment, seed, torch.device(device)
-        self.batch_size = plan.batch_size // plan.world_size
-        self._make(dataset, train_keys(plan, seed), len(plan), cfg)
+        super().__init__(dataset, plan, augment, cfg, seed=seed, device=device, collate_fn=collate)
 
-    def __len__(self):
-        return len(self.plan)
-
-    def indices(self, epoch: int) -> torch.Tensor:
-        return self.plan.indices(epoch)
-
-    def iterate(self, epoch: int, start_batch: int = 0):
-        if start_batch < 0:
-            raise DataError(f"data: start_batch must be >= 0, got {start_batch}")
-        for b, x, tok, idx, keep in self._pairs(epoch, start_batch):
-            n_global = len(self.plan.global_batch(epoch, b))
-            lo, hi = self.plan.local_range(n_global)
-            params = self.augment.draw(generator("aug", self.seed, epoch, b), n_global)
-            x, idx = self.augment(x, idx, params.take(slice(lo, hi)).take(keep))
-            yield x, tok, idx
-
-
-class PairFileEvalLoader(_PairLoader):
-    def __init__(self, dataset, cfg, norm, *, device, rank=0, world_size=1):
-        self.norm, self.device = norm, torch.device(device)
-        self.batch_size = cfg.eval_batch_size
-        self.lo, self.hi = shard_range(len(dataset), rank, world_size)
-        self.num_samples = self.hi - self.lo
-        self._make(dataset, eval_keys(self.lo, self.hi, self.batch_size), len(self), cfg)
-
-    def __len__(self):
-        return -(-self.num_samples // self.batch_size)
-
-    def indices(self) -> torch.Tensor:
-        return torch.arange(self.lo, self.hi)
-
-    def iterate(self):
-        for _, x, tok, idx, _ in self._pairs(0, 0):
-            yield self.norm(x), tok, idx
+    def emit(self, x, rest, params):
+        tok, idx = rest
+        x, idx = self.augment(x, idx, params)  # num_classes=1: no label mixing, idx passes through
+        return x, tok, idx
 
 
 class FolderPairs:
@@ -374,8 +323,8 @@ def build(cfg, *, device, seed: int, rank: int, world_size: int, context_length:
     augment = BatchAugment(cfg, mean=CLIP_MEAN, std=CLIP_STD, num_classes=1, crop_flip=False)
     train_loader = PairFileTrainLoader(PairDataset(train, size, cfg.hflip, context_length), plan,
                                        augment, cfg, seed=seed, device=device)
-    test_loader = PairFileEvalLoader(PairDataset(test, size, False, context_length), cfg, augment.norm,
-                                     device=device, rank=rank, world_size=world_size)
+    test_loader = FolderEvalLoader(PairDataset(test, size, False, context_length), cfg, augment.norm,
+                                   device=device, rank=rank, world_size=world_size, collate_fn=collate)
     return ImageTextBundle(train=train_loader, test=test_loader, zeroshot={}, train_size=len(train),
                            test_size=len(test), channels=3, image_size=size, mean=CLIP_MEAN,
                            std=CLIP_STD, captions_test=test.captions.tolist())
