@@ -83,6 +83,14 @@ def test_sharded_resumes_on_one_rank(sharded_run, tmp_path):
     d = rel_diff(final_weights(part), final_weights(sharded_run))
     print(f"relative weight difference FSDP sharded 2->1 ranks resumed vs uninterrupted: {d:.2e}")
     assert d <= 1e-5, d
+    # and back: the one-rank run's step-9 folder (one shard file) resumed on 2 ranks
+    assert len(list((part / "checkpoints" / "step_00000009.dcp").glob("*.distcp"))) == 1
+    back = interrupted_copy(part, tmp_path / "back", step=9)
+    p = torchrun(None, [], nproc=2, resume=back)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = rel_diff(final_weights(back), final_weights(sharded_run))
+    print(f"relative weight difference FSDP sharded 2->1->2 ranks resumed vs uninterrupted: {d:.2e}")
+    assert d <= 1e-5, d
 
 
 def test_sharded_resumes_under_single_and_exports(sharded_run, tmp_path, monkeypatch, capsys, pytestconfig):
