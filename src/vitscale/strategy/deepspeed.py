@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import socket
 import warnings
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import commit_folder
 from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
@@ -41,7 +41,6 @@ from .dist import Distributed, env_world
 from .single import SingleDevice
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-ENGINE_DIR_RE = re.compile(r"^step_(\d+)\.ds$")
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -316,17 +315,23 @@ class DeepSpeedStrategy(Distributed):
 
     def save_engine(self, path: str | Path, keep_last: int = 0) -> Path:
         """Collective: DeepSpeed's own checkpoint (module, partitioned optimizer state, fp32
-        masters; one file per rank) in the folder `path` (e.g. checkpoints/step_00000100.ds).
-        With keep_last > 0 the main process then removes older `step_*.ds` folders next to it."""
+        masters; one file per rank) written into a temp folder; once every rank has written, the
+        main process renames it to `path` (e.g. checkpoints/step_00000100.ds) and, with
+        keep_last > 0, removes older step_*.ds folders. Never a half-written step_N.ds."""
         path = Path(path)
-        self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
-        if keep_last and self.is_main:
-            found = sorted((int(m.group(1)), p) for p in path.parent.iterdir()
-                           if p.is_dir() and (m := ENGINE_DIR_RE.match(p.name)))
-            for _, old in found[:-keep_last]:
-                if old != path:
-                    shutil.rmtree(old, ignore_errors=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # this step's save, interrupted before
+        self._barrier()
+        self.engine.save_checkpoint(str(path.parent), tag=tmp.name, save_latest=False)
+        self._barrier()  # every rank's files are in tmp
+        if self.is_main:
+            commit_folder(tmp, path, keep_last)
         return path
+
+    def _barrier(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
 
     def load_engine(self, path: str | Path) -> None:
         """Collective: restore the engine (weights, optimizer state) from `save_engine`'s folder.

@@ -18,7 +18,6 @@ consolidate a sharded folder in one process.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ..checkpoint import optim_keyed_by_name, optim_state_by_name, prune_folders
+from ..checkpoint import commit_folder, optim_keyed_by_name, optim_state_by_name
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
 from .dist import Distributed
@@ -132,12 +131,7 @@ class FSDPStrategy(Distributed):
         dist.barrier()
         dcp.save(self._sharded_state(), checkpoint_id=str(tmp))  # returns once the metadata is written
         if self.is_main:
-            shutil.rmtree(path, ignore_errors=True)  # the same step written again (after a crash)
-            os.replace(tmp, path)
-            for stale in path.parent.glob(".step_*.dcp.tmp"):  # an interrupted save's leftovers
-                shutil.rmtree(stale, ignore_errors=True)
-            if keep_last:
-                prune_folders(path.parent, path.suffix, keep_last)
+            commit_folder(tmp, path, keep_last)
         return path
 
     def load_engine(self, path: str | Path) -> None:
