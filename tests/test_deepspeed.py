@@ -169,7 +169,7 @@ def test_engine_checkpoint_resumes_exactly(tmp_path):
              "train.epochs=3"]
     p = launch(["-m", "vitscale", "train", TINY, "--out", str(full), *sets(BASE + DS + extra)])
     assert p.returncode == 0, p.stderr[-3000:]
-    names = sorted(x.name for x in (full / "checkpoints").iterdir())
+    names = sorted(x.name for x in (full / "checkpoints").iterdir() if x.suffix != ".py")  # DeepSpeed's scripts
     # pruned, and no temp folder left: the engine folder is written under a temp name, then renamed
     assert names == ["step_00000009.ds", "step_00000009.pt", "step_00000012.ds", "step_00000012.pt"]
     part = tmp_path / "part"
