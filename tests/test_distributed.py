@@ -73,6 +73,7 @@ def single(tmp_path_factory):
     (["strategy.name=fsdp"], 1e-5),
     (["strategy.name=fsdp", "train.accum_steps=2", "strategy.reshard_after_forward=false"], 1e-5),
     (["strategy.name=fsdp", "train.precision=bf16"], 5e-2),  # bf16 compute, fp32 reduce and master
+    (["strategy.name=fsdp", "train.compile=true"], 1e-5),      # each block compiled, then sharded
 ])
 def test_ddp_two_ranks_match_single_process(tmp_path, single, extra, tol):
     out = tmp_path / "ddp"

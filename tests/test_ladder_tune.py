@@ -41,7 +41,9 @@ def test_rungs_two_processes_and_invalid_ones():
     rungs = {r.key: r for r in build_rungs(cfg, world_size=2, skip=("compile",))}
     assert rungs["sharding"].skip is None
     assert rungs["sharding"].overrides["strategy.name"] == "fsdp"
-    assert rungs["sharding"].overrides["train.compile"] is False
+    assert rungs["sharding"].overrides.get("train.compile", False) is False  # compile was left out
+    # FSDP2 keeps the compile rung's compile (each block compiled before it is sharded)
+    assert {r.key: r for r in build_rungs(load_config(TINY), world_size=2)}["sharding"].overrides["train.compile"]
     assert rungs["batch"].overrides["data.batch_size"] == 32  # 8 -> 16 per device on 2 processes
     assert "LAMB" in rungs["foreach"].skip and "LAMB" in rungs["fused"].skip
     assert rungs["compile"].skip == "left out (--skip)"

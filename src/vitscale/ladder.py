@@ -60,8 +60,7 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
         Rung("compile", "+ compile", {"train.compile": True}, False),
         Rung("batch", f"+ larger batch ({per_device} -> {2 * per_device} per device)",
              {"data.batch_size": 2 * cfg.data.batch_size}, True),
-        Rung("sharding", "+ sharding (fsdp)", {"strategy.name": "fsdp", "train.compile": False}, False,
-             note="FSDP2 here does not compile: compile is off on this rung"),
+        Rung("sharding", "+ sharding (fsdp)", {"strategy.name": "fsdp"}, False),
     ]
     acc: dict = {}
     for r in rungs:
@@ -76,8 +75,6 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
                     build_optimizer(torch.nn.Linear(1, 1), c.optim)
             except UserError as e:
                 r.skip = str(e)
-        if r.key == "sharding" and not acc.get("train.compile"):
-            r.note = ""  # nothing was compiled before this rung
         if r.skip is None:
             acc = {**acc, **r.delta}
         r.overrides = dict(acc)

@@ -1,4 +1,5 @@
-"""FSDP2 (`fully_shard`): every transformer block sharded, then the root; parameters, gradients
+"""FSDP2 (`fully_shard`): every transformer block sharded (with `train.compile`, its forward
+compiled in place first, so parameter names do not change), then the root; parameters, gradients
 and optimizer state split across ranks. Precision comes from a MixedPrecisionPolicy (bf16
 parameters for compute, fp32 gradient reduction by default), not from autocast.
 
@@ -44,7 +45,6 @@ class FSDPStrategy(Distributed):
 
     def __init__(self, train, optim, scfg, device_type):
         unsupported = [name for name, on in (("train.ema_decay", train.ema_decay > 0),
-                                             ("train.compile", train.compile),
                                              ("train.precision=fp16", train.precision == "fp16"),
                                              (f"train.precision={train.precision}", train.precision.startswith("pure_")))
                        if on]
@@ -66,6 +66,8 @@ class FSDPStrategy(Distributed):
         kw = dict(mp_policy=mp, offload_policy=offload, reshard_after_forward=self.scfg.reshard_after_forward)
         from ..models.layers import Block
         for block in [m for m in model.modules() if isinstance(m, Block)]:  # both towers of a CLIP
+            if self.cfg.compile:  # each block's forward compiled in place (names unchanged)
+                block.compile()
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         self.module = self.model = model
