@@ -90,6 +90,7 @@ def check_run(out, single, tol, stderr):
     (["strategy.zero_stage=3", "train.accum_steps=2"], 1e-5),
     (["strategy.zero_stage=3", "strategy.offload_optimizer=true", "strategy.offload_params=true"], 1e-5),
     (["strategy.zero_stage=2", "train.precision=bf16"], 2e-2),  # bf16 weights/grads, fp32 masters: 3.7e-3
+    (["strategy.zero_stage=2", "train.compile=true"], 1e-5),   # DeepSpeed's engine.compile()
 ])
 def test_deepspeed_two_ranks_match_single_process(tmp_path, single, extra, tol):
     out = tmp_path / "ds"

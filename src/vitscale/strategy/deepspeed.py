@@ -168,7 +168,6 @@ class DeepSpeedStrategy(Distributed):
              "bf16 weights with fp32 master weights in the optimizer)", train.precision.startswith("pure_")),
             ("train.ema_decay > 0 (no EMA of ZeRO-sharded weights; use strategy.name=ddp or single)",
              train.ema_decay > 0),
-            ("train.compile (use strategy.name=ddp or single)", train.compile),
             (f"optim.name=lamb with ZeRO stage {self.stage} (LAMB's per-tensor trust ratio would see flat "
              "shards; use strategy.zero_stage=0)", optim.name == "lamb" and self.stage > 0),
         ) if on]
@@ -242,6 +241,8 @@ class DeepSpeedStrategy(Distributed):
             self.master = [p for g in optimizer.param_groups for p in g["params"]]
         else:
             self.master = None
+        if self.cfg.compile:  # DeepSpeed's own: the wrapped module compiled, hooks kept outside
+            self.engine.compile()
         self.model = self.engine    # callable: forward through the engine (ZeRO-3 gathers parameters)
         self.module = self.engine.module
 
