@@ -108,7 +108,8 @@ def test_split_bookkeeping(world, name, accum):
 
 KEYS = {"images_per_s": float, "images_per_s_per_device": float, "mfu": float, "peak_flops": float,
         "peak_source": str, "step_time_s": dict, "split": dict, "peak_memory_bytes": int, "memory_source": str,
-        "world_size": int, "batch_size": int, "config": dict, "versions": dict, "hardware": dict}
+        "world_size": int, "batch_size": int, "config": dict, "versions": dict, "hardware": dict,
+        "state_bytes": int, "state_bytes_per_rank": list}
 
 
 def check_schema(r):
@@ -121,6 +122,8 @@ def check_schema(r):
     assert r["images_per_s_per_device"] == pytest.approx(r["images_per_s"] / r["world_size"])
     assert {"python", "torch", "vitscale"} <= set(r["versions"])
     assert {"device", "name", "threads", "cores"} <= set(r["hardware"])
+    assert len(r["state_bytes_per_rank"]) == r["world_size"]
+    assert r["state_bytes"] == max(sum(x.values()) for x in r["state_bytes_per_rank"]) > 0
 
 
 @pytest.mark.parametrize("synthetic", [False, True])

@@ -29,6 +29,7 @@ def fake_bench(argv, timeout):
     return {"images_per_s": batch / step, "images_per_s_per_device": batch / step / nproc, "mfu": 0.3,
             "peak_flops": 1e11, "step_time_s": {"min": step, "median": step, "max": step}, "split": split,
             "peak_memory_bytes": 2**20 * (10 + int(s.get("strategy.zero_stage", 4))), "world_size": nproc,
+            "state_bytes": 2**20 * (16 - 2 * int(s.get("strategy.zero_stage", 4))),
             "batch_size": batch, "params": 1000, "config": {}, "versions": {}, "hardware": {},
             "comm_allreduce_bytes_per_step": 4000 if nproc > 1 else None}, None
 
@@ -109,6 +110,8 @@ def test_accum_and_memory_reports(tmp_path):
     sweep.run_sweep(TINY, sweep.study_points("memory", 16, [2], []), tmp_path / "m", runner=fake_bench,
                     study="memory", log=lambda s: None)
     assert (tmp_path / "m" / "memory.png").stat().st_size > 1000
+    md = (tmp_path / "m" / "results.md").read_text()
+    assert "state MiB/process" in md and "| 10.0 |" in md and "| 12.0 |" in md  # ZeRO-3, ZeRO-2 (fake)
     sweep.run_sweep(TINY, sweep.study_points("batch", 16, [1], []), tmp_path / "b", runner=fake_bench,
                     study="batch", log=lambda s: None)
     assert (tmp_path / "b" / "batch.png").stat().st_size > 1000

@@ -68,6 +68,7 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
         else:
             mem, mem_src = max_rss_bytes() - rss0, "process max RSS growth (ru_maxrss), CPU"
         mem = max(s.gather_objects(mem))
+        state = s.gather_objects(b.trainer.state_bytes())  # what each rank holds, by kind
         split_all = s.gather_objects({k: v for k, v in split.items() if k != "notes"})
         peak, peak_src = peak_flops(s.device, cfg.train.precision)  # every rank at once: shared cores
         peak = s.broadcast_object(peak)
@@ -87,6 +88,7 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
                             "split: a separate instrumented pass on one batch with syncs between phases "
                             "(max across ranks), data from the timed steps"] + split["notes"],
             "comm": comm, "peak_memory_bytes": mem, "memory_source": mem_src,
+            "state_bytes_per_rank": state, "state_bytes": max(sum(r.values()) for r in state),
             "world_size": world, "batch_size": cfg.data.batch_size,
             "micro_batch": cfg.data.batch_size // world // cfg.train.accum_steps,
             "steps": steps, "warmup": warmup, "trials": trials, "synthetic": synthetic,
@@ -118,7 +120,8 @@ def describe(r: dict) -> str:
         f"step time   min {ms(st['min'])}, median {ms(st['median'])}, max {ms(st['max'])}",
         f"MFU         {100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e9:.0f} GFLOP/s per device "
         f"({r['peak_source']}); {r['train_flops_per_image'] / 1e6:.0f} MFLOP per training image",
-        f"memory      {r['peak_memory_bytes'] / 2 ** 20:.0f} MiB ({r['memory_source']})",
+        f"memory      {r['peak_memory_bytes'] / 2 ** 20:.0f} MiB ({r['memory_source']}); state held per "
+        f"process {r['state_bytes'] / 2 ** 20:.1f} MiB (parameters, master copies, optimizer state)",
         "split/step  " + ", ".join(f"{k} {ms(sp[k])}" for k in
                                     ("data", "forward", "backward", "comm_exposed", "comm_overlapped", "optimizer"))
         + f" (instrumented step {ms(sp['instrumented_step'])})",

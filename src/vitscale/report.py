@@ -81,7 +81,7 @@ def _ms(v) -> str:
 def markdown_table(records: list[dict], study=None) -> str:
     derived = derive(records, study)
     head = ["point", "global batch", "img/s", "img/s/device", "step ms (min-max)", *(f"{s} ms" for s in SPLIT),
-            "peak MB", "MFU", "speedup", "efficiency"]
+            "peak MB", "state MiB/process", "MFU", "speedup", "efficiency"]
     if study == "accum":
         head += ["grad bytes/sample", "without accum"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -95,6 +95,7 @@ def markdown_table(records: list[dict], study=None) -> str:
         row = [label(r), str(b["batch_size"]), f"{b['images_per_s']:.1f}", f"{b['images_per_s_per_device']:.1f}",
                f"{_ms(st['median'])} ({_ms(st['min'])}-{_ms(st['max'])})", *(_ms(split.get(s)) for s in SPLIT),
                "-" if mem is None else f"{mem / 2**20:.0f}",
+               "-" if b.get("state_bytes") is None else f"{b['state_bytes'] / 2**20:.1f}",
                "-" if b.get("mfu") is None else f"{100 * b['mfu']:.1f}%",
                f"{d['speedup']:.2f}" if "speedup" in d else "-",
                f"{100 * d['efficiency']:.0f}%" if "efficiency" in d else "-"]
@@ -163,10 +164,14 @@ def plot_memory(records: list[dict], path: Path) -> None:
     plt = _plt()
     ok = [r for r in records if r["ok"]]
     names = [label(r, skip={"nproc"}).replace("name=", "") for r in ok]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a0, a1, a2) = plt.subplots(1, 3, figsize=(14, 3.8))
+    # what each process holds (parameters, master copies, optimizer state): where sharding shows;
+    # the peak also has activations and, on CPUs, the allocator's cached pages
+    a0.bar(range(len(ok)), [(r["bench"].get("state_bytes") or 0) / 2**20 for r in ok], color="tab:green")
     a1.bar(range(len(ok)), [(r["bench"].get("peak_memory_bytes") or 0) / 2**20 for r in ok])
     a2.bar(range(len(ok)), [r["bench"]["images_per_s"] for r in ok], color="tab:orange")
-    for ax, title in ((a1, "peak memory per process (MiB)"), (a2, "images/s")):
+    for ax, title in ((a0, "state held per process (MiB)"), (a1, "peak memory per process (MiB)"),
+                      (a2, "images/s")):
         ax.set_xticks(range(len(ok)), [n.replace(" ", "\n") for n in names], fontsize=7)
         ax.set_title(title)
     _save(fig, path)
