@@ -147,3 +147,13 @@ def test_real_one_point_sweep(tmp_path, capsys):
     assert rec["ok"], rec["error"]
     assert rec["bench"]["batch_size"] == 16 and rec["bench"]["images_per_s"] > 0
     assert (tmp_path / "results.md").exists() and (tmp_path / "split.png").exists()
+
+
+def test_mfu_uses_the_best_peak_of_the_sweep():
+    from vitscale.report import common_mfu
+    pt = lambda mfu, peak, src="measured bf16 matmul on CPU (1 threads)": {  # noqa: E731
+        "ok": True, "bench": {"mfu": mfu, "peak_flops": peak, "peak_source": src}}
+    recs = [pt(0.30, 400e9), pt(0.50, 200e9), pt(0.20, 1e15, "table: H100 dense bf16"),
+            {"ok": False, "bench": None}]
+    # the point whose peak was measured at half the machine's best: 50% of 200 = 25% of 400
+    assert common_mfu(recs) == [pytest.approx(0.30), pytest.approx(0.25), pytest.approx(0.20), None]

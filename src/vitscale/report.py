@@ -74,18 +74,39 @@ def derive(records: list[dict], study=None) -> list[dict]:
     return out
 
 
+def common_mfu(records: list[dict]) -> list[float | None]:
+    """Each point's MFU against the best peak measured for its kind of peak (same `peak_source`)
+    anywhere in the sweep: a CPU peak is measured on the spot, and one measured while the machine
+    was busy would inflate that point's MFU; the peak is the best the machine does."""
+    best: dict = {}
+    for r in records:
+        b = r.get("bench") or {}
+        if r["ok"] and b.get("peak_flops") and b.get("peak_source"):
+            best[b["peak_source"]] = max(best.get(b["peak_source"], 0.0), b["peak_flops"])
+    out = []
+    for r in records:
+        b = r.get("bench") or {}
+        if not r["ok"] or b.get("mfu") is None:
+            out.append(None)
+        elif b.get("peak_flops") and b.get("peak_source") in best:
+            out.append(b["mfu"] * b["peak_flops"] / best[b["peak_source"]])
+        else:
+            out.append(b["mfu"])
+    return out
+
+
 def _ms(v) -> str:
     return "-" if v is None else f"{1e3 * v:.1f}"
 
 
 def markdown_table(records: list[dict], study=None) -> str:
-    derived = derive(records, study)
+    derived, mfus = derive(records, study), common_mfu(records)
     head = ["point", "global batch", "img/s", "img/s/device", "step ms (min-max)", *(f"{s} ms" for s in SPLIT),
             "peak MB", "state MiB/process", "MFU", "speedup", "efficiency"]
     if study == "accum":
         head += ["grad bytes/sample", "without accum"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r, d in zip(records, derived):
+    for r, d, mfu in zip(records, derived, mfus):
         if not r["ok"]:
             lines.append(f"| {label(r)} | failed: {str(r['error']).replace('|', '/')} |" + " |" * (len(head) - 2))
             continue
@@ -96,7 +117,7 @@ def markdown_table(records: list[dict], study=None) -> str:
                f"{_ms(st['median'])} ({_ms(st['min'])}-{_ms(st['max'])})", *(_ms(split.get(s)) for s in SPLIT),
                "-" if mem is None else f"{mem / 2**20:.0f}",
                "-" if b.get("state_bytes") is None else f"{b['state_bytes'] / 2**20:.1f}",
-               "-" if b.get("mfu") is None else f"{100 * b['mfu']:.1f}%",
+               "-" if mfu is None else f"{100 * mfu:.1f}%",
                f"{d['speedup']:.2f}" if "speedup" in d else "-",
                f"{100 * d['efficiency']:.0f}%" if "efficiency" in d else "-"]
         if study == "accum":
