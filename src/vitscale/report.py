@@ -184,7 +184,7 @@ def plot_batch(records: list[dict], path: Path) -> None:
 def plot_memory(records: list[dict], path: Path) -> None:
     plt = _plt()
     ok = [r for r in records if r["ok"]]
-    names = [label(r, skip={"nproc"}).replace("name=", "") for r in ok]
+    names = [label(r, skip={"nproc"}).replace("name=", "").replace("deepspeed zero_stage=", "ZeRO-") for r in ok]
     fig, (a0, a1, a2) = plt.subplots(1, 3, figsize=(14, 3.8))
     # what each process holds (parameters, master copies, optimizer state): where sharding shows;
     # the peak also has activations and, on CPUs, the allocator's cached pages
