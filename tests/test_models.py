@@ -135,3 +135,10 @@ def test_conv_stem_batchnorm_runs_with_half_weights_and_fp32_statistics():
         assert b.running_mean.dtype == torch.float32 and int(b.num_batches_tracked) == 1
         torch.testing.assert_close(b.running_mean, a.running_mean, rtol=0.05, atol=0.02)
     torch.testing.assert_close(out.float(), want, rtol=0.05, atol=0.05)  # bf16 weights: ~2 digits
+    # under autocast (fp32 weights and statistics, bf16 input) PyTorch's own batch norm runs, as
+    # it did before this class existed: bit-identical to nn.BatchNorm2d
+    plain = torch.nn.BatchNorm2d(4)
+    ours = type(bn_ref[0])(4)
+    ours.load_state_dict(plain.state_dict())
+    h = torch.randn(8, 4, 5, 5).to(torch.bfloat16)
+    assert torch.equal(ours(h), plain(h)) and torch.equal(ours.running_var, plain.running_var)

@@ -29,7 +29,9 @@ class BatchNorm2d(nn.BatchNorm2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = self.running_mean.dtype if self.running_mean is not None else torch.float32
-        if x.dtype == dt and self.weight.dtype == dt:
+        if self.weight is None or self.weight.dtype == dt:
+            # parameters and statistics agree (a bf16 input under autocast included): PyTorch's
+            # own kernel, so the one-device recipe computes exactly as it always did
             return super().forward(x)
         # the momentum bookkeeping of nn.BatchNorm2d.forward, then the same call in `dt`
         if self.training and self.track_running_stats:
