@@ -177,3 +177,20 @@ def test_bench_two_processes_ddp(tmp_path):
     assert r["comm"]["comm_allreduce_bytes_per_step"] > 0 and r["comm"]["comm_allreduce_calls_per_step"] >= 1
     for k in ("comm_exposed", "comm_overlapped", "comm_total"):
         assert isinstance(r["split"][k], float) and r["split"][k] >= 0
+
+
+@pytest.mark.parametrize("name,dtype,peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989e12),     # SXM
+    ("NVIDIA H100 PCIe", "bf16", 756e12),          # not the SXM value
+    ("NVIDIA H100 NVL", "bf16", 835e12),
+    ("NVIDIA H200", "bf16", 989e12),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),     # not "A10"
+    ("NVIDIA A10", "bf16", 125e12),
+    ("NVIDIA L40S", "bf16", 362e12),               # not "L4"
+    ("NVIDIA L4", "fp32", 30.3e12),
+    ("Tesla T4", "bf16", None),                    # no bf16 tensor cores: measured instead
+    ("Some Unknown GPU", "bf16", None),
+])
+def test_gpu_peak_table_picks_the_specific_variant(name, dtype, peak):
+    from vitscale.hardware import gpu_peak
+    assert gpu_peak(name, dtype) == peak

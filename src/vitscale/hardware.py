@@ -5,13 +5,22 @@ import time
 
 import torch
 
-# dense (no sparsity) tensor-core peaks in FLOP/s: {name fragment: {dtype: peak}}
+# dense (no sparsity) tensor-core peaks in FLOP/s from NVIDIA's datasheets: {name fragment: {dtype:
+# peak}}. The first fragment found in torch.cuda.get_device_name() wins, so the specific variants
+# come first ("NVIDIA H100 PCIe" before "H100", "L40S" before "L4", "A100" before "A10").
 GPU_PEAKS = {
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12, "tf32": 378e12},
+    "H100 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12, "tf32": 418e12},
+    "H200 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12, "tf32": 418e12},
     "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12},  # SXM
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12},  # SXM ("H100 80GB HBM3")
+    "B200": {"bf16": 2250e12, "fp16": 2250e12},
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12},
     "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
     "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
+    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
     "V100": {"fp16": 125e12, "fp32": 15.7e12},
     "T4": {"fp16": 65e12, "fp32": 8.1e12},
 }
