@@ -1,10 +1,6 @@
 """Sharded FSDP2 checkpoints (torch.distributed.checkpoint) and resuming across strategies and
 world sizes: an interrupted run resumed elsewhere ends where the uninterrupted run ends."""
-import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +9,7 @@ from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 from vitscale.errors import UserError
 
-from test_distributed import BASE, TINY, free_port, rel_diff, sets, torchrun
+from test_distributed import BASE, TINY, check_eval_and_export, rel_diff, sets, torchrun
 
 # 3 epochs of 4 steps, a checkpoint every 3 steps: interrupted after step 6, resumed to step 12
 RUN = ["run.checkpoint_every=3", "run.keep_last=100", "train.epochs=3"]
@@ -105,24 +101,15 @@ def test_sharded_resumes_under_single_and_exports(sharded_run, tmp_path, monkeyp
                                 f"uninterrupted: {d:.2e}")
     assert d <= 1e-5, d
     # eval and export consolidate the sharded folder in this one process
-    capsys.readouterr()
-    assert main(["eval", str(sharded_run), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    last = [json.loads(x) for x in (sharded_run / "metrics.jsonl").read_text().splitlines() if '"eval"' in x][-1]
-    assert result["step"] == 12 and result["test_accuracy"] == last["test_accuracy"]
-    assert abs(result["test_loss"] - last["test_loss"]) <= 1e-5
-    from safetensors.torch import load_file
-    assert main(["export", str(sharded_run), "--out", str(tmp_path / "m.safetensors")]) == 0
-    exported, dcp = load_file(str(tmp_path / "m.safetensors")), ckpt.read_dcp(
-        sharded_run / "checkpoints" / "step_00000012.dcp")["model"]
-    assert exported.keys() == dcp.keys() and all(torch.equal(exported[k], dcp[k]) for k in dcp)
+    dcp = ckpt.read_dcp(sharded_run / "checkpoints" / "step_00000012.dcp")["model"]
+    assert check_eval_and_export(sharded_run, tmp_path, capsys, dcp)["step"] == 12
 
 
 def test_single_resumes_under_fsdp_and_back(single_run, tmp_path):
     # single (index-keyed optimizer state) -> FSDP2 on 2 ranks writing sharded checkpoints, of
     # which it keeps the last 2 (.pt files and .dcp folders)
     part = interrupted_copy(single_run, tmp_path / "part")
-    p = resume_torchrun(part, SHARDED + ["run.keep_last=2"])
+    p = torchrun(None, SHARDED + ["run.keep_last=2"], resume=part)
     assert p.returncode == 0, p.stderr[-3000:]
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == \
         ["step_00000009.dcp", "step_00000009.pt", "step_00000012.dcp", "step_00000012.pt"]
@@ -132,7 +119,7 @@ def test_single_resumes_under_fsdp_and_back(single_run, tmp_path):
     # single -> FSDP2 full from step 3 (name-keyed optimizer state in its .pt), then that run
     # interrupted after step 6 and resumed under DDP (2 ranks)
     full = interrupted_copy(single_run, tmp_path / "full", step=3)
-    p = resume_torchrun(full, ["strategy.name=fsdp"])
+    p = torchrun(None, ["strategy.name=fsdp"], resume=full)
     assert p.returncode == 0, p.stderr[-3000:]
     assert all(isinstance(k, str) for k in torch.load(ckpt.list_checkpoints(full)[-1], weights_only=False)
                ["strategy"]["optimizer"]["state"])
@@ -140,25 +127,13 @@ def test_single_resumes_under_fsdp_and_back(single_run, tmp_path):
     print(f"relative weight difference single -> FSDP full (2 ranks) resumed vs uninterrupted: {d:.2e}")
     assert d <= 1e-5, d
     ddp = interrupted_copy(full, tmp_path / "ddp")
-    p = resume_torchrun(ddp, ["strategy.name=ddp"])
+    p = torchrun(None, ["strategy.name=ddp"], resume=ddp)
     assert p.returncode == 0, p.stderr[-3000:]
     last = torch.load(ckpt.list_checkpoints(ddp)[-1], weights_only=False)
     assert last["config"]["strategy"]["name"] == "ddp" and last["world_size"] == 2 and last["step"] == 12
     d = rel_diff(final_weights(ddp), final_weights(single_run))
     print(f"relative weight difference single -> FSDP full -> DDP (2 ranks) resumed vs uninterrupted: {d:.2e}")
     assert d <= 1e-5, d
-
-
-def resume_torchrun(run_dir, extra, nproc=2):
-    """`vitscale train --resume run_dir --set ...` under torchrun (test_distributed's torchrun
-    passes no overrides with --resume)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "vitscale", "train", "--resume", str(run_dir), *sets(extra)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if p.returncode and "address already in use" in p.stderr.lower():  # free_port() lost a race
-        return resume_torchrun(run_dir, extra, nproc)
-    return p
 
 
 def test_deepspeed_and_other_engines_refuse_each_other(single_run, tmp_path, monkeypatch, capsys, pytestconfig):

@@ -16,7 +16,8 @@ import torch
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 
-from test_distributed import BASE, TINY, comm_per_step, free_port, rel_diff, sets, weights  # shared helpers
+from test_distributed import (BASE, TINY, check_eval_and_export, comm_per_step, free_port, rel_diff,  # shared
+                              sets, weights)
 
 
 def _deepspeed_importable() -> tuple[bool, str]:
@@ -142,15 +143,8 @@ def test_eval_and_export_of_a_deepspeed_run(zero3, tmp_path, capsys, monkeypatch
     zero3 = zero3[0]
     for k in ("MASTER_ADDR", "WORLD_SIZE", "RANK"):  # `vitscale eval` runs alone, without a launcher
         monkeypatch.delenv(k, raising=False)
-    assert main(["eval", str(zero3), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    last = [json.loads(x) for x in (zero3 / "metrics.jsonl").read_text().splitlines() if '"eval"' in x][-1]
-    assert result["count"] == 32 and result["test_accuracy"] == last["test_accuracy"]
-    assert abs(result["test_loss"] - last["test_loss"]) <= 1e-5
-    from safetensors.torch import load_file
-    assert main(["export", str(zero3), "--out", str(tmp_path / "m.safetensors")]) == 0
-    exported, saved = load_file(str(tmp_path / "m.safetensors")), weights(zero3)
-    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    result = check_eval_and_export(zero3, tmp_path, capsys, weights(zero3))
+    assert result["count"] == 32
 
 
 def test_one_process_without_a_launcher(tmp_path, single):

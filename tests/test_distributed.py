@@ -28,7 +28,7 @@ def sets(items):
 
 
 def torchrun(out, extra, nproc=2, timeout=240, resume=None, config=TINY, base=BASE):
-    what = ["--resume", str(resume)] if resume else [config, "--out", str(out), *sets(base + extra)]
+    what = ["--resume", str(resume), *sets(extra)] if resume else [config, "--out", str(out), *sets(base + extra)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "vitscale", "train", *what]
@@ -41,6 +41,22 @@ def torchrun(out, extra, nproc=2, timeout=240, resume=None, config=TINY, base=BA
 
 def weights(run_dir):
     return torch.load(ckpt.list_checkpoints(run_dir)[-1], weights_only=False)["strategy"]["model"]
+
+
+def check_eval_and_export(run_dir, tmp_path, capsys, saved: dict) -> dict:
+    """`vitscale eval` of a run gives its last logged test accuracy and loss; `vitscale export`
+    writes exactly `saved` (its consolidated weights). Returns eval's result."""
+    from safetensors.torch import load_file
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in x][-1]
+    assert result["test_accuracy"] == last["test_accuracy"]
+    assert abs(result["test_loss"] - last["test_loss"]) <= 1e-5
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "m.safetensors")]) == 0
+    exported = load_file(str(tmp_path / "m.safetensors"))
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    return result
 
 
 def comm_per_step(run_dir) -> list[dict]:

@@ -364,7 +364,7 @@ class Trainer:
             return t.numel() * t.element_size()
         opt, master = self.strategy.optimizer, getattr(self.strategy, "master", None) or []
         # ZeRO-3: `p` is an empty placeholder while released; the rank's slice is `p.ds_tensor`
-        return {"params": sum(local(p) + local(getattr(p, "ds_tensor", torch.empty(0)))
+        return {"params": sum(local(p) + (local(p.ds_tensor) if hasattr(p, "ds_tensor") else 0)
                               for p in self.strategy.module.parameters()),
                 "master_params": sum(local(m) for m in master),
                 "optimizer_state": sum(local(v) for st in opt.state.values() for v in st.values()

@@ -73,9 +73,11 @@ class Counter:
         self.local = threading.local()  # .depth: nested torch.distributed calls count once
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self) -> dict:
+        """Start counting afresh; returns what was counted (bytes, calls, seconds per kind)."""
         with self.lock:
-            self.stats = {k: [0, 0, 0.0] for k in KINDS}
+            stats, self.stats = getattr(self, "stats", {}), {k: [0, 0, 0.0] for k in KINDS}
+        return stats
 
     def add(self, kind: str, nbytes: int = 0, calls: int = 0, seconds: float = 0.0) -> None:
         with self.lock:
@@ -87,8 +89,7 @@ class Counter:
     def take(self, steps: int) -> dict:
         """Per optimizer step: comm_<kind>_{bytes,calls,s}_per_step for each kind seen, and the
         totals comm_{bytes,calls,s}_per_step (empty when nothing was counted); then reset."""
-        with self.lock:
-            stats, self.stats = self.stats, {k: [0, 0, 0.0] for k in KINDS}
+        stats = self.reset()
         n = max(1, steps)
         out = {}
         for kind, (b, c, s) in stats.items():

@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import socket
 import warnings
 from pathlib import Path
@@ -33,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import commit_folder
 from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
@@ -316,23 +314,11 @@ class DeepSpeedStrategy(Distributed):
 
     def save_engine(self, path: str | Path, keep_last: int = 0) -> Path:
         """Collective: DeepSpeed's own checkpoint (module, partitioned optimizer state, fp32
-        masters; one file per rank) written into a temp folder; once every rank has written, the
-        main process renames it to `path` (e.g. checkpoints/step_00000100.ds) and, with
-        keep_last > 0, removes older step_*.ds folders. Never a half-written step_N.ds."""
+        masters; one file per rank) in the folder `path` (e.g. checkpoints/step_00000100.ds),
+        atomically (Distributed.write_folder); older ones pruned."""
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # this step's save, interrupted before
-        self._barrier()
-        self.engine.save_checkpoint(str(path.parent), tag=tmp.name, save_latest=False)
-        self._barrier()  # every rank's files are in tmp
-        if self.is_main:
-            commit_folder(tmp, path, keep_last)
-        return path
-
-    def _barrier(self) -> None:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        return self.write_folder(path, lambda tmp: self.engine.save_checkpoint(
+            str(path.parent), tag=tmp.name, save_latest=False), keep_last)
 
     def load_engine(self, path: str | Path) -> None:
         """Collective: restore the engine (weights, optimizer state) from `save_engine`'s folder.

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import commit_folder
 from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError
 from .comm import COUNTER, install
@@ -52,6 +55,12 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with COUNTER.paused():
+            dist.barrier()
+
+
 def gather_objects(obj) -> list:
     """Every rank's `obj`, in rank order (on every rank)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -91,6 +100,21 @@ class Distributed(SingleDevice):
 
     def broadcast_object(self, obj):
         return broadcast_object(obj)
+
+    def write_folder(self, path, write, keep_last: int = 0) -> Path:
+        """Collective: every rank runs `write(tmp)` into a temp folder next to `path` (an engine's
+        step_N.ds / step_N.dcp); once all have written, the main process makes it `path` and
+        prunes older ones (checkpoint.commit_folder). Never a half-written step_N folder."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # this step's save, interrupted before
+        barrier()
+        write(tmp)
+        barrier()  # every rank's files are in tmp
+        if self.is_main:
+            commit_folder(tmp, path, keep_last)
+        return path
 
     def comm_window(self):
         return COUNTER.window()

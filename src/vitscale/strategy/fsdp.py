@@ -19,11 +19,9 @@ consolidate a sharded folder in one process.
 from __future__ import annotations
 
 import contextlib
-import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -31,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from ..checkpoint import commit_folder, optim_keyed_by_name, optim_state_by_name
+from ..checkpoint import optim_keyed_by_name, optim_state_by_name
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
 from .dist import Distributed
@@ -123,18 +121,10 @@ class FSDPStrategy(Distributed):
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
 
     def save_engine(self, path: str | Path, keep_last: int = 0) -> Path:
-        """Collective: every rank writes its shards (torch.distributed.checkpoint) into a temp
-        folder; once all are written the main process renames it to `path` (step_N.dcp) and, with
-        keep_last > 0, removes older step_*.dcp folders. Never a half-written step_N.dcp."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # this step's save, interrupted before
-        dist.barrier()
-        dcp.save(self._sharded_state(), checkpoint_id=str(tmp))  # returns once the metadata is written
-        if self.is_main:
-            commit_folder(tmp, path, keep_last)
-        return path
+        """Collective: every rank writes its shards (torch.distributed.checkpoint) into the folder
+        `path` (step_N.dcp), atomically (Distributed.write_folder); older ones pruned."""
+        return self.write_folder(path, lambda tmp: dcp.save(self._sharded_state(), checkpoint_id=str(tmp)),
+                                 keep_last)
 
     def load_engine(self, path: str | Path) -> None:
         """Collective: load a step_N.dcp folder into this run's shards (any world size: DCP
