@@ -116,27 +116,16 @@ def saved_strategy(state: dict) -> str:
     return state.get("config", {}).get("strategy", {}).get("name", "single")
 
 
-def commit_folder(tmp: Path, path: Path, keep_last: int) -> Path:
+def commit_folder(tmp: Path, path: Path) -> Path:
     """Main process, once every rank has finished writing the engine folder `tmp`: it becomes
-    `path` (step_N.ds / step_N.dcp, replacing a copy of the same step written before a crash),
-    leftovers of interrupted saves go, and with keep_last > 0 older step_N folders are pruned.
-    A step_N folder is therefore never half written."""
+    `path` (step_N.ds / step_N.dcp, replacing a copy of the same step written before a crash) and
+    leftovers of interrupted saves go. A step_N folder is therefore never half written; old ones
+    are pruned with their step_N.pt (save_checkpoint)."""
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     for stale in path.parent.glob(f".step_*{path.suffix}.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
-    if keep_last:
-        prune_folders(path.parent, path.suffix, keep_last)
     return path
-
-
-def prune_folders(folder: Path, suffix: str, keep_last: int) -> None:
-    """Remove all but the newest `keep_last` step_N<suffix> folders in `folder`."""
-    pattern = re.compile(rf"^step_(\d+){re.escape(suffix)}$")
-    found = sorted((int(m.group(1)), p) for p in Path(folder).iterdir()
-                   if p.is_dir() and (m := pattern.match(p.name)))
-    for _, old in found[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def read_dcp(path: Path, keys: set[str] | None = None) -> dict:

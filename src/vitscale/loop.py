@@ -201,8 +201,7 @@ class Trainer:
         s = self.strategy
         suffix = s.engine_suffix  # DeepSpeed, FSDP2 sharded: big state in a folder every rank writes
         if suffix:
-            s.save_engine(self.run_dir / "checkpoints" / f"step_{self.step:08d}{suffix}",
-                          keep_last=self.cfg.run.keep_last)
+            s.save_engine(self.run_dir / "checkpoints" / f"step_{self.step:08d}{suffix}")
         state = {**self._state(), "engine": suffix}
         path = self.run_dir / "checkpoints" / f"step_{self.step:08d}.pt"
         if self.strategy.is_main:

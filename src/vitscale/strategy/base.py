@@ -49,8 +49,9 @@ class Strategy(Protocol):
     # folder's suffix (DeepSpeed ".ds", FSDP2 sharded ".dcp"); None: everything is in the .pt
     engine_suffix: str | None
 
-    def save_engine(self, path, keep_last: int = 0):
-        """Collective: write the engine folder `path` (only when engine_suffix is set)."""
+    def save_engine(self, path):
+        """Collective: write the engine folder `path` (only when engine_suffix is set); old folders
+        are pruned with their step_N.pt."""
 
     def load_engine(self, path) -> None:
         """Collective: restore from an engine folder written next to a checkpoint (before

@@ -312,13 +312,13 @@ class DeepSpeedStrategy(Distributed):
             raise UserError("resuming a DeepSpeed run needs its engine checkpoint: the loop must call "
                             "strategy.load_engine(<checkpoint>.ds) before load_state_dict")
 
-    def save_engine(self, path: str | Path, keep_last: int = 0) -> Path:
+    def save_engine(self, path: str | Path) -> Path:
         """Collective: DeepSpeed's own checkpoint (module, partitioned optimizer state, fp32
         masters; one file per rank) in the folder `path` (e.g. checkpoints/step_00000100.ds),
-        atomically (Distributed.write_folder); older ones pruned."""
+        atomically (Distributed.write_folder)."""
         path = Path(path)
         return self.write_folder(path, lambda tmp: self.engine.save_checkpoint(
-            str(path.parent), tag=tmp.name, save_latest=False), keep_last)
+            str(path.parent), tag=tmp.name, save_latest=False))
 
     def load_engine(self, path: str | Path) -> None:
         """Collective: restore the engine (weights, optimizer state) from `save_engine`'s folder.

@@ -101,10 +101,10 @@ class Distributed(SingleDevice):
     def broadcast_object(self, obj):
         return broadcast_object(obj)
 
-    def write_folder(self, path, write, keep_last: int = 0) -> Path:
+    def write_folder(self, path, write) -> Path:
         """Collective: every rank runs `write(tmp)` into a temp folder next to `path` (an engine's
-        step_N.ds / step_N.dcp); once all have written, the main process makes it `path` and
-        prunes older ones (checkpoint.commit_folder). Never a half-written step_N folder."""
+        step_N.ds / step_N.dcp); once all have written, the main process makes it `path`
+        (checkpoint.commit_folder). Never a half-written step_N folder."""
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
         if self.is_main:
@@ -113,7 +113,7 @@ class Distributed(SingleDevice):
         write(tmp)
         barrier()  # every rank's files are in tmp
         if self.is_main:
-            commit_folder(tmp, path, keep_last)
+            commit_folder(tmp, path)
         return path
 
     def comm_window(self):

@@ -120,11 +120,10 @@ class FSDPStrategy(Distributed):
         return {"model": get_model_state_dict(self.model),
                 "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
 
-    def save_engine(self, path: str | Path, keep_last: int = 0) -> Path:
+    def save_engine(self, path: str | Path) -> Path:
         """Collective: every rank writes its shards (torch.distributed.checkpoint) into the folder
-        `path` (step_N.dcp), atomically (Distributed.write_folder); older ones pruned."""
-        return self.write_folder(path, lambda tmp: dcp.save(self._sharded_state(), checkpoint_id=str(tmp)),
-                                 keep_last)
+        `path` (step_N.dcp), atomically (Distributed.write_folder)."""
+        return self.write_folder(path, lambda tmp: dcp.save(self._sharded_state(), checkpoint_id=str(tmp)))
 
     def load_engine(self, path: str | Path) -> None:
         """Collective: load a step_N.dcp folder into this run's shards (any world size: DCP
