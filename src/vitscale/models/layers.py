@@ -72,8 +72,51 @@ class ConvStem(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2)  # [B, D, g, g] -> [B, N, D]
 
 
+class CpuFlashAttention(torch.autograd.Function):
+    """Fused attention for bf16/fp16 training on CPUs: torch's CPU flash-attention forward, and
+    FlashAttention-2's backward written as batched matmuls.
+
+    torch's own backward for that kernel is 6-17x slower than explicit attention's in bf16 at
+    short sequences (docs/performance.md "Why"), while its fp32 backward is fine. Like the flash
+    kernel, only the output and the per-row logsumexp are kept for backward (not the [T, T]
+    probabilities of every block); backward recomputes P = exp(s q k^T - lse) for the one block
+    it is in, then dv = P^T do, dS = P * (do v^T - rowsum(do * o)), dq = s dS k, dk = s dS^T q,
+    with the exponentials and row sums in fp32 and the matmuls in the input dtype.
+    Inputs [B, h, T, d]; no dropout, no mask other than causal."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float):
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        do = do.to(q.dtype)
+        s = (q @ k.transpose(-2, -1)).float() * ctx.scale  # [B, h, T, T]
+        if ctx.causal:
+            T = q.shape[-2]
+            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+        p = torch.exp(s - lse.unsqueeze(-1))
+        dv = p.to(q.dtype).transpose(-2, -1) @ do
+        dp = (do @ v.transpose(-2, -1)).float()
+        ds = (p * (dp - (do.float() * o.float()).sum(-1, keepdim=True)) * ctx.scale).to(q.dtype)
+        return ds @ k, ds.transpose(-2, -1) @ q, dv, None, None
+
+
+def attention_kernel(q, k, v, dropout: float = 0.0, causal: bool = False):
+    """scaled_dot_product_attention, with CpuFlashAttention's backward where torch's is slow
+    (CPU, bf16/fp16, gradients needed, no dropout)."""
+    if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and not dropout
+            and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return CpuFlashAttention.apply(q, k, v, causal, q.shape[-1] ** -0.5)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
+
+
 class Attention(nn.Module):
-    """Multi-head self-attention; `fused` picks scaled_dot_product_attention, else explicit math.
+    """Multi-head self-attention; `fused` picks scaled_dot_product_attention (attention_kernel), else explicit math.
     `causal`: token t attends to tokens <= t only (the CLIP text transformer)."""
 
     def __init__(self, dim: int, heads: int, fused: bool = True, dropout: float = 0.0, causal: bool = False):
@@ -94,7 +137,7 @@ class Attention(nn.Module):
         q, k, v = qkv.unbind(0)  # each [B, h, T, hd]
         p = self.dropout if self.training else 0.0
         if self.fused:
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+            x = attention_kernel(q, k, v, p, self.causal)
         else:
             attn = (q * self.scale) @ k.transpose(-2, -1)  # [B, h, T, T]
             if self.causal:
