@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from vitscale.models.layers import attention_kernel
+
 
 def timed(fn, repeats: int, warmup: int = 5) -> float:
     for _ in range(warmup):
@@ -38,6 +40,8 @@ def attention(dtype, kind: str, repeats: int, shape=(256, 3, 16, 64)) -> float:
     def step():
         if kind == "explicit":
             out = explicit()
+        elif kind == "vitscale sdpa":
+            out = attention_kernel(q, k, v)
         elif backends[kind] is None:
             out = F.scaled_dot_product_attention(q, k, v)
         else:
@@ -60,7 +64,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("| attention, fwd+bwd, [256, 3, 16, 64] | fp32 ms | bf16 ms |\n|---|---:|---:|")
-    for kind in ("explicit", "sdpa default", "sdpa math", "sdpa flash"):
+    for kind in ("explicit", "sdpa default", "sdpa math", "sdpa flash", "vitscale sdpa"):
         ms = [1e3 * attention(dt, kind, args.repeats) for dt in (torch.float32, torch.bfloat16)]
         print(f"| {kind} | {ms[0]:.2f} | {ms[1]:.2f} |")
     peak = matmul_gflops(2048, 2048, 2048, max(3, args.repeats // 6))
