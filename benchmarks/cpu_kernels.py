@@ -51,6 +51,20 @@ def attention(dtype, kind: str, repeats: int, shape=(256, 3, 16, 64)) -> float:
     return timed(step, repeats)
 
 
+def attention_split(kind: str, repeats: int, shape=(256, 3, 16, 64)) -> tuple[float, float]:
+    """bf16 forward alone (no autograd) and backward alone (from a kept graph), in seconds."""
+    q, k, v = (torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(*shape, dtype=torch.bfloat16)
+    fns = {"explicit": lambda: ((q @ k.transpose(-2, -1)) * shape[-1] ** -0.5).softmax(-1) @ v,
+           "sdpa (torch)": lambda: F.scaled_dot_product_attention(q, k, v),
+           "vitscale sdpa": lambda: attention_kernel(q, k, v)}
+    with torch.no_grad():
+        fwd = timed(fns[kind], repeats)
+    out = fns[kind]()
+    bwd = timed(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats)
+    return fwd, bwd
+
+
 def matmul_gflops(m: int, k: int, n: int, repeats: int) -> float:
     a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
     return 2 * m * k * n / timed(lambda: a @ b, repeats) / 1e9
@@ -67,6 +81,10 @@ def main() -> None:
     for kind in ("explicit", "sdpa default", "sdpa math", "sdpa flash", "vitscale sdpa"):
         ms = [1e3 * attention(dt, kind, args.repeats) for dt in (torch.float32, torch.bfloat16)]
         print(f"| {kind} | {ms[0]:.2f} | {ms[1]:.2f} |")
+    print("\n| bf16 attention, [256, 3, 16, 64] | forward ms | backward ms |\n|---|---:|---:|")
+    for kind in ("explicit", "sdpa (torch)", "vitscale sdpa"):
+        f, b = attention_split(kind, args.repeats)
+        print(f"| {kind} | {1e3 * f:.2f} | {1e3 * b:.2f} |")
     peak = matmul_gflops(2048, 2048, 2048, max(3, args.repeats // 6))
     print(f"\n| bf16 matmul [M, K] x [K, N] | GFLOP/s | of the 2048^3 matmul |\n|---|---:|---:|")
     print(f"| 2048 x 2048 x 2048 (square) | {peak:.0f} | 1.00 |")

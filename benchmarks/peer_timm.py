@@ -6,7 +6,8 @@ all of them alike):
                   decay groups, schedule, label smoothing, autocast) on a synthetic-data config
   vitscale model  vitscale's VisionTransformer in the plain loop below
   timm model      timm.models.vision_transformer.VisionTransformer in the same plain loop, its
-                  attention kernel set to vitscale's (the implementations compared)
+                  attention kind set to vitscale's (explicit, or fused: timm then calls torch's
+                  SDPA, vitscale its attention_kernel, whose CPU bf16 backward is its own)
   timm as shipped the same timm model with timm's own attention default (`fused_attn`: SDPA unless
                   TIMM_FUSED_ATTN says otherwise), when that differs: what a timm user gets at
                   the same dimensions, batch and precision (the frameworks compared)
