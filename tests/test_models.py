@@ -69,15 +69,21 @@ def test_pool_head_has_no_class_token_and_token_head_does():
     assert {"pos_embed", "cls_token"} <= m.no_weight_decay()
 
 
-def test_activation_checkpointing_gives_same_gradients():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: CpuFlashAttention recomputed
+def test_activation_checkpointing_gives_same_gradients(dtype):
     torch.manual_seed(0)
     m = vit("vit_pico", image_size=28, in_chans=1, num_classes=10, depth=2)
     x = torch.randn(2, 1, 28, 28)
-    m(x).square().sum().backward()
+
+    def backward():
+        with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+            y = m(x)
+        y.float().square().sum().backward()
+    backward()
     g1 = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
     m.set_grad_checkpointing(True)
-    m(x).square().sum().backward()
+    backward()
     for a, p in zip(g1, m.parameters()):
         torch.testing.assert_close(a, p.grad)
 
