@@ -1,4 +1,5 @@
-"""Transformer building blocks (torch only; nothing here knows about precision or devices)."""
+"""Transformer building blocks (torch only; nothing here knows about precision policies: only
+attention_kernel looks at the device and dtype, to pick the fast attention backward)."""
 from __future__ import annotations
 
 import torch
@@ -76,7 +77,7 @@ class CpuFlashAttention(torch.autograd.Function):
     """Fused attention for bf16/fp16 training on CPUs: torch's CPU flash-attention forward, and
     FlashAttention-2's backward written as batched matmuls.
 
-    torch's own backward for that kernel is 6-17x slower than explicit attention's in bf16 at
+    torch's own backward for that kernel is 10-17x slower than explicit attention's in bf16 at
     short sequences (docs/performance.md "Why"), while its fp32 backward is fine. Like the flash
     kernel, only the output and the per-row logsumexp are kept for backward (not the [T, T]
     probabilities of every block); backward recomputes P = exp(s q k^T - lse) for the one block
@@ -116,7 +117,8 @@ def attention_kernel(q, k, v, dropout: float = 0.0, causal: bool = False):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention; `fused` picks scaled_dot_product_attention (attention_kernel), else explicit math.
+    """Multi-head self-attention; `fused` picks scaled_dot_product_attention (attention_kernel),
+    else explicit math.
     `causal`: token t attends to tokens <= t only (the CLIP text transformer)."""
 
     def __init__(self, dim: int, heads: int, fused: bool = True, dropout: float = 0.0, causal: bool = False):
