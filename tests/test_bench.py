@@ -194,3 +194,32 @@ def test_bench_two_processes_ddp(tmp_path):
 def test_gpu_peak_table_picks_the_specific_variant(name, dtype, peak):
     from vitscale.hardware import gpu_peak
     assert gpu_peak(name, dtype) == peak
+
+
+def test_synthetic_swaps_in_images_of_the_datasets_shape():
+    from vitscale.lab_harness import synthetic_data
+    fm = synthetic_data(load_config(None, []))  # the default recipe: Fashion-MNIST resized to 32 px
+    assert (fm.data.name, fm.data.image_size, fm.data.channels, fm.data.num_classes) == ("synthetic", 32, 1, 10)
+    assert fm.data.train_size == fm.data.batch_size
+    b16 = synthetic_data(load_config("configs/vit_b16_imagenet.toml", []))  # /data/imagenet need not exist
+    assert (b16.data.name, b16.data.image_size, b16.data.channels, b16.data.num_classes) == ("synthetic", 224, 3, 1000)
+    c = load_config("configs/tests/tiny.toml", [])
+    assert synthetic_data(c) is c  # already synthetic
+
+
+def test_bench_synthetic_runs_a_folder_recipe_without_its_folder(capsys, tmp_path):
+    """The ViT-B/16 ImageNet recipe, shrunk, benched where /data/imagenet does not exist: the model
+    keeps the recipe's 3 channels and 1000 classes."""
+    assert not os.path.exists("/data/imagenet")
+    small = ["--set", "model.arch=vit_pico_patch16", "--set", "model.depth=1", "--set", "data.image_size=32",
+             "--set", "data.batch_size=4", "--set", "train.precision=fp32"]
+    rc = main(["bench", "configs/vit_b16_imagenet.toml", "--synthetic", "--json", *small, *FAST])
+    r = json.loads(capsys.readouterr().out)
+    assert rc == 0 and r["config"]["data"]["name"] == "synthetic"
+    from vitscale.models import count_params, vit
+    want = count_params(vit("vit_pico_patch16", image_size=32, in_chans=3, num_classes=1000, depth=1, head="token"))
+    assert r["params"] == want != count_params(vit("vit_pico_patch16", image_size=32, in_chans=1, num_classes=10,
+                                                   depth=1, head="token"))
+    rc = main(["bench", "configs/vit_b16_imagenet.toml", "--synthetic", "--set", "model.num_classes=0", *small, *FAST])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs model.num_classes" in err and len(err.strip().splitlines()) == 1

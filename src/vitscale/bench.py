@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--trials", type=int, default=3, help="trials of --steps steps (default 3)")
     p.add_argument("--split-steps", type=int, default=0,
                    help="steps of the instrumented split pass (default: min(steps, 5))")
-    p.add_argument("--synthetic", action="store_true", help="reuse one fixed batch (no data cost)")
+    p.add_argument("--synthetic", action="store_true", help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--out", help="also write the JSON result to this file")
 
@@ -92,7 +92,7 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
             "world_size": world, "batch_size": cfg.data.batch_size,
             "micro_batch": cfg.data.batch_size // world // cfg.train.accum_steps,
             "steps": steps, "warmup": warmup, "trials": trials, "synthetic": synthetic,
-            "params": b.trainer.params, "config": cfg.to_dict(), "versions": versions(),
+            "params": b.trainer.params, "config": b.cfg.to_dict(), "versions": versions(),
             "hardware": hardware_info(s.device), "strategy": s.name, "rank": s.rank,
         }
         if "comm_total" in split:

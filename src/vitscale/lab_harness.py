@@ -66,12 +66,38 @@ def micros(batch: tuple, accum: int):
     return zip(*(t.chunk(accum) for t in batch))
 
 
+NATIVE = {"fashion_mnist": (28, 1, 10), "cifar10": (32, 3, 10), "cifar100": (32, 3, 100)}  # size, channels, classes
+
+
+def synthetic_data(cfg):
+    """`cfg` with its image dataset swapped for synthetic images of the same shape (image size,
+    channels, classes; data/synthetic.py), one global batch of them: what `--synthetic` times, so
+    that a machine without the dataset (an ImageNet folder on a rented GPU) measures the recipe's
+    step. CLIP's image-text data is kept (its batches come from its own loaders)."""
+    from .models.clip import is_clip_arch
+    d = cfg.data
+    if d.name == "synthetic" or is_clip_arch(cfg.model.arch):
+        return cfg
+    if d.name == "folder":
+        if not cfg.model.num_classes:
+            raise UserError("--synthetic with a folder dataset needs model.num_classes (the folder's class "
+                            "count), e.g. --set model.num_classes=1000")
+        size, channels, classes = d.image_size or 224, 3, cfg.model.num_classes
+    else:
+        size, channels, classes = NATIVE[d.name]
+        size = d.image_size or size
+    return with_overrides(cfg, {"data.name": "synthetic", "data.root": "", "data.test_root": "",
+                                "data.image_size": size, "data.channels": channels, "data.num_classes": classes,
+                                "data.train_size": d.batch_size, "data.test_size": min(d.eval_batch_size, 256)})
+
+
 class Bench:
-    """One Trainer (run folder in a temp dir: no checkpoints, no eval) and a batch source."""
+    """One Trainer (run folder in a temp dir: no checkpoints, no eval) and a batch source;
+    `synthetic`: the config's dataset replaced by synthetic_data, and one batch of it reused."""
 
     def __init__(self, cfg, synthetic: bool = False):
         from .loop import Trainer
-        self.cfg = cfg
+        self.cfg = cfg = synthetic_data(cfg) if synthetic else cfg
         self.tmp = tempfile.TemporaryDirectory(prefix="vitscale-bench-")
         self.trainer = Trainer(cfg, Path(self.tmp.name) / "run")
         self.s = self.trainer.strategy
