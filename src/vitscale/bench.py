@@ -30,7 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--trials", type=int, default=3, help="trials of --steps steps (default 3)")
     p.add_argument("--split-steps", type=int, default=0,
                    help="steps of the instrumented split pass (default: min(steps, 5))")
-    p.add_argument("--synthetic", action="store_true", help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost")
+    p.add_argument("--synthetic", action="store_true",
+                   help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--out", help="also write the JSON result to this file")
 

@@ -73,10 +73,10 @@ def synthetic_data(cfg):
     """`cfg` with its image dataset swapped for synthetic images of the same shape (image size,
     channels, classes; data/synthetic.py), one global batch of them: what `--synthetic` times, so
     that a machine without the dataset (an ImageNet folder on a rented GPU) measures the recipe's
-    step. CLIP's image-text data is kept (its batches come from its own loaders)."""
+    step. Image-text data (CLIP) is kept, one batch of it reused."""
     from .models.clip import is_clip_arch
     d = cfg.data
-    if d.name == "synthetic" or is_clip_arch(cfg.model.arch):
+    if d.name not in (*NATIVE, "folder") or is_clip_arch(cfg.model.arch):
         return cfg
     if d.name == "folder":
         if not cfg.model.num_classes:
