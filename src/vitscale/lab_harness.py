@@ -91,6 +91,17 @@ def synthetic_data(cfg):
                                 "data.train_size": d.batch_size, "data.test_size": min(d.eval_batch_size, 256)})
 
 
+def static_compiles() -> None:
+    """Several configurations compiled in one process (ladder, tune) share the model's forward code,
+    so torch.compile would recompile the second shape as a dynamic-shape graph, a different program
+    from the static one each configuration's own training run compiles (and one that inductor has
+    failed to lower here: a ValueRangeError in the conv stem at two image sizes), and after 8 shapes
+    would fall back to eager silently. Here every configuration gets its own static graph."""
+    import torch._dynamo.config as dynamo
+    dynamo.automatic_dynamic_shapes = False
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+
+
 class Bench:
     """One Trainer (run folder in a temp dir: no checkpoints, no eval) and a batch source;
     `synthetic`: the config's dataset replaced by synthetic_data, and one batch of it reused."""
@@ -98,6 +109,8 @@ class Bench:
     def __init__(self, cfg, synthetic: bool = False):
         from .loop import Trainer
         self.cfg = cfg = synthetic_data(cfg) if synthetic else cfg
+        if cfg.train.compile:
+            static_compiles()
         self.tmp = tempfile.TemporaryDirectory(prefix="vitscale-bench-")
         self.trainer = Trainer(cfg, Path(self.tmp.name) / "run")
         self.s = self.trainer.strategy
