@@ -226,7 +226,7 @@ def test_bench_synthetic_runs_a_folder_recipe_without_its_folder(capsys, tmp_pat
     assert rc == 2 and "needs model.num_classes" in err and len(err.strip().splitlines()) == 1
 
 
-def test_lab_compiles_each_shape_statically(monkeypatch):
+def test_lab_compiles_each_shape_statically():
     """static_compiles(): a new shape gets its own static graph (3 shapes -> 3 graphs), where torch's
     default would recompile the second as a dynamic graph and reuse it for the third (2 graphs)."""
     import torch._dynamo
@@ -242,9 +242,8 @@ def test_lab_compiles_each_shape_statically(monkeypatch):
         for n in (3, 4, 5):
             f(torch.ones(n))
         return counters["stats"]["unique_graphs"]
-    for key in ("automatic_dynamic_shapes", "recompile_limit"):
-        monkeypatch.setattr(dynamo, key, getattr(dynamo, key))  # restored after the test
-    assert graphs_for_three_shapes() == 2  # torch's default: the second shape turns dynamic
-    static_compiles()
-    assert graphs_for_three_shapes() == 3 and dynamo.recompile_limit >= 64
+    with dynamo.patch(automatic_dynamic_shapes=True, recompile_limit=8):  # torch's defaults, restored after
+        assert graphs_for_three_shapes() == 2  # the second shape turns dynamic
+        static_compiles()
+        assert graphs_for_three_shapes() == 3 and dynamo.recompile_limit >= 64
     torch._dynamo.reset()
