@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -29,40 +30,41 @@ def timed(fn, repeats: int, warmup: int = 5) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-def attention(dtype, kind: str, repeats: int, shape=(256, 3, 16, 64)) -> float:
-    q, k, v = (torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3))
-    scale = shape[-1] ** -0.5
-
-    def explicit():
-        return ((q @ k.transpose(-2, -1)) * scale).softmax(-1) @ v
-    backends = {"sdpa default": None, "sdpa math": [SDPBackend.MATH], "sdpa flash": [SDPBackend.FLASH_ATTENTION]}
-
-    def step():
-        if kind == "explicit":
-            out = explicit()
-        elif kind == "vitscale sdpa":
-            out = attention_kernel(q, k, v)
-        elif backends[kind] is None:
-            out = F.scaled_dot_product_attention(q, k, v)
-        else:
-            with sdpa_kernel(backends[kind]):
-                out = F.scaled_dot_product_attention(q, k, v)
-        out.sum().backward()
-    return timed(step, repeats)
+BACKENDS = {"sdpa default": None, "sdpa math": [SDPBackend.MATH], "sdpa flash": [SDPBackend.FLASH_ATTENTION]}
 
 
-def attention_split(kind: str, repeats: int, shape=(256, 3, 16, 64)) -> tuple[float, float]:
+def forward_fn(kind: str, q, k, v):
+    """The attention forward that `kind` names, as a call without arguments."""
+    if kind == "explicit":
+        return lambda: ((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5).softmax(-1) @ v
+    if kind == "vitscale sdpa":
+        return lambda: attention_kernel(q, k, v)
+
+    def sdpa():
+        with sdpa_kernel(BACKENDS[kind]) if BACKENDS[kind] else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v)
+    return sdpa
+
+
+def qkv(dtype, shape=(256, 3, 16, 64)):
+    return [torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3)]
+
+
+def attention(dtype, kind: str, repeats: int) -> float:
+    """Forward + backward (into .grad), in seconds."""
+    fwd = forward_fn(kind, *qkv(dtype))
+    return timed(lambda: fwd().sum().backward(), repeats)
+
+
+def attention_split(kind: str, repeats: int) -> tuple[float, float]:
     """bf16 forward alone (no autograd) and backward alone (from a kept graph), in seconds."""
-    q, k, v = (torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    grad = torch.randn(*shape, dtype=torch.bfloat16)
-    fns = {"explicit": lambda: ((q @ k.transpose(-2, -1)) * shape[-1] ** -0.5).softmax(-1) @ v,
-           "sdpa (torch)": lambda: F.scaled_dot_product_attention(q, k, v),
-           "vitscale sdpa": lambda: attention_kernel(q, k, v)}
+    q, k, v = qkv(torch.bfloat16)
+    fwd = forward_fn(kind, q, k, v)
     with torch.no_grad():
-        fwd = timed(fns[kind], repeats)
-    out = fns[kind]()
-    bwd = timed(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats)
-    return fwd, bwd
+        t_fwd = timed(fwd, repeats)
+    out = fwd()
+    grad = torch.randn_like(out)
+    return t_fwd, timed(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats)
 
 
 def matmul_gflops(m: int, k: int, n: int, repeats: int) -> float:
@@ -82,7 +84,7 @@ def main() -> None:
         ms = [1e3 * attention(dt, kind, args.repeats) for dt in (torch.float32, torch.bfloat16)]
         print(f"| {kind} | {ms[0]:.2f} | {ms[1]:.2f} |")
     print("\n| bf16 attention, [256, 3, 16, 64] | forward ms | backward ms |\n|---|---:|---:|")
-    for kind in ("explicit", "sdpa (torch)", "vitscale sdpa"):
+    for kind in ("explicit", "sdpa default", "vitscale sdpa"):
         f, b = attention_split(kind, args.repeats)
         print(f"| {kind} | {1e3 * f:.2f} | {1e3 * b:.2f} |")
     peak = matmul_gflops(2048, 2048, 2048, max(3, args.repeats // 6))
