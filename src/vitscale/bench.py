@@ -22,6 +22,7 @@ HELP = "time the training step: img/s, MFU, memory, forward/backward/comm/optimi
 
 
 def add_arguments(p) -> None:
+    from .lab_harness import add_synthetic_argument
     p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable)")
@@ -30,8 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--trials", type=int, default=3, help="trials of --steps steps (default 3)")
     p.add_argument("--split-steps", type=int, default=0,
                    help="steps of the instrumented split pass (default: min(steps, 5))")
-    p.add_argument("--synthetic", action="store_true",
-                   help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost")
+    add_synthetic_argument(p)
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--out", help="also write the JSON result to this file")
 

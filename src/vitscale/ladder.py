@@ -193,6 +193,7 @@ def markdown(r: dict, command: str) -> str:
 
 
 def add_arguments(p) -> None:
+    from .lab_harness import add_synthetic_argument
     p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable)")
@@ -201,8 +202,7 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps per rung (compile happens here)")
     p.add_argument("--train-steps", type=int, default=100,
                    help="train numerics-changing rungs this many steps and test them (0 = off; default 100)")
-    p.add_argument("--synthetic", action="store_true",
-                   help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost")
+    add_synthetic_argument(p)
     p.add_argument("--skip", default="", metavar="RUNG,...",
                    help=f"leave rungs out (the later ones stay cumulative): {','.join(KEYS)}")
     p.add_argument("--json", action="store_true", help="print JSON only")

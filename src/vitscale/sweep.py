@@ -36,6 +36,7 @@ MEMORY_POINTS = [{"strategy.name": "ddp"}] + [{"strategy.name": "deepspeed", "st
 
 
 def add_arguments(p) -> None:
+    from .lab_harness import add_synthetic_argument
     p.add_argument("config", nargs="?", help="TOML recipe (path, or a name from configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value for every point (repeatable)")
@@ -46,7 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps per point (bench's default if absent)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per point")
     p.add_argument("--trials", type=int, default=None, help="bench trials per point")
-    p.add_argument("--synthetic", action="store_true", help="bench on synthetic data")
+    add_synthetic_argument(p)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a point is killed")
     p.add_argument("--out", default=None, metavar="DIR", help="results folder (default runs/sweep-<study|grid>)")
 

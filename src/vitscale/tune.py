@@ -96,6 +96,7 @@ def describe(over: dict) -> str:
 
 
 def add_arguments(p) -> None:
+    from .lab_harness import add_synthetic_argument
     p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable)")
@@ -106,8 +107,7 @@ def add_arguments(p) -> None:
     p.add_argument("--trials", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per candidate (default 2)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the search")
-    p.add_argument("--synthetic", action="store_true",
-                   help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost")
+    add_synthetic_argument(p)
     p.add_argument("--out", default="tuned.toml", help="where to write the tuned recipe")
 
 
