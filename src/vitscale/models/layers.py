@@ -19,7 +19,10 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)  # [B, D, g, g] -> [B, N, D]
+        # token-major memory: the transposed view would leave the whole residual stream in [B, D, N]
+        # order (elementwise ops keep their input's layout), and every layer norm reducing over D
+        # strided: 1.19x slower steps for the default recipe (docs/performance.md "Token layout")
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # [B, D, g, g] -> [B, N, D]
 
 
 class BatchNorm2d(nn.BatchNorm2d):
@@ -70,7 +73,10 @@ class ConvStem(nn.Module):
         self.widths = widths
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)  # [B, D, g, g] -> [B, N, D]
+        # token-major memory: the transposed view would leave the whole residual stream in [B, D, N]
+        # order (elementwise ops keep their input's layout), and every layer norm reducing over D
+        # strided: 1.19x slower steps for the default recipe (docs/performance.md "Token layout")
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # [B, D, g, g] -> [B, N, D]
 
 
 class CpuFlashAttention(torch.autograd.Function):
