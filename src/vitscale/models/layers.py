@@ -21,7 +21,7 @@ class PatchEmbed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # token-major memory: the transposed view would leave the whole residual stream in [B, D, N]
         # order (elementwise ops keep their input's layout), and every layer norm reducing over D
-        # strided: 1.19x slower steps for the default recipe (docs/performance.md "Token layout")
+        # strided: the default recipe's step was 4-19% slower (docs/performance.md "Token layout")
         return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # [B, D, g, g] -> [B, N, D]
 
 
@@ -75,7 +75,7 @@ class ConvStem(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # token-major memory: the transposed view would leave the whole residual stream in [B, D, N]
         # order (elementwise ops keep their input's layout), and every layer norm reducing over D
-        # strided: 1.19x slower steps for the default recipe (docs/performance.md "Token layout")
+        # strided: the default recipe's step was 4-19% slower (docs/performance.md "Token layout")
         return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # [B, D, g, g] -> [B, N, D]
 
 
