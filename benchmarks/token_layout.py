@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import types
 
+import torch
+
 from vitscale.lab_harness import Bench, lab_config, rate, side_by_side
 
 
@@ -34,6 +36,15 @@ def main() -> None:
     benches = [Bench(lab_config(None, args.overrides), synthetic=True) for _ in names]
     stem = benches[1].s.module.patch_embed  # patched before the first step: compile traces the patched forward
     stem.forward = types.MethodType(transposed_view, stem)
+    stems = (benches[0].s.module.patch_embed, stem)
+    with torch.no_grad():  # the two arms really differ in layout (eval mode: no batch-norm statistics moved)
+        for m in stems:
+            m.eval()
+        w = next(stem.parameters())
+        x = torch.randn(2, *benches[0].fixed[0].shape[1:], dtype=w.dtype, device=w.device)
+        assert stems[0](x).is_contiguous() and not stems[1](x).is_contiguous()
+        for m in stems:
+            m.train()
     times = side_by_side(benches, args.steps, args.rounds, args.warmup, label=lambda i: names[i])
     ips = [rate(t, args.steps, b.global_batch)["images_per_s"] for t, b in zip(times, benches)]
     print(f"overrides: {' '.join(args.overrides) or '(the default recipe)'}; synthetic batch "
