@@ -185,6 +185,32 @@ def test_tune_keeps_the_recipe_when_the_winner_loses_the_final_comparison(capsys
     assert "(1.00x)" in printed.out and "keeping the recipe" in printed.err
 
 
+@pytest.mark.parametrize("allow", [False, True])
+def test_tune_keeps_the_micro_batch_of_a_batch_norm_model(capsys, tmp_path, monkeypatch, allow):
+    """The conv stem's BatchNorm takes its statistics from the micro-batch: accumulation would change
+    the numerics, so tune does not search it unless told to (then it does, as for other models)."""
+    accums = set()
+
+    def fake_measure_configs(cfgs, steps, rounds, warmup, synthetic=False, names=None):
+        accums.update(c.train.accum_steps for c in cfgs)
+        return [{"images_per_s": 100.0 * c.train.accum_steps, "flops_per_image": 1e6, "world_size": 1,
+                 "device": torch.device("cpu"), "step_time_s": {}} for c in cfgs]  # accumulation "wins"
+    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    out = tmp_path / "tuned.toml"
+    rc = main(["tune", TINY, "--set", "model.stem=conv", "--set", "data.batch_size=64", "--no-compile",
+               "--out", str(out)] + (["--allow-bn-micro-batch"] if allow else []))
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    tuned = load_config(out)
+    if allow:
+        assert accums == {1, 2, 4} and tuned.train.accum_steps == 4  # micro-batches 64, 32, 16
+        assert "BatchNorm" not in out.read_text()
+    else:
+        assert accums == {1} and tuned.train.accum_steps == 1
+        note = "micro-batch kept at 64: 2 BatchNorm layer(s) (patch_embed.proj.1, patch_embed.proj.4)"
+        assert note in printed.err and f"# {note}" in out.read_text()
+
+
 @pytest.mark.parametrize("argv,expect", [
     (["tune", TINY, "--allow-precision", "fp8"], "unknown precision fp8"),
     (["tune", TINY, "--budget-s", "0"], "--budget-s must be > 0"),

@@ -1,6 +1,8 @@
 """Find the fastest settings of a recipe on this machine that keep the numerics it allows:
 precision (within --allow-precision), attention kernel, optimizer implementation, micro-batch
-(the global batch is kept through train.accum_steps) and torch.compile. Candidates are measured
+(the global batch is kept through train.accum_steps; not searched when the model has BatchNorm
+layers, as the default recipe's conv stem does, whose batch statistics would then come from smaller
+micro-batches, unless --allow-bn-micro-batch) and torch.compile. Candidates are measured
 side by side (interleaved rounds, the ladder's harness), one knob at a time, starting from the
 recipe's own values; the micro-batch doubles from a small one until images/s improves by less
 than 3% (CPU) or memory runs out (GPU). Writes the tuned TOML with the measured gain in its header.
@@ -91,6 +93,23 @@ def search(choices: list, accums: list[int], measure, *, gpu: bool = False,
     return best, history
 
 
+def batch_norm_layers(cfg) -> list[str]:
+    """The recipe model's layers that normalize with batch statistics (BatchNorm, e.g. the conv
+    stem's): with them, a smaller micro-batch changes what a training step computes, so
+    accumulation does not keep the recipe's numerics. Built on the meta device (no memory)."""
+    import torch
+    from torch import nn
+
+    from .evaluate import data_geometry
+    from .loop import model_spec
+    from .models import VisionTransformer, is_clip_arch
+    if is_clip_arch(cfg.model.arch):
+        return []  # CLIP recipes refuse train.accum_steps > 1 altogether (loop.py)
+    with torch.device("meta"):
+        model = VisionTransformer(model_spec(cfg, *data_geometry(cfg)))
+    return [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
 def describe(over: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in over.items()) or "(the recipe as written)"
 
@@ -107,6 +126,9 @@ def add_arguments(p) -> None:
     p.add_argument("--trials", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per candidate (default 2)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the search")
+    p.add_argument("--allow-bn-micro-batch", action="store_true",
+                   help="search the micro-batch even when the model has BatchNorm layers (their batch "
+                        "statistics then come from the smaller micro-batch: not the recipe's numerics)")
     add_synthetic_argument(p)
     p.add_argument("--out", default="tuned.toml", help="where to write the tuned recipe")
 
@@ -119,7 +141,8 @@ def run(args) -> int:
     from .config import TrainConfig
     from .errors import UserError
     from .hardware import peak_flops
-    from .lab_harness import (check_counts, lab_config, log, machine_line, measure_configs, with_overrides)
+    from .lab_harness import (check_counts, lab_config, log, machine_line, measure_configs, synthetic_data,
+                              with_overrides)
     from .strategy.dist import broadcast_object, env_world
     check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0))
     if args.budget_s <= 0:
@@ -141,6 +164,14 @@ def run(args) -> int:
     if not args.no_compile:
         choices.append(first("train.compile", [False, True]))
     accums = accum_choices(per_device, cfg.train.accum_steps)
+    bn = batch_norm_layers(synthetic_data(cfg) if args.synthetic else cfg)  # --synthetic: no dataset read
+    micro_note = ""
+    if bn and not args.allow_bn_micro_batch:
+        accums = [cfg.train.accum_steps]  # the recipe's micro-batch only: no walk
+        micro_note = (f"micro-batch kept at {per_device // cfg.train.accum_steps}: {len(bn)} BatchNorm "
+                      f"layer(s) ({', '.join(bn[:3])}{', ...' if len(bn) > 3 else ''}) normalize with "
+                      f"batch statistics, so a smaller micro-batch would change the numerics "
+                      f"(--allow-bn-micro-batch searches it anyway)")
     t0 = time.perf_counter()
     out_of_time = lambda: broadcast_object(time.perf_counter() - t0 > args.budget_s)  # noqa: E731
 
@@ -163,6 +194,8 @@ def run(args) -> int:
     log(f"tuning on {machine_line(torch.device('cuda' if gpu else 'cpu'))}: precisions {allowed}, "
         f"micro-batches {[per_device // a for a in accums]} (global batch {cfg.data.batch_size}), "
         f"budget {args.budget_s:.0f}s")
+    if micro_note:
+        log(micro_note)
     best, history = search(choices, accums, measure, gpu=gpu, out_of_time=out_of_time, say=log,
                            start_accum=cfg.train.accum_steps)
     chosen = {k: v for k, v in best.items() if _value(cfg, k) != v}
@@ -190,6 +223,8 @@ def run(args) -> int:
               f"# tuned MFU {100 * mfu:.1f}% of the bf16 matmul peak {peak / 1e9:.0f} GFLOP/s ({src})",
               f"# allowed precisions: {','.join(allowed)}; {len(history)} candidate measurements",
               "# chosen overrides: " + (" ".join(f"--set {k}={v}" for k, v in chosen.items()) or "none")]
+    if micro_note:
+        header.append(f"# {micro_note}")
     if rejected:
         header.append("# rejected (slower than the recipe in the final side-by-side): "
                       + " ".join(f"--set {k}={v}" for k, v in rejected.items()))
