@@ -7,6 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def grid_to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """[B, D, g, g] -> [B, N, D], token-major in memory. The transposed view alone would keep the
+    [B, D, N] memory order; elementwise ops keep their input's order, so the whole residual stream
+    would stay that way and every layer norm would reduce over D strided: the default recipe's step
+    was 4-19% slower (docs/performance.md "Token layout")."""
+    return x.flatten(2).transpose(1, 2).contiguous()
+
+
 class PatchEmbed(nn.Module):
     """[B, C, H, W] -> [B, N, D] with N = (H/p)*(W/p): a stride-p convolution."""
 
@@ -19,10 +27,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # token-major memory: the transposed view would leave the whole residual stream in [B, D, N]
-        # order (elementwise ops keep their input's layout), and every layer norm reducing over D
-        # strided: the default recipe's step was 4-19% slower (docs/performance.md "Token layout")
-        return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # [B, D, g, g] -> [B, N, D]
+        return grid_to_tokens(self.proj(x))
 
 
 class BatchNorm2d(nn.BatchNorm2d):
@@ -73,10 +78,7 @@ class ConvStem(nn.Module):
         self.widths = widths
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # token-major memory: the transposed view would leave the whole residual stream in [B, D, N]
-        # order (elementwise ops keep their input's layout), and every layer norm reducing over D
-        # strided: the default recipe's step was 4-19% slower (docs/performance.md "Token layout")
-        return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # [B, D, g, g] -> [B, N, D]
+        return grid_to_tokens(self.proj(x))
 
 
 class CpuFlashAttention(torch.autograd.Function):
