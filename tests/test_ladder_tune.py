@@ -162,7 +162,7 @@ def test_tune_writes_recipe_with_gain(capsys, tmp_path, monkeypatch):
     assert cfg.data.batch_size == 64                      # the global batch never changes
     assert cfg.train.precision == "fp32" and cfg.model.attention == "explicit" and cfg.optim.impl == "fused"
     assert 64 % cfg.train.accum_steps == 0
-    assert "tuned MFU" in printed.out and "x)" in printed.out
+    assert "tuned MFU" in printed.out and "x round by round)" in printed.out
     assert "img/s" in printed.err  # a progress line per candidate
 
 
@@ -182,7 +182,37 @@ def test_tune_keeps_the_recipe_when_the_winner_loses_the_final_comparison(capsys
     assert "# chosen overrides: none" in text and "# rejected (slower than the recipe" in text
     tuned, recipe = load_config(out), load_config(TINY, ["data.batch_size=64", "data.train_size=128"])
     assert tuned.to_dict() == recipe.to_dict()  # the recipe, unchanged
-    assert "(1.00x)" in printed.out and "keeping the recipe" in printed.err
+    assert "(1.00x round by round)" in printed.out and "keeping the recipe" in printed.err
+
+
+def test_paired_speedups_cancel_drift_between_rounds():
+    """Round 3 ran 10x slower for everyone (the machine, not the configs): the ratio of median
+    rounds says bench 1 is 20x slower, the round-by-round ratio says 2x, which it is."""
+    times = [[(1.0, 0), (1.0, 0), (10.0, 0)],   # bench 0: 1 s per round, then a slow round
+             [(2.0, 0), (20.0, 0), (20.0, 0)],  # bench 1: 2x bench 0 in every round; slow from round 2
+             [(1.0, 0), (1.0, 0), (10.0, 0)]]   # bench 2: the same as bench 0 but twice the batch
+    assert lab_harness.paired_speedups(times, [8, 8, 16]) == [1.0, 0.5, 2.0]
+    assert lab_harness.rate(times[1], 1, 8)["images_per_s"] / lab_harness.rate(times[0], 1, 8)["images_per_s"] == 0.05
+    assert lab_harness.paired_speedups([None, times[1]], [8, 8]) == [None, None]
+    assert lab_harness.paired_speedups([times[0], None], [8, 8]) == [1.0, None]
+
+
+def test_tune_decides_by_the_round_by_round_ratio(capsys, tmp_path, monkeypatch):
+    """Every challenger's median round looks 1.5x faster (drift), its rounds paired with the
+    incumbent's say 0.9x: tune keeps the recipe's settings."""
+    def fake_measure_configs(cfgs, steps, rounds, warmup, synthetic=False, names=None):
+        return [{"images_per_s": 150.0 if i else 100.0, "paired_vs_first": 0.9 if i else 1.0,
+                 "flops_per_image": 1e6, "world_size": 1, "device": torch.device("cpu"), "step_time_s": {}}
+                for i, c in enumerate(cfgs)]
+    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    out = tmp_path / "tuned.toml"
+    over = ["data.batch_size=64", "model.attention=explicit"]
+    rc = main(["tune", TINY, "--no-compile", "--out", str(out)] + [x for o in over for x in ("--set", o)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert load_config(out).to_dict() == load_config(TINY, over).to_dict()  # the median rounds said otherwise
+    assert "# chosen overrides: none" in out.read_text()
+    assert "model.attention=sdpa: 150.0 img/s (0.900x the first, round by round)" in printed.err
 
 
 @pytest.mark.parametrize("allow", [False, True])

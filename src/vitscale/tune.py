@@ -183,11 +183,16 @@ def run(args) -> int:
                 idx.append(i)
             except UserError as e:
                 log(f"  {describe(c)}: not valid here ({e})")
-        for i, r in zip(idx, measure_configs(cfgs, args.steps, rounds, args.warmup, args.synthetic,
-                                             names=[describe(cands[i]) for i in idx])):
-            out[i] = r.get("images_per_s")
+        results = measure_configs(cfgs, args.steps, rounds, args.warmup, args.synthetic,
+                                  names=[describe(cands[i]) for i in idx])
+        ref = results[0].get("images_per_s") if results else None
+        for k, (i, r) in enumerate(zip(idx, results)):
+            own, paired = r.get("images_per_s"), r.get("paired_vs_first")
+            # compared by the round-by-round ratio to the group's first (drift cancels), on its scale
+            out[i] = ref * paired if own and ref and paired else own
             measure.last[i] = r
-            log(f"  {describe(cands[i])}: " + (f"{out[i]:.1f} img/s" if out[i] else r.get("error", "failed")))
+            note = f" ({paired:.3f}x the first, round by round)" if own and paired and k else ""
+            log(f"  {describe(cands[i])}: " + (f"{own:.1f} img/s{note}" if own else r.get("error", "failed")))
         return out
     measure.last = {}
 
@@ -202,13 +207,14 @@ def run(args) -> int:
     log(f"final side-by-side: the recipe vs {describe(chosen)}")
     measure.last = {}
     ips = measure([{}, chosen] if chosen else [{}], rounds=max(args.trials, 3))
-    base_ips, tuned_ips = ips[0], ips[-1]
+    gain = ips[-1] / ips[0] if ips[0] and ips[-1] else None  # round by round (see measure)
     tuned = measure.last[len(ips) - 1]
     rejected = {}
-    if chosen and not (tuned_ips and base_ips and tuned_ips > base_ips):
+    if chosen and not (gain and gain > 1):
         # the search's winner lost to the recipe side by side (noise picked it): keep the recipe
         log(f"  {describe(chosen)} did not beat the recipe side by side: keeping the recipe")
-        rejected, chosen, tuned_ips, tuned = chosen, {}, base_ips, measure.last[0]
+        rejected, chosen, gain, tuned = chosen, {}, 1.0, measure.last[0]
+    base_ips, tuned_ips = measure.last[0]["images_per_s"], tuned["images_per_s"]  # their median rounds
     device = tuned["device"]
     peak, src = peak_flops(device, "bf16")
     peak = broadcast_object(peak)
@@ -219,7 +225,8 @@ def run(args) -> int:
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     header = [f"# tuned by `vitscale tune` on {date}", f"# machine: {machine}, {world} process(es)",
               f"# measured side by side ({max(args.trials, 3)} rounds x {args.steps} steps): recipe "
-              f"{base_ips:.1f} img/s, tuned {tuned_ips:.1f} img/s ({tuned_ips / base_ips:.2f}x)",
+              f"{base_ips:.1f} img/s, tuned {tuned_ips:.1f} img/s (median rounds); tuned / recipe "
+              f"round by round {gain:.2f}x",
               f"# tuned MFU {100 * mfu:.1f}% of the bf16 matmul peak {peak / 1e9:.0f} GFLOP/s ({src})",
               f"# allowed precisions: {','.join(allowed)}; {len(history)} candidate measurements",
               "# chosen overrides: " + (" ".join(f"--set {k}={v}" for k, v in chosen.items()) or "none")]
@@ -230,7 +237,7 @@ def run(args) -> int:
                       + " ".join(f"--set {k}={v}" for k, v in rejected.items()))
     Path(args.out).write_text("\n".join(header) + "\n\n" + with_overrides(cfg, chosen).to_toml())
     print(f"tuned: {describe(chosen)}\nrecipe {base_ips:.1f} img/s -> tuned {tuned_ips:.1f} img/s "
-          f"({tuned_ips / base_ips:.2f}x) on {machine}\ntuned MFU {100 * mfu:.1f}% of the measured bf16 matmul "
+          f"({gain:.2f}x round by round) on {machine}\ntuned MFU {100 * mfu:.1f}% of the measured bf16 matmul "
           f"peak ({peak / 1e9:.0f} GFLOP/s per device)\nwrote {args.out}")
     return 0
 
