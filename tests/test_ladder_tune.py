@@ -215,6 +215,32 @@ def test_tune_decides_by_the_round_by_round_ratio(capsys, tmp_path, monkeypatch)
     assert "model.attention=sdpa: 150.0 img/s (0.900x the first, round by round)" in printed.err
 
 
+def test_tune_keeps_its_pick_when_the_recipe_itself_fails_the_final_comparison(capsys, tmp_path, monkeypatch):
+    """E.g. the recipe runs out of GPU memory where the tuned settings fit: the tuned recipe is still
+    written, saying the recipe did not run; when nothing runs, one line and exit code 2."""
+    fail_all = []
+
+    def fake_measure_configs(cfgs, steps, rounds, warmup, synthetic=False, names=None):
+        final = names and names[0] == "(the recipe as written)"
+        return [{"error": "out of memory"} if final and (i == 0 or fail_all) else
+                {"images_per_s": 100.0 + 10 * (c.model.attention == "sdpa"), "flops_per_image": 1e6,
+                 "world_size": 1, "device": torch.device("cpu"), "step_time_s": {}}
+                for i, c in enumerate(cfgs)]
+    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    out = tmp_path / "tuned.toml"
+    argv = ["tune", TINY, "--set", "model.attention=explicit", "--no-compile", "--out", str(out)]
+    rc = main(argv)
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert load_config(out).model.attention == "sdpa"
+    assert "recipe failed (out of memory), tuned 110.0 img/s" in out.read_text()
+    assert "the recipe itself did not run" in printed.out
+    fail_all.append(True)
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == "vitscale: error: tune: the final comparison failed: out of memory"
+
+
 @pytest.mark.parametrize("allow", [False, True])
 def test_tune_keeps_the_micro_batch_of_a_batch_norm_model(capsys, tmp_path, monkeypatch, allow):
     """The conv stem's BatchNorm takes its statistics from the micro-batch: accumulation would change

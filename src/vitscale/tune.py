@@ -210,11 +210,15 @@ def run(args) -> int:
     gain = ips[-1] / ips[0] if ips[0] and ips[-1] else None  # round by round (see measure)
     tuned = measure.last[len(ips) - 1]
     rejected = {}
-    if chosen and not (gain and gain > 1):
+    if not ips[-1]:  # nothing ran (the recipe alone, or the recipe and the tuned settings both failed)
+        raise UserError(f"tune: the final comparison failed: {tuned.get('error', 'no measurement')}")
+    if chosen and ips[0] and not (gain and gain > 1):
         # the search's winner lost to the recipe side by side (noise picked it): keep the recipe
         log(f"  {describe(chosen)} did not beat the recipe side by side: keeping the recipe")
         rejected, chosen, gain, tuned = chosen, {}, 1.0, measure.last[0]
-    base_ips, tuned_ips = measure.last[0]["images_per_s"], tuned["images_per_s"]  # their median rounds
+    base_ips, tuned_ips = measure.last[0].get("images_per_s"), tuned["images_per_s"]  # their median rounds
+    vs = (f"{base_ips:.1f} img/s" if base_ips else f"failed ({measure.last[0].get('error', '?')})")
+    ratio = f"{gain:.2f}x round by round" if gain else "the recipe itself did not run"
     device = tuned["device"]
     peak, src = peak_flops(device, "bf16")
     peak = broadcast_object(peak)
@@ -225,8 +229,7 @@ def run(args) -> int:
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     header = [f"# tuned by `vitscale tune` on {date}", f"# machine: {machine}, {world} process(es)",
               f"# measured side by side ({max(args.trials, 3)} rounds x {args.steps} steps): recipe "
-              f"{base_ips:.1f} img/s, tuned {tuned_ips:.1f} img/s (median rounds); tuned / recipe "
-              f"round by round {gain:.2f}x",
+              f"{vs}, tuned {tuned_ips:.1f} img/s (median rounds); tuned / recipe: {ratio}",
               f"# tuned MFU {100 * mfu:.1f}% of the bf16 matmul peak {peak / 1e9:.0f} GFLOP/s ({src})",
               f"# allowed precisions: {','.join(allowed)}; {len(history)} candidate measurements",
               "# chosen overrides: " + (" ".join(f"--set {k}={v}" for k, v in chosen.items()) or "none")]
@@ -236,8 +239,8 @@ def run(args) -> int:
         header.append("# rejected (slower than the recipe in the final side-by-side): "
                       + " ".join(f"--set {k}={v}" for k, v in rejected.items()))
     Path(args.out).write_text("\n".join(header) + "\n\n" + with_overrides(cfg, chosen).to_toml())
-    print(f"tuned: {describe(chosen)}\nrecipe {base_ips:.1f} img/s -> tuned {tuned_ips:.1f} img/s "
-          f"({gain:.2f}x round by round) on {machine}\ntuned MFU {100 * mfu:.1f}% of the measured bf16 matmul "
+    print(f"tuned: {describe(chosen)}\nrecipe {vs} -> tuned {tuned_ips:.1f} img/s "
+          f"({ratio}) on {machine}\ntuned MFU {100 * mfu:.1f}% of the measured bf16 matmul "
           f"peak ({peak / 1e9:.0f} GFLOP/s per device)\nwrote {args.out}")
     return 0
 
