@@ -65,6 +65,8 @@ def test_tiny_ladder_end_to_end(capsys, tmp_path):
     for row in measured:
         assert row["images_per_s"] > 0
         assert row["speedup_vs_baseline"] == pytest.approx(row["images_per_s"] / measured[0]["images_per_s"])
+        assert row["speedup_vs_baseline_paired"] > 0
+    assert measured[0]["speedup_vs_baseline_paired"] == 1.0
     # numerics-changing rungs were trained and tested; the others not
     trained = [row["rung"].split(" (")[0] for row in measured if "accuracy" in row]
     assert trained == ["baseline", "+ mixed precision", "+ pooled head", "+ fused attention", "+ larger batch"]

@@ -122,7 +122,9 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
             ips = m["images_per_s"]
             base = base or ips
             row.update(images_per_s=ips, step_time_s=m["step_time_s"], speedup_vs_baseline=ips / base,
-                       speedup_vs_previous=ips / prev if prev else 1.0)
+                       speedup_vs_previous=ips / prev if prev else 1.0,
+                       # the median over rounds of the per-round ratio (drift between rounds cancels)
+                       speedup_vs_baseline_paired=m.get("paired_vs_first"))
             prev = ips
             if train_steps and r.numerics:
                 log(f"training {r.name} for {train_steps} steps")
@@ -137,12 +139,14 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
 
 def table(r: dict) -> str:
     metric = None
-    lines = ["| rung | img/s | step (median, ms) | vs baseline | vs previous | test accuracy |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| rung | img/s | step (median, ms) | vs baseline | vs baseline, round by round | vs previous "
+             "| test accuracy |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for row in r["rungs"]:
         if row.get("skipped"):
-            lines.append(f"| {row['rung']} | skipped: {row['skipped']} | | | | |")
+            lines.append(f"| {row['rung']} | skipped: {row['skipped']} | | | | | |")
             continue
+        paired = row.get("speedup_vs_baseline_paired")
         acc = row.get("accuracy")
         if acc:
             metric = next(k for k in acc if k not in ("steps", "images_seen"))
@@ -150,7 +154,7 @@ def table(r: dict) -> str:
         slower = " (slower)" if row["speedup_vs_previous"] < 0.98 else ""
         lines.append(f"| {row['rung']}{' — ' + row['note'] if row['note'] else ''} | {row['images_per_s']:.1f} | "
                      f"{1e3 * row['step_time_s']['median']:.1f} | {row['speedup_vs_baseline']:.2f}x | "
-                     f"{row['speedup_vs_previous']:.2f}x{slower} | {acc_s} |")
+                     f"{f'{paired:.2f}x' if paired else ''} | {row['speedup_vs_previous']:.2f}x{slower} | {acc_s} |")
     return "\n".join(lines)
 
 
