@@ -32,23 +32,31 @@ def data_geometry(cfg: Config) -> tuple[int, int, int]:
     return d.image_size or size, ch, cfg.model.num_classes or nc
 
 
-def model_info(cfg: Config) -> dict:
+def meta_model(cfg: Config):
+    """(spec, model) of the recipe's model, built on the meta device: its structure and parameter
+    counts without memory or initialization."""
     from .loop import clip_spec, model_spec
-    from .models import CLIP, clip_forward_flops, is_clip_arch
+    from .models import CLIP, is_clip_arch
     if is_clip_arch(cfg.model.arch):
         size, ch, _ = data_geometry(cfg)
-        spec = clip_spec(cfg, size, ch)
-        with torch.device("meta"):
-            model = CLIP(spec)
-            params, vision = count_params(model), count_params(model.visual)
+        spec, build = clip_spec(cfg, size, ch), CLIP
+    else:
+        spec, build = model_spec(cfg, *data_geometry(cfg)), VisionTransformer
+    with torch.device("meta"):
+        return spec, build(spec)
+
+
+def model_info(cfg: Config) -> dict:
+    from .models import clip_forward_flops, is_clip_arch
+    spec, model = meta_model(cfg)
+    if is_clip_arch(cfg.model.arch):
+        params, vision = count_params(model), count_params(model.visual)
         flops = clip_forward_flops(spec)
         return {"arch": cfg.model.arch, "kind": "clip", **asdict(spec), "params": params,
                 "vision_params": vision, "text_params": params - vision - 1,
                 "tokens": spec.vision.num_tokens, "context_length": spec.text.context_length,
                 "macs_per_image": flops // 2, "flops_per_image": flops, "train_flops_per_image": 3 * flops}
-    spec = model_spec(cfg, *data_geometry(cfg))
-    with torch.device("meta"):
-        params = count_params(VisionTransformer(spec))
+    params = count_params(model)
     return {"arch": cfg.model.arch, **asdict(spec), "params": params, "tokens": spec.num_tokens,
             "macs_per_image": vit_forward_macs(spec), "flops_per_image": vit_forward_flops(spec),
             "train_flops_per_image": 3 * vit_forward_flops(spec)}

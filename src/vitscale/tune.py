@@ -97,17 +97,10 @@ def batch_norm_layers(cfg) -> list[str]:
     """The recipe model's layers that normalize with batch statistics (BatchNorm, e.g. the conv
     stem's): with them, a smaller micro-batch changes what a training step computes, so
     accumulation does not keep the recipe's numerics. Built on the meta device (no memory)."""
-    import torch
     from torch import nn
 
-    from .evaluate import data_geometry
-    from .loop import model_spec
-    from .models import VisionTransformer, is_clip_arch
-    if is_clip_arch(cfg.model.arch):
-        return []  # CLIP recipes refuse train.accum_steps > 1 altogether (loop.py)
-    with torch.device("meta"):
-        model = VisionTransformer(model_spec(cfg, *data_geometry(cfg)))
-    return [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    from .evaluate import meta_model
+    return [n for n, m in meta_model(cfg)[1].named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
 def describe(over: dict) -> str:
