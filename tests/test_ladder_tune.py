@@ -199,6 +199,45 @@ def test_paired_speedups_cancel_drift_between_rounds():
     assert lab_harness.paired_speedups([times[0], None], [8, 8]) == [1.0, None]
 
 
+def test_paired_rounds_and_the_consistency_rule():
+    times = [[(1.0, 0), (2.0, 0), (1.0, 0)],   # bench 0, 8 images per step
+             [(0.5, 0), (2.5, 0), (0.8, 0)]]   # bench 1: 2x, 0.8x, 1.25x bench 0
+    rounds = lab_harness.paired_rounds(times, [8, 8])
+    assert rounds[0] == [1.0, 1.0, 1.0] and rounds[1] == pytest.approx([2.0, 0.8, 1.25])
+    assert lab_harness.paired_speedups(times, [8, 8])[1] == pytest.approx(1.25)  # the median
+    assert not lab_harness.faster_in_most_rounds(rounds[1])   # 2 of 3 rounds: not more than 2/3
+    assert lab_harness.faster_in_most_rounds([1.1, 1.02, 1.3])
+    assert lab_harness.faster_in_most_rounds([1.1, 0.9, 1.3, 1.2, 1.05])      # 4 of 5
+    assert not lab_harness.faster_in_most_rounds([1.1, 0.9, 1.3, 0.99, 1.05])  # 3 of 5
+    assert not lab_harness.faster_in_most_rounds([]) and not lab_harness.faster_in_most_rounds(None)
+    assert lab_harness.paired_rounds([None, times[1]], [8, 8]) == [None, None]
+
+
+def test_tune_needs_a_gain_in_most_rounds(capsys, tmp_path, monkeypatch):
+    """sdpa's median round-by-round ratio is 1.10x, from 3 of 5 rounds (noise): the recipe's
+    explicit attention stays. The for-loop optimizer wins 5 of 5 rounds at 1.05x: it is taken."""
+    def fake_measure_configs(cfgs, steps, rounds, warmup, synthetic=False, names=None):
+        out = []
+        for i, c in enumerate(cfgs):
+            r = ([1.0] * 5 if i == 0 else [1.3, 0.9, 1.1, 0.95, 1.2] if c.model.attention == "sdpa"
+                 else [1.05] * 5 if c.optim.impl == "forloop" and cfgs[0].optim.impl != "forloop" else [1.0] * 5)
+            out.append({"images_per_s": 100.0, "paired_vs_first": sorted(r)[2], "paired_rounds": r,
+                        "flops_per_image": 1e6, "world_size": 1, "device": torch.device("cpu"),
+                        "step_time_s": {}})
+        return out
+    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    out = tmp_path / "tuned.toml"
+    over = ["data.batch_size=64", "model.attention=explicit", "optim.impl=fused"]
+    rc = main(["tune", TINY, "--no-compile", "--out", str(out)] + [x for o in over for x in ("--set", o)])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    tuned = load_config(out)
+    assert tuned.model.attention == "explicit" and tuned.optim.impl == "forloop"
+    assert "model.attention=sdpa: 100.0 img/s (1.100x the first, round by round, but faster in only 3 of 5 " \
+           "rounds: counted as no faster)" in printed.err
+    assert "(1.05x round by round)" in printed.out
+
+
 def test_tune_decides_by_the_round_by_round_ratio(capsys, tmp_path, monkeypatch):
     """Every challenger's median round looks 1.5x faster (drift), its rounds paired with the
     incumbent's say 0.9x: tune keeps the recipe's settings."""

@@ -268,23 +268,34 @@ def rate(bench_times: list, steps: int, batch: int) -> dict:
             "data_s": statistics.median(d / steps for _, d in bench_times)}
 
 
-def paired_speedups(times: list, batches: list) -> list:
-    """Per bench, its speed relative to bench 0 round by round: the median over rounds r of
-    (bench 0's seconds per image in r) / (this bench's seconds per image in r). A drift of the
-    machine's speed between rounds cancels in each ratio, where the ratio of two median rounds keeps
-    it. `times`: side_by_side's per-bench [(wall s, data s) per round] or None; None where a bench
-    or bench 0 has no times."""
+def paired_rounds(times: list, batches: list) -> list:
+    """Per bench, its speed relative to bench 0 in each round: (bench 0's seconds per image in
+    round r) / (this bench's seconds per image in round r), a list over rounds. A drift of the
+    machine's speed between rounds cancels in each ratio. `times`: side_by_side's per-bench
+    [(wall s, data s) per round] or None; None where a bench or bench 0 has no times."""
     if not times or times[0] is None:
         return [None] * len(times)
     first = [w / batches[0] for w, _ in times[0]]
-    return [None if t is None else statistics.median(f / (w / b) for f, (w, _) in zip(first, t))
+    return [None if t is None else [f / (w / b) for f, (w, _) in zip(first, t)]
             for t, b in zip(times, batches)]
+
+
+def paired_speedups(times: list, batches: list) -> list:
+    """Per bench, its speed relative to bench 0 round by round: the median over rounds of
+    `paired_rounds`, where the ratio of two median rounds would keep the drift between rounds."""
+    return [None if r is None else statistics.median(r) for r in paired_rounds(times, batches)]
+
+
+def faster_in_most_rounds(ratios: list | None, share: float = 2 / 3) -> bool:
+    """Whether a configuration beat the first one in more than `share` of the rounds (all 3 of 3,
+    4 of 5, 7 of 10): a median ratio above 1 from one or two lucky rounds is noise, not a gain."""
+    return bool(ratios) and sum(r > 1 for r in ratios) > share * len(ratios)
 
 
 def measure_configs(cfgs: list, steps: int, rounds: int, warmup: int, synthetic: bool = False,
                     names: list | None = None) -> list:
     """Build one Bench per config, time them side by side, free them. Per config a dict
-    (images_per_s, step_time_s, paired_vs_first, flops_per_image, ...) or {'error': reason}."""
+    (images_per_s, step_time_s, paired_vs_first, paired_rounds, flops_per_image, ...) or {'error': reason}."""
     names = names or [str(i) for i in range(len(cfgs))]
     benches, results = [], []
     for cfg in cfgs:
@@ -299,14 +310,16 @@ def measure_configs(cfgs: list, steps: int, rounds: int, warmup: int, synthetic:
             benches.append(None)
             results.append({"error": str(e)})
     times = side_by_side(benches, steps, rounds, warmup, label=lambda i: names[i])
-    paired = paired_speedups(times, [b.global_batch if b is not None else 1 for b in benches])
+    per_round = paired_rounds(times, [b.global_batch if b is not None else 1 for b in benches])
     for i, (b, t) in enumerate(zip(benches, times)):
         if b is None:
             continue
         if t is None:
             results[i] = {"error": "out of memory"}
         else:
-            results[i] = {**rate(t, steps, b.global_batch), "paired_vs_first": paired[i],
+            ratios = per_round[i]
+            results[i] = {**rate(t, steps, b.global_batch), "paired_rounds": ratios,
+                          "paired_vs_first": statistics.median(ratios) if ratios else None,
                           "flops_per_image": b.trainer.flops_per_image,
                           "world_size": b.s.world_size, "device": b.s.device}
         b.close()

@@ -4,7 +4,8 @@ precision (within --allow-precision), attention kernel, optimizer implementation
 layers, as the default recipe's conv stem does, whose batch statistics would then come from smaller
 micro-batches, unless --allow-bn-micro-batch) and torch.compile. Candidates are measured
 side by side (interleaved rounds, the ladder's harness), one knob at a time, starting from the
-recipe's own values; the micro-batch doubles from a small one until images/s improves by less
+recipe's own values; a candidate replaces the incumbent only if it was faster in more than 2/3 of
+the rounds (round by round) and by more than 1% in their median; the micro-batch doubles from a small one until images/s improves by less
 than 3% (CPU) or memory runs out (GPU). Writes the tuned TOML with the measured gain in its header.
 
 examples:
@@ -134,8 +135,8 @@ def run(args) -> int:
     from .config import TrainConfig
     from .errors import UserError
     from .hardware import peak_flops
-    from .lab_harness import (check_counts, lab_config, log, machine_line, measure_configs, synthetic_data,
-                              with_overrides)
+    from .lab_harness import (check_counts, faster_in_most_rounds, lab_config, log, machine_line,
+                              measure_configs, synthetic_data, with_overrides)
     from .strategy.dist import broadcast_object, env_world
     check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0))
     if args.budget_s <= 0:
@@ -180,11 +181,16 @@ def run(args) -> int:
                                   names=[describe(cands[i]) for i in idx])
         ref = results[0].get("images_per_s") if results else None
         for k, (i, r) in enumerate(zip(idx, results)):
-            own, paired = r.get("images_per_s"), r.get("paired_vs_first")
+            own, paired, rounds = r.get("images_per_s"), r.get("paired_vs_first"), r.get("paired_rounds")
             # compared by the round-by-round ratio to the group's first (drift cancels), on its scale
             out[i] = ref * paired if own and ref and paired else own
-            measure.last[i] = r
             note = f" ({paired:.3f}x the first, round by round)" if own and paired and k else ""
+            if k and own and ref and paired and paired > 1 and rounds and not faster_in_most_rounds(rounds):
+                out[i] = ref  # a median above 1 from a lucky round or two: no faster than the first
+                wins = sum(x > 1 for x in rounds)
+                note = (f" ({paired:.3f}x the first, round by round, but faster in only {wins} of "
+                        f"{len(rounds)} rounds: counted as no faster)")
+            measure.last[i] = r
             log(f"  {describe(cands[i])}: " + (f"{own:.1f} img/s{note}" if own else r.get("error", "failed")))
         return out
     measure.last = {}
