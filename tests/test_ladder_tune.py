@@ -50,6 +50,13 @@ def test_rungs_two_processes_and_invalid_ones():
     assert "optim.impl" not in rungs["sharding"].overrides or rungs["sharding"].overrides["optim.impl"] == "forloop"
 
 
+def test_vs_previous_round_by_round():
+    from vitscale.ladder import vs_previous_paired
+    prev, cur = [1.0, 2.0, 1.5], [2.0, 2.0, 3.3]  # each rung's per-round speedup over the baseline
+    assert vs_previous_paired(cur, prev) == pytest.approx(2.0)  # median of 2.0, 1.0, 2.2
+    assert vs_previous_paired(cur, None) == 1.0 and vs_previous_paired(None, prev) is None
+
+
 def test_tiny_ladder_end_to_end(capsys, tmp_path):
     out = tmp_path / "ladder"
     rc = main(["ladder", TINY, "--set", "run.threads=1", "--steps", "1", "--trials", "2", "--warmup", "1",
@@ -67,6 +74,8 @@ def test_tiny_ladder_end_to_end(capsys, tmp_path):
         assert row["speedup_vs_baseline"] == pytest.approx(row["images_per_s"] / measured[0]["images_per_s"])
         assert row["speedup_vs_baseline_paired"] > 0
     assert measured[0]["speedup_vs_baseline_paired"] == 1.0
+    assert measured[0]["speedup_vs_previous_paired"] == 1.0 and all(
+        row["speedup_vs_previous_paired"] > 0 for row in measured)
     # numerics-changing rungs were trained and tested; the others not
     trained = [row["rung"].split(" (")[0] for row in measured if "accuracy" in row]
     assert trained == ["baseline", "+ mixed precision", "+ pooled head", "+ fused attention", "+ larger batch"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -95,6 +96,16 @@ def accuracy(cfg, steps: int) -> dict:
     return {k: s[k] for k in (t.task.metric, "steps", "images_seen") if k in s}
 
 
+def vs_previous_paired(rounds: list | None, prev_rounds: list | None) -> float:
+    """A rung against the measured rung before it, round by round: the median over rounds of the
+    ratio of their per-round speedups over the baseline (1.0 for the first measured rung)."""
+    if prev_rounds is None:
+        return 1.0
+    if not rounds:
+        return None
+    return statistics.median(a / b for a, b in zip(rounds, prev_rounds))
+
+
 def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, synthetic: bool = False,
            skip: tuple = ()) -> dict:
     import torch
@@ -112,7 +123,7 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
                               synthetic, names=[r.name for r in live])
     log(f"timed {len(live)} rungs side by side: {rounds} rounds x {steps} steps in {time.perf_counter() - t0:.0f}s")
     res = dict(zip((r.name for r in live), results))
-    rows, base, prev = [], None, None
+    rows, base, prev, prev_rounds = [], None, None, None
     for r in rungs:
         row = {"rung": r.name, "overrides": r.delta, "skipped": r.skip, "note": r.note}
         m = res.get(r.name)
@@ -124,8 +135,9 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
             row.update(images_per_s=ips, step_time_s=m["step_time_s"], speedup_vs_baseline=ips / base,
                        speedup_vs_previous=ips / prev if prev else 1.0,
                        # the median over rounds of the per-round ratio (drift between rounds cancels)
-                       speedup_vs_baseline_paired=m.get("paired_vs_first"))
-            prev = ips
+                       speedup_vs_baseline_paired=m.get("paired_vs_first"),
+                       speedup_vs_previous_paired=vs_previous_paired(m.get("paired_rounds"), prev_rounds))
+            prev, prev_rounds = ips, m.get("paired_rounds")
             if train_steps and r.numerics:
                 log(f"training {r.name} for {train_steps} steps")
                 row["accuracy"] = accuracy(with_overrides(cfg, r.overrides), train_steps)
@@ -137,24 +149,30 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
+def slower_than_previous(row: dict) -> bool:
+    """By the round-by-round ratio where there is one (older results: the ratio of median rounds)."""
+    return (row.get("speedup_vs_previous_paired") or row["speedup_vs_previous"]) < 0.98
+
+
 def table(r: dict) -> str:
     metric = None
     lines = ["| rung | img/s | step (median, ms) | vs baseline | vs baseline, round by round | vs previous "
-             "| test accuracy |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| vs previous, round by round | test accuracy |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in r["rungs"]:
         if row.get("skipped"):
-            lines.append(f"| {row['rung']} | skipped: {row['skipped']} | | | | | |")
+            lines.append(f"| {row['rung']} | skipped: {row['skipped']} | | | | | | |")
             continue
-        paired = row.get("speedup_vs_baseline_paired")
+        paired, paired_prev = row.get("speedup_vs_baseline_paired"), row.get("speedup_vs_previous_paired")
         acc = row.get("accuracy")
         if acc:
             metric = next(k for k in acc if k not in ("steps", "images_seen"))
         acc_s = f"{100 * acc[metric]:.2f}%" if acc else "(same numerics)" if r["train_steps"] else ""
-        slower = " (slower)" if row["speedup_vs_previous"] < 0.98 else ""
+        slower = " (slower)" if slower_than_previous(row) else ""
         lines.append(f"| {row['rung']}{' — ' + row['note'] if row['note'] else ''} | {row['images_per_s']:.1f} | "
                      f"{1e3 * row['step_time_s']['median']:.1f} | {row['speedup_vs_baseline']:.2f}x | "
-                     f"{f'{paired:.2f}x' if paired else ''} | {row['speedup_vs_previous']:.2f}x{slower} | {acc_s} |")
+                     f"{f'{paired:.2f}x' if paired else ''} | {row['speedup_vs_previous']:.2f}x{slower} | "
+                     f"{f'{paired_prev:.2f}x' if paired_prev else ''} | {acc_s} |")
     return "\n".join(lines)
 
 
@@ -166,7 +184,7 @@ def plot(r: dict, path: Path) -> None:
     names = [x["rung"].split(" (")[0] if x["rung"].startswith("baseline") else x["rung"] for x in rows]
     sp = [x["speedup_vs_baseline"] for x in rows]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
-    colors = ["tab:red" if i and x["speedup_vs_previous"] < 0.98 else "tab:blue" for i, x in enumerate(rows)]
+    colors = ["tab:red" if i and slower_than_previous(x) else "tab:blue" for i, x in enumerate(rows)]
     ax.barh(range(len(rows)), sp, color=colors)
     for i, v in enumerate(sp):
         ax.text(v, i, f" {v:.2f}x ({rows[i]['images_per_s']:.0f} img/s)", va="center", fontsize=8)
