@@ -14,11 +14,12 @@ Prints img/s for both and the ratio (docs/performance.md "Token layout").
 from __future__ import annotations
 
 import argparse
+import statistics
 import types
 
 import torch
 
-from vitscale.lab_harness import Bench, lab_config, rate, side_by_side
+from vitscale.lab_harness import Bench, lab_config, paired_rounds, rate, side_by_side
 
 
 def transposed_view(self, x):
@@ -51,7 +52,10 @@ def main() -> None:
           f"{benches[0].global_batch}, {args.rounds} rounds x {args.steps} steps")
     for n, v in zip(names, ips):
         print(f"  {n}: {v:.1f} img/s")
-    print(f"  token-major / transposed view: {ips[0] / ips[1]:.3f}x")
+    rounds = paired_rounds(times, [b.global_batch for b in benches])[1]  # transposed / token-major, per round
+    print(f"  token-major / transposed view: {ips[0] / ips[1]:.3f}x (median rounds), "
+          f"{statistics.median(1 / r for r in rounds):.3f}x round by round "
+          f"(faster in {sum(r < 1 for r in rounds)} of {len(rounds)} rounds)")
     for b in benches:
         b.close()
 
