@@ -116,8 +116,10 @@ def add_arguments(p) -> None:
     p.add_argument("--allow-precision", default="", metavar="P1,P2",
                    help="precisions the search may use (default: the recipe's own only)")
     p.add_argument("--budget-s", type=float, default=300.0, help="stop searching after this many seconds")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per candidate per round (default 5)")
-    p.add_argument("--trials", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per candidate per round (default 2)")
+    p.add_argument("--trials", type=int, default=9,
+                   help="interleaved rounds (default 9: short rounds pair well; a candidate must win more "
+                        "than 2/3 of them)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per candidate (default 2)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the search")
     p.add_argument("--allow-bn-micro-batch", action="store_true",
