@@ -219,8 +219,9 @@ def add_arguments(p) -> None:
     p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per rung per round (default 10)")
-    p.add_argument("--trials", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per rung per round (default 3)")
+    p.add_argument("--trials", type=int, default=10,
+                   help="interleaved rounds (default 10: short rounds pair well for the round-by-round columns)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps per rung (compile happens here)")
     p.add_argument("--train-steps", type=int, default=100,
                    help="train numerics-changing rungs this many steps and test them (0 = off; default 100)")
