@@ -171,12 +171,21 @@ def plot_batch(records: list[dict], path: Path) -> None:
     by_n = {}
     for r in records:
         if r["ok"]:
-            by_n.setdefault(r["nproc"], []).append((r["bench"]["batch_size"], r["bench"]["images_per_s"]))
+            b = r["bench"]
+            st = b.get("step_time_s", {})
+            lo, hi = (b["batch_size"] / st["max"], b["batch_size"] / st["min"]) if "min" in st else (None, None)
+            by_n.setdefault(r["nproc"], []).append((b["batch_size"], b["images_per_s"], lo, hi))
     for n, pts in sorted(by_n.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{n} process(es)")
+        x, y = [p[0] for p in pts], [p[1] for p in pts]
+        if all(p[2] is not None for p in pts):  # the spread of the trials: slowest to fastest
+            err = [[max(0.0, v - p[2]) for v, p in zip(y, pts)], [max(0.0, p[3] - v) for v, p in zip(y, pts)]]
+            ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, label=f"{n} process(es)")
+        else:
+            ax.plot(x, y, "o-", label=f"{n} process(es)")
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="global batch", ylabel="images/s", title="throughput vs batch")
+    ax.set_ylim(bottom=0)  # a flat curve must look flat
+    ax.set(xlabel="global batch", ylabel="images/s (bars: slowest to fastest trial)", title="throughput vs batch")
     ax.legend(fontsize=7)
     _save(fig, path)
 
