@@ -96,7 +96,7 @@ def accuracy(cfg, steps: int) -> dict:
     return {k: s[k] for k in (t.task.metric, "steps", "images_seen") if k in s}
 
 
-def vs_previous_paired(rounds: list | None, prev_rounds: list | None) -> float:
+def vs_previous_paired(rounds: list | None, prev_rounds: list | None) -> float | None:
     """A rung against the measured rung before it, round by round: the median over rounds of the
     ratio of their per-round speedups over the baseline (1.0 for the first measured rung)."""
     if prev_rounds is None:

@@ -5,8 +5,9 @@ layers, as the default recipe's conv stem does, whose batch statistics would the
 micro-batches, unless --allow-bn-micro-batch) and torch.compile. Candidates are measured
 side by side (interleaved rounds, the ladder's harness), one knob at a time, starting from the
 recipe's own values; a candidate replaces the incumbent only if it was faster in more than 2/3 of
-the rounds (round by round) and by more than 1% in their median; the micro-batch doubles from a small one until images/s improves by less
-than 3% (CPU) or memory runs out (GPU). Writes the tuned TOML with the measured gain in its header.
+the rounds (round by round) and by more than 1% in their median; the micro-batch doubles from a
+small one until images/s improves by less than 3% (CPU) or memory runs out (GPU). Writes the tuned
+TOML with the measured gain in its header.
 
 examples:
   vitscale tune                                    # the default recipe, its own precision only
@@ -183,15 +184,15 @@ def run(args) -> int:
                                   names=[describe(cands[i]) for i in idx])
         ref = results[0].get("images_per_s") if results else None
         for k, (i, r) in enumerate(zip(idx, results)):
-            own, paired, rounds = r.get("images_per_s"), r.get("paired_vs_first"), r.get("paired_rounds")
+            own, paired, per_round = r.get("images_per_s"), r.get("paired_vs_first"), r.get("paired_rounds")
             # compared by the round-by-round ratio to the group's first (drift cancels), on its scale
             out[i] = ref * paired if own and ref and paired else own
             note = f" ({paired:.3f}x the first, round by round)" if own and paired and k else ""
-            if k and own and ref and paired and paired > 1 and rounds and not faster_in_most_rounds(rounds):
+            if k and own and ref and paired and paired > 1 and per_round and not faster_in_most_rounds(per_round):
                 out[i] = ref  # a median above 1 from a lucky round or two: no faster than the first
-                wins = sum(x > 1 for x in rounds)
+                wins = sum(x > 1 for x in per_round)
                 note = (f" ({paired:.3f}x the first, round by round, but faster in only {wins} of "
-                        f"{len(rounds)} rounds: counted as no faster)")
+                        f"{len(per_round)} rounds: counted as no faster)")
             measure.last[i] = r
             log(f"  {describe(cands[i])}: " + (f"{own:.1f} img/s{note}" if own else r.get("error", "failed")))
         return out
