@@ -9,16 +9,18 @@ a median above 1.01); then the optimizer step alone for each `optim.impl` on the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import torch
 
 from vitscale.evaluate import data_geometry
-from vitscale.lab_harness import faster_in_most_rounds, lab_config, measure_configs
+from vitscale.lab_harness import lab_config, measure_configs
 from vitscale.loop import model_spec
 from vitscale.models import VisionTransformer
 from vitscale.optim import build_optimizer
+from vitscale.tune import beats_first
 
 
 def optimizer_steps(cfg, reps: int = 20, rounds: int = 3) -> dict:
@@ -28,8 +30,7 @@ def optimizer_steps(cfg, reps: int = 20, rounds: int = 3) -> dict:
         p.grad = torch.randn_like(p)
     opts = {}
     for impl in ("forloop", "foreach", "fused"):
-        cfg.optim.impl = impl
-        opts[impl] = build_optimizer(model, cfg.optim)
+        opts[impl] = build_optimizer(model, dataclasses.replace(cfg.optim, impl=impl))
         opts[impl].step()
     ms = {impl: [] for impl in opts}
     for _ in range(rounds):  # interleaved, like the harness
@@ -58,7 +59,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads")
     for i, r in enumerate(res):
         rounds = r["paired_rounds"]
-        taken = i and faster_in_most_rounds(rounds) and r["paired_vs_first"] > 1.01
+        taken = i and beats_first(r["paired_vs_first"], rounds)
         print(f"  copy {i}: {r['images_per_s']:.1f} img/s (median round); vs copy 0 round by round "
               f"{min(rounds):.3f}-{max(rounds):.3f}, median {r['paired_vs_first']:.3f}"
               + (f"; tune would take it: {'yes (a false gain)' if taken else 'no'}" if i else ""))

@@ -19,7 +19,7 @@ import types
 
 import torch
 
-from vitscale.lab_harness import Bench, lab_config, paired_rounds, rate, side_by_side
+from vitscale.lab_harness import Bench, lab_config, paired_rounds, rate, rounds_won, side_by_side
 
 
 def transposed_view(self, x):
@@ -55,7 +55,7 @@ def main() -> None:
     rounds = paired_rounds(times, [b.global_batch for b in benches])[1]  # transposed / token-major, per round
     print(f"  token-major / transposed view: {ips[0] / ips[1]:.3f}x (median rounds), "
           f"{statistics.median(1 / r for r in rounds):.3f}x round by round "
-          f"(faster in {sum(r < 1 for r in rounds)} of {len(rounds)} rounds)")
+          f"(faster in {rounds_won([1 / r for r in rounds])} of {len(rounds)} rounds)")
     for b in benches:
         b.close()
 

@@ -222,6 +222,14 @@ def test_paired_rounds_and_the_consistency_rule():
     assert lab_harness.paired_rounds([None, times[1]], [8, 8]) == [None, None]
 
 
+def test_beats_first_is_the_rule_the_tune_test_below_applies():
+    from vitscale.tune import beats_first
+    assert not beats_first(1.10, [1.3, 0.9, 1.1, 0.95, 1.2])   # 3 of 5 rounds: noise
+    assert beats_first(1.05, [1.05] * 5)
+    assert not beats_first(1.005, [1.01, 1.005, 1.002])        # every round, but within the 1% margin
+    assert beats_first(1.05, None) and not beats_first(None, [1.2] * 3)  # no per-round data: the median decides
+
+
 def test_tune_needs_a_gain_in_most_rounds(capsys, tmp_path, monkeypatch):
     """sdpa's median round-by-round ratio is 1.10x, from 3 of 5 rounds (noise): the recipe's
     explicit attention stays. The for-loop optimizer wins 5 of 5 rounds at 1.05x: it is taken."""

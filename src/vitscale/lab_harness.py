@@ -286,10 +286,15 @@ def paired_speedups(times: list, batches: list) -> list:
     return [None if r is None else statistics.median(r) for r in paired_rounds(times, batches)]
 
 
+def rounds_won(ratios: list) -> int:
+    """In how many rounds a configuration was faster than the first one (`paired_rounds` > 1)."""
+    return sum(r > 1 for r in ratios)
+
+
 def faster_in_most_rounds(ratios: list | None, share: float = 2 / 3) -> bool:
     """Whether a configuration beat the first one in more than `share` of the rounds (all 3 of 3,
     4 of 5, 7 of 10): a median ratio above 1 from one or two lucky rounds is noise, not a gain."""
-    return bool(ratios) and sum(r > 1 for r in ratios) > share * len(ratios)
+    return bool(ratios) and rounds_won(ratios) > share * len(ratios)
 
 
 def measure_configs(cfgs: list, steps: int, rounds: int, warmup: int, synthetic: bool = False,

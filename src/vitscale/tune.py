@@ -21,6 +21,7 @@ from pathlib import Path
 HELP = "search the fastest attention/compile/optimizer/precision/micro-batch for a recipe on this machine"
 
 THRESHOLD = 0.03  # a larger micro-batch must be this much faster (CPU)
+MARGIN = 0.01  # a candidate's median round-by-round ratio must exceed 1 + MARGIN
 MIN_MICRO = 16
 
 
@@ -40,7 +41,7 @@ def accum_choices(per_device: int, accum: int, min_micro: int = MIN_MICRO) -> li
 def search(choices: list, accums: list[int], measure, *, gpu: bool = False,
            threshold: float = THRESHOLD,
            out_of_time=lambda: False, say=lambda msg: None, start_accum: int = 1,
-           margin: float = 0.01) -> tuple[dict, list]:
+           margin: float = MARGIN) -> tuple[dict, list]:
     """Coordinate search from the recipe ({} = its own values). `choices`: [(key, [values])] (a
     knob's first value is the incumbent) and the string "micro" where the micro-batch walk goes;
     `measure(list of override dicts)` times them side by side -> images/s or None (invalid / out
@@ -95,6 +96,14 @@ def search(choices: list, accums: list[int], measure, *, gpu: bool = False,
     return best, history
 
 
+def beats_first(paired: float | None, per_round: list | None, margin: float = MARGIN) -> bool:
+    """tune's rule for one candidate against its group's first (the incumbent), as `run`'s measure
+    and `search` apply it together: faster in more than 2/3 of the rounds and a median
+    round-by-round ratio above 1 + margin (benchmarks/harness_noise.py asks it of identical copies)."""
+    from .lab_harness import faster_in_most_rounds
+    return bool(paired) and paired > 1 + margin and (not per_round or faster_in_most_rounds(per_round))
+
+
 def batch_norm_layers(cfg) -> list[str]:
     """The recipe model's layers that normalize with batch statistics (BatchNorm, e.g. the conv
     stem's): with them, a smaller micro-batch changes what a training step computes, so
@@ -139,7 +148,7 @@ def run(args) -> int:
     from .errors import UserError
     from .hardware import peak_flops
     from .lab_harness import (check_counts, faster_in_most_rounds, lab_config, log, machine_line,
-                              measure_configs, synthetic_data, with_overrides)
+                              measure_configs, rounds_won, synthetic_data, with_overrides)
     from .strategy.dist import broadcast_object, env_world
     check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0))
     if args.budget_s <= 0:
@@ -190,8 +199,7 @@ def run(args) -> int:
             note = f" ({paired:.3f}x the first, round by round)" if own and paired and k else ""
             if k and own and ref and paired and paired > 1 and per_round and not faster_in_most_rounds(per_round):
                 out[i] = ref  # a median above 1 from a lucky round or two: no faster than the first
-                wins = sum(x > 1 for x in per_round)
-                note = (f" ({paired:.3f}x the first, round by round, but faster in only {wins} of "
+                note = (f" ({paired:.3f}x the first, round by round, but faster in only {rounds_won(per_round)} of "
                         f"{len(per_round)} rounds: counted as no faster)")
             measure.last[i] = r
             log(f"  {describe(cands[i])}: " + (f"{own:.1f} img/s{note}" if own else r.get("error", "failed")))
