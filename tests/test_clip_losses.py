@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vitscale.config import ClipConfig
+from vitscale.config import ClipConfig, OptimConfig
 from vitscale.losses import ClipLoss, FastClipLoss, build_clip_loss, gamma_at
 
 EPS = 1e-14
@@ -43,24 +43,24 @@ def ref_g(e1, e2, i, tau, text_anchor):
 
 
 def ref_fastclip(e1, e2, tau1, tau2, u1_old, u2_old, gamma, rho=0.0):
-    """G's surrogate sum_i (c_i/(eps+u_i)) g_i / N with the UPDATED u (detached weights), the new u,
-    the objective estimate with u, and h_i = d/dtau_i [tau_i (log(eps+g_i) + rho)] with u for g."""
+    """With the UPDATED u (detached weights): V = mean_i [g1_i/(eps+u1_i) + g2_i/(eps+u2_i)] (a
+    function of the features), the new u, and h_i = d/dtau_i [tau_i (log(eps+g_i) + rho)] with u
+    for g (the per-sample temperature gradient before the reference's clamp)."""
     n = e1.shape[0]
-    total, u1n, u2n, obj, h1, h2 = 0.0, [], [], 0.0, [], []
+    total, u1n, u2n, h1, h2 = 0.0, [], [], [], []
     for i in range(n):
         ti1 = tau1[i].detach().clone().requires_grad_(True)
         ti2 = tau2[i].detach().clone().requires_grad_(True)
         g1, g2 = ref_g(e1, e2, i, ti1, False), ref_g(e1, e2, i, ti2, True)
         u1 = (1 - gamma) * u1_old[i] + gamma * g1.detach()
         u2 = (1 - gamma) * u2_old[i] + gamma * g2.detach()
-        total = total + ti1.detach() / (EPS + u1) * g1 + ti2.detach() / (EPS + u2) * g2
+        total = total + g1 / (EPS + u1) + g2 / (EPS + u2)
         dg1, = torch.autograd.grad(g1, ti1, retain_graph=True)
         dg2, = torch.autograd.grad(g2, ti2, retain_graph=True)
         h1.append(torch.log(EPS + u1) + ti1.detach() * dg1 / (EPS + u1) + rho)
         h2.append(torch.log(EPS + u2) + ti2.detach() * dg2 / (EPS + u2) + rho)
-        obj = obj + ti1.detach() * (torch.log(EPS + u1) + rho) + ti2.detach() * (torch.log(EPS + u2) + rho)
         u1n.append(u1), u2n.append(u2)
-    return total / n, torch.stack(u1n), torch.stack(u2n), obj / n, torch.stack(h1), torch.stack(h2)
+    return total / n, torch.stack(u1n), torch.stack(u2n), torch.stack(h1), torch.stack(h2)
 
 
 def make(variant, n_data=50, **kw):
@@ -88,8 +88,12 @@ def test_openclip_matches_naive_infonce():
 
 
 # ---------------------------------------------------------------- FastCLIP gradient estimator
+# (tests/test_fastclip_reference.py checks the same quantities against the authors' code's numbers;
+# these check them against independent float64 formulas at other sizes and settings)
 @pytest.mark.parametrize("variant", ["fastclip_v1", "fastclip_v2", "fastclip_v3"])
 def test_fastclip_gradient_matches_naive_estimator(variant):
+    """Feature gradient = c grad V with c = 1/2 (tau/2 for v3), per-sample taus only inside the
+    exponents (v2); loss = V (v3: tau V + rho tau + tau/2 mean(log u1 + log u2))."""
     n, d, n_data = 7, 5, 40
     e1, e2 = feats(n, d, seed=1)
     index = torch.tensor([3, 17, 5, 30, 22, 8, 11])
@@ -104,29 +108,32 @@ def test_fastclip_gradient_matches_naive_estimator(variant):
         m.tau2.copy_(torch.rand(n_data, generator=g) * 0.1 + 0.02)
         tau1, tau2 = m.tau1[index].double(), m.tau2[index].double()
     else:
-        tau1 = tau2 = torch.full((n,), 0.07, dtype=torch.float64)
+        tau1 = tau2 = torch.full((n,), m.temperature, dtype=torch.float64)
     before = m.state_dict()
     x1, x2 = e1.float().requires_grad_(True), e2.float().requires_grad_(True)
     loss, logs = m(x1, x2, None, index)
     loss.backward()
     r1, r2 = e1.clone().requires_grad_(True), e2.clone().requires_grad_(True)
     rho = 0.0 if variant == "fastclip_v1" else 6.5
-    sur, u1, u2, obj, h1, h2 = ref_fastclip(r1, r2, tau1, tau2, u_old[0][index], u_old[1][index], 0.6, rho)
-    sur.backward()
+    v, u1, u2, h1, h2 = ref_fastclip(r1, r2, tau1, tau2, u_old[0][index], u_old[1][index], 0.6, rho)
+    tau = tau1[0].item()
+    c = tau / 2 if variant == "fastclip_v3" else 0.5
+    (c * v).backward()
     assert rel(x1.grad, r1.grad) < 1e-4 and rel(x2.grad, r2.grad) < 1e-4
-    assert logs["loss"] == pytest.approx(obj.item(), rel=1e-5) and loss.item() == pytest.approx(obj.item(), rel=1e-5)
+    value = v.item()
+    if variant == "fastclip_v3":
+        value = tau * v.item() + 6.5 * tau + tau * (u1.log() + u2.log()).mean().item() / 2
+    assert logs["loss"] == pytest.approx(value, rel=1e-5) and loss.item() == pytest.approx(value, rel=1e-5)
     assert rel(m.lu1[index].exp(), u1) < 1e-5 and rel(m.lu2[index].exp(), u2) < 1e-5
     untouched = torch.ones(n_data, dtype=torch.bool)
     untouched[index] = False                                # u updates touch only the batch's indices
     assert torch.equal(m.lu1[untouched], before["lu1"][untouched])
     assert torch.equal(m.lu2[untouched], before["lu2"][untouched])
-    if variant == "fastclip_v3":                            # global tau: mean_i (h1_i + h2_i)
-        assert m._pending.item() == pytest.approx((h1 + h2).mean().item(), rel=1e-5)
-    if variant == "fastclip_v2":
-        _, p1, p2 = m._pending
-        assert rel(p1, h1) < 1e-5 and rel(p2, h2) < 1e-5
+    if variant == "fastclip_v2":                            # h clamped to [-5, 5]
+        _, p1, p2 = m.temperature_grad()
+        assert rel(p1, h1.clamp(-5, 5)) < 1e-5 and rel(p2, h2.clamp(-5, 5)) < 1e-5
         m.after_step()                                      # per-sample tau: only the batch's indices
-        for k in ("tau1", "tau2", "m1", "v1", "count"):
+        for k in ("tau1", "tau2", "m1", "v1"):
             assert torch.equal(getattr(m, k)[untouched], before[k][untouched])
             assert not torch.equal(getattr(m, k)[index], before[k][index])
 
@@ -143,29 +150,38 @@ def test_fastclip_params_gradient_through_linear_model():
     e1 = F.normalize(xi.double() @ W[0].T + W[1], dim=1)
     e2 = F.normalize(xt.double() @ W[2].T + W[3], dim=1)
     tau = torch.full((n,), 0.07, dtype=torch.float64)
-    sur = ref_fastclip(e1, e2, tau, tau, torch.zeros(n), torch.zeros(n), 1.0)[0]
-    ref = torch.autograd.grad(sur, W)
+    v = ref_fastclip(e1, e2, tau, tau, torch.zeros(n), torch.zeros(n), 1.0)[0]
+    ref = torch.autograd.grad(v / 2, W)
     got = (wi.weight.grad, wi.bias.grad, wt.weight.grad, wt.bias.grad)
     assert max(rel(a, b) for a, b in zip(got, ref)) < 1e-4
 
 
 @pytest.mark.parametrize("variant", ["fastclip_v0", "fastclip_v3"])
-def test_global_tau_gradient_is_the_objective_derivative(variant):
-    """gamma = 1 (u = g): the estimated dF/dtau equals autograd of F(tau) =
-    tau mean_i [log(eps+g1_i) + log(eps+g2_i)] (+ 2 rho tau for v3), in float64."""
-    e1, e2 = feats(6, 4, seed=3)
+def test_global_temperature_gradient_is_the_reference_objective_derivative(variant):
+    """gamma = 1 (u = g, detached): d(loss)/d(theta), theta = log(1/tau), equals autograd and a
+    finite difference of the reference's loss as a function of theta, in float64:
+    v0: F = V(theta);  v3: F = V(theta) e^-theta0 + rho e^-theta + mean(log u1 + log u2)/2 e^-theta."""
+    n, theta0 = 6, math.log(1 / 0.05)
+    e1, e2 = feats(n, 4, seed=3)
     m = make(variant, rho=6.5, tau_init=0.05)
-    m(e1.float(), e2.float(), None, torch.arange(6))
-    tau = torch.tensor(0.05, dtype=torch.float64, requires_grad=True)
-    f = sum(torch.log(EPS + ref_g(e1, e2, i, tau, False)) + torch.log(EPS + ref_g(e1, e2, i, tau, True))
-            for i in range(6)) * tau / 6 + (2 * 6.5 * tau if variant == "fastclip_v3" else 0)
-    dtau, = torch.autograd.grad(f, tau)
-    assert m._pending.item() == pytest.approx(dtau.item(), rel=1e-5)
-    h = 1e-6                                                # and a finite difference of F
-    fd = [tau.detach() + s for s in (h, -h)]
-    fv = [(sum(torch.log(EPS + ref_g(e1, e2, i, t, False)) + torch.log(EPS + ref_g(e1, e2, i, t, True))
-               for i in range(6)) * t / 6 + (2 * 6.5 * t if variant == "fastclip_v3" else 0)).item() for t in fd]
-    assert (fv[0] - fv[1]) / (2 * h) == pytest.approx(dtau.item(), rel=1e-5)
+    m(e1.float(), e2.float(), None, torch.arange(n))
+    u = [torch.stack([ref_g(e1, e2, i, torch.tensor(0.05, dtype=torch.float64), t) for i in range(n)])
+         for t in (False, True)]
+
+    def f(theta):
+        tau = torch.exp(-theta)
+        v = sum(ref_g(e1, e2, i, tau, False) / (EPS + u[0][i]) + ref_g(e1, e2, i, tau, True) / (EPS + u[1][i])
+                for i in range(n)) / n
+        if variant == "fastclip_v0":
+            return v
+        return v * math.exp(-theta0) + 6.5 * tau + (u[0].log() + u[1].log()).mean() / 2 * tau
+
+    theta = torch.tensor(theta0, dtype=torch.float64, requires_grad=True)
+    dtheta, = torch.autograd.grad(f(theta), theta)
+    assert m.temperature_grad().item() == pytest.approx(dtheta.item(), rel=1e-5)
+    h = 1e-6
+    fd = (f(torch.tensor(theta0 + h, dtype=torch.float64)) - f(torch.tensor(theta0 - h, dtype=torch.float64))) / (2 * h)
+    assert fd.item() == pytest.approx(dtheta.item(), rel=1e-5)
 
 
 def test_lse_stability_at_tau_001():
@@ -183,13 +199,13 @@ def test_lse_stability_at_tau_001():
         assert torch.isfinite(loss) and torch.isfinite(x1.grad).all() and torch.isfinite(m.lu1[:n]).all()
         r1, r2 = e1.clone().requires_grad_(True), e2.clone().requires_grad_(True)
         tau = torch.full((n,), 0.01, dtype=torch.float64)
-        sur, u1, _, obj, h1, _ = ref_fastclip(r1, r2, tau, tau, torch.zeros(n), torch.zeros(n), 1.0, m.rho)
-        sur.backward()
+        v, u1, _, h1, _ = ref_fastclip(r1, r2, tau, tau, torch.zeros(n), torch.zeros(n), 1.0, m.rho)
+        (v / 2).backward()
         assert rel(x1.grad, r1.grad) < 1e-4 and rel(x2.grad, r2.grad) < 1e-4
-        assert loss.item() == pytest.approx(obj.item(), rel=1e-5)
+        assert loss.item() == pytest.approx(v.item(), rel=1e-5)
         assert rel(m.lu1[:n].double(), u1.log()) < 1e-5
         if variant == "fastclip_v2":
-            assert rel(m._pending[1], h1) < 1e-4
+            assert rel(m.temperature_grad()[1], h1.clamp(-5, 5)) < 1e-4
 
 
 # ---------------------------------------------------------------- schedules, temperatures, state
@@ -200,60 +216,95 @@ def test_gamma_schedule():
     assert gamma_at(1, "cosine", 0.2, 3) == pytest.approx(0.5 * 1.5 * 0.8 + 0.2)  # cos(pi/3) = 0.5
     assert gamma_at(10, "cosine", 0.2, 10) == 0.2 and gamma_at(25, "cosine", 0.2, 10) == 0.2
     assert gamma_at(1, "constant", 0.8, 10) == 0.8 and gamma_at(7, "constant", 0.8, 10) == 0.8
-    c = ClipConfig()
+    c, o = ClipConfig(), OptimConfig()
     c.loss, c.gamma_min = "sogclr", 0.3
-    m = build_clip_loss(c, dataset_size=10, epochs=20, steps_per_epoch=3, device="cpu")
+    m = build_clip_loss(c, o, lr=1e-3, dataset_size=10, epochs=20, device="cpu")
     m.set_epoch(3)
     assert m.gamma == 0.3
     c.loss = "fastclip_v1"                                  # auto = cosine, E = epochs / 2 = 10
-    m = build_clip_loss(c, dataset_size=10, epochs=20, steps_per_epoch=3, device="cpu")
+    m = build_clip_loss(c, o, lr=1e-3, dataset_size=10, epochs=20, device="cpu")
     m.set_epoch(5)
     assert m.gamma == pytest.approx(0.5 * 0.7 + 0.3)
 
 
-def test_global_tau_adam_clamp_and_lr_cut():
-    m = make("fastclip_v3", tau_lr=1e-3, tau_lr_cut=3.0, tau_init=0.0312)
-    m._pending = torch.tensor(5.0, dtype=torch.float64)     # Adam's first step = lr * sign(g)
-    m.after_step()
-    assert m.temperature == pytest.approx(0.0302, abs=1e-9)
-    assert m.tau_lr_now.item() == pytest.approx(1e-3)       # 0.0302 > 0.03: no cut yet
-    m._pending = torch.tensor(5.0, dtype=torch.float64)
-    m.after_step()                                          # m/sqrt(v) is 1 for a constant gradient
-    assert m.temperature == pytest.approx(0.0292, abs=1e-9)
-    assert m.tau_lr_now.item() == pytest.approx(1e-3 / 3)   # tau <= 0.03: lr cut, sticky
-    m._pending = torch.tensor(5.0, dtype=torch.float64)
-    m.after_step()
-    assert m.temperature == pytest.approx(0.0292 - 1e-3 / 3, abs=1e-9)
-    m.tau.fill_(0.0101)
-    for _ in range(3):
-        m._pending = torch.tensor(5.0, dtype=torch.float64)
-        m.after_step()
-    assert m.temperature == 0.01                            # clamped below
-    m = make("fastclip_v3", tau_lr=1e-3, tau_init=0.9995)  # fresh Adam state
-    m._pending = torch.tensor(-1e4, dtype=torch.float64)
-    m.after_step()
-    assert m.temperature == 1.0                             # clamped above
-    v0 = make("fastclip_v0", tau_lr=1e-3, tau_init=0.0305)  # v0: no lr cut
-    for _ in range(3):
-        v0._pending = torch.tensor(1.0, dtype=torch.float64)
-        v0.after_step()
-    assert v0.tau_lr_now.item() == 1e-3
+@pytest.mark.parametrize("loss, tau_init, tau_lr, schedule, rho, gamma_min", [
+    ("fastclip_v0", 0.07, 5e-4, "model", 0.0, 0.2),          # lr_tau < 0 in the reference: the model's lr
+    ("fastclip_v1", 0.07, 0.0, "constant", 0.0, 0.2),
+    ("fastclip_v2", 0.03, 0.0133, "constant", 7.0, 0.2),
+    ("fastclip_v3", 0.07, 2e-4, "threshold", 6.5, 0.2),
+    ("sogclr", 0.07, 0.0, "constant", 0.0, 0.8),
+    ("isogclr", 0.03, 0.0133, "constant", 7.0, 0.8)])
+def test_auto_settings_are_the_reference_recipe(loss, tau_init, tau_lr, schedule, rho, gamma_min):
+    c = ClipConfig()
+    c.loss = loss
+    m = build_clip_loss(c, OptimConfig(beta2=0.98, eps=1e-6), lr=5e-4, dataset_size=10, epochs=8, device="cpu")
+    assert (m.temperature, m.tau_lr, m.tau_lr_schedule, m.rho, m.gamma_min) == \
+        (pytest.approx(tau_init), tau_lr, schedule, rho, gamma_min)
+    assert m.betas == (0.9, 0.98) and m.tau_eps == 1e-6     # the model optimizer's, as the reference
+    c.tau_init, c.tau_lr, c.rho, c.gamma_min, c.tau_lr_schedule = 0.05, 1e-3, 3.0, 0.5, "constant"
+    m = build_clip_loss(c, OptimConfig(), lr=5e-4, dataset_size=10, epochs=8, device="cpu")
+    assert (m.temperature, m.tau_lr, m.tau_lr_schedule, m.gamma_min) == (pytest.approx(0.05), 1e-3, "constant", 0.5)
+
+
+def adam_steps(m, grads, steps=None):
+    """Drive the global temperature with given d/dtheta values (the forward's role)."""
+    for k, g in enumerate(grads):
+        m._pending = torch.tensor(g, dtype=torch.float64)
+        m.after_step(None if steps is None else steps[k])
+
+
+def test_global_temperature_adam_on_logit_scale_clamp_and_lr_cut():
+    """theta = log(1/tau) gets Adam steps (the first is lr * sign(g); m/sqrt(v) stays 1 for a
+    constant g), is clamped to [0, ln 100], and v3's lr is cut 3x exactly while tau <= 0.03."""
+    th = lambda tau: math.log(1 / tau)  # noqa: E731
+    m = make("fastclip_v3", tau_lr=1e-3, tau_lr_cut=3.0, tau_init=math.exp(-(th(0.03) - 1.5e-3)))
+    m.multiply_tau = False  # feed d/dtheta directly (v3 scales its per-anchor sum by tau)
+    adam_steps(m, [-1.0])                                   # tau > 0.03: full lr, theta rises by 1e-3
+    assert m.theta.item() == pytest.approx(th(0.03) - 0.5e-3, abs=1e-9)
+    assert m.tau_lr_at().item() == pytest.approx(1e-3)
+    adam_steps(m, [-1.0])                                   # still the full lr; now tau < 0.03
+    assert m.theta.item() == pytest.approx(th(0.03) + 0.5e-3, abs=1e-9)
+    assert m.tau_lr_at().item() == pytest.approx(1e-3 / 3)
+    adam_steps(m, [-1.0])                                   # the cut lr
+    assert m.theta.item() == pytest.approx(th(0.03) + 0.5e-3 + 1e-3 / 3, abs=1e-9)
+    m.theta.fill_(th(0.031))
+    assert m.tau_lr_at().item() == pytest.approx(1e-3)      # not latched: back to the full lr
+    m.theta.fill_(math.log(100.0) - 1e-4)
+    adam_steps(m, [-5.0] * 3)
+    assert m.temperature == pytest.approx(0.01)             # clamped at theta = ln 100
+    m = make("fastclip_v3", tau_lr=1e-3, tau_init=0.9995)   # fresh Adam state
+    m.multiply_tau = False
+    adam_steps(m, [1e4])
+    assert m.theta.item() == 0.0 and m.temperature == 1.0   # clamped at theta = 0
+    v0 = make("fastclip_v0", tau_lr=1e-3, tau_init=0.07, tau_lr_schedule="model",
+              lr_factor=lambda s: [0.5, 1.0, 0.25][s])      # v0: the model's schedule, no cut
+    assert [v0.tau_lr_at(s).item() for s in range(3)] == [5e-4, 1e-3, 2.5e-4]
+    adam_steps(v0, [1.0, 1.0, 1.0], steps=[0, 1, 2])
+    assert v0.theta.item() == pytest.approx(th(0.07) - 5e-4 - 1e-3 - 2.5e-4, abs=1e-9)
     v1 = make("fastclip_v1")                                # constant tau
-    v1(*feats(4, 3), None, torch.arange(4))
+    v1(*(f.float() for f in feats(4, 3)), None, torch.arange(4))
+    assert v1.temperature_grad() is None
     v1.after_step()
     assert v1.temperature == pytest.approx(0.07)
 
 
-def test_per_sample_tau_adam_and_clamp():
-    m = make("isogclr", n_data=10, tau_lr=0.02, tau_init=0.03)
+def test_per_sample_tau_adam_betas_zero_in_epoch_0_and_clamp():
+    m = make("isogclr", n_data=10, tau_lr=0.02, tau_init=0.03, tau_beta1=0.9, tau_beta2=0.999)
     m._pending = (torch.tensor([2, 5]), torch.tensor([1.0, -1.0], dtype=torch.float64),
                   torch.tensor([3.0, 0.0], dtype=torch.float64))
-    m.after_step()
+    m.after_step()                                          # epoch 0: betas 0, the step is lr * sign(h)
     assert m.tau1[2].item() == pytest.approx(0.01) and m.tau1[5].item() == pytest.approx(0.05)
     assert m.tau2[2].item() == pytest.approx(0.01) and m.tau2[5].item() == pytest.approx(0.03)  # zero gradient
-    assert m.count.tolist() == [0, 0, 1, 0, 0, 1, 0, 0, 0, 0]
+    assert m.m1[2].item() == 1.0 and m.v1[5].item() == 1.0  # m = h, v = h^2
     others = [i for i in range(10) if i not in (2, 5)]
     assert (m.tau1[others] == 0.03).all() and (m.m1[others] == 0).all()
+    m.set_epoch(2)                                          # betas back; bias correction 1 - b^(epoch+1)
+    m._pending = (torch.tensor([5]), torch.tensor([2.0], dtype=torch.float64),
+                  torch.tensor([0.0], dtype=torch.float64))
+    m.after_step()
+    mi, vi = 0.9 * -1.0 + 0.1 * 2.0, 0.999 * 1.0 + 0.001 * 4.0
+    step = 0.02 * (mi / (1 - 0.9 ** 3)) / (math.sqrt(vi / (1 - 0.999 ** 3)) + 1e-8)
+    assert m.tau1[5].item() == pytest.approx(0.05 - step, rel=1e-6)
 
 
 @pytest.mark.parametrize("variant", ["fastclip_v2", "fastclip_v3", "sogclr"])
@@ -283,9 +334,9 @@ def test_state_bytes_and_bf16():
     n = 1000
     assert make("fastclip_v1", n_data=n).state_bytes() == 2 * 4 * n          # u1, u2
     assert make("fastclip_v3", n_data=n).state_bytes() == 2 * 4 * n
-    assert make("isogclr", n_data=n).state_bytes() == 8 * 4 * n + 4 * n       # + tau1,2, m1,2, v1,2, count
+    assert make("isogclr", n_data=n).state_bytes() == 10 * 4 * n  # + tau1,2, m1,2, v1,2, bound1,2
     assert make("fastclip_v1", n_data=n, state_dtype=torch.bfloat16).state_bytes() == 2 * 2 * n
-    assert make("fastclip_v2", n_data=n, state_dtype=torch.bfloat16).state_bytes() == 8 * 2 * n + 4 * n
+    assert make("fastclip_v2", n_data=n, state_dtype=torch.bfloat16).state_bytes() == 10 * 2 * n
     assert ClipLoss().state_bytes() == 0
     m = make("fastclip_v2", n_data=n, state_dtype=torch.bfloat16)
     e1, e2 = feats(8, 4)

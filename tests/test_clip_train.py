@@ -102,12 +102,14 @@ def test_two_ranks_match_single_process(tmp_path, loss, extra, tol):
     two, single = state(out)["task"], state(one)["task"]
     for k, v in single.items():
         if torch.is_tensor(v) and v.is_floating_point():
-            torch.testing.assert_close(two[k], v, rtol=1e-4, atol=1e-6, msg=k)
+            # bounds are z = (s_ij - s_ii)/tau: the features' round-off times 1/tau (~70 here)
+            torch.testing.assert_close(two[k], v, rtol=1e-4, atol=1e-4 if k.startswith("bound") else 1e-6,
+                                       msg=k)
     # the loss's collectives per step in the metrics: FastCLIP's formulas (SOURCES.md) at K=2, b=8, d=32
     k, b, d = 2, 8, 32
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     comm = {(r["loss_comm_features_per_step"], r["loss_comm_scalars_per_step"]) for r in rows if r["kind"] == "train"}
-    scalars = {"openclip": 0, "fastclip_v3": 4, "fastclip_v2": 5}[loss] * (k - 1) * b
+    scalars = {"openclip": 0, "fastclip_v3": 4, "fastclip_v2": 7}[loss] * (k - 1) * b
     assert comm == {((4 if loss == "openclip" else 2) * (k - 1) * b * d, scalars)}, comm
     s2 = json.loads((out / "summary.json").read_text())
     s1 = json.loads((one / "summary.json").read_text())

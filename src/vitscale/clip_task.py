@@ -68,8 +68,8 @@ class ClipTask:
     def set_epoch(self, epoch: int) -> None:
         self.loss_module.set_epoch(epoch)
 
-    def after_step(self) -> None:
-        self.loss_module.after_step()
+    def after_step(self, step: int | None = None) -> None:
+        self.loss_module.after_step(step)
 
     def logs(self) -> dict:
         """The last step's loss logs, and the loss's own collectives per step since the last call

@@ -112,15 +112,20 @@ class ClipConfig:
     gamma_schedule: str = choice("auto", "auto", "cosine", "constant",
                                  doc="inner-estimator gamma; auto = cosine for fastclip_*, constant for "
                                  "sogclr/isogclr")
-    gamma_min: float = num(0.2, min=0.0, max=1.0, doc="gamma after the decay (and the constant value)")
+    gamma_min: float = num(-1.0, min=-1.0, max=1.0, doc="gamma after the decay (and the constant value); "
+                           "< 0 = the reference's: 0.2 for fastclip_*, 0.8 for sogclr/isogclr")
     gamma_decay_epochs: float = num(0.0, min=0.0, doc="epochs of the cosine decay (0 = half of train.epochs)")
-    tau_init: float = num(0.07, min=0.01, max=1.0, doc="initial temperature (openclip: logit_scale = 1/tau)")
-    tau_lr: float = num(2e-4, min=0.0, doc="learning rate of learnable temperatures")
-    tau_lr_cut: float = num(3.0, min=1.0, doc="fastclip_v3: divide the tau lr by this once tau <= 0.03")
-    rho: float = num(6.5, min=0.0, doc="RGCL penalty (fastclip_v2/v3, isogclr)")
+    tau_init: float = num(0.0, min=0.0, max=1.0, doc="initial temperature (openclip: logit_scale = 1/tau); "
+                          "0 = the reference's: 0.03 for fastclip_v2/isogclr, else 0.07")
+    tau_lr: float = num(-1.0, min=-1.0, doc="learning rate of learnable temperatures; < 0 = the "
+                        "reference's: optim.lr (v0), 2e-4 (v3), 0.0133 (v2/isogclr)")
+    tau_lr_schedule: str = choice("auto", "auto", "model", "threshold", "constant",
+                                  doc="global tau lr: model = the model's lr schedule (v0's), threshold "
+                                  "= divided by tau_lr_cut while tau <= 0.03 (v3's), constant")
+    tau_lr_cut: float = num(3.0, min=1.0, doc="threshold schedule: divide the tau lr by this while tau <= 0.03")
+    rho: float = num(-1.0, min=-1.0, doc="RGCL penalty (fastclip_v2/v3, isogclr); < 0 = the reference's: "
+                     "6.5 (v3), 7.0 (v2/isogclr)")
     eps: float = num(1e-14, min=0.0, doc="log(eps + g) in the global losses")
-    tau_beta1: float = num(0.9, min=0.0, max=1.0)
-    tau_beta2: float = num(0.999, min=0.0, max=1.0)
     state_dtype: str = choice("fp32", "fp32", "bf16", doc="per-sample u / tau storage")
     prompt_templates: str = choice("default", "default", "single",
                                    doc="zero-shot prompts: the dataset's set or just 'a photo of a {}.'")

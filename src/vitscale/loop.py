@@ -18,7 +18,7 @@ from .errors import ConfigError, DataError, TrainingError, UserError
 from .metrics import MetricsLog, NullLog, Progress
 from .models import (CLIP, VisionTransformer, clip_forward_flops, count_params, is_clip_arch,
                      resolve_clip_spec, resolve_spec, vit_forward_flops)
-from .optim import build_scheduler, scaled_lr
+from .optim import build_scheduler, scaled_lr, schedule
 from .strategy import build_strategy
 from .tasks import ClassificationTask
 
@@ -57,7 +57,7 @@ def clip_spec(cfg: Config, image_size: int, channels: int):
                       context_length=m.context_length))
     except KeyError as e:
         raise ConfigError(f"config: model.arch: {e.args[0]}") from None
-    spec = replace(spec, init_tau=cfg.clip.tau_init)
+    spec = replace(spec, init_tau=cfg.clip.tau_init or 0.07)  # openclip's logit_scale (unused by FastCLIP)
     v, t = spec.vision, spec.text
     if v.image_size % v.patch_size:
         raise ConfigError(f"config: image size {v.image_size} is not divisible by patch size {v.patch_size} "
@@ -126,17 +126,18 @@ class Trainer:
         self.steps_per_epoch = len(self.data.train)
         if self.steps_per_epoch == 0:
             raise DataError(f"data.batch_size ({cfg.data.batch_size}) gives no full batch per epoch")
+        total = math.ceil(cfg.train.epochs * self.steps_per_epoch)
+        self.total_steps = min(total, cfg.run.max_steps) if cfg.run.max_steps else total
         if self.clip:
             from .clip_task import ClipTask
             from .losses import build_clip_loss
-            loss = build_clip_loss(cfg.clip, dataset_size=self.data.train_size, epochs=cfg.train.epochs,
-                                   steps_per_epoch=self.steps_per_epoch, device=s.device)
+            loss = build_clip_loss(cfg.clip, cfg.optim, lr=self.lr, dataset_size=self.data.train_size,
+                                   epochs=cfg.train.epochs, device=s.device,
+                                   lr_factor=schedule(cfg.optim, self.total_steps, self.steps_per_epoch))
             self.task = ClipTask(loss, cfg.model.context_length, cfg.clip.prompt_templates)
         else:
             self.task = ClassificationTask(self.data.num_classes, cfg.train.label_smoothing,
                                            cfg.train.eval_hflip_tta)
-        total = math.ceil(cfg.train.epochs * self.steps_per_epoch)
-        self.total_steps = min(total, cfg.run.max_steps) if cfg.run.max_steps else total
         self.scheduler = build_scheduler(self.strategy.optimizer, cfg.optim, self.total_steps,
                                          self.steps_per_epoch)
         self.step, self.train_time, self.images_seen = 0, 0.0, 0
@@ -243,7 +244,7 @@ class Trainer:
             if s.world_size > 1:  # the mean over all ranks: every rank sees the same (NaN) loss
                 total = s.all_reduce_sum(total) / s.world_size
             info = s.step()
-            self.task.after_step()
+            self.task.after_step(self.step)
         return total.item(), info
 
     def _any_rank(self, flag: bool) -> bool:

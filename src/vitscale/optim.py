@@ -95,7 +95,11 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1 - min_ratio) * decay
 
 
-def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int, steps_per_epoch: int):
+def schedule(cfg: OptimConfig, total_steps: int, steps_per_epoch: int):
+    """The recipe's lr multiplier as a function of the 0-based optimizer step."""
     warmup = cfg.warmup_steps or int(round(cfg.warmup_epochs * steps_per_epoch))
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total_steps, warmup, cfg.schedule, cfg.min_lr_ratio))
+    return lambda s: lr_factor(s, total_steps, warmup, cfg.schedule, cfg.min_lr_ratio)
+
+
+def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int, steps_per_epoch: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg, total_steps, steps_per_epoch))

@@ -32,7 +32,7 @@ class ClassificationTask:
     def set_epoch(self, epoch: int) -> None:
         pass
 
-    def after_step(self) -> None:
+    def after_step(self, step: int | None = None) -> None:
         pass
 
     def logs(self) -> dict:

@@ -128,7 +128,7 @@ class ClipLoss(nn.Module):
     def set_epoch(self, epoch: int) -> None:
         pass
 
-    def after_step(self) -> None:
+    def after_step(self, step: int | None = None) -> None:
         pass
 
     def state_bytes(self) -> int:
