@@ -38,15 +38,19 @@ def data(k):
     return xs, u0, t0
 
 
-def make_loss(variant, u0, t0):
+def make_loss(variant, u0, t0, shard=False):
     if variant == "openclip":
         return ClipLoss()
     m = FastClipLoss(variant, dataset_size=NDATA, gamma_schedule="cosine", gamma_min=0.2,
-                     gamma_decay_epochs=4, tau_init=0.05, tau_lr=1e-3, rho=6.5, eps=1e-14)
+                     gamma_decay_epochs=4, tau_init=0.05, tau_lr=1e-3, rho=6.5, eps=1e-14, shard_state=shard)
     m.set_epoch(1)                                    # gamma < 1: the old u matters
-    m.lu1.copy_(u0[0].log()), m.lu2.copy_(u0[1].log())
+    sd = FastClipLoss(variant, dataset_size=NDATA, tau_init=0.05).state_dict()  # whole tables
+    sd["lu1"], sd["lu2"] = u0[0].log().float(), u0[1].log().float()
+    sd["lu1"][::7] = -math.inf                        # some samples never seen: u reset to g
     if m.individual:
-        m.tau1.copy_(t0[0]), m.tau2.copy_(t0[1])
+        sd["tau1"], sd["tau2"] = t0[0], t0[1]
+    sd.update(epoch=1, gamma=m.gamma)
+    m.load_state_dict(sd)
     return m
 
 
@@ -102,6 +106,27 @@ def worker(rank, k, path, store):
                 r["tau_grad"] = max(abs(a.item() - b.item()) / abs(b.item())
                                     for a, b in zip(got["tau_grad"], ref["tau_grad"]))
             results[v] = {"max_rel": r, "comm": loss_mod.comm_elements}
+    for v in VARIANTS[1:]:                            # sharded per-sample state vs replicated, same ranks
+        runs = {}
+        for shard in (False, True):
+            model = nn.parallel.DistributedDataParallel(Towers(False))
+            loss_mod = make_loss(v, u0, t0, shard)
+            runs[shard] = run(v, k, rank, model, loss_mod, xs)
+            runs[shard]["rows"] = loss_mod.lu1.numel()
+            runs[shard]["bytes"] = loss_mod.state_bytes()
+            runs[shard]["comm"] = dict(loss_mod.comm_elements)
+        a, b = runs[False], runs[True]
+        same = all(torch.equal(x, y) for ga, gb in zip(a["grads"], b["grads"]) for x, y in zip(ga, gb))
+        same &= a["loss"] == b["loss"] and all(torch.equal(x, y) for x, y in zip(a["tau_grad"], b["tau_grad"]))
+        if rank == 0:                                 # rank 0's state_dict gathers the whole table
+            same &= a["state"].keys() == b["state"].keys() and all(
+                torch.equal(a["state"][n], b["state"][n]) for n in a["state"])
+        flags = [None] * k
+        dist.all_gather_object(flags, (same, b["rows"], b["bytes"], a["bytes"], b["comm"]))
+        if rank == 0:
+            results[v]["sharded"] = {"identical": [f[0] for f in flags], "rows": [f[1] for f in flags],
+                                     "bytes": [f[2] for f in flags], "replicated_bytes": flags[0][3],
+                                     "comm": flags[0][4]}
     if rank == 0:
         with open(path, "w") as f:
             json.dump({"k": k, "b": B, "d": D, "steps": STEPS, "results": results}, f, indent=1)

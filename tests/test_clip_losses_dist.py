@@ -44,3 +44,20 @@ def test_comm_elements_follow_the_formulas(results):
     for v, m in SCALAR_COLUMNS.items():
         assert comm[v] == {"features": 2 * (k - 1) * b * d * steps, "scalars": m * (k - 1) * b * steps,
                            "steps": steps}, v
+
+
+def test_sharded_state_is_bit_identical_to_replicated(results):
+    """clip.shard_state: each of K ranks keeps ceil(N/K) rows; gradients, losses, temperature
+    gradients and the (gathered) state equal the replicated run's exactly; the fetch of the batch's
+    rows costs an index gather and an [N, c] all_reduce (2(K-1)bc elements sent)."""
+    k, b, steps, n = results["k"], results["b"], results["steps"], 40
+    for v, r in results["results"].items():
+        if v == "openclip":
+            continue
+        sh = r["sharded"]
+        assert sh["identical"] == [True] * k, v
+        assert sh["rows"] == [-(-n // k)] * k, v
+        assert sh["bytes"] == [sh["replicated_bytes"] * -(-n // k) // n] * k, v
+        c = 6 if v == "fastclip_v2" else 2                    # lu1, lu2 (+ tau1, tau2, bound1, bound2)
+        extra = ((k - 1) * b + 2 * (k - 1) * b * c) * steps
+        assert sh["comm"]["scalars"] == r["comm"]["scalars"] + extra, v

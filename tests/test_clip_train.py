@@ -85,6 +85,7 @@ def test_eval_command_reproduces_the_run(tmp_path, capsys):
     ("openclip", ["strategy.name=ddp"], 1e-5),
     ("fastclip_v3", ["strategy.name=ddp"], 1e-5),
     ("fastclip_v2", ["strategy.name=fsdp"], 1e-5),
+    ("fastclip_v2", ["strategy.name=ddp", "clip.shard_state=true"], 1e-5),  # each rank half the table
     ("fastclip_v3", ["strategy.name=deepspeed", "strategy.zero_stage=2"], 1e-5),
 ])
 def test_two_ranks_match_single_process(tmp_path, loss, extra, tol):
@@ -110,8 +111,13 @@ def test_two_ranks_match_single_process(tmp_path, loss, extra, tol):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     comm = {(r["loss_comm_features_per_step"], r["loss_comm_scalars_per_step"]) for r in rows if r["kind"] == "train"}
     scalars = {"openclip": 0, "fastclip_v3": 4, "fastclip_v2": 7}[loss] * (k - 1) * b
+    if "clip.shard_state=true" in extra:  # + the index gather and the rows' all_reduce (6 columns)
+        scalars += (k - 1) * b + 2 * (k - 1) * b * 6
     assert comm == {((4 if loss == "openclip" else 2) * (k - 1) * b * d, scalars)}, comm
     s2 = json.loads((out / "summary.json").read_text())
     s1 = json.loads((one / "summary.json").read_text())
+    shards = 2 if "clip.shard_state=true" in extra else 1  # the per-sample state's bytes per rank
+    assert [r["loss_state"] for r in s2["state_bytes_per_rank"]] == \
+        [s1["state_bytes_per_rank"][0]["loss_state"] // shards] * 2
     assert s2["test_pairs"] == s1["test_pairs"] == 32
     assert abs(s2["test_i2t_r1"] - s1["test_i2t_r1"]) <= 1 / 32

@@ -127,6 +127,8 @@ class ClipConfig:
                      "6.5 (v3), 7.0 (v2/isogclr)")
     eps: float = num(1e-14, min=0.0, doc="log(eps + g) in the global losses")
     state_dtype: str = choice("fp32", "fp32", "bf16", doc="per-sample u / tau storage")
+    shard_state: bool = field(default=False, metadata={"doc": "keep 1/K of the per-sample state on each "
+                              "of K ranks (by dataset index) instead of all of it on every rank"})
     prompt_templates: str = choice("default", "default", "single",
                                    doc="zero-shot prompts: the dataset's set or just 'a photo of a {}.'")
 

@@ -53,4 +53,4 @@ def build_clip_loss(cfg_clip, cfg_optim, *, lr: float, dataset_size: int, epochs
                         tau_init=r["tau_init"], tau_lr=r["tau_lr"], tau_lr_schedule=r["tau_lr_schedule"],
                         lr_factor=lr_factor, tau_lr_cut=r["tau_lr_cut"], rho=r["rho"], eps=r["eps"],
                         tau_beta1=cfg_optim.beta1, tau_beta2=cfg_optim.beta2, tau_eps=cfg_optim.eps,
-                        state_dtype=dtype, device=device, group=group)
+                        shard_state=cfg_clip.shard_state, state_dtype=dtype, device=device, group=group)

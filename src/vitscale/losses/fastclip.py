@@ -48,8 +48,17 @@ loss over the local anchors), so its mean over ranks is the reference's value.
 Communication per worker per step (elements sent): features 2(K-1)bd (one all_gather of [b, 2d]);
 scalars (K-1)*b*m with m = 3 columns (index, lu1, lu2) + 1 (global learnable tau: its theta
 gradient per anchor) or + 4 (individual tau: h1, h2, bound1, bound2), gathered once as a float64
-[b, m] tensor (indices exact up to 2^53).  The per-sample state is replicated on every rank (every
-rank applies the gathered updates).
+[b, m] tensor (indices exact up to 2^53).
+
+Per-sample state, replicated (default): every rank keeps the whole table and applies the gathered
+updates.  Sharded (`shard_state=True`): rank r keeps the rows of the dataset indices i with
+i % K == r (1/K of the table, at i // K).  Each step then first all-gathers the batch's indices
+((K-1)b elements) and fetches the batch's rows (lu1, lu2; + tau1, tau2, bound1, bound2 for
+per-sample temperatures) with one all_reduce of an [N, c] float64 table in which each owner fills
+its rows (the other entries are 0, so the sum is the owner's value, exactly); the gathered
+updates are written by their owners only.  Every number equals the replicated run's bit for bit.
+Checkpoints hold the whole table (gathered on rank 0), so a run can resume at any world size and
+in either mode.
 """
 from __future__ import annotations
 
@@ -58,6 +67,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+import torch.distributed as dist
 
 from .clip import StepLogs, gamma_at, gather_no_grad, no_autocast, world
 
@@ -92,7 +103,8 @@ class FastClipLoss(nn.Module):
                  tau_lr: float = 2e-4, tau_lr_schedule: str = "auto",
                  lr_factor: Callable[[int], float] | None = None, tau_lr_cut: float = 3.0,
                  rho: float = 6.5, eps: float = 1e-14, tau_beta1: float = 0.9, tau_beta2: float = 0.999,
-                 tau_eps: float = 1e-8, state_dtype=torch.float32, device="cpu", group=None):
+                 tau_eps: float = 1e-8, shard_state: bool = False, state_dtype=torch.float32, device="cpu",
+                 group=None):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"unknown FastCLIP variant {variant!r}; expected one of {VARIANTS}")
@@ -111,7 +123,11 @@ class FastClipLoss(nn.Module):
         self.betas, self.tau_eps = (float(tau_beta1), float(tau_beta2)), float(tau_eps)
         self.device, self.dtype = torch.device(device), state_dtype
         self.epoch, self.gamma = 0, 1.0
-        n, dev, dt = self.n, self.device, state_dtype
+        k, rank, _ = world(group)
+        self.sharded = bool(shard_state) and k > 1
+        # rows of this rank: all (replicated) or the indices i % K == rank, at i // K (sharded)
+        self.shards, self.shard_rank = (k, rank) if self.sharded else (1, 0)
+        n, dev, dt = -(-self.n // self.shards), self.device, state_dtype
         self.lu1 = torch.full((n,), -math.inf, dtype=dt, device=dev)   # log u1 (image anchors)
         self.lu2 = torch.full((n,), -math.inf, dtype=dt, device=dev)   # log u2 (text anchors)
         if self.individual:
@@ -137,14 +153,57 @@ class FastClipLoss(nn.Module):
         return names + (["tau1", "tau2", "m1", "m2", "v1", "v2", "bound1", "bound2"] if self.individual
                         else ["theta", "theta_m", "theta_v", "theta_step"])
 
+    def _row_names(self):
+        """The per-sample columns a step reads."""
+        return ["lu1", "lu2"] + (["tau1", "tau2", "bound1", "bound2"] if self.individual else [])
+
+    def _fetch(self, idx_all, k, group) -> dict:
+        """Sharded state: the rows of the global batch's dataset indices [N] from their owners, by
+        one all_reduce of [N, c] float64 in which the other ranks add 0: x + 0 = x exactly, for
+        x = -inf (never seen) and nan too."""
+        mine = idx_all % self.shards == self.shard_rank
+        pos = idx_all[mine] // self.shards
+        names = self._row_names()
+        table = torch.zeros(len(idx_all), len(names), dtype=torch.float64, device=idx_all.device)
+        table[mine] = torch.stack([getattr(self, name)[pos].double() for name in names], 1)
+        dist.all_reduce(table, group=group)
+        self.comm_elements["scalars"] += 2 * (k - 1) * (len(idx_all) // k) * len(names)
+        return {name: table[:, c].float() for c, name in enumerate(names)}
+
+    def _write(self, name: str, idx_all, values) -> None:
+        """Store the gathered values of the batch's indices (owned rows only when sharded)."""
+        if self.sharded:
+            mine = idx_all % self.shards == self.shard_rank
+            idx_all, values = idx_all[mine] // self.shards, values[mine]
+        getattr(self, name)[idx_all] = values.to(self.dtype)
+
     def state_bytes(self) -> int:
         """Bytes of per-sample state on this rank: u1, u2 (+ tau1, tau2, 4 Adam moments and 2
-        bounds for the individual-tau variants), each [dataset_size]."""
+        bounds for the individual-tau variants), each [dataset_size] (ceil(dataset_size / K) rows
+        when sharded over K ranks)."""
         per = [getattr(self, k) for k in self._state_names() if getattr(self, k).ndim == 1]
         return sum(t.numel() * t.element_size() for t in per)
 
     def state_dict(self, *args, **kwargs) -> dict:
+        """The whole state; sharded tables are gathered on rank 0 (collective: call it on every
+        rank; the other ranks get their own rows only, with `shard_of` set)."""
         sd = {k: getattr(self, k).clone() for k in self._state_names()}
+        if self.sharded:
+            k, rank, group = world(self.group)
+            for name in self._state_names():
+                t = sd[name]
+                if t.ndim == 0:
+                    continue
+                parts = [torch.empty_like(t) for _ in range(k)] if rank == 0 else None
+                dist.gather(t, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0,
+                            group=group)
+                if rank == 0:
+                    full = torch.empty(self.n, dtype=t.dtype, device=t.device)
+                    for r, part in enumerate(parts):
+                        full[r::k] = part[:len(range(r, self.n, k))]
+                    sd[name] = full
+            if rank:
+                sd["shard_of"] = (rank, k)
         sd.update(variant=self.variant, epoch=self.epoch, gamma=self.gamma)
         return sd
 
@@ -156,11 +215,16 @@ class FastClipLoss(nn.Module):
             raise ValueError(f"loss state lacks {', '.join(missing)} (written by an older vitscale, "
                              "before the reference-parity temperatures?)")
         for k in self._state_names():
-            cur = getattr(self, k)
-            if sd[k].shape != cur.shape:
-                raise ValueError(f"loss state {k}: shape {tuple(sd[k].shape)} != {tuple(cur.shape)} "
+            cur, new = getattr(self, k), sd[k]
+            if new.ndim and new.shape != (self.n,):
+                raise ValueError(f"loss state {k}: shape {tuple(new.shape)} != ({self.n},) "
                                  "(dataset size changed?)")
-            cur.copy_(sd[k].to(cur.device, cur.dtype))
+            if new.ndim and self.sharded:    # this rank's rows of the whole table
+                mine = new[self.shard_rank::self.shards]
+                cur.zero_()
+                cur[:len(mine)] = mine.to(cur.device, cur.dtype)
+                continue
+            cur.copy_(new.to(cur.device, cur.dtype))
         self.epoch, self.gamma = sd["epoch"], sd["gamma"]
         self._pending = None
 
@@ -171,8 +235,10 @@ class FastClipLoss(nn.Module):
 
     @property
     def temperature(self) -> float:
+        """The global tau, or the mean per-sample tau (of this rank's rows when sharded)."""
         if self.individual:
-            return float((self.tau1.float().mean() + self.tau2.float().mean()) / 2)
+            rows = len(range(self.shard_rank, self.n, self.shards))
+            return float((self.tau1[:rows].float().mean() + self.tau2[:rows].float().mean()) / 2)
         return float(self.tau)
 
     # ---- the step ---------------------------------------------------------------------------
@@ -199,8 +265,15 @@ class FastClipLoss(nn.Module):
         E1, E2 = feats[:, :d], feats[:, d:]
         E1m = torch.cat([E1[:off], e1, E1[off + b:]])                         # local slice with grad
         E2m = torch.cat([E2[:off], e2, E2[off + b:]])
+        if self.sharded:      # the batch's rows from their owners
+            rows_all = self._fetch(gather_no_grad(index, k, group), k, group)
+            self.comm_elements["scalars"] += (k - 1) * b
+            rows = {name: t[off:off + b] for name, t in rows_all.items()}
+        else:
+            rows_all = None
+            rows = {name: getattr(self, name)[index].float() for name in self._row_names()}
         if self.individual:   # the reference scales by 1/tau_i (old taus: updated after the step)
-            s1, s2 = 1.0 / self.tau1[index].float(), 1.0 / self.tau2[index].float()   # [b]
+            s1, s2 = 1.0 / rows["tau1"], 1.0 / rows["tau2"]                    # [b]
         else:                 # ... and by logit_scale = exp(theta)
             s1 = s2 = torch.exp(self.theta).float().expand(b)
         pos = (e1 * e2).sum(1)                                                # s_ii [b], with grad
@@ -211,17 +284,18 @@ class FastClipLoss(nn.Module):
         log_nm1 = math.log(n_all - 1)
         log_eps = math.log(self.eps) if self.eps > 0 else -math.inf
         cols, L, log_gs, lus, bounds = [index.double()], [], [], [], []
-        for side, z, lu in ((1, z1, self.lu1), (2, z2, self.lu2)):
+        for side, z in ((1, z1), (2, z2)):
+            lu_old = rows[f"lu{side}"]
             zd = z.detach()
             log_g = torch.logsumexp(zd, 1) - log_nm1                            # log g_i [b]
             if self.individual:  # running max of max_j z_ij, the diagonal (z = 0) included
-                old = getattr(self, f"bound{side}")[index].float()
+                old = rows[f"bound{side}"]
                 bound = torch.maximum(old, zd.max(1).values.clamp_min(0.0))
-                lu_new = self._new_lu(lu[index].float(), log_g, old)
+                lu_new = self._new_lu(lu_old, log_g, old)
                 bounds.append(bound)
                 L.append(torch.logaddexp(lu_new, log_eps + bound))              # log(eps e^bound + u)
             else:
-                lu_new = self._new_lu(lu[index].float(), log_g, 0.0)
+                lu_new = self._new_lu(lu_old, log_g, 0.0)
                 L.append(torch.logaddexp(lu_new, torch.full_like(lu_new, log_eps)))  # log(eps + u)
             log_gs.append(log_g)
             lus.append(lu_new)
@@ -246,22 +320,26 @@ class FastClipLoss(nn.Module):
             self.comm_elements["scalars"] += (k - 1) * b * packed.shape[1]
         self.comm_elements["steps"] += 1
         idx_all = packed[:, 0].long()
-        # replicated state: every rank stores the updated u of the whole global batch
-        self.lu1[idx_all] = packed[:, 1].to(self.dtype)
-        self.lu2[idx_all] = packed[:, 2].to(self.dtype)
+        # every rank (replicated) or each row's owner (sharded) stores the batch's updated u
+        if not self.individual:   # (the individual variants' taus are read below, before the update)
+            self._write("lu1", idx_all, packed[:, 1])
+            self._write("lu2", idx_all, packed[:, 2])
         tau = torch.exp(-self.theta).float() if not self.individual else None
         if self.learn_global:
             self._pending = packed[:, 3].mean()
         elif self.individual:
             self._pending = (idx_all, packed[:, 3], packed[:, 4])
-            self.bound1[idx_all] = packed[:, 5].to(self.dtype)
-            self.bound2[idx_all] = packed[:, 6].to(self.dtype)
+            for c, name in ((1, "lu1"), (2, "lu2"), (5, "bound1"), (6, "bound2")):
+                self._write(name, idx_all, packed[:, c])
+        if self.individual:       # every anchor's (old) tau: the taus are updated in after_step
+            tau_all = (rows_all["tau1"], rows_all["tau2"]) if self.sharded else \
+                (self.tau1[idx_all].float(), self.tau2[idx_all].float())
         # (a) local anchors vs all features (local ones with grad)
         sur = torch.exp(z1 - L[0][:, None]).sum() + torch.exp(z2 - L[1][:, None]).sum()
         # (b) the other ranks' anchors (detached) vs the local features as negatives
         if k > 1:
             if self.individual:
-                c1, c2 = 1.0 / self.tau1[idx_all].float(), 1.0 / self.tau2[idx_all].float()
+                c1, c2 = 1.0 / tau_all[0], 1.0 / tau_all[1]
                 sh1 = log_eps + packed[:, 5].float()
                 sh2 = log_eps + packed[:, 6].float()
             else:
@@ -286,7 +364,7 @@ class FastClipLoss(nn.Module):
         if self.individual:
             t1, t2 = 1.0 / s1, 1.0 / s2
             objective = (t1 * (L[0] + self.rho) + t2 * (L[1] + self.rho)).mean()        # RGCL
-            tau_log = (self.tau1[idx_all].float().mean() + self.tau2[idx_all].float().mean()) / 2
+            tau_log = (tau_all[0].mean() + tau_all[1].mean()) / 2
         else:
             objective = tau * (L[0] + L[1]).mean() + 2 * self.rho * tau                 # GCL / RGCL-g
             tau_log = tau
@@ -336,6 +414,9 @@ class FastClipLoss(nn.Module):
             self.theta.sub_(lr * mhat / (vhat.sqrt() + self.tau_eps)).clamp_(0.0, THETA_MAX)
             return
         idx, h1, h2 = pend
+        if self.sharded:              # the owner updates its rows
+            mine = idx % self.shards == self.shard_rank
+            idx, h1, h2 = idx[mine] // self.shards, h1[mine], h2[mine]
         b1, b2 = self.betas if self.epoch > 0 else (0.0, 0.0)
         c1, c2 = 1 - b1 ** (self.epoch + 1), 1 - b2 ** (self.epoch + 1)
         for tau, m, v, g in ((self.tau1, self.m1, self.v1, h1), (self.tau2, self.m2, self.v2, h2)):
