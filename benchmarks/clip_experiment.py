@@ -2,8 +2,10 @@
 
     # 1. train one run per loss (sequentially; each is `vitscale train CONFIG --set clip.loss=L`)
     python benchmarks/clip_experiment.py train --out runs/clip_exp [--set key=value ...]
-    # 2. table (Markdown) + curves (PNG) from those runs
-    python benchmarks/clip_experiment.py report runs/clip_exp --png docs/clip_curves.png
+    # 2. tables (Markdown: each run, then mean +- std per loss over the folders given, e.g. one per
+    #    seed) + curves (PNG: held-out R@1 per epoch, temperature per step)
+    python benchmarks/clip_experiment.py report runs/clip_exp runs/clip_exp_seed1 --png docs/clip_curves.png \
+        --tau-png docs/clip_tau.png
     # 3. per-step time of each loss, side by side in one process (interleaved rounds)
     python benchmarks/clip_experiment.py overhead [--steps 10 --rounds 5] [--set key=value ...]
 
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-LOSSES = ["openclip", "sogclr", "fastclip_v1", "fastclip_v2", "fastclip_v3"]
+LOSSES = ["openclip", "sogclr", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3"]
 CONFIG = "configs/clip_openclipart.toml"
 
 
@@ -43,45 +45,90 @@ def eval_rows(run: Path) -> list[dict]:
     return [r for r in rows if r.get("kind") == "eval"]
 
 
+def train_rows(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == "train"]
+
+
+def finished(roots, losses) -> dict:
+    """{loss: [run folder per root that has a finished run of it]}."""
+    out = {}
+    for loss in losses:
+        runs = [Path(r) / loss for r in roots if (Path(r) / loss / "summary.json").exists()]
+        if runs:
+            out[loss] = runs
+    return out
+
+
 def cmd_report(args) -> None:
-    runs = [Path(args.root) / loss for loss in args.losses if (Path(args.root) / loss / "summary.json").exists()]
-    if not runs:
-        sys.exit(f"no finished runs under {args.root}")
-    zs_key = None
-    lines = ["| loss | steps | i2t R@1 | i2t R@5 | t2i R@1 | t2i R@5 | zero-shot top-1 | final tau |",
-             "|---|---|---|---|---|---|---|---|"]
-    for run in runs:
-        s = json.loads((run / "summary.json").read_text())
-        zs_key = zs_key or next((k for k in s if k.startswith("zeroshot_") and k.endswith("_top1")), None)
-        train = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        tau = next((r.get("tau") for r in reversed(train) if r.get("kind") == "train" and "tau" in r), None)
-        pct = lambda k: f"{100 * s[k]:.2f}" if k in s else "-"  # noqa: E731
-        lines.append(f"| {run.name} | {s['steps']} | {pct('test_i2t_r1')} | {pct('test_i2t_r5')} | "
-                     f"{pct('test_t2i_r1')} | {pct('test_t2i_r5')} | {pct(zs_key) if zs_key else '-'} | "
-                     f"{'-' if tau is None else f'{tau:.4f}'} |")
+    """One row per run, then per loss the mean +- std over the runs (seeds) of the held-out numbers;
+    --png: mean R@1 per epoch, --tau-png: the temperature per step (every run)."""
+    groups = finished(args.roots, args.losses)
+    if not groups:
+        sys.exit(f"no finished runs under {' '.join(args.roots)}")
+    first = json.loads((next(iter(groups.values()))[0] / "summary.json").read_text())
+    zs_key = next((k for k in first if k.startswith("zeroshot_") and k.endswith("_top1")), None)
+    cols = [("test_i2t_r1", "i2t R@1"), ("test_i2t_r5", "i2t R@5"), ("test_t2i_r1", "t2i R@1"),
+            ("test_t2i_r5", "t2i R@5"), ("retrieval_r1", "mean R@1")] + ([(zs_key, "zero-shot top-1")] if zs_key else [])
+    lines = ["| loss | run | steps | " + " | ".join(c[1] for c in cols) + " | final tau |",
+             "|---|---|---|" + "---|" * len(cols) + "---|"]
+    stats = {}
+    for loss, runs in groups.items():
+        for run in runs:
+            s = json.loads((run / "summary.json").read_text())
+            tau = next((r["tau"] for r in reversed(train_rows(run)) if "tau" in r), None)
+            vals = [100 * s[k] if k in s else float("nan") for k, _ in cols]
+            stats.setdefault(loss, []).append(vals + [tau if tau is not None else float("nan")])
+            lines.append(f"| {loss} | {run.parent.name} | {s['steps']} | " + " | ".join(f"{v:.2f}" for v in vals)
+                         + f" | {'-' if tau is None else f'{tau:.4f}'} |")
+    lines += ["", "| loss | runs | " + " | ".join(c[1] for c in cols) + " | final tau |",
+              "|---|---|" + "---|" * len(cols) + "---|"]
+    for loss, rows in stats.items():
+        cells = []
+        for j in range(len(cols) + 1):
+            xs = [r[j] for r in rows]
+            sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+            cells.append(f"{statistics.mean(xs):.{4 if j == len(cols) else 2}f} ± {sd:.{4 if j == len(cols) else 2}f}")
+        lines.append(f"| {loss} | {len(rows)} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
-    if args.png:
+    if args.png or args.tau_png:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        keys = [("retrieval_r1", "held-out retrieval R@1 (mean of both directions, %)")]
-        if zs_key:
-            keys.append((zs_key, "zero-shot top-1 on held-out categories (%)"))
-        fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.2))
-        axes = axes if len(keys) > 1 else [axes]
-        for ax, (key, label) in zip(axes, keys):
-            for run in runs:
-                rows = [r for r in eval_rows(run) if key in r]
-                ax.plot([r["epoch"] for r in rows], [100 * r[key] for r in rows], marker="o", label=run.name)
-            ax.set_xlabel("epoch")
-            ax.set_ylabel(label)
-            ax.grid(alpha=0.3)
-            ax.legend()
+    colors = {loss: f"C{i}" for i, loss in enumerate(groups)}
+    if args.png:
+        fig, ax = plt.subplots(figsize=(7, 4.4))
+        for loss, runs in groups.items():
+            for i, run in enumerate(runs):
+                rows = [r for r in eval_rows(run) if "retrieval_r1" in r]
+                ax.plot([r["epoch"] for r in rows], [100 * r["retrieval_r1"] for r in rows], marker="o",
+                        color=colors[loss], alpha=0.85, label=loss if i == 0 else None)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("held-out retrieval R@1 (mean of both directions, %)")
+        ax.grid(alpha=0.3)
+        ax.legend()
         fig.suptitle(args.title)
         fig.tight_layout()
         Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.png, dpi=110)
         print(f"wrote {args.png}")
+    if args.tau_png:
+        fig, ax = plt.subplots(figsize=(7, 4.4))
+        for loss, runs in groups.items():
+            for i, run in enumerate(runs):
+                rows = [r for r in train_rows(run) if "tau" in r]
+                ax.plot([r["step"] for r in rows], [r["tau"] for r in rows], color=colors[loss], alpha=0.85,
+                        label=loss if i == 0 else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel("temperature (global; per-sample mean over the batch; openclip 1/logit_scale)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+        fig.suptitle(args.title)
+        fig.tight_layout()
+        Path(args.tau_png).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.tau_png, dpi=110)
+        print(f"wrote {args.tau_png}")
 
 
 def cmd_overhead(args) -> None:
@@ -136,9 +183,10 @@ def main() -> None:
     o.add_argument("--rounds", type=int, default=5)
     o.add_argument("--warmup", type=int, default=3)
     r = sub.add_parser("report")
-    r.add_argument("root")
+    r.add_argument("roots", nargs="+", help="run folders, one per seed (each with a folder per loss)")
     r.add_argument("--losses", nargs="+", default=LOSSES)
     r.add_argument("--png")
+    r.add_argument("--tau-png")
     r.add_argument("--title", default="CLIP on OpenClipArt, same model, batch and steps (2-core CPU)")
     args = ap.parse_args()
     {"train": cmd_train, "report": cmd_report, "overhead": cmd_overhead}[args.cmd](args)
