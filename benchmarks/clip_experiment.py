@@ -91,44 +91,37 @@ def cmd_report(args) -> None:
             cells.append(f"{statistics.mean(xs):.{4 if j == len(cols) else 2}f} ± {sd:.{4 if j == len(cols) else 2}f}")
         lines.append(f"| {loss} | {len(rows)} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
-    if args.png or args.tau_png:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    colors = {loss: f"C{i}" for i, loss in enumerate(groups)}
-    if args.png:
-        fig, ax = plt.subplots(figsize=(7, 4.4))
-        for loss, runs in groups.items():
-            for i, run in enumerate(runs):
-                rows = [r for r in eval_rows(run) if "retrieval_r1" in r]
-                ax.plot([r["epoch"] for r in rows], [100 * r["retrieval_r1"] for r in rows], marker="o",
-                        color=colors[loss], alpha=0.85, label=loss if i == 0 else None)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("held-out retrieval R@1 (mean of both directions, %)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.suptitle(args.title)
-        fig.tight_layout()
-        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.png, dpi=110)
-        print(f"wrote {args.png}")
-    if args.tau_png:
-        fig, ax = plt.subplots(figsize=(7, 4.4))
-        for loss, runs in groups.items():
-            for i, run in enumerate(runs):
-                rows = [r for r in train_rows(run) if "tau" in r]
-                ax.plot([r["step"] for r in rows], [r["tau"] for r in rows], color=colors[loss], alpha=0.85,
-                        label=loss if i == 0 else None)
-        ax.set_xlabel("step")
-        ax.set_ylabel("temperature (global; per-sample mean over the batch; openclip 1/logit_scale)")
+    if args.png:  # held-out mean R@1 per epoch, every run
+        plot(args.png, args.title, groups, "epoch", "held-out retrieval R@1 (mean of both directions, %)",
+             lambda run: [(r["epoch"], 100 * r["retrieval_r1"]) for r in eval_rows(run) if "retrieval_r1" in r])
+    if args.tau_png:  # the temperature per logged step, every run
+        plot(args.tau_png, args.title, groups, "step",
+             "temperature (global; per-sample: batch mean; openclip: 1/logit_scale)",
+             lambda run: [(r["step"], r["tau"]) for r in train_rows(run) if "tau" in r], log=True)
+
+
+def plot(path, title, groups, xlabel, ylabel, points, log=False) -> None:
+    """One line per run, one colour per loss; points(run) -> [(x, y)]."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for c, (loss, runs) in enumerate(groups.items()):
+        for i, run in enumerate(runs):
+            xy = points(run)
+            ax.plot([p[0] for p in xy], [p[1] for p in xy], marker="o" if len(xy) < 40 else None,
+                    color=f"C{c}", alpha=0.85, label=loss if i == 0 else None)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if log:
         ax.set_yscale("log")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend()
-        fig.suptitle(args.title)
-        fig.tight_layout()
-        Path(args.tau_png).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.tau_png, dpi=110)
-        print(f"wrote {args.tau_png}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def cmd_overhead(args) -> None:
