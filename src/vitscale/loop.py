@@ -15,6 +15,7 @@ from .checkpoint import (check_resume, engine_folder, list_checkpoints, load_che
 from .config import Config
 from .data import build_data
 from .errors import ConfigError, DataError, TrainingError, UserError
+from .losses import build_clip_loss, resolve_clip
 from .metrics import MetricsLog, NullLog, Progress
 from .models import (CLIP, VisionTransformer, clip_forward_flops, count_params, is_clip_arch,
                      resolve_clip_spec, resolve_spec, vit_forward_flops)
@@ -130,7 +131,6 @@ class Trainer:
         self.total_steps = min(total, cfg.run.max_steps) if cfg.run.max_steps else total
         if self.clip:
             from .clip_task import ClipTask
-            from .losses import build_clip_loss
             loss = build_clip_loss(cfg.clip, cfg.optim, lr=self.lr, dataset_size=self.data.train_size,
                                    epochs=cfg.train.epochs, device=s.device,
                                    lr_factor=schedule(cfg.optim, self.total_steps, self.steps_per_epoch))
@@ -389,7 +389,9 @@ class Trainer:
                 "precision": self.cfg.train.precision, "lr": self.lr, "device": str(self.strategy.device),
                 "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "checkpoint": str(self.last_ckpt), "run_dir": str(self.run_dir), "rank": self.strategy.rank,
-                "state_bytes_per_rank": self.strategy.gather_objects(self.state_bytes())}
+                "state_bytes_per_rank": self.strategy.gather_objects(self.state_bytes()),
+                **({"clip": resolve_clip(self.cfg.clip, lr=self.lr, epochs=self.cfg.train.epochs)}
+                   if self.clip else {})}
 
 
 def train(cfg: Config, run_dir: Path | None = None, resume: str | Path | None = None) -> dict:
