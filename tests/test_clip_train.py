@@ -68,6 +68,21 @@ def test_resume_is_exact_with_per_sample_state(tmp_path, loss):
     assert {"lu1", "lu2"} <= set(tensors)
     for k in tensors:  # u, temperatures, their optimizer moments
         assert torch.equal(a["task"][k], b["task"][k]), k
+    if loss == "fastclip_v3":  # theta = logit_scale and its Adam state, in the checkpoint
+        assert {"theta", "theta_m", "theta_v", "theta_step"} <= set(tensors)
+        assert b["task"]["theta_step"].item() == 12
+
+
+def test_a_loss_state_from_an_older_vitscale_is_a_one_line_error(tmp_path, capsys):
+    run(tmp_path / "r", "clip.loss=fastclip_v3", "train.epochs=1")
+    path = ckpt.list_checkpoints(tmp_path / "r")[-1]
+    st = torch.load(path, weights_only=False)
+    st["task"]["tau"] = st["task"].pop("theta")  # the pre-parity layout kept tau itself
+    torch.save(st, path)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "r"), "--set", "train.epochs=2"]) == 2
+    err = capsys.readouterr().err
+    assert "lacks theta" in err and err.count("\n") == 1, err
 
 
 def test_eval_command_reproduces_the_run(tmp_path, capsys):

@@ -195,7 +195,10 @@ class Trainer:
         self.images_seen, self.best_acc = state["images_seen"], state["best_acc"]
         self.steady = state["steady"]
         self.last_eval = state["last_eval"]
-        self.task.load_state_dict(state.get("task", {}))
+        try:
+            self.task.load_state_dict(state.get("task", {}))
+        except (ValueError, KeyError) as e:  # e.g. a loss state from another version or dataset
+            raise UserError(f"checkpoint: {e}") from None
 
     def save(self) -> Path:
         """Collective (every rank's RNG goes in); the main process writes."""
