@@ -320,18 +320,14 @@ class FastClipLoss(nn.Module):
             self.comm_elements["scalars"] += (k - 1) * b * packed.shape[1]
         self.comm_elements["steps"] += 1
         idx_all = packed[:, 0].long()
-        # every rank (replicated) or each row's owner (sharded) stores the batch's updated u
-        if not self.individual:   # (the individual variants' taus are read below, before the update)
-            self._write("lu1", idx_all, packed[:, 1])
-            self._write("lu2", idx_all, packed[:, 2])
-        tau = torch.exp(-self.theta).float() if not self.individual else None
+        # every rank (replicated) or each row's owner (sharded) stores the batch's updated u (and bounds)
+        for c, name in [(1, "lu1"), (2, "lu2")] + ([(5, "bound1"), (6, "bound2")] if self.individual else []):
+            self._write(name, idx_all, packed[:, c])
+        tau = None if self.individual else torch.exp(-self.theta).float()
         if self.learn_global:
             self._pending = packed[:, 3].mean()
-        elif self.individual:
+        elif self.individual:     # the taus change in after_step(): this step uses the old ones
             self._pending = (idx_all, packed[:, 3], packed[:, 4])
-            for c, name in ((1, "lu1"), (2, "lu2"), (5, "bound1"), (6, "bound2")):
-                self._write(name, idx_all, packed[:, c])
-        if self.individual:       # every anchor's (old) tau: the taus are updated in after_step
             tau_all = (rows_all["tau1"], rows_all["tau2"]) if self.sharded else \
                 (self.tau1[idx_all].float(), self.tau2[idx_all].float())
         # (a) local anchors vs all features (local ones with grad)
