@@ -92,15 +92,15 @@ def cmd_report(args) -> None:
         lines.append(f"| {loss} | {len(rows)} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     if args.png:  # held-out mean R@1 per epoch, every run
-        plot(args.png, args.title, groups, "epoch", "held-out retrieval R@1 (mean of both directions, %)",
-             lambda run: [(r["epoch"], 100 * r["retrieval_r1"]) for r in eval_rows(run) if "retrieval_r1" in r])
+        plot(args.png, args.title, groups, "epoch", "held-out mean R@1 (%)",
+             lambda run: [(r["epoch"], 100 * r["retrieval_r1"]) for r in eval_rows(run) if "retrieval_r1" in r],
+             marker="o")
     if args.tau_png:  # the temperature per logged step, every run
-        plot(args.tau_png, args.title, groups, "step",
-             "temperature (global; per-sample: batch mean; openclip: 1/logit_scale)",
+        plot(args.tau_png, args.title, groups, "step", "temperature (log scale)",
              lambda run: [(r["step"], r["tau"]) for r in train_rows(run) if "tau" in r], log=True)
 
 
-def plot(path, title, groups, xlabel, ylabel, points, log=False) -> None:
+def plot(path, title, groups, xlabel, ylabel, points, log=False, marker=None) -> None:
     """One line per run, one colour per loss; points(run) -> [(x, y)]."""
     import matplotlib
     matplotlib.use("Agg")
@@ -109,7 +109,7 @@ def plot(path, title, groups, xlabel, ylabel, points, log=False) -> None:
     for c, (loss, runs) in enumerate(groups.items()):
         for i, run in enumerate(runs):
             xy = points(run)
-            ax.plot([p[0] for p in xy], [p[1] for p in xy], marker="o" if len(xy) < 40 else None,
+            ax.plot([p[0] for p in xy], [p[1] for p in xy], marker=marker,
                     color=f"C{c}", alpha=0.85, label=loss if i == 0 else None)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
