@@ -16,11 +16,11 @@ import time
 import torch
 
 from vitscale.evaluate import data_geometry
-from vitscale.lab_harness import lab_config, measure_configs
+from vitscale.lab.harness import lab_config, measure_configs
 from vitscale.loop import model_spec
 from vitscale.models import VisionTransformer
 from vitscale.optim import build_optimizer
-from vitscale.tune import beats_first
+from vitscale.lab.tune import beats_first
 
 
 def optimizer_steps(cfg, reps: int = 20, rounds: int = 3) -> dict:

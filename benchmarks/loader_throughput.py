@@ -4,7 +4,7 @@
    fields + noise, ~20-30 kB each like photos) into a temp dir.
 2. Runs vitscale's folder loader (src/vitscale/data/folder.py: decode, random-resized crop to
    224 px, flip, in DataLoader workers) for one pass with 0, 1, 2 workers: images/s.
-3. Benchmarks the training step of a recipe on synthetic 224 px data (vitscale.bench.measure) and,
+3. Benchmarks the training step of a recipe on synthetic 224 px data (vitscale.lab.bench.measure) and,
    for scale, estimates a GPU's consumption (train FLOPs per image / (peak x MFU)).
 4. Reports loader/step ratios and the workers needed = ceil(step img/s / (img/s of one worker)).
 
@@ -80,11 +80,11 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from vitscale.bench import measure
+    from vitscale.lab.bench import measure
     from vitscale.config import load_config
     from vitscale.evaluate import model_info
     from vitscale.hardware import gpu_peak
-    from vitscale.lab_harness import machine_line
+    from vitscale.lab.harness import machine_line
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="vitscale-loader-")
     root = Path(args.dir or tmp.name)
     t0 = time.perf_counter()

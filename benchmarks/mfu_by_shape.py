@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from vitscale.hardware import peak_flops
-from vitscale.lab_harness import lab_config, measure_configs, with_overrides
+from vitscale.lab.harness import lab_config, measure_configs, with_overrides
 
 SHAPES = {  # name: overrides on the default recipe (batch 256, conv stem, pooled head)
     "default: 16 tokens, 6 x 192": {},

@@ -18,7 +18,7 @@ import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
 from vitscale.hardware import peak_flops
-from vitscale.lab_harness import Bench, lab_config
+from vitscale.lab.harness import Bench, lab_config
 
 GROUPS = [  # (part of the step, test on the event name), first match wins
     ("linear layers (mm, addmm)", lambda n: n in ("aten::mm", "aten::addmm", "aten::linear")),

@@ -19,7 +19,7 @@ import types
 
 import torch
 
-from vitscale.lab_harness import Bench, lab_config, paired_rounds, rate, rounds_won, side_by_side
+from vitscale.lab.harness import Bench, lab_config, paired_rounds, rate, rounds_won, side_by_side
 
 
 def transposed_view(self, x):

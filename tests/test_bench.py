@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from vitscale.bench import mfu
+from vitscale.lab.bench import mfu
 from vitscale.cli import main
 from vitscale.config import load_config
-from vitscale.lab_harness import Bench
+from vitscale.lab.harness import Bench
 
 from test_distributed import free_port, sets
 
@@ -197,7 +197,7 @@ def test_gpu_peak_table_picks_the_specific_variant(name, dtype, peak):
 
 
 def test_synthetic_swaps_in_images_of_the_datasets_shape():
-    from vitscale.lab_harness import synthetic_data
+    from vitscale.lab.harness import synthetic_data
     fm = synthetic_data(load_config(None, []))  # the default recipe: Fashion-MNIST resized to 32 px
     assert (fm.data.name, fm.data.image_size, fm.data.channels, fm.data.num_classes) == ("synthetic", 32, 1, 10)
     assert fm.data.train_size == fm.data.batch_size
@@ -233,7 +233,7 @@ def test_lab_compiles_each_shape_statically():
     import torch._dynamo.config as dynamo
     from torch._dynamo.utils import counters
 
-    from vitscale.lab_harness import static_compiles
+    from vitscale.lab.harness import static_compiles
 
     def graphs_for_three_shapes():
         torch._dynamo.reset()

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from vitscale import lab_harness
+from vitscale.lab import harness as lab_harness
 from vitscale.cli import main
 from vitscale.config import load_config
-from vitscale.ladder import BASELINE, build_rungs
-from vitscale.tune import accum_choices, search
+from vitscale.lab.ladder import BASELINE, build_rungs
+from vitscale.lab.tune import accum_choices, search
 
 TINY = "configs/tests/tiny.toml"
 
@@ -51,7 +51,7 @@ def test_rungs_two_processes_and_invalid_ones():
 
 
 def test_vs_previous_round_by_round():
-    from vitscale.ladder import vs_previous_paired
+    from vitscale.lab.ladder import vs_previous_paired
     prev, cur = [1.0, 2.0, 1.5], [2.0, 2.0, 3.3]  # each rung's per-round speedup over the baseline
     assert vs_previous_paired(cur, prev) == pytest.approx(2.0)  # median of 2.0, 1.0, 2.2
     assert vs_previous_paired(cur, None) == 1.0 and vs_previous_paired(None, prev) is None
@@ -223,7 +223,7 @@ def test_paired_rounds_and_the_consistency_rule():
 
 
 def test_beats_first_is_the_rule_the_tune_test_below_applies():
-    from vitscale.tune import beats_first
+    from vitscale.lab.tune import beats_first
     assert not beats_first(1.10, [1.3, 0.9, 1.1, 0.95, 1.2])   # 3 of 5 rounds: noise
     assert beats_first(1.05, [1.05] * 5)
     assert not beats_first(1.005, [1.01, 1.005, 1.002])        # every round, but within the 1% margin

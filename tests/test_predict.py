@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from vitscale import comm_model as cm
+from vitscale.lab import comm_model as cm
 from vitscale.cli import main
 from vitscale.config import load_config
 from vitscale.evaluate import model_info
@@ -123,7 +123,7 @@ def test_predict_command_estimate_and_bench(tmp_path, capsys):
 
 
 def test_link_fit_recovers_the_ring_model():
-    from vitscale.linkbench import fit
+    from vitscale.lab.linkbench import fit
     bw, lat, k = 3e9, 20e-6, 2
     rows = [(b, 2 * (k - 1) * lat + 2 * (k - 1) / k * b / bw) for b in (1e3, 1e6, 1e7, 6e7)]
     got_bw, got_lat = fit(rows, k)
@@ -131,6 +131,6 @@ def test_link_fit_recovers_the_ring_model():
 
 
 def test_measure_gloo_runs_two_processes():
-    from vitscale.linkbench import measure_gloo
+    from vitscale.lab.linkbench import measure_gloo
     m = measure_gloo(2, sizes=(2**12, 2**18), iters=2)
     assert [b for b, _ in m["rows"]] == [2**12, 2**18] and all(t > 0 for _, t in m["rows"])

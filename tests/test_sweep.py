@@ -1,12 +1,11 @@
 """Sweep bookkeeping with a fake bench (grids, study presets, resume, failures, report files) and one
 real point through `vitscale bench` when it exists."""
-import importlib.util
 import json
 import sys
 
 import pytest
 
-from vitscale import sweep
+from vitscale.lab import sweep
 from vitscale.cli import main
 
 TINY = "configs/tests/tiny.toml"
@@ -139,7 +138,6 @@ def test_sweep_cli_needs_points():
     assert main(["sweep", TINY, "--grid", "novalues"]) == 2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vitscale.bench") is None, reason="src/vitscale/bench.py not there yet")
 def test_real_one_point_sweep(tmp_path, capsys):
     assert main(["sweep", TINY, "--set", "run.threads=1", "--grid", "data.batch_size=16", "--steps", "2",
                  "--out", str(tmp_path)]) == 0
@@ -150,7 +148,7 @@ def test_real_one_point_sweep(tmp_path, capsys):
 
 
 def test_mfu_uses_the_best_peak_of_the_sweep():
-    from vitscale.report import common_mfu
+    from vitscale.lab.report import common_mfu
     pt = lambda mfu, peak, src="measured bf16 matmul on CPU (1 threads)": {  # noqa: E731
         "ok": True, "bench": {"mfu": mfu, "peak_flops": peak, "peak_source": src}}
     recs = [pt(0.30, 400e9), pt(0.50, 200e9), pt(0.20, 1e15, "table: H100 dense bf16"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import logging
 import os
@@ -68,14 +67,13 @@ def _parser() -> argparse.ArgumentParser:
 
     # the performance lab: each module declares its own arguments (HELP, add_arguments, run)
     for name in LAB:
-        mod = importlib.import_module(f".{name}", __package__)
+        mod = importlib.import_module(f".lab.{name}", __package__)
         mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=mod.__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter))
     return p
 
 
-LAB = [name for name in ("bench", "sweep", "ladder", "tune", "predict")
-       if importlib.util.find_spec(f"{__package__}.{name}") is not None]
+LAB = ("bench", "sweep", "ladder", "tune", "predict")
 
 
 def cmd_train(args) -> int:
@@ -196,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "export": cmd_export, "config": cmd_config,
                "data": cmd_data}.get(args.command)
     if handler is None:  # a performance-lab command
-        handler = importlib.import_module(f".{args.command}", __package__).run
+        handler = importlib.import_module(f".lab.{args.command}", __package__).run
     where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
         rc = handler(args)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 perf = time.perf_counter
 
@@ -35,7 +35,7 @@ def log(msg: str) -> None:
 def lab_config(path, overrides):
     """The recipe + overrides, quiet (no progress bar, no TensorBoard); under a multi-process
     launcher a `single` strategy would train N independent copies, so it becomes `ddp`."""
-    from .config import _set, check, load_config
+    from ..config import _set, check, load_config
     cfg = load_config(path, overrides)
     _set(cfg, "run.progress", "off")
     _set(cfg, "run.tensorboard", False)
@@ -48,7 +48,7 @@ def lab_config(path, overrides):
 
 def with_overrides(cfg, overrides: dict):
     """A copy of `cfg` with {dotted key: value} set and checked (ConfigError if it does not validate)."""
-    from .config import _set, check
+    from ..config import _set, check
     out = copy.deepcopy(cfg)
     for k, v in overrides.items():
         _set(out, k, v)
@@ -80,7 +80,7 @@ def synthetic_data(cfg):
     channels, classes; data/synthetic.py), one global batch of them: what `--synthetic` times, so
     that a machine without the dataset (an ImageNet folder on a rented GPU) measures the recipe's
     step. Image-text data (CLIP) is kept, one batch of it reused."""
-    from .models.clip import is_clip_arch
+    from ..models.clip import is_clip_arch
     d = cfg.data
     if d.name not in (*NATIVE, "folder") or is_clip_arch(cfg.model.arch):
         return cfg
@@ -113,7 +113,7 @@ class Bench:
     `synthetic`: the config's dataset replaced by synthetic_data, and one batch of it reused."""
 
     def __init__(self, cfg, synthetic: bool = False):
-        from .loop import Trainer
+        from ..loop import Trainer
         self.cfg = cfg = synthetic_data(cfg) if synthetic else cfg
         if cfg.train.compile:
             static_compiles()

@@ -100,7 +100,7 @@ def beats_first(paired: float | None, per_round: list | None, margin: float = MA
     """tune's rule for one candidate against its group's first (the incumbent), as `run`'s measure
     and `search` apply it together: faster in more than 2/3 of the rounds and a median
     round-by-round ratio above 1 + margin (benchmarks/harness_noise.py asks it of identical copies)."""
-    from .lab_harness import faster_in_most_rounds
+    from .harness import faster_in_most_rounds
     return bool(paired) and paired > 1 + margin and (not per_round or faster_in_most_rounds(per_round))
 
 
@@ -110,7 +110,7 @@ def batch_norm_layers(cfg) -> list[str]:
     accumulation does not keep the recipe's numerics. Built on the meta device (no memory)."""
     from torch import nn
 
-    from .evaluate import meta_model
+    from ..evaluate import meta_model
     return [n for n, m in meta_model(cfg)[1].named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
@@ -119,7 +119,7 @@ def describe(over: dict) -> str:
 
 
 def add_arguments(p) -> None:
-    from .lab_harness import add_synthetic_argument
+    from .harness import add_synthetic_argument
     p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable)")
@@ -144,12 +144,12 @@ def run(args) -> int:
 
     import torch
 
-    from .config import TrainConfig
-    from .errors import UserError
-    from .hardware import peak_flops
-    from .lab_harness import (check_counts, faster_in_most_rounds, lab_config, log, machine_line,
+    from ..config import TrainConfig
+    from ..errors import UserError
+    from ..hardware import peak_flops
+    from .harness import (check_counts, faster_in_most_rounds, lab_config, log, machine_line,
                               measure_configs, rounds_won, synthetic_data, with_overrides)
-    from .strategy.dist import broadcast_object, env_world
+    from ..strategy.dist import broadcast_object, env_world
     check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0))
     if args.budget_s <= 0:
         raise UserError(f"--budget-s must be > 0, got {args.budget_s}")

@@ -16,13 +16,13 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from .strategy.comm import KINDS
+from ..strategy.comm import KINDS
 
 HELP = "time the training step: img/s, MFU, memory, forward/backward/comm/optimizer split"
 
 
 def add_arguments(p) -> None:
-    from .lab_harness import add_synthetic_argument
+    from .harness import add_synthetic_argument
     p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable)")
@@ -45,8 +45,8 @@ def mfu(flops_per_image: float, images_per_s: float, peak: float, world_size: in
 def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_steps: int = 0) -> dict:
     import torch
 
-    from .hardware import peak_flops
-    from .lab_harness import Bench, gather_max, hardware_info, max_rss_bytes, rate, versions
+    from ..hardware import peak_flops
+    from .harness import Bench, gather_max, hardware_info, max_rss_bytes, rate, versions
     rss0 = max_rss_bytes()
     cuda = torch.cuda.is_available() and cfg.run.device != "cpu"
     if cuda:
@@ -138,7 +138,7 @@ def describe(r: dict) -> str:
 
 
 def run(args) -> int:
-    from .lab_harness import check_counts, lab_config
+    from .harness import check_counts, lab_config
     check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0),
                  split_steps=(args.split_steps, 0))
     cfg = lab_config(args.config, args.overrides)

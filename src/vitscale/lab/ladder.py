@@ -46,9 +46,9 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
     adds nothing."""
     import torch
 
-    from .errors import UserError
-    from .lab_harness import with_overrides
-    from .optim import build_optimizer
+    from ..errors import UserError
+    from .harness import with_overrides
+    from ..optim import build_optimizer
     per_device = cfg.data.batch_size // world_size
     half = "bf16"  # bf16 autocast: the fast path on CPUs with AVX-512 bf16 and on Ampere+ GPUs
     rungs = [
@@ -84,8 +84,8 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
 
 def accuracy(cfg, steps: int) -> dict:
     """Train `steps` steps from the config's seed (a temp run folder) and test."""
-    from .lab_harness import with_overrides
-    from .loop import Trainer
+    from .harness import with_overrides
+    from ..loop import Trainer
     cfg = with_overrides(cfg, {"run.max_steps": steps, "run.eval_every": 0, "run.checkpoint_every": steps + 1})
     with tempfile.TemporaryDirectory(prefix="vitscale-ladder-") as tmp:
         t = Trainer(cfg, Path(tmp) / "run")
@@ -110,8 +110,8 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
            skip: tuple = ()) -> dict:
     import torch
 
-    from .lab_harness import hardware_info, log, measure_configs, versions, with_overrides
-    from .strategy.dist import env_world
+    from .harness import hardware_info, log, measure_configs, versions, with_overrides
+    from ..strategy.dist import env_world
     world = env_world()[1]
     rungs = build_rungs(cfg, world, skip)
     live = [r for r in rungs if r.skip is None]
@@ -215,7 +215,7 @@ def markdown(r: dict, command: str) -> str:
 
 
 def add_arguments(p) -> None:
-    from .lab_harness import add_synthetic_argument
+    from .harness import add_synthetic_argument
     p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable)")
@@ -235,8 +235,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import shlex
 
-    from .errors import UserError
-    from .lab_harness import check_counts, lab_config
+    from ..errors import UserError
+    from .harness import check_counts, lab_config
     check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0),
                  train_steps=(args.train_steps, 0))
     skip = tuple(k.strip() for k in args.skip.split(",") if k.strip())

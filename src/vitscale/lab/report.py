@@ -38,8 +38,8 @@ def grad_bytes(bench: dict) -> float | None:
     params = bench.get("params")
     if params is None and bench.get("config"):
         try:
-            from .config import Config, apply_dict
-            from .evaluate import model_info
+            from ..config import Config, apply_dict
+            from ..evaluate import model_info
             params = model_info(apply_dict(Config(), bench["config"], source="bench config"))["params"]
         except Exception:  # noqa: BLE001 - a table column, not worth failing the report for
             return None

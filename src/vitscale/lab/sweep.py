@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 HELP = "benchmark a grid of configs / process counts (strong, weak, batch, accum, memory studies)"
 STUDIES = ("strong", "weak", "batch", "accum", "memory")
@@ -36,7 +36,7 @@ MEMORY_POINTS = [{"strategy.name": "ddp"}] + [{"strategy.name": "deepspeed", "st
 
 
 def add_arguments(p) -> None:
-    from .lab_harness import add_synthetic_argument
+    from .harness import add_synthetic_argument
     p.add_argument("config", nargs="?", help="TOML recipe (path, or a name from configs/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value for every point (repeatable)")
@@ -224,7 +224,7 @@ def run_sweep(config: str | None, points: list[dict], out: Path, *, base_sets=()
 
 
 def run(args) -> int:
-    from .config import load_config
+    from ..config import load_config
     cfg = load_config(args.config, args.overrides)  # validates the base config once, up front
     grids = [parse_grid(g) for g in args.grid]
     try:

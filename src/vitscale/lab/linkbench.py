@@ -1,5 +1,5 @@
 """Measure this machine's collective link: a gloo all-reduce between K local processes (loopback /
-shared memory on a CPU machine), fitted to the ring model of vitscale.comm_model.
+shared memory on a CPU machine), fitted to the ring model of vitscale.lab.comm_model.
 
 Each size B (fp32 tensor) is all-reduced `iters` times after a warm-up; the median time t(B) is
 fitted by least squares to  t = 2(K-1) x a + 2(K-1)/K x B / bw  (one bucket), which gives the

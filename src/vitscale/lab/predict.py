@@ -3,7 +3,7 @@
 The step's compute comes from a `vitscale bench --json` result (--bench FILE) or, without one, is
 estimated as train FLOPs per image x batch / (GPU peak x MFU) with forward:backward = 1:2 and no
 optimizer or data time. Gradient bytes = parameters x bytes of the reduce dtype. Collectives follow
-the ring / hierarchical model of vitscale.comm_model (formulas in its docstrings):
+the ring / hierarchical model of vitscale.lab.comm_model (formulas in its docstrings):
 
   DDP        all-reduce 2(K-1)/K x B, overlapped with backward: exposed = max(0, comm - overlap x bwd)
   ZeRO-1/2   reduce-scatter (overlapped) + all-gather after the step: the same 2(K-1)/K x B
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 HELP = "predict DDP / ZeRO / FSDP scaling to 512 GPUs from one measured or estimated step"
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -90,8 +90,8 @@ def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2
             bucket_mb: float = 25.0, overlap: float = 0.7, strategies=("ddp",), reduce_dtype: str | None = None,
             gpu: str = "H100", mfu: float = 0.4) -> dict:
     from . import comm_model as cm
-    from .evaluate import model_info
-    from .hardware import gpu_peak, precision_dtype
+    from ..evaluate import model_info
+    from ..hardware import gpu_peak, precision_dtype
     info = model_info(cfg)
     if reduce_dtype is None:
         s = cfg.strategy
@@ -146,7 +146,7 @@ def markdown(result: dict) -> str:
 
 
 def run(args) -> int:
-    from .config import load_config
+    from ..config import load_config
     cfg = load_config(args.config, args.overrides)
     bench = None
     if args.bench:
