@@ -15,17 +15,16 @@ import time
 
 import torch
 
-from vitscale.evaluate import data_geometry
 from vitscale.lab.harness import lab_config, measure_configs
-from vitscale.loop import model_spec
-from vitscale.models import VisionTransformer
+from vitscale.tasks import build_task
 from vitscale.optim import build_optimizer
 from vitscale.lab.tune import beats_first
 
 
 def optimizer_steps(cfg, reps: int = 20, rounds: int = 3) -> dict:
     """ms per optimizer step for each implementation, on the recipe's model with random gradients."""
-    model = VisionTransformer(model_spec(cfg, *data_geometry(cfg)))
+    task = build_task(cfg)
+    model = task.build_model(task.build_spec(*task.geometry()))
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opts = {}

@@ -82,7 +82,7 @@ def main() -> int:
 
     from vitscale.lab.bench import measure
     from vitscale.config import load_config
-    from vitscale.evaluate import model_info
+    from vitscale.tasks import model_info
     from vitscale.hardware import gpu_peak
     from vitscale.lab.harness import machine_line
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="vitscale-loader-")

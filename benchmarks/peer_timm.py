@@ -48,7 +48,7 @@ def build(case, precision):
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
     from vitscale.config import load_config
-    from vitscale.evaluate import model_info
+    from vitscale.tasks import model_info
     from vitscale.lab.harness import Bench
     from vitscale.models.vit import VisionTransformer, ViTSpec
     path, sets, chans, classes = case

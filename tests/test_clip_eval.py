@@ -1,7 +1,7 @@
 """Retrieval recall@k against a naive sort-based reference, with unique and repeated captions."""
 import torch
 
-from vitscale.clip_task import caption_ids, recall_at_k
+from vitscale.tasks.clip import caption_ids, recall_at_k
 
 
 def naive_recall(img, txt, cap, ks=(1, 5, 10)):

@@ -3,7 +3,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from vitscale.config import load_config
-from vitscale.evaluate import model_info
+from vitscale.tasks import model_info
 from vitscale.models import REGISTRY, SIZES, count_params, resolve_spec, vit, vit_forward_flops, vit_forward_macs, VisionTransformer
 
 

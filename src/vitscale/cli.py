@@ -80,6 +80,7 @@ def cmd_train(args) -> int:
     from .checkpoint import check_resume, list_checkpoints, load_checkpoint, resolve_checkpoint
     from .config import Config, apply_dict, check, load_config, parse_override, _set
     from .loop import train
+    from .tasks import describe_result
     resume = args.resume
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not resume and args.out and restarts and list_checkpoints(args.out):
@@ -104,58 +105,28 @@ def cmd_train(args) -> int:
     summary = train(cfg, run_dir, resume=resume)
     if summary["rank"] != 0:
         return 0
-    print(f"{describe_metrics(summary)} after {summary['epochs']:.2f} epochs, {summary['train_time_s']:.0f}s "
+    print(f"{describe_result(summary)} after {summary['epochs']:.2f} epochs, {summary['train_time_s']:.0f}s "
           f"training, {summary['images_per_s']:.0f} img/s, MFU {100 * summary['mfu']:.1f}%; run folder "
           f"{summary['run_dir']}")
     return 0
 
 
-def describe_metrics(r: dict) -> str:
-    """One line: accuracy for classifiers; retrieval recall and zero-shot accuracy for CLIP."""
-    pct = lambda k: f"{100 * r[k]:.2f}%"  # noqa: E731
-    if "test_accuracy" in r:
-        best = f" (best {pct('best_test_accuracy')})" if "best_test_accuracy" in r else ""
-        return f"test accuracy {pct('test_accuracy')}{best} on {r['test_count']} images (loss {r['test_loss']:.4f})"
-    parts = []
-    if "test_i2t_r1" in r:
-        parts.append(f"held-out retrieval ({r['test_pairs']} pairs) image->text R@1 {pct('test_i2t_r1')} "
-                     f"R@5 {pct('test_i2t_r5')}, text->image R@1 {pct('test_t2i_r1')} R@5 {pct('test_t2i_r5')}")
-    parts += [f"{k[len('zeroshot_'):-len('_top1')]} zero-shot top-1 {pct(k)}" for k in r
-              if k.startswith("zeroshot_") and k.endswith("_top1")]
-    return "; ".join(parts) or "no held-out data"
-
-
 def cmd_eval(args) -> int:
     from .evaluate import evaluate_checkpoint
+    from .tasks import describe_result
     result = evaluate_checkpoint(args.checkpoint, args.overrides)
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{describe_metrics(result)} from {result['checkpoint']}")
+        print(f"{describe_result(result)} from {result['checkpoint']}")
     return 0
 
 
 def cmd_info(args) -> int:
     from .config import load_config
-    from .evaluate import model_info
+    from .tasks import model_info, task_class
     info = model_info(load_config(args.config, args.overrides))
-    g = lambda n: f"{n / 1e9:.2f} G" if n >= 1e9 else f"{n / 1e6:.1f} M"  # noqa: E731
-    if args.json:
-        print(json.dumps(info))
-    elif info.get("kind") == "clip":
-        v, t = info["vision"], info["text"]
-        print(f"{info['arch']}: {info['params'] / 1e6:.2f}M parameters (image {info['vision_params'] / 1e6:.2f}M, "
-              f"text {info['text_params'] / 1e6:.2f}M), embedding {info['embed_dim']}; image {v['image_size']}px "
-              f"patch {v['patch_size']} dim {v['dim']} depth {v['depth']} ({info['tokens']} tokens); text dim "
-              f"{t['dim']} depth {t['depth']} heads {t['heads']}, {t['context_length']} tokens; "
-              f"{g(info['flops_per_image'])}FLOPs per (image, caption) forward")
-    else:
-        g = lambda n: f"{n / 1e9:.2f} G" if n >= 1e9 else f"{n / 1e6:.1f} M"  # noqa: E731
-        print(f"{info['arch']}: {info['params'] / 1e6:.2f}M parameters, {info['tokens']} tokens, "
-              f"{g(info['macs_per_image'])}MACs = {g(info['flops_per_image'])}FLOPs per image "
-              f"forward, {g(info['train_flops_per_image'])}FLOPs per image training "
-              f"({info['image_size']}px, patch {info['patch_size']}, dim {info['dim']}, depth {info['depth']}, "
-              f"heads {info['heads']}, {info['num_classes']} classes, head={info['head']})")
+    print(json.dumps(info) if args.json else task_class(info["kind"]).info_line(info))
     return 0
 
 

@@ -13,79 +13,12 @@ import torch
 from .checkpoint import (check_resume, engine_folder, list_checkpoints, load_checkpoint, resolve_checkpoint,
                          rng_state, save_checkpoint, set_rng_state)
 from .config import Config
-from .data import build_data
 from .errors import ConfigError, DataError, TrainingError, UserError
-from .losses import build_clip_loss, resolve_clip
 from .metrics import MetricsLog, NullLog, Progress
-from .models import (CLIP, VisionTransformer, clip_forward_flops, count_params, is_clip_arch,
-                     resolve_clip_spec, resolve_spec, vit_forward_flops)
-from .optim import build_scheduler, scaled_lr, schedule
+from .models import count_params
+from .optim import build_scheduler, scaled_lr
 from .strategy import build_strategy
-from .tasks import ClassificationTask
-
-
-def model_spec(cfg: Config, image_size: int, channels: int, num_classes: int):
-    m = cfg.model
-    try:
-        spec = resolve_spec(m.arch, image_size=image_size, in_chans=channels, num_classes=num_classes,
-                            patch_size=m.patch_size, dim=m.dim, depth=m.depth, heads=m.heads,
-                            mlp_ratio=m.mlp_ratio, head=m.head, attention=m.attention, stem=m.stem,
-                            drop_path=m.drop_path, dropout=m.dropout)
-    except KeyError as e:
-        raise ConfigError(f"config: model.arch: {e.args[0]}") from None
-    if spec.image_size % spec.patch_size:
-        raise ConfigError(f"config: image size {spec.image_size} is not divisible by patch size "
-                            f"{spec.patch_size} (set data.image_size or model.patch_size)")
-    if spec.stem == "conv" and (spec.patch_size & (spec.patch_size - 1) or spec.patch_size < 2):
-        raise ConfigError(f"config: model.stem=conv needs a power-of-two patch size >= 2, got {spec.patch_size}")
-    if spec.dim % spec.heads:
-        raise ConfigError(f"config: model dim {spec.dim} is not divisible by heads {spec.heads}")
-    return spec
-
-
-IMAGE_TEXT = ("openclipart", "csv", "webdataset")
-
-
-def clip_spec(cfg: Config, image_size: int, channels: int):
-    m = cfg.model
-    try:
-        spec = resolve_clip_spec(
-            m.arch, embed_dim=m.embed_dim,
-            vision=dict(image_size=image_size, in_chans=channels, patch_size=m.patch_size, dim=m.dim,
-                        depth=m.depth, heads=m.heads, mlp_ratio=m.mlp_ratio, attention=m.attention,
-                        stem=m.stem, drop_path=m.drop_path, dropout=m.dropout),
-            text=dict(dim=m.text_dim, depth=m.text_depth, heads=m.text_heads, attention=m.attention,
-                      context_length=m.context_length))
-    except KeyError as e:
-        raise ConfigError(f"config: model.arch: {e.args[0]}") from None
-    spec = replace(spec, init_tau=cfg.clip.tau_init or 0.07)  # openclip's logit_scale (unused by FastCLIP)
-    v, t = spec.vision, spec.text
-    if v.image_size % v.patch_size:
-        raise ConfigError(f"config: image size {v.image_size} is not divisible by patch size {v.patch_size} "
-                          f"(set data.image_size or model.patch_size)")
-    for what, d, h in (("model", v.dim, v.heads), ("model text", t.dim, t.heads)):
-        if d % h:
-            raise ConfigError(f"config: {what} dim {d} is not divisible by heads {h}")
-    return spec
-
-
-def build_task_data(cfg: Config, s):
-    """(data bundle, clip?) for this rank: image-text pairs for CLIP models, else labelled images."""
-    clip = is_clip_arch(cfg.model.arch)
-    if not clip and cfg.data.name in IMAGE_TEXT:
-        raise ConfigError(f"config: data.name={cfg.data.name} holds image-text pairs: train a CLIP model "
-                          f"(model.arch=clip_mini, clip_vit_b32, ...)")
-    if clip:
-        if cfg.train.accum_steps > 1:
-            raise ConfigError("config: train.accum_steps > 1 is not supported for CLIP: contrastive losses "
-                              "need the whole batch at once (lower data.batch_size or add processes)")
-        if cfg.data.name not in IMAGE_TEXT and not cfg.data.captions:
-            raise ConfigError(f"config: a CLIP model needs image-text pairs: data.name=openclipart|csv|"
-                              f"webdataset, or data.captions=true to caption {cfg.data.name}'s labels")
-        from .data import build_image_text
-        return build_image_text(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank,
-                                world_size=s.world_size, context_length=cfg.model.context_length), True
-    return build_data(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank, world_size=s.world_size), False
+from .tasks import build_task
 
 
 class Trainer:
@@ -105,21 +38,15 @@ class Trainer:
         if rem or not per_rank:
             raise ConfigError(f"config: data.batch_size ({cfg.data.batch_size}) must be a multiple of "
                               f"processes ({s.world_size}) x train.accum_steps ({cfg.train.accum_steps})")
-        self.data, self.clip = build_task_data(cfg, s)
+        self.task = task = build_task(cfg)
+        self.data = task.build_data(s)
         if cfg.data.batch_size > self.data.train_size:
             raise DataError(f"data.batch_size ({cfg.data.batch_size}) is larger than the training set "
                             f"({self.data.train_size} images)")
-        if not self.clip and cfg.model.num_classes and cfg.model.num_classes != self.data.num_classes:
-            raise ConfigError(f"config: model.num_classes={cfg.model.num_classes} but the dataset has "
-                              f"{self.data.num_classes} classes (set 0 to follow the data)")
-        if self.clip:
-            self.spec = clip_spec(cfg, self.data.image_size, self.data.channels)
-            self.flops_per_image = clip_forward_flops(self.spec)  # one (image, caption) pair
-        else:
-            self.spec = model_spec(cfg, self.data.image_size, self.data.channels, self.data.num_classes)
-            self.flops_per_image = vit_forward_flops(self.spec)
+        self.spec = task.spec_for(self.data)
+        self.flops_per_image = task.flops(self.spec)  # per training sample (image, or image-caption pair)
         torch.manual_seed(cfg.run.seed)
-        model = (CLIP if self.clip else VisionTransformer)(self.spec)  # the same initial weights on every rank
+        model = task.build_model(self.spec)  # the same initial weights on every rank
         if s.rank:  # a stream of its own per rank for dropout / stochastic depth
             torch.manual_seed(cfg.run.seed + 1_000_003 * s.rank)
         self.params = count_params(model)
@@ -129,15 +56,8 @@ class Trainer:
             raise DataError(f"data.batch_size ({cfg.data.batch_size}) gives no full batch per epoch")
         total = math.ceil(cfg.train.epochs * self.steps_per_epoch)
         self.total_steps = min(total, cfg.run.max_steps) if cfg.run.max_steps else total
-        if self.clip:
-            from .clip_task import ClipTask
-            loss = build_clip_loss(cfg.clip, cfg.optim, lr=self.lr, dataset_size=self.data.train_size,
-                                   epochs=cfg.train.epochs, device=s.device,
-                                   lr_factor=schedule(cfg.optim, self.total_steps, self.steps_per_epoch))
-            self.task = ClipTask(loss, cfg.model.context_length, cfg.clip.prompt_templates)
-        else:
-            self.task = ClassificationTask(self.data.num_classes, cfg.train.label_smoothing,
-                                           cfg.train.eval_hflip_tta)
+        task.setup_training(lr=self.lr, dataset_size=self.data.train_size, total_steps=self.total_steps,
+                            steps_per_epoch=self.steps_per_epoch, device=s.device)
         self.scheduler = build_scheduler(self.strategy.optimizer, cfg.optim, self.total_steps,
                                          self.steps_per_epoch)
         self.step, self.train_time, self.images_seen = 0, 0.0, 0
@@ -178,7 +98,7 @@ class Trainer:
                 "world_size": self.strategy.world_size, "step": self.step,
                 "train_time": self.train_time, "images_seen": self.images_seen, "steady": self.steady,
                 "best_acc": self.best_acc, "last_eval": self.last_eval, "spec": asdict(self.spec),
-                "kind": "clip" if self.clip else "vit", "task": self.task.state_dict()}
+                "kind": self.task.kind, "task": self.task.state_dict()}
 
     def _restore(self, state: dict) -> None:
         self.strategy.load_state_dict(state["strategy"])
@@ -224,13 +144,6 @@ class Trainer:
             self.best_acc = value if self.best_acc is None else max(self.best_acc, value)
         return self.last_eval
 
-    def describe_eval(self, ev: dict) -> str:
-        m, best = self.task.metric, self.best_acc
-        text = f"{m.replace('_', ' ')} {100 * ev.get(m, float('nan')):.2f}% (best {100 * (best or 0):.2f}%)"
-        zs = [f"{k[len('zeroshot_'):-len('_top1')]} zero-shot {100 * v:.2f}%" for k, v in ev.items()
-              if k.startswith("zeroshot_") and k.endswith("_top1")]
-        return ", ".join([text] + zs)
-
     # -- training ---------------------------------------------------------------------------------
     def train_step(self, batch: tuple) -> tuple[float, dict]:
         """One optimizer step over a batch ((images, labels) or (images, tokens, index)) split
@@ -265,10 +178,9 @@ class Trainer:
         bar = Progress(self.total_steps, cfg.run.progress if main else "off", start=self.step,
                        every=cfg.run.log_every)
         sync = torch.cuda.synchronize if self.strategy.device.type == "cuda" else (lambda: None)
-        bar.message(f"run {self.run_dir}: {self.describe_model()}, {self.params / 1e6:.2f}M params, "
-                    f"{self.flops_per_image / 1e6:.1f} MFLOPs/{'pair' if self.clip else 'img'} fwd; "
-                    f"{self.data.train_size} train / {self.data.test_size} test "
-                    f"{'pairs' if self.clip else 'images'}; "
+        bar.message(f"run {self.run_dir}: {self.task.describe(self.spec)}, {self.params / 1e6:.2f}M params, "
+                    f"{self.flops_per_image / 1e6:.1f} MFLOPs/{self.task.sample} fwd; "
+                    f"{self.data.train_size} train / {self.data.test_size} test {self.task.samples}; "
                     f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
                     f"{cfg.train.accum_steps} micro-batches x "
                     f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; lr {self.lr:.3g}"
@@ -335,7 +247,7 @@ class Trainer:
                 if epoch_done and cfg.run.eval_every and (self.step // self.steps_per_epoch) % cfg.run.eval_every == 0:
                     ev = self.evaluate()
                     log.log({"kind": "eval", **ev}, prefix="eval")
-                    bar.message(f"epoch {ev['epoch']:.2f} step {self.step}: {self.describe_eval(ev)}, "
+                    bar.message(f"epoch {ev['epoch']:.2f} step {self.step}: {self.task.describe_eval(ev, self.best_acc)}, "
                                 f"{self.train_time:.0f}s training")
                 if epoch_done and not cfg.run.checkpoint_every:
                     self.save()
@@ -351,13 +263,6 @@ class Trainer:
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
-
-    def describe_model(self) -> str:
-        if self.clip:
-            v, t = self.spec.vision, self.spec.text
-            return (f"CLIP (image {v.depth}x{v.dim} ViT, {v.num_tokens} tokens; text {t.depth}x{t.dim}, "
-                    f"{t.context_length} tokens; embedding {self.spec.embed_dim})")
-        return f"{self.spec.depth}x{self.spec.dim} ViT, {self.spec.num_tokens} tokens"
 
     def state_bytes(self) -> dict:
         """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
@@ -393,8 +298,7 @@ class Trainer:
                 "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "checkpoint": str(self.last_ckpt), "run_dir": str(self.run_dir), "rank": self.strategy.rank,
                 "state_bytes_per_rank": self.strategy.gather_objects(self.state_bytes()),
-                **({"clip": resolve_clip(self.cfg.clip, lr=self.lr, epochs=self.cfg.train.epochs)}
-                   if self.clip else {})}
+                "task": self.task.kind, **self.task.summary_extra(self.lr)}
 
 
 def train(cfg: Config, run_dir: Path | None = None, resume: str | Path | None = None) -> dict:

@@ -14,7 +14,11 @@ from .fetch import data_home, default_root, download
 from .image_text import ImageTextBundle, build_image_text
 from .loaders import DataBundle, TensorEvalLoader, TensorTrainLoader
 
-__all__ = ["DataBundle", "build_data", "download", "default_root", "data_home",
+# (image size, channels, classes) of the built-in labelled sets; the image-text sets (CLIP)
+NATIVE_GEOMETRY = {"fashion_mnist": (28, 1, 10), "cifar10": (32, 3, 10), "cifar100": (32, 3, 100)}
+IMAGE_TEXT = ("openclipart", "csv", "webdataset")
+
+__all__ = ["NATIVE_GEOMETRY", "IMAGE_TEXT", "DataBundle", "build_data", "download", "default_root", "data_home",
            "TensorTrainLoader", "TensorEvalLoader", "ImageTextBundle", "build_image_text"]
 
 

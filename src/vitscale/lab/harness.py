@@ -66,9 +66,6 @@ def micros(batch: tuple, accum: int):
     return zip(*(t.chunk(accum) for t in batch))
 
 
-NATIVE = {"fashion_mnist": (28, 1, 10), "cifar10": (32, 3, 10), "cifar100": (32, 3, 100)}  # size, channels, classes
-
-
 def add_synthetic_argument(p) -> None:
     """`--synthetic`, one definition for bench, ladder, tune and sweep (which passes it to bench)."""
     p.add_argument("--synthetic", action="store_true",
@@ -80,21 +77,9 @@ def synthetic_data(cfg):
     channels, classes; data/synthetic.py), one global batch of them: what `--synthetic` times, so
     that a machine without the dataset (an ImageNet folder on a rented GPU) measures the recipe's
     step. Image-text data (CLIP) is kept, one batch of it reused."""
-    from ..models.clip import is_clip_arch
-    d = cfg.data
-    if d.name not in (*NATIVE, "folder") or is_clip_arch(cfg.model.arch):
-        return cfg
-    if d.name == "folder":
-        if not cfg.model.num_classes:
-            raise UserError("--synthetic with a folder dataset needs model.num_classes (the folder's class "
-                            "count), e.g. --set model.num_classes=1000")
-        size, channels, classes = d.image_size or 224, 3, cfg.model.num_classes
-    else:
-        size, channels, classes = NATIVE[d.name]
-        size = d.image_size or size
-    return with_overrides(cfg, {"data.name": "synthetic", "data.root": "", "data.test_root": "",
-                                "data.image_size": size, "data.channels": channels, "data.num_classes": classes,
-                                "data.train_size": d.batch_size, "data.test_size": min(d.eval_batch_size, 256)})
+    from ..tasks import build_task
+    overrides = build_task(cfg).synthetic_overrides()
+    return cfg if overrides is None else with_overrides(cfg, overrides)
 
 
 def static_compiles() -> None:

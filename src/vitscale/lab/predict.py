@@ -90,7 +90,7 @@ def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2
             bucket_mb: float = 25.0, overlap: float = 0.7, strategies=("ddp",), reduce_dtype: str | None = None,
             gpu: str = "H100", mfu: float = 0.4) -> dict:
     from . import comm_model as cm
-    from ..evaluate import model_info
+    from ..tasks import model_info
     from ..hardware import gpu_peak, precision_dtype
     info = model_info(cfg)
     if reduce_dtype is None:

@@ -39,7 +39,7 @@ def grad_bytes(bench: dict) -> float | None:
     if params is None and bench.get("config"):
         try:
             from ..config import Config, apply_dict
-            from ..evaluate import model_info
+            from ..tasks import model_info
             params = model_info(apply_dict(Config(), bench["config"], source="bench config"))["params"]
         except Exception:  # noqa: BLE001 - a table column, not worth failing the report for
             return None

@@ -110,8 +110,8 @@ def batch_norm_layers(cfg) -> list[str]:
     accumulation does not keep the recipe's numerics. Built on the meta device (no memory)."""
     from torch import nn
 
-    from ..evaluate import meta_model
-    return [n for n, m in meta_model(cfg)[1].named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    from ..tasks import build_task
+    return [n for n, m in build_task(cfg).meta_model()[1].named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
 def describe(over: dict) -> str:

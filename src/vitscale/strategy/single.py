@@ -71,6 +71,13 @@ class SingleDevice:  # implements base.Strategy
         wrapped = self.wrap(model)
         self.model = torch.compile(wrapped) if self.cfg.compile else wrapped  # what training calls
 
+    def setup_eval(self, model: nn.Module) -> None:
+        """Place and cast a model for evaluation only (no optimizer, no wrapper): `vitscale eval`."""
+        model.to(self.device)
+        if self.pure:
+            model.to(self.half)
+        self.module = self.model = model
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """The engine's wrapper around the plain model (none on one device)."""
         return model

@@ -11,12 +11,18 @@ Evaluation
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from .data.tokenizer import tokenize
-from .errors import DataError
+from ..data import IMAGE_TEXT, build_image_text
+from ..data.tokenizer import tokenize
+from ..errors import ConfigError, DataError
+from ..losses import build_clip_loss, resolve_clip
+from ..models import CLIP, ClipSpec, TextSpec, ViTSpec, clip_forward_flops, count_params, resolve_clip_spec
+from ..optim import schedule
+from .base import Task
 
 RECALL_K = (1, 5, 10)
 
@@ -47,14 +53,110 @@ def caption_ids(tokens: torch.Tensor) -> torch.Tensor:
     return torch.unique(tokens, dim=0, return_inverse=True)[1]
 
 
-class ClipTask:
+class ClipTask(Task):
+    kind, sample, samples = "clip", "pair", "pairs"
     metric = "retrieval_r1"  # mean of image->text and text->image recall@1 on the held-out pairs
 
-    def __init__(self, loss_module, context_length: int, prompt_templates: str = "default"):
-        self.loss_module = loss_module
-        self.context_length = context_length
-        self.prompt_templates = prompt_templates
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.loss_module = None  # built by setup_training; evaluation needs none
+        self.context_length = cfg.model.context_length
+        self.prompt_templates = cfg.clip.prompt_templates
         self.last_logs: dict = {}
+
+    # -- building ---------------------------------------------------------------------------------
+    def build_data(self, s):
+        cfg = self.cfg
+        if cfg.train.accum_steps > 1:
+            raise ConfigError("config: train.accum_steps > 1 is not supported for CLIP: contrastive losses "
+                              "need the whole batch at once (lower data.batch_size or add processes)")
+        if cfg.data.name not in IMAGE_TEXT and not cfg.data.captions:
+            raise ConfigError(f"config: a CLIP model needs image-text pairs: data.name=openclipart|csv|"
+                              f"webdataset, or data.captions=true to caption {cfg.data.name}'s labels")
+        return build_image_text(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank,
+                                world_size=s.world_size, context_length=cfg.model.context_length)
+
+    def geometry(self) -> tuple[int, int, int]:
+        from .classification import ClassificationTask  # the image side is the same as a classifier's
+        size, channels, _ = ClassificationTask(self.cfg).geometry()
+        return size, channels, 0
+
+    def build_spec(self, image_size: int, channels: int, num_classes: int = 0) -> ClipSpec:
+        cfg, m = self.cfg, self.cfg.model
+        try:
+            spec = resolve_clip_spec(
+                m.arch, embed_dim=m.embed_dim,
+                vision=dict(image_size=image_size, in_chans=channels, patch_size=m.patch_size, dim=m.dim,
+                            depth=m.depth, heads=m.heads, mlp_ratio=m.mlp_ratio, attention=m.attention,
+                            stem=m.stem, drop_path=m.drop_path, dropout=m.dropout),
+                text=dict(dim=m.text_dim, depth=m.text_depth, heads=m.text_heads, attention=m.attention,
+                          context_length=m.context_length))
+        except KeyError as e:
+            raise ConfigError(f"config: model.arch: {e.args[0]}") from None
+        spec = replace(spec, init_tau=cfg.clip.tau_init or 0.07)  # openclip's logit_scale (unused by FastCLIP)
+        v, t = spec.vision, spec.text
+        if v.image_size % v.patch_size:
+            raise ConfigError(f"config: image size {v.image_size} is not divisible by patch size {v.patch_size} "
+                              f"(set data.image_size or model.patch_size)")
+        for what, d, h in (("model", v.dim, v.heads), ("model text", t.dim, t.heads)):
+            if d % h:
+                raise ConfigError(f"config: {what} dim {d} is not divisible by heads {h}")
+        return spec
+
+    def spec_from_dict(self, d: dict) -> ClipSpec:
+        return ClipSpec(vision=ViTSpec(**d["vision"]), text=TextSpec(**d["text"]), embed_dim=d["embed_dim"],
+                        init_tau=d["init_tau"])
+
+    def build_model(self, spec: ClipSpec):
+        return CLIP(spec)
+
+    def flops(self, spec: ClipSpec) -> int:
+        return clip_forward_flops(spec)  # one (image, caption) pair
+
+    def describe(self, spec: ClipSpec) -> str:
+        v, t = spec.vision, spec.text
+        return (f"CLIP (image {v.depth}x{v.dim} ViT, {v.num_tokens} tokens; text {t.depth}x{t.dim}, "
+                f"{t.context_length} tokens; embedding {spec.embed_dim})")
+
+    def info_extra(self, spec, model) -> dict:
+        params, vision = count_params(model), count_params(model.visual)
+        return {"vision_params": vision, "text_params": params - vision - 1, "tokens": spec.vision.num_tokens,
+                "context_length": spec.text.context_length}
+
+    @staticmethod
+    def info_line(info: dict) -> str:
+        g = lambda n: f"{n / 1e9:.2f} G" if n >= 1e9 else f"{n / 1e6:.1f} M"  # noqa: E731
+        v, t = info["vision"], info["text"]
+        return (f"{info['arch']}: {info['params'] / 1e6:.2f}M parameters (image {info['vision_params'] / 1e6:.2f}M, "
+                f"text {info['text_params'] / 1e6:.2f}M), embedding {info['embed_dim']}; image {v['image_size']}px "
+                f"patch {v['patch_size']} dim {v['dim']} depth {v['depth']} ({info['tokens']} tokens); text dim "
+                f"{t['dim']} depth {t['depth']} heads {t['heads']}, {t['context_length']} tokens; "
+                f"{g(info['flops_per_image'])}FLOPs per (image, caption) forward")
+
+    def setup_training(self, *, lr, dataset_size, total_steps, steps_per_epoch, device) -> None:
+        cfg = self.cfg
+        self.loss_module = build_clip_loss(cfg.clip, cfg.optim, lr=lr, dataset_size=dataset_size,
+                                           epochs=cfg.train.epochs, device=device,
+                                           lr_factor=schedule(cfg.optim, total_steps, steps_per_epoch))
+
+    def summary_extra(self, lr: float) -> dict:
+        return {"clip": resolve_clip(self.cfg.clip, lr=lr, epochs=self.cfg.train.epochs)}
+
+    def describe_eval(self, ev: dict, best) -> str:
+        zs = [f"{k[len('zeroshot_'):-len('_top1')]} zero-shot {100 * v:.2f}%" for k, v in ev.items()
+              if k.startswith("zeroshot_") and k.endswith("_top1")]
+        return ", ".join([super().describe_eval(ev, best)] + zs)
+
+    @staticmethod
+    def describe_metrics(r: dict) -> str:
+        pct = lambda k: f"{100 * r[k]:.2f}%"  # noqa: E731
+        parts = []
+        if "test_i2t_r1" in r:
+            parts.append(f"held-out retrieval ({r['test_pairs']} pairs) image->text R@1 {pct('test_i2t_r1')} "
+                         f"R@5 {pct('test_i2t_r5')}, text->image R@1 {pct('test_t2i_r1')} R@5 {pct('test_t2i_r5')}")
+        parts += [f"{k[len('zeroshot_'):-len('_top1')]} zero-shot top-1 {pct(k)}" for k in r
+                  if k.startswith("zeroshot_") and k.endswith("_top1")]
+        return "; ".join(parts) or "no held-out data"
 
     # -- training ---------------------------------------------------------------------------------
     def forward_loss(self, model, batch, prepare) -> torch.Tensor:

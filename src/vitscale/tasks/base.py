@@ -1,0 +1,133 @@
+"""What every kind of model provides to the trainer, `vitscale eval / info / export` and the lab.
+
+A task is built from the config alone (`tasks.build_task(cfg)`); it then builds its data, its
+model spec and model, and, for training, its loss (`setup_training`). The trainer only calls the
+verbs below and never asks which task it runs. Classification (tasks/classification.py) and
+CLIP (tasks/clip.py) are the two implementations; a third kind (fine-tuning, distillation, MAE)
+is a new subclass registered in tasks/__init__.py.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..models import count_params
+
+
+class Task:
+    kind: str = ""         # saved in checkpoints ("vit", "clip"): picks the task that reads them back
+    metric: str = ""       # the metric whose best value a run keeps
+    sample: str = "img"    # one training sample, in log lines ("img", "pair")
+    samples: str = "images"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    # -- building ---------------------------------------------------------------------------------
+    def build_data(self, strategy):
+        """This rank's data bundle (train / test loaders, sizes, image geometry)."""
+        raise NotImplementedError
+
+    def geometry(self) -> tuple[int, int, int]:
+        """(image size, channels, classes) the model will see, without loading the data."""
+        raise NotImplementedError
+
+    def build_spec(self, image_size: int, channels: int, num_classes: int):
+        """The model's spec from the config and the data's geometry (ConfigError if it cannot be built)."""
+        raise NotImplementedError
+
+    def spec_for(self, data):
+        """The model's spec for a built data bundle."""
+        return self.build_spec(data.image_size, data.channels, getattr(data, "num_classes", 0))
+
+    def spec_from_dict(self, d: dict):
+        """The spec saved in a checkpoint (`asdict(spec)`) as a spec again."""
+        raise NotImplementedError
+
+    def build_model(self, spec) -> nn.Module:
+        raise NotImplementedError
+
+    def flops(self, spec) -> int:
+        """Forward FLOPs per training sample (training = 3x)."""
+        raise NotImplementedError
+
+    def describe(self, spec) -> str:
+        """The model in a few words, for the run's first log line."""
+        raise NotImplementedError
+
+    def meta_model(self):
+        """(spec, model) of the recipe's model on the meta device: structure and parameter
+        counts without memory or initialization."""
+        spec = self.build_spec(*self.geometry())
+        with torch.device("meta"):
+            return spec, self.build_model(spec)
+
+    def info(self) -> dict:
+        """Parameters and FLOPs of the recipe's model (`vitscale info --json`)."""
+        spec, model = self.meta_model()
+        flops = self.flops(spec)
+        return {"arch": self.cfg.model.arch, "kind": self.kind, **asdict(spec), "params": count_params(model),
+                "macs_per_image": flops // 2, "flops_per_image": flops, "train_flops_per_image": 3 * flops,
+                **self.info_extra(spec, model)}
+
+    def info_extra(self, spec, model) -> dict:
+        return {}
+
+    @staticmethod
+    def info_line(info: dict) -> str:
+        """`vitscale info` without --json."""
+        raise NotImplementedError
+
+    def synthetic_overrides(self) -> dict | None:
+        """Config overrides that swap the dataset for synthetic data of the same shape (the lab's
+        `--synthetic`), or None where the task keeps its own data (one batch of it reused)."""
+        return None
+
+    def setup_training(self, *, lr: float, dataset_size: int, total_steps: int, steps_per_epoch: int,
+                       device: torch.device) -> None:
+        """Build what training needs beyond the model (losses with their own state)."""
+
+    # -- the training step ------------------------------------------------------------------------
+    def forward_loss(self, model, batch, prepare) -> torch.Tensor:
+        raise NotImplementedError
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
+
+    def after_step(self, step: int | None = None) -> None:
+        """After each optimizer step (per-sample state updates, temperature steps)."""
+
+    def logs(self) -> dict:
+        """Extra values for the train log record."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """The task's own state for checkpoints (FastCLIP's per-sample tables)."""
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+    def state_bytes(self) -> int:
+        return 0
+
+    def summary_extra(self, lr: float) -> dict:
+        """Task settings for summary.json."""
+        return {}
+
+    # -- evaluation -------------------------------------------------------------------------------
+    def evaluate_all(self, strategy, data) -> dict:
+        """The task's metrics over the whole test set (every rank gets the same numbers)."""
+        raise NotImplementedError
+
+    def describe_eval(self, ev: dict, best: float | None) -> str:
+        m = self.metric
+        return f"{m.replace('_', ' ')} {100 * ev.get(m, float('nan')):.2f}% (best {100 * (best or 0):.2f}%)"
+
+    @staticmethod
+    def describe_metrics(r: dict) -> str:
+        """One line for a run's or a checkpoint's final metrics."""
+        raise NotImplementedError

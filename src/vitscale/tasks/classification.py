@@ -1,0 +1,168 @@
+"""Image classification: cross entropy on (images, labels); accuracy over the test set."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data import IMAGE_TEXT, NATIVE_GEOMETRY, build_data
+from ..errors import ConfigError, UserError
+from ..models import VisionTransformer, ViTSpec, resolve_spec, vit_forward_flops
+from .base import Task
+
+
+class ClassificationTask(Task):
+    kind, metric, sample, samples = "vit", "test_accuracy", "img", "images"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.label_smoothing = cfg.train.label_smoothing
+        self.hflip_tta = cfg.train.eval_hflip_tta
+        self.num_classes = cfg.model.num_classes
+
+    # -- building ---------------------------------------------------------------------------------
+    def build_data(self, s):
+        cfg = self.cfg
+        if cfg.data.name in IMAGE_TEXT:
+            raise ConfigError(f"config: data.name={cfg.data.name} holds image-text pairs: train a CLIP model "
+                              f"(model.arch=clip_mini, clip_vit_b32, ...)")
+        data = build_data(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank, world_size=s.world_size)
+        if cfg.model.num_classes and cfg.model.num_classes != data.num_classes:
+            raise ConfigError(f"config: model.num_classes={cfg.model.num_classes} but the dataset has "
+                              f"{data.num_classes} classes (set 0 to follow the data)")
+        self.num_classes = data.num_classes
+        return data
+
+    def geometry(self) -> tuple[int, int, int]:
+        d = self.cfg.data
+        if d.name in NATIVE_GEOMETRY:
+            size, ch, nc = NATIVE_GEOMETRY[d.name]
+        elif d.name in IMAGE_TEXT:
+            size, ch, nc = (64 if d.name == "openclipart" else 224), 3, 0
+        elif d.name == "synthetic":
+            size, ch, nc = 32, d.channels, d.num_classes
+        else:  # folder: classes come from the folder tree unless the model fixes them
+            size, ch, nc = 224, 3, self.cfg.model.num_classes
+            if not nc:  # count class folders
+                nc = build_data(d, device=torch.device("cpu"), seed=0).num_classes
+        return d.image_size or size, ch, self.cfg.model.num_classes or nc
+
+    def build_spec(self, image_size: int, channels: int, num_classes: int) -> ViTSpec:
+        m = self.cfg.model
+        try:
+            spec = resolve_spec(m.arch, image_size=image_size, in_chans=channels, num_classes=num_classes,
+                                patch_size=m.patch_size, dim=m.dim, depth=m.depth, heads=m.heads,
+                                mlp_ratio=m.mlp_ratio, head=m.head, attention=m.attention, stem=m.stem,
+                                drop_path=m.drop_path, dropout=m.dropout)
+        except KeyError as e:
+            raise ConfigError(f"config: model.arch: {e.args[0]}") from None
+        if spec.image_size % spec.patch_size:
+            raise ConfigError(f"config: image size {spec.image_size} is not divisible by patch size "
+                              f"{spec.patch_size} (set data.image_size or model.patch_size)")
+        if spec.stem == "conv" and (spec.patch_size & (spec.patch_size - 1) or spec.patch_size < 2):
+            raise ConfigError(f"config: model.stem=conv needs a power-of-two patch size >= 2, got {spec.patch_size}")
+        if spec.dim % spec.heads:
+            raise ConfigError(f"config: model dim {spec.dim} is not divisible by heads {spec.heads}")
+        return spec
+
+    def spec_from_dict(self, d: dict) -> ViTSpec:
+        return ViTSpec(**d)
+
+    def build_model(self, spec: ViTSpec) -> nn.Module:
+        return VisionTransformer(spec)
+
+    def flops(self, spec: ViTSpec) -> int:
+        return vit_forward_flops(spec)
+
+    def describe(self, spec: ViTSpec) -> str:
+        return f"{spec.depth}x{spec.dim} ViT, {spec.num_tokens} tokens"
+
+    def info_extra(self, spec, model) -> dict:
+        return {"tokens": spec.num_tokens}
+
+    @staticmethod
+    def info_line(info: dict) -> str:
+        g = lambda n: f"{n / 1e9:.2f} G" if n >= 1e9 else f"{n / 1e6:.1f} M"  # noqa: E731
+        return (f"{info['arch']}: {info['params'] / 1e6:.2f}M parameters, {info['tokens']} tokens, "
+                f"{g(info['macs_per_image'])}MACs = {g(info['flops_per_image'])}FLOPs per image "
+                f"forward, {g(info['train_flops_per_image'])}FLOPs per image training "
+                f"({info['image_size']}px, patch {info['patch_size']}, dim {info['dim']}, depth {info['depth']}, "
+                f"heads {info['heads']}, {info['num_classes']} classes, head={info['head']})")
+
+    def synthetic_overrides(self) -> dict | None:
+        cfg, d = self.cfg, self.cfg.data
+        if d.name not in (*NATIVE_GEOMETRY, "folder"):
+            return None
+        if d.name == "folder" and not cfg.model.num_classes:
+            raise UserError("--synthetic with a folder dataset needs model.num_classes (the folder's class "
+                            "count), e.g. --set model.num_classes=1000")
+        size, channels, classes = self.geometry()
+        return {"data.name": "synthetic", "data.root": "", "data.test_root": "",
+                "data.image_size": size, "data.channels": channels, "data.num_classes": classes,
+                "data.train_size": d.batch_size, "data.test_size": min(d.eval_batch_size, 256)}
+
+    @staticmethod
+    def describe_metrics(r: dict) -> str:
+        pct = lambda k: f"{100 * r[k]:.2f}%"  # noqa: E731
+        best = f" (best {pct('best_test_accuracy')})" if "best_test_accuracy" in r else ""
+        return f"test accuracy {pct('test_accuracy')}{best} on {r['test_count']} images (loss {r['test_loss']:.4f})"
+
+    # -- the training step ------------------------------------------------------------------------
+    def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Cross entropy in fp32; y = class indices [B] or soft targets [B, K] (mixup/cutmix)."""
+        logits = logits.float()
+        if y.ndim == 2 and self.label_smoothing:
+            y = y * (1 - self.label_smoothing) + self.label_smoothing / self.num_classes
+            return F.cross_entropy(logits, y)
+        return F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
+
+    def forward_loss(self, model, batch, prepare) -> torch.Tensor:
+        x, y = batch
+        return self.loss(model(prepare(x)), y)
+
+    # -- evaluation -------------------------------------------------------------------------------
+    def evaluate_all(self, s, data) -> dict:
+        """Accuracy and loss over the whole test set: each rank evaluates its disjoint shard with
+        the same number of forwards; the counts are summed exactly."""
+        batches = max(s.gather_objects(len(data.test)))
+        r = self.evaluate(s.eval_module(), data.test, s.autocast, s.prepare, batches)
+        correct, count, loss_sum = s.all_reduce_sum(torch.tensor(
+            [r["correct"], r["count"], r["loss_sum"]], dtype=torch.float64, device=s.device)).tolist()
+        return {"test_accuracy": correct / max(1, count), "test_loss": loss_sum / max(1, count),
+                "test_count": int(count)}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader, autocast, prepare=lambda x: x, batches: int = 0) -> dict:
+        """Sums over this process's shard: {'correct', 'count', 'loss_sum'} (exact, no averaging).
+        `batches`: run at least this many forward passes, padding with empty batches (sharded
+        models need every rank in every forward)."""
+        was_training = model.training
+        model.eval()
+        correct = count = 0
+        loss_sum = 0.0
+        seen = 0
+        for x, y in itertools.chain(loader.iterate(), _empty_batches(loader, batches)):
+            seen += 1
+            if seen > max(batches, len(loader)):
+                break
+            x = prepare(x)
+            with autocast():
+                logits = model(x).float()
+                if self.hflip_tta:
+                    logits = logits + model(x.flip(-1)).float()
+            loss_sum += F.cross_entropy(logits if not self.hflip_tta else logits / 2, y, reduction="sum").item()
+            correct += (logits.argmax(-1) == y).sum().item()
+            count += y.numel()
+        model.train(was_training)
+        return {"correct": correct, "count": count, "loss_sum": loss_sum}
+
+
+def _empty_batches(loader, batches: int):
+    """Zero-size batches shaped like the loader's, for ranks whose shard has fewer batches."""
+    if batches <= len(loader):
+        return
+    x, y = next(iter(loader.iterate()))
+    while True:
+        yield x[:0], y[:0]
