@@ -83,7 +83,7 @@ def main() -> int:
     from vitscale.lab.bench import measure
     from vitscale.config import load_config
     from vitscale.tasks import model_info
-    from vitscale.hardware import gpu_peak
+    from vitscale.metrics import gpu_peak
     from vitscale.lab.harness import machine_line
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="vitscale-loader-")
     root = Path(args.dir or tmp.name)

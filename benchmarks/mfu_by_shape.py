@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from vitscale.hardware import peak_flops
+from vitscale.metrics import peak_flops
 from vitscale.lab.harness import lab_config, measure_configs, with_overrides
 
 SHAPES = {  # name: overrides on the default recipe (batch 256, conv stem, pooled head)

@@ -17,7 +17,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
-from vitscale.hardware import peak_flops
+from vitscale.metrics import peak_flops
 from vitscale.lab.harness import Bench, lab_config
 
 GROUPS = [  # (part of the step, test on the event name), first match wins

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from vitscale.lab.bench import mfu
+from vitscale.metrics import mfu
 from vitscale.cli import main
 from vitscale.config import load_config
 from vitscale.lab.harness import Bench
@@ -23,7 +23,7 @@ FAST = ["--steps", "2", "--trials", "2", "--warmup", "1", "--split-steps", "1", 
 
 @pytest.fixture(autouse=True)
 def _restore_threads(monkeypatch):
-    from vitscale import hardware
+    from vitscale import metrics as hardware
     monkeypatch.setattr(hardware, "measure_matmul_peak", lambda *a, **k: 1e11)
     n = torch.get_num_threads()
     yield
@@ -45,6 +45,8 @@ class FakeStrategy:
         self.world_size, self.name, self.syncing, self.comm = world_size, name, True, 0.0
         self.optimizer = type("O", (), {"zero_grad": lambda self, set_to_none=True: None})()
         self.model, self.prepare = (lambda x: x), (lambda x: x)
+        # the capabilities the real strategies declare (strategy/base.py)
+        self.no_sync_defers_comm, self.gathers_in_forward = name in ("ddp", "fsdp"), name == "fsdp"
 
     def autocast(self):
         return contextlib.nullcontext()
@@ -192,7 +194,7 @@ def test_bench_two_processes_ddp(tmp_path):
     ("Some Unknown GPU", "bf16", None),
 ])
 def test_gpu_peak_table_picks_the_specific_variant(name, dtype, peak):
-    from vitscale.hardware import gpu_peak
+    from vitscale.metrics import gpu_peak
     assert gpu_peak(name, dtype) == peak
 
 

@@ -41,7 +41,7 @@ def _restore_threads():
 @pytest.fixture(autouse=True)
 def _no_peak_measurement(monkeypatch):
     """summary() measures the CPU matmul peak for ~1 s per run; the MFU value is not tested here."""
-    from vitscale import hardware
+    from vitscale import metrics as hardware
     monkeypatch.setattr(hardware, "measure_matmul_peak", lambda *a, **k: 1e11)
 
 

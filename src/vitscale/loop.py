@@ -14,7 +14,7 @@ from .checkpoint import (check_resume, engine_folder, list_checkpoints, load_che
                          rng_state, save_checkpoint, set_rng_state)
 from .config import Config
 from .errors import ConfigError, DataError, TrainingError, UserError
-from .metrics import MetricsLog, NullLog, Progress
+from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops
 from .models import count_params
 from .optim import build_scheduler, scaled_lr
 from .strategy import build_strategy
@@ -267,20 +267,9 @@ class Trainer:
     def state_bytes(self) -> dict:
         """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
         state; gradients, while they exist, take as many bytes as the parameters."""
-        def local(t):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            return t.numel() * t.element_size()
-        opt, master = self.strategy.optimizer, getattr(self.strategy, "master", None) or []
-        # ZeRO-3: `p` is an empty placeholder while released; the rank's slice is `p.ds_tensor`
-        return {"params": sum(local(p) + (local(p.ds_tensor) if hasattr(p, "ds_tensor") else 0)
-                              for p in self.strategy.module.parameters()),
-                "master_params": sum(local(m) for m in master),
-                "optimizer_state": sum(local(v) for st in opt.state.values() for v in st.values()
-                                       if torch.is_tensor(v) and v.ndim),
-                "loss_state": self.task.state_bytes()}
+        return {**self.strategy.state_bytes(), "loss_state": self.task.state_bytes()}
 
     def summary(self, stop_reason: str) -> dict:
-        from .hardware import peak_flops
         # throughput excludes each process's first step (torch.compile, allocator warm-up)
         t, n = self.steady if self.steady[1] else (self.train_time, self.images_seen)
         images_per_s = n / t if t else 0.0
@@ -290,7 +279,7 @@ class Trainer:
         return {**metrics, f"best_{self.task.metric}": self.best_acc, "train_time_s": self.train_time,
                 "images_per_s": images_per_s, "params": self.params,
                 "flops_per_image": self.flops_per_image, "train_flops_per_image": train_flops,
-                "mfu": train_flops * images_per_s / (peak * self.strategy.world_size),
+                "mfu": mfu(self.flops_per_image, images_per_s, peak, self.strategy.world_size),
                 "peak_flops": peak, "peak_source": peak_src, "world_size": self.strategy.world_size,
                 "steps": self.step, "epochs": self.step / self.steps_per_epoch,
                 "images_seen": self.images_seen, "stop_reason": stop_reason,

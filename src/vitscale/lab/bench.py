@@ -36,16 +36,10 @@ def add_arguments(p) -> None:
     p.add_argument("--out", help="also write the JSON result to this file")
 
 
-def mfu(flops_per_image: float, images_per_s: float, peak: float, world_size: int) -> float:
-    """Training FLOPs (3 x forward: forward + backward's two matmuls per forward one) actually
-    done per second over the peak of all devices."""
-    return 3 * flops_per_image * images_per_s / (peak * world_size)
-
-
 def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_steps: int = 0) -> dict:
     import torch
 
-    from ..hardware import peak_flops
+    from ..metrics import mfu, peak_flops
     from .harness import Bench, gather_max, hardware_info, max_rss_bytes, rate, versions
     rss0 = max_rss_bytes()
     cuda = torch.cuda.is_available() and cfg.run.device != "cpu"
@@ -152,4 +146,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["HELP", "add_arguments", "run", "measure", "mfu", "describe", "asdict"]
+__all__ = ["HELP", "add_arguments", "run", "measure", "describe", "asdict"]

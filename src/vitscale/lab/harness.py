@@ -141,7 +141,7 @@ class Bench:
         then the normal step; exposed communication = normal backward - no_sync backward."""
         tr, s, A = self.trainer, self.s, self.cfg.train.accum_steps
         batch = self.fixed if self.fixed is not None else self.fetch()
-        can_nosync = s.world_size > 1 and s.name in ("ddp", "fsdp")
+        can_nosync = s.world_size > 1 and s.no_sync_defers_comm
         fwd = bwd = local = opt = total = comm = 0.0
 
         def forward(micro):
@@ -188,11 +188,11 @@ class Bench:
         elif can_nosync:
             compute = min(local, bwd) / n  # noise must not make the phases outgrow the step
             out.update(backward=compute, comm_exposed=bwd / n - compute, comm_total=comm / n)
-            if s.name == "ddp":
+            if not s.gathers_in_forward:
                 out["comm_overlapped"] = max(0.0, comm / n - out["comm_exposed"])
             else:
                 out["comm_overlapped"] = None
-                out["notes"].append("fsdp: comm_exposed = backward with communication - backward without "
+                out["notes"].append(f"{s.name}: comm_exposed = backward with communication - backward without "
                                     "(no_sync); forward all-gathers are inside forward, so comm_overlapped is "
                                     "not derived; comm_total = all collectives, launch to completion, summed")
         else:

@@ -40,7 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--strategy", default="ddp", metavar="LIST", help="comma list of ddp, zero12, zero3")
     p.add_argument("--reduce-dtype", choices=sorted(DTYPE_BYTES), help="default: fp32, or bf16 when the "
                    "config compresses gradients (strategy.grad_compression / reduce_dtype)")
-    p.add_argument("--gpu", default="H100", help="without --bench: GPU whose peak (hardware.GPU_PEAKS) is used")
+    p.add_argument("--gpu", default="H100", help="without --bench: GPU whose peak (metrics.GPU_PEAKS) is used")
     p.add_argument("--mfu", type=float, default=0.4, help="without --bench: assumed model FLOPs utilization")
     p.add_argument("--out", metavar="DIR", help="write predict.md, predict.json and predict_speedup.png here")
 
@@ -91,7 +91,8 @@ def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2
             gpu: str = "H100", mfu: float = 0.4) -> dict:
     from . import comm_model as cm
     from ..tasks import model_info
-    from ..hardware import gpu_peak, precision_dtype
+    from ..metrics import gpu_peak
+    from ..strategy.precision import compute_dtype_name
     info = model_info(cfg)
     if reduce_dtype is None:
         s = cfg.strategy
@@ -101,7 +102,7 @@ def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2
     if bench is not None:
         cost, source = step_cost_from_bench(bench, cfg.train.accum_steps)
     else:
-        dtype = precision_dtype(cfg.train.precision)
+        dtype = compute_dtype_name(cfg.train.precision)
         peak = gpu_peak(gpu, dtype)
         if not peak:
             raise UserError(f"--gpu {gpu}: no {dtype} peak in hardware.GPU_PEAKS")

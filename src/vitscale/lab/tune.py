@@ -146,7 +146,7 @@ def run(args) -> int:
 
     from ..config import TrainConfig
     from ..errors import UserError
-    from ..hardware import peak_flops
+    from ..metrics import mfu, peak_flops
     from .harness import (check_counts, faster_in_most_rounds, lab_config, log, machine_line,
                               measure_configs, rounds_won, synthetic_data, with_overrides)
     from ..strategy.dist import broadcast_object, env_world
@@ -232,7 +232,7 @@ def run(args) -> int:
     device = tuned["device"]
     peak, src = peak_flops(device, "bf16")
     peak = broadcast_object(peak)
-    mfu = 3 * tuned["flops_per_image"] * tuned_ips / (peak * tuned["world_size"])
+    tuned_mfu = mfu(tuned["flops_per_image"], tuned_ips, peak, tuned["world_size"])
     if os.environ.get("RANK", "0") != "0":
         return 0
     machine = machine_line(device)
@@ -240,7 +240,7 @@ def run(args) -> int:
     header = [f"# tuned by `vitscale tune` on {date}", f"# machine: {machine}, {world} process(es)",
               f"# measured side by side ({max(args.trials, 3)} rounds x {args.steps} steps): recipe "
               f"{vs}, tuned {tuned_ips:.1f} img/s (median rounds); tuned / recipe: {ratio}",
-              f"# tuned MFU {100 * mfu:.1f}% of the bf16 matmul peak {peak / 1e9:.0f} GFLOP/s ({src})",
+              f"# tuned MFU {100 * tuned_mfu:.1f}% of the bf16 matmul peak {peak / 1e9:.0f} GFLOP/s ({src})",
               f"# allowed precisions: {','.join(allowed)}; {len(history)} candidate measurements",
               "# chosen overrides: " + (" ".join(f"--set {k}={v}" for k, v in chosen.items()) or "none")]
     if micro_note:
@@ -250,7 +250,7 @@ def run(args) -> int:
                       + " ".join(f"--set {k}={v}" for k, v in rejected.items()))
     Path(args.out).write_text("\n".join(header) + "\n\n" + with_overrides(cfg, chosen).to_toml())
     print(f"tuned: {describe(chosen)}\nrecipe {vs} -> tuned {tuned_ips:.1f} img/s "
-          f"({ratio}) on {machine}\ntuned MFU {100 * mfu:.1f}% of the measured bf16 matmul "
+          f"({ratio}) on {machine}\ntuned MFU {100 * tuned_mfu:.1f}% of the measured bf16 matmul "
           f"peak ({peak / 1e9:.0f} GFLOP/s per device)\nwrote {args.out}")
     return 0
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..strategy.precision import DTYPES
 from .clip import ClipLoss, gamma_at
 from .fastclip import VARIANTS, FastClipLoss, reference_defaults
 
@@ -47,7 +48,7 @@ def build_clip_loss(cfg_clip, cfg_optim, *, lr: float, dataset_size: int, epochs
     if cfg_clip.loss not in VARIANTS:
         raise ValueError(f"clip.loss {cfg_clip.loss!r}: expected openclip or one of {VARIANTS}")
     r = resolve_clip(cfg_clip, lr=lr, epochs=epochs)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg_clip.state_dtype]
+    dtype = DTYPES[cfg_clip.state_dtype]
     return FastClipLoss(r["loss"], dataset_size=dataset_size, gamma_schedule=r["gamma_schedule"],
                         gamma_min=r["gamma_min"], gamma_decay_epochs=r["gamma_decay_epochs"],
                         tau_init=r["tau_init"], tau_lr=r["tau_lr"], tau_lr_schedule=r["tau_lr_schedule"],

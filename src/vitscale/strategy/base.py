@@ -8,14 +8,41 @@ from torch import nn
 
 
 class Strategy(Protocol):
+    """Every member the trainer, the tasks, `vitscale eval` and the lab use. SingleDevice
+    (single.py) implements all of them; Distributed (dist.py) adds the process group, DDP, FSDP2
+    and DeepSpeed override what their engine does differently. Nothing outside this package
+    names an engine or reads an engine's internals: facts such as DeepSpeed's partitioned
+    tensors reach the trainer through these methods (e.g. `state_bytes`)."""
+
     name: str
     device: torch.device
     model: nn.Module          # what the training step calls (wrapped / compiled)
     module: nn.Module         # the plain model: checkpoints, export
     optimizer: torch.optim.Optimizer
 
+    # -- the process group (one process: rank 0 of 1) -------------------------------------------
+    rank: int
+    world_size: int
+    is_main: bool
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (bookkeeping: not counted as the engine's communication)."""
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's picklable `obj`, in rank order, on every rank."""
+
+    def broadcast_object(self, obj):
+        """The main process's `obj` on every rank."""
+
+    def close(self) -> None:
+        """Leave the process group cleanly (after a successful run)."""
+
+    # -- set-up ---------------------------------------------------------------------------------
     def setup(self, model: nn.Module) -> None:
         """Place, cast, wrap and compile the model; build the optimizer (and EMA)."""
+
+    def setup_eval(self, model: nn.Module) -> None:
+        """Place and cast a model for evaluation only (`vitscale eval`): no optimizer, no wrapper."""
 
     def autocast(self) -> ContextManager:
         """Context for forward + loss (mixed precision where the strategy uses autocast)."""
@@ -40,6 +67,14 @@ class Strategy(Protocol):
 
     def eval_module(self) -> nn.Module:
         """The weights to evaluate (EMA ones when chosen)."""
+
+    # what the lab's step split needs to know: no_sync() keeps gradient communication out of
+    # backward (DDP, FSDP2); parameters are all-gathered inside forward (FSDP2)
+    no_sync_defers_comm: bool
+    gathers_in_forward: bool
+
+    def state_bytes(self) -> dict:
+        """Bytes this rank holds: {'params', 'master_params', 'optimizer_state'} (local shards)."""
 
     def state_dict(self) -> dict: ...
 

@@ -9,8 +9,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .dist import Distributed
+from .precision import DTYPES
 
-COMPRESS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def allreduce_hook(dtype: torch.dtype | None = None):
@@ -33,12 +33,13 @@ def allreduce_hook(dtype: torch.dtype | None = None):
 
 class DDPStrategy(Distributed):
     name = "ddp"
+    no_sync_defers_comm = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=self.scfg.bucket_mb,
                                       gradient_as_bucket_view=True)
-        ddp.register_comm_hook(None, allreduce_hook(COMPRESS.get(self.scfg.grad_compression)))
+        ddp.register_comm_hook(None, allreduce_hook(DTYPES.get(self.scfg.grad_compression)))
         return ddp
 
     def no_sync(self):

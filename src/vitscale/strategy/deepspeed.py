@@ -36,7 +36,6 @@ from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
 from .dist import Distributed, env_world
-from .single import SingleDevice
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -171,12 +170,9 @@ class DeepSpeedStrategy(Distributed):
         ) if on]
         if refused:
             raise ConfigError(f"config: strategy.name=deepspeed does not support {refused[0]}")
-        if "MASTER_ADDR" in os.environ:  # launched (torchrun / deepspeed): join that group
-            super().__init__(train, optim, scfg, device_type)
-        else:  # one process without a launcher (one GPU with offload; `vitscale eval` of a run)
-            self.rank, self.world_size, self.is_main, self.scfg = 0, 1, True, scfg
-            device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-            SingleDevice.__init__(self, train, optim, device)
+        # launched (torchrun / deepspeed): join that group; else one process without a launcher
+        # (one GPU with offload), whose group setup() makes for the engine
+        super().__init__(train, optim, scfg, device_type, join="MASTER_ADDR" in os.environ)
         self.half = None  # precision lives in the ds_config, not in autocast
         self.input_dtype: torch.dtype | None = None  # set by setup(): what the engine's weights hold
         self.engine = None
@@ -282,6 +278,10 @@ class DeepSpeedStrategy(Distributed):
 
     def eval_module(self) -> nn.Module:
         return self.module  # ZeRO-3: its hooks gather the parameters in forward (every rank runs it)
+
+    def param_bytes(self, p: torch.Tensor) -> int:
+        # ZeRO-3: `p` is an empty placeholder while released; the rank's slice is `p.ds_tensor`
+        return super().param_bytes(p) + (self._local_bytes(p.ds_tensor) if hasattr(p, "ds_tensor") else 0)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict:

@@ -83,10 +83,16 @@ def broadcast_object(obj, src: int = 0):
 class Distributed(SingleDevice):
     """One process per device in a process group: the collectives behind the loop's verbs."""
 
-    def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str):
-        init_process_group(device_type, scfg.backend, scfg.timeout_s)
-        install()  # count the engines' collectives (before an engine keeps references to them)
-        self.rank, self.world_size, local = env_world()
+    def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str,
+                 join: bool = True):
+        """`join`: join the group the launcher describes; False: one process, no launcher (the
+        engine may make a one-process group of its own)."""
+        if join:
+            init_process_group(device_type, scfg.backend, scfg.timeout_s)
+            install()  # count the engines' collectives (before an engine keeps references to them)
+            self.rank, self.world_size, local = env_world()
+        else:
+            self.rank, self.world_size, local = 0, 1, 0
         self.is_main = self.rank == 0
         self.scfg = scfg
         device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")

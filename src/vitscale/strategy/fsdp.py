@@ -33,13 +33,14 @@ from ..checkpoint import optim_keyed_by_name, optim_state_by_name
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
 from .dist import Distributed
+from .precision import DTYPES, half_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class FSDPStrategy(Distributed):
     name = "fsdp"
+    no_sync_defers_comm = gathers_in_forward = True
 
     def __init__(self, train, optim, scfg, device_type):
         unsupported = [name for name, on in (("train.ema_decay", train.ema_decay > 0),
@@ -50,7 +51,7 @@ class FSDPStrategy(Distributed):
             raise ConfigError(f"config: strategy.name=fsdp does not support {', '.join(unsupported)} yet "
                               "(use strategy.name=ddp or single)")
         super().__init__(train, optim, scfg, device_type)
-        self.param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(train.precision)
+        self.param_dtype = half_dtype(train.precision)
         self.half = None  # precision lives in the MixedPrecisionPolicy, not in autocast
         # sharded checkpoints: the loop calls save_engine(step_N.dcp) before writing step_N.pt
         self.engine_suffix = ".dcp" if scfg.checkpoint_format == "sharded" else None

@@ -17,9 +17,8 @@ from torch import nn
 from ..config import OptimConfig, TrainConfig
 from ..errors import ConfigError
 from ..optim import build_optimizer, param_groups
+from .precision import half_dtype
 
-HALF = {"bf16": torch.bfloat16, "fp16": torch.float16, "pure_bf16": torch.bfloat16,
-        "pure_fp16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -34,11 +33,16 @@ class SingleDevice:  # implements base.Strategy
     """The strategy verbs the loop uses: setup, autocast, backward, step, state_dict."""
 
     name = "single"
+    # no_sync() keeps gradient communication out of backward (DDP, FSDP2): the lab's step split
+    # times backward with and without it to find the exposed communication
+    no_sync_defers_comm = False
+    # parameters are gathered inside forward (FSDP2): overlapped communication is not derivable
+    gathers_in_forward = False
 
     def __init__(self, train: TrainConfig, optim: OptimConfig, device: torch.device):
         self.cfg, self.optim_cfg, self.device = train, optim, device
         self.precision = train.precision
-        self.half = HALF.get(self.precision)
+        self.half = half_dtype(self.precision)
         if self.half is torch.float16 and device.type == "cpu":
             raise ConfigError(f"config: train.precision={self.precision} is refused on CPU (fp16 matmul has "
                               "no fast path there, ~1 GFLOP/s); use bf16 or pure_bf16")
@@ -148,6 +152,24 @@ class SingleDevice:  # implements base.Strategy
         """The weights to evaluate: the EMA copy when EMA is on and chosen, else the model."""
         return self.ema.module if (self.ema is not None and self.cfg.ema_eval) else self.module
 
+    @staticmethod
+    def _local_bytes(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t  # a sharded DTensor: this rank's shard
+        return t.numel() * t.element_size()
+
+    def param_bytes(self, p: torch.Tensor) -> int:
+        """Bytes this rank holds of parameter `p`."""
+        return self._local_bytes(p)
+
+    def state_bytes(self) -> dict:
+        """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
+        state; gradients, while they exist, take as many bytes as the parameters."""
+        local = self._local_bytes
+        return {"params": sum(self.param_bytes(p) for p in self.module.parameters()),
+                "master_params": sum(local(m) for m in self.master or []),
+                "optimizer_state": sum(local(v) for st in self.optimizer.state.values() for v in st.values()
+                                       if torch.is_tensor(v) and v.ndim)}
+
     # -- checkpoint state -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         sd = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -167,6 +189,9 @@ class SingleDevice:  # implements base.Strategy
         params = self.model_params if self.master is not None else \
             [p for g in self.optimizer.param_groups for p in g["params"]]
         return [names[id(p)] for p in params]
+
+    def save_engine(self, path) -> None:
+        """Nothing to write: everything is in step_N.pt (engine_suffix is None)."""
 
     def load_engine(self, path) -> None:
         """Resume from FSDP2's sharded checkpoint folder (step_N.dcp): consolidated in this

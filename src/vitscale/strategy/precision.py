@@ -1,0 +1,18 @@
+"""The one map from precision names to torch dtypes (configs name "fp32", "bf16", "fp16";
+train.precision adds "pure_bf16" / "pure_fp16", whose weights themselves are half)."""
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype_name(precision: str) -> str:
+    """The number format the matmuls run in: "bf16", "fp16" or "fp32" (MFU peaks are per format)."""
+    return "bf16" if "bf16" in precision else "fp16" if "fp16" in precision else "fp32"
+
+
+def half_dtype(precision: str) -> torch.dtype | None:
+    """The half dtype of a mixed or pure half precision (None for fp32)."""
+    name = compute_dtype_name(precision)
+    return None if name == "fp32" else DTYPES[name]
