@@ -205,7 +205,7 @@ def main() -> int:
     if args.worker:
         worker(args.config, args.set, args.warmup)
         return 0
-    from vitscale.lab.sweep import free_port
+    from vitscale.strategy.dist import free_port
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []

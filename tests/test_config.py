@@ -59,7 +59,7 @@ def test_invalid_toml_and_missing_file(tmp_path):
 
 
 def test_cross_field_check():
-    with pytest.raises(ConfigError, match="divisible by train.accum_steps"):
+    with pytest.raises(ConfigError, match=r"batch_size \(10\) must be a multiple of processes \(1\) x train.accum_steps \(3\)"):
         load_config(None, ["data.batch_size=10", "train.accum_steps=3"])
 
 

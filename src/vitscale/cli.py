@@ -24,35 +24,39 @@ EPILOG = """examples:
 """
 
 
+def add_overrides(p, help: str = "override one config value (repeatable)") -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
+
+
+def add_recipe_arguments(p, help: str = "TOML recipe (path, or a name from configs/; default: the Fashion-MNIST "
+                         "recipe)", set_help: str = "override one config value (repeatable)") -> None:
+    """CONFIG and --set, the same for train, info, config and the lab's commands."""
+    p.add_argument("config", nargs="?", help=help)
+    add_overrides(p, set_help)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vitscale", description="Train Vision Transformers fast.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def overrides(sp):
-        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config value (repeatable)")
-
     t = sub.add_parser("train", help="train a model (no CONFIG = the default Fashion-MNIST recipe)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("config", nargs="?", help="TOML recipe (path, or a name from configs/)")
-    overrides(t)
+    add_recipe_arguments(t)
     t.add_argument("--out", help="run folder (default: run.out_dir/run.name-TIMESTAMP)")
     t.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
 
     e = sub.add_parser("eval", help="evaluate a checkpoint (file or run folder) on its test set")
     e.add_argument("checkpoint")
-    overrides(e)
+    add_overrides(e)
     e.add_argument("--json", action="store_true", help="print JSON only")
 
     i = sub.add_parser("info", help="print parameters and FLOPs per image of a recipe's model")
-    i.add_argument("config", nargs="?")
-    overrides(i)
+    add_recipe_arguments(i)
     i.add_argument("--json", action="store_true")
 
     c = sub.add_parser("config", help="print the resolved config (recipe + overrides) as TOML")
-    c.add_argument("config", nargs="?")
-    overrides(c)
+    add_recipe_arguments(c)
 
     x = sub.add_parser("export", help="export a checkpoint's model weights to safetensors")
     x.add_argument("checkpoint")
@@ -78,7 +82,7 @@ LAB = ("bench", "sweep", "ladder", "tune", "predict")
 
 def cmd_train(args) -> int:
     from .checkpoint import check_resume, list_checkpoints, load_checkpoint, resolve_checkpoint
-    from .config import Config, apply_dict, check, load_config, parse_override, _set
+    from .config import load_config, saved_config
     from .loop import train
     from .tasks import describe_result
     resume = args.resume
@@ -92,10 +96,7 @@ def cmd_train(args) -> int:
         raise UserError("train: give either a CONFIG or --resume DIR (the run's own config is used)")
     if resume:
         state = load_checkpoint(resume)
-        cfg = apply_dict(Config(), state["config"], source=f"{resume} (saved config)")
-        for text in args.overrides:
-            _set(cfg, *parse_override(text))
-        check(cfg)
+        cfg = saved_config(state["config"], args.overrides, source=str(resume))
         check_resume(state, resolve_checkpoint(resume), cfg.strategy.name)  # before an engine starts
         run_dir = Path(args.out) if args.out else (Path(resume) if Path(resume).is_dir()
                                                    else Path(resume).parent.parent)

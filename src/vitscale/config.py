@@ -6,7 +6,6 @@ the key and what it accepts.
 """
 from __future__ import annotations
 
-import difflib
 import json
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -18,7 +17,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from .errors import ConfigError
+from .errors import ConfigError, did_you_mean
 
 RECIPES = Path(__file__).parent / "configs"
 DEFAULT_RECIPE = RECIPES / "fashion_mnist.toml"
@@ -235,11 +234,6 @@ def _section_types() -> dict[str, type]:
     return {name: hints[name] for name in SECTIONS}
 
 
-def _closest(name: str, options) -> str:
-    m = difflib.get_close_matches(name, list(options), n=1, cutoff=0.0)
-    return f" (did you mean '{m[0]}'?)" if m else ""
-
-
 def _coerce(key: str, value: Any, typ: type, meta) -> Any:
     """Check/convert one value for `key`; raise ConfigError with a one-line message."""
     if typ is bool:
@@ -275,7 +269,7 @@ def _coerce(key: str, value: Any, typ: type, meta) -> Any:
     choices = meta.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"config: {key} must be one of {', '.join(map(str, choices))}; got {value!r}"
-                          + _closest(str(value), choices))
+                          + did_you_mean(str(value), choices))
     lo, hi = meta.get("min"), meta.get("max")
     if lo is not None and value < lo:
         raise ConfigError(f"config: {key} must be >= {lo}, got {value!r}")
@@ -290,12 +284,12 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
         raise ConfigError(f"config: key '{dotted}' must look like section.key (sections: {', '.join(SECTIONS)})")
     sec, key = parts
     if sec not in SECTIONS:
-        raise ConfigError(f"config: unknown section '{sec}'{_closest(sec, SECTIONS)}")
+        raise ConfigError(f"config: unknown section '{sec}'{did_you_mean(sec, SECTIONS)}")
     section = getattr(cfg, sec)
     fmap = {f.name: f for f in fields(section)}
     if key not in fmap:
         valid = [f"{sec}.{k}" for k in fmap]
-        raise ConfigError(f"config: unknown key '{dotted}'{_closest(dotted, valid)}")
+        raise ConfigError(f"config: unknown key '{dotted}'{did_you_mean(dotted, valid)}")
     hints = get_type_hints(type(section))
     setattr(section, key, _coerce(dotted, value, hints[key], fmap[key].metadata))
 
@@ -304,7 +298,7 @@ def apply_dict(cfg: Config, data: dict, source: str = "config") -> Config:
     for sec, values in data.items():
         if not isinstance(values, dict):
             if sec not in SECTIONS:
-                raise ConfigError(f"{source}: unknown top-level key '{sec}'{_closest(sec, SECTIONS)}")
+                raise ConfigError(f"{source}: unknown top-level key '{sec}'{did_you_mean(sec, SECTIONS)}")
             raise ConfigError(f"{source}: [{sec}] must be a table of keys")
         for key, value in values.items():
             try:
@@ -356,11 +350,29 @@ def config_from_dict(data: dict) -> Config:
     return cfg
 
 
+def saved_config(saved: dict, overrides=(), source: str = "checkpoint") -> Config:
+    """The config a checkpoint saved (`state["config"]`), with `--set` overrides, checked."""
+    cfg = apply_dict(Config(), saved, source=f"{source} (saved config)")
+    for text in overrides:
+        _set(cfg, *parse_override(text))
+    check(cfg)
+    return cfg
+
+
+def micro_batch(batch_size: int, world_size: int = 1, accum_steps: int = 1, error=ConfigError) -> int:
+    """The per-process micro-batch of a global batch split over processes x accumulation steps;
+    a one-line `error` where it does not split evenly (every place that splits a batch asks here)."""
+    per, rem = divmod(batch_size, world_size * accum_steps)
+    if rem or not per:
+        prefix = "config: " if error is ConfigError else ""
+        raise error(f"{prefix}data.batch_size ({batch_size}) must be a multiple of processes ({world_size}) x "
+                    f"train.accum_steps ({accum_steps})")
+    return per
+
+
 def check(cfg: Config) -> None:
     """Cross-field checks that one key alone cannot express."""
-    if cfg.data.batch_size % cfg.train.accum_steps:
-        raise ConfigError(f"config: data.batch_size ({cfg.data.batch_size}) must be divisible by "
-                          f"train.accum_steps ({cfg.train.accum_steps})")
+    micro_batch(cfg.data.batch_size, 1, cfg.train.accum_steps)
     if cfg.model.heads and cfg.model.dim and cfg.model.dim % cfg.model.heads:
         raise ConfigError(f"config: model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
 

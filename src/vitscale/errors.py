@@ -1,4 +1,7 @@
 """User-facing errors: the CLI prints them as one line and exits with code 2."""
+from __future__ import annotations
+
+import difflib
 
 
 class UserError(Exception):
@@ -15,3 +18,9 @@ class ConfigError(UserError):
 
 class TrainingError(UserError):
     """Training stopped for a reason the user must act on (e.g. a NaN loss)."""
+
+
+def did_you_mean(name: str, options) -> str:
+    """' (did you mean 'X'?)' for the closest of `options`, '' when there are none."""
+    m = difflib.get_close_matches(name, list(options), n=1, cutoff=0.0)
+    return f" (did you mean '{m[0]}'?)" if m else ""

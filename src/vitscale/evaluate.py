@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import engine_folder, export_safetensors, load_checkpoint, read_dcp, resolve_checkpoint
-from .config import Config, apply_dict, check, parse_override, _set
+from .config import Config, saved_config
 from .errors import ConfigError
 from .strategy import build_strategy
 from .tasks import build_task
@@ -22,10 +22,7 @@ def _load(checkpoint, overrides=()) -> tuple[dict, Config, Path]:
     folder = engine_folder(path, state)
     if "model" not in state["strategy"] and folder is not None:  # FSDP2 sharded: consolidate here
         state["strategy"]["model"] = read_dcp(folder, keys={"model"})["model"]
-    cfg = apply_dict(Config(), state["config"], source=f"{path} (saved config)")
-    for text in overrides:
-        _set(cfg, *parse_override(text))
-    check(cfg)
+    cfg = saved_config(state["config"], overrides, source=str(path))
     return state, cfg, path
 
 

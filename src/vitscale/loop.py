@@ -12,7 +12,7 @@ import torch
 
 from .checkpoint import (check_resume, engine_folder, list_checkpoints, load_checkpoint, resolve_checkpoint,
                          rng_state, save_checkpoint, set_rng_state)
-from .config import Config
+from .config import Config, micro_batch
 from .errors import ConfigError, DataError, TrainingError, UserError
 from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops
 from .models import count_params
@@ -34,10 +34,7 @@ class Trainer:
         # keeps what the user wrote (lr, lr_scaling, lr_ref_batch)
         self.strategy = s = build_strategy(replace(cfg, optim=replace(cfg.optim, lr=self.lr)))
         self.run_dir = self._run_dir(run_dir, resume)
-        per_rank, rem = divmod(cfg.data.batch_size, s.world_size * cfg.train.accum_steps)
-        if rem or not per_rank:
-            raise ConfigError(f"config: data.batch_size ({cfg.data.batch_size}) must be a multiple of "
-                              f"processes ({s.world_size}) x train.accum_steps ({cfg.train.accum_steps})")
+        micro_batch(cfg.data.batch_size, s.world_size, cfg.train.accum_steps)
         self.task = task = build_task(cfg)
         self.data = task.build_data(s)
         if cfg.data.batch_size > self.data.train_size:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import micro_batch
 from ..errors import DataError
 from .fetch import data_home, default_root, download
 from .image_text import ImageTextBundle, build_image_text
@@ -25,9 +26,7 @@ __all__ = ["NATIVE_GEOMETRY", "IMAGE_TEXT", "DataBundle", "build_data", "downloa
 def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> DataBundle:
     """Load `cfg.name` and build this rank's train/test loaders (see the module docstring)."""
     device = torch.device(device)
-    if cfg.batch_size % world_size:
-        raise DataError(f"data.batch_size ({cfg.batch_size}) must be divisible by the number of "
-                        f"processes ({world_size})")
+    micro_batch(cfg.batch_size, world_size, error=DataError)
     if cfg.name == "folder":
         from . import folder
         return folder.build(cfg, device=device, seed=seed, rank=rank, world_size=world_size)

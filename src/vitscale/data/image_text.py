@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import micro_batch
 from ..errors import DataError
 from .sampler import EpochPlan, generator
 from .loaders import TensorEvalLoader, TensorTrainLoader
@@ -161,9 +162,7 @@ def build_image_text(cfg, *, device, seed: int, rank: int = 0, world_size: int =
                      context_length: int = 77) -> ImageTextBundle:
     """Load `cfg.name` as image-text pairs and build this rank's loaders (module docstring)."""
     check_augment(cfg)
-    if cfg.batch_size % world_size:
-        raise DataError(f"data.batch_size ({cfg.batch_size}) must be divisible by the number of "
-                        f"processes ({world_size})")
+    micro_batch(cfg.batch_size, world_size, error=DataError)
     kw = dict(device=torch.device(device), seed=seed, rank=rank, world_size=world_size,
               context_length=context_length)
     if cfg.name == "openclipart":

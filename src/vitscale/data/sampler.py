@@ -10,6 +10,7 @@ import hashlib
 
 import torch
 
+from ..config import micro_batch
 from ..errors import DataError
 
 
@@ -39,9 +40,7 @@ class EpochPlan:
                  rank: int = 0, world_size: int = 1):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"data: rank {rank} is not in [0, {world_size})")
-        if batch_size % world_size:
-            raise DataError(f"data.batch_size ({batch_size}) must be divisible by the number of "
-                            f"processes ({world_size})")
+        micro_batch(batch_size, world_size, error=DataError)
         if batch_size > n:
             raise DataError(f"data.batch_size ({batch_size}) is larger than the training set "
                             f"({n} images): lower data.batch_size")

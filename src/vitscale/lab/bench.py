@@ -22,10 +22,9 @@ HELP = "time the training step: img/s, MFU, memory, forward/backward/comm/optimi
 
 
 def add_arguments(p) -> None:
+    from ..cli import add_recipe_arguments
     from .harness import add_synthetic_argument
-    p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value (repeatable)")
+    add_recipe_arguments(p)
     p.add_argument("--steps", type=int, default=20, help="timed steps per trial (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")
     p.add_argument("--trials", type=int, default=3, help="trials of --steps steps (default 3)")

@@ -215,10 +215,9 @@ def markdown(r: dict, command: str) -> str:
 
 
 def add_arguments(p) -> None:
+    from ..cli import add_recipe_arguments
     from .harness import add_synthetic_argument
-    p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value (repeatable)")
+    add_recipe_arguments(p)
     p.add_argument("--steps", type=int, default=3, help="timed steps per rung per round (default 3)")
     p.add_argument("--trials", type=int, default=10,
                    help="interleaved rounds (default 10: short rounds pair well for the round-by-round columns)")

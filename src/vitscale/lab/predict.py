@@ -26,8 +26,8 @@ STRATEGY_NAMES = {"ddp": "DDP", "zero12": "ZeRO-1/2", "zero3": "ZeRO-3 / FSDP2"}
 
 
 def add_arguments(p) -> None:
-    p.add_argument("config", nargs="?", help="TOML recipe (its model, batch and precision)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    from ..cli import add_recipe_arguments
+    add_recipe_arguments(p, help="TOML recipe (its model, batch and precision)")
     p.add_argument("--bench", metavar="FILE.json", help="a single-device `vitscale bench --json` result")
     p.add_argument("--link", default=None, metavar="LIST",
                    help="comma list of links, each NAME or INTRA+INTER (names: nvlink, pcie, pcie3, infiniband, "

@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -36,10 +35,9 @@ MEMORY_POINTS = [{"strategy.name": "ddp"}] + [{"strategy.name": "deepspeed", "st
 
 
 def add_arguments(p) -> None:
+    from ..cli import add_recipe_arguments
     from .harness import add_synthetic_argument
-    p.add_argument("config", nargs="?", help="TOML recipe (path, or a name from configs/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value for every point (repeatable)")
+    add_recipe_arguments(p, set_help="override one config value for every point (repeatable)")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="a swept config key (or nproc); repeatable: the cartesian product is run")
     p.add_argument("--nproc", default=None, metavar="LIST", help="process counts, e.g. 1,2 (default 1)")
@@ -111,12 +109,6 @@ def point_key(point: dict) -> str:
                       sort_keys=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_argv(config: str | None, point: dict, base_sets: list[str], bench_flags: list[str]) -> list[str]:
     """The command line that benchmarks one point."""
     over = dict(point["overrides"])
@@ -127,6 +119,7 @@ def bench_argv(config: str | None, point: dict, base_sets: list[str], bench_flag
     tail = ["bench", *([config] if config else []), *sets, "--json", *bench_flags]
     if point["nproc"] <= 1:
         return [sys.executable, "-m", "vitscale", *tail]
+    from ..strategy.dist import free_port  # torch.distributed: not at import (the CLI imports the lab)
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(point["nproc"]),
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "vitscale", *tail]
 

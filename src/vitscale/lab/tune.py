@@ -119,10 +119,9 @@ def describe(over: dict) -> str:
 
 
 def add_arguments(p) -> None:
+    from ..cli import add_recipe_arguments
     from .harness import add_synthetic_argument
-    p.add_argument("config", nargs="?", help="TOML recipe (default: the Fashion-MNIST recipe)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value (repeatable)")
+    add_recipe_arguments(p)
     p.add_argument("--allow-precision", default="", metavar="P1,P2",
                    help="precisions the search may use (default: the recipe's own only)")
     p.add_argument("--budget-s", type=float, default=300.0, help="stop searching after this many seconds")

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import did_you_mean
 from .text import TextSpec, TextTransformer, text_forward_macs
 from .vit import VisionTransformer, ViTSpec
 
@@ -52,9 +53,7 @@ def resolve_clip_spec(arch: str, *, vision: dict | None = None, text: dict | Non
                       embed_dim: int = 0) -> ClipSpec:
     """Registry spec with overrides (zero/None values keep the registry's)."""
     if arch not in CLIP_REGISTRY:
-        import difflib
-        close = difflib.get_close_matches(arch, CLIP_REGISTRY, n=1, cutoff=0.0)
-        raise KeyError(f"unknown CLIP model '{arch}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        raise KeyError(f"unknown CLIP model '{arch}'{did_you_mean(arch, CLIP_REGISTRY)}")
     spec = CLIP_REGISTRY[arch]
     keep = lambda d: {k: v for k, v in (d or {}).items() if v not in (None, 0, 0.0, "")}  # noqa: E731
     E = embed_dim or spec.embed_dim

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import did_you_mean
 from .layers import Block, ConvStem, PatchEmbed
 
 
@@ -124,10 +125,7 @@ class VisionTransformer(nn.Module):
 def resolve_spec(arch: str, **overrides) -> ViTSpec:
     """Registry spec with overrides; zero/None overrides keep the registry value."""
     if arch not in REGISTRY:
-        import difflib
-        close = difflib.get_close_matches(arch, REGISTRY, n=1, cutoff=0.0)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise KeyError(f"unknown model '{arch}'{hint}")
+        raise KeyError(f"unknown model '{arch}'{did_you_mean(arch, REGISTRY)}")
     return replace(REGISTRY[arch], **{k: v for k, v in overrides.items() if v not in (None, 0, 0.0)})
 
 

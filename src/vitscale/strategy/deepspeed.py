@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import socket
 import warnings
 from pathlib import Path
 
@@ -32,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import OptimConfig, StrategyConfig, TrainConfig
+from ..config import OptimConfig, StrategyConfig, TrainConfig, micro_batch
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
-from .dist import Distributed, env_world
+from .dist import Distributed, env_world, free_port
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -66,10 +65,7 @@ def build_ds_config(train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig
     """The ds_config for this run: generated from the vitscale config, the user's file merged over
     it, then checked. Raises ConfigError (one line) on a conflict."""
     A = train.accum_steps
-    micro, rem = divmod(batch_size, world * A)
-    if rem or not micro:
-        raise ConfigError(f"config: data.batch_size ({batch_size}) must be a multiple of "
-                          f"processes ({world}) x train.accum_steps ({A})")
+    micro = micro_batch(batch_size, world, A)
     stage = scfg.zero_stage
     zero: dict = {"stage": stage}
     if scfg.offload_optimizer:
@@ -130,12 +126,6 @@ def check_ds_config(cfg: dict, train: TrainConfig, scfg: StrategyConfig, batch_s
         raise ConfigError("config: strategy.offload_optimizer needs strategy.zero_stage >= 1")
     if zero.get("offload_param", {}).get("device", "none") not in ("none", None) and stage != 3:
         raise ConfigError("config: strategy.offload_params needs strategy.zero_stage=3")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def disable_shm_comm_op() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -23,6 +24,13 @@ def env_world() -> tuple[int, int, int]:
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", os.environ.get("LOCAL_PROCESS_RANK", "0")))
     return rank, world, local
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a one-host rendezvous; it may be taken again later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_process_group(device_type: str, backend: str = "auto", timeout_s: float = 600.0) -> None:
