@@ -5,7 +5,8 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import asdict, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -13,12 +14,53 @@ import torch
 from .checkpoint import (check_resume, engine_folder, list_checkpoints, load_checkpoint, resolve_checkpoint,
                          rng_state, save_checkpoint, set_rng_state)
 from .config import Config, micro_batch
-from .errors import ConfigError, DataError, TrainingError, UserError
+from .errors import DataError, TrainingError, UserError
 from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops
 from .models import count_params
 from .optim import build_scheduler, scaled_lr
 from .strategy import build_strategy
 from .tasks import build_task
+
+
+def _no_phase(name: str) -> None:
+    pass
+
+
+@dataclass
+class Window:
+    """Time, global samples and data-wait time since the last train log record."""
+    seconds: float = 0.0
+    images: int = 0
+    data_s: float = 0.0
+
+    def add(self, seconds: float, images: int, data_s: float) -> None:
+        self.seconds, self.images, self.data_s = self.seconds + seconds, self.images + images, self.data_s + data_s
+
+
+def any_rank(s, flag: bool) -> bool:
+    """True on every rank when `flag` holds on any (so that no rank waits for the others);
+    a plain bool on one process: no tensor, no device sync in the step."""
+    if s.world_size == 1:
+        return flag
+    return bool(s.all_reduce_sum(torch.tensor(float(flag), device=s.device)).item())
+
+
+def make_run_dir(cfg: Config, s, run_dir, resume) -> Path:
+    """The main process names the run folder (and checks it is free); every rank gets it."""
+    problem = None
+    if s.is_main:
+        run_dir = Path(run_dir) if run_dir else \
+            Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if resume is None and list_checkpoints(run_dir):
+            problem = (f"{run_dir} already holds a run's checkpoints: continue it with "
+                       f"`vitscale train --resume {run_dir}` or choose another --out")
+        else:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(cfg.to_toml())
+    run_dir, problem = s.broadcast_object((str(run_dir), problem))
+    if problem:
+        raise UserError(problem)
+    return Path(run_dir)
 
 
 class Trainer:
@@ -33,7 +75,7 @@ class Trainer:
         # the strategy builds its optimizer at the lr for this global batch; the saved config
         # keeps what the user wrote (lr, lr_scaling, lr_ref_batch)
         self.strategy = s = build_strategy(replace(cfg, optim=replace(cfg.optim, lr=self.lr)))
-        self.run_dir = self._run_dir(run_dir, resume)
+        self.run_dir = make_run_dir(cfg, s, run_dir, resume)
         micro_batch(cfg.data.batch_size, s.world_size, cfg.train.accum_steps)
         self.task = task = build_task(cfg)
         self.data = task.build_data(s)
@@ -69,24 +111,6 @@ class Trainer:
             if folder is not None:
                 s.load_engine(folder)
             self._restore(state)
-
-    def _run_dir(self, run_dir, resume) -> Path:
-        """The main process names the run folder (and checks it is free); every rank gets it."""
-        s, problem = self.strategy, None
-        if s.is_main:
-            cfg = self.cfg
-            run_dir = Path(run_dir) if run_dir else \
-                Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-            if resume is None and list_checkpoints(run_dir):
-                problem = (f"{run_dir} already holds a run's checkpoints: continue it with "
-                           f"`vitscale train --resume {run_dir}` or choose another --out")
-            else:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "config.toml").write_text(cfg.to_toml())
-        run_dir, problem = s.broadcast_object((str(run_dir), problem))
-        if problem:
-            raise UserError(problem)
-        return Path(run_dir)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -142,121 +166,141 @@ class Trainer:
         return self.last_eval
 
     # -- training ---------------------------------------------------------------------------------
-    def train_step(self, batch: tuple) -> tuple[float, dict]:
+    def train_step(self, batch: tuple, phase: Callable[[str], None] | None = None) -> tuple[float, dict]:
         """One optimizer step over a batch ((images, labels) or (images, tokens, index)) split
-        into accum_steps micro-batches; returns the loss."""
+        into accum_steps micro-batches; returns (the loss, the strategy's step info).
+        `phase`: called with "forward" and "backward" after each micro-batch's forward and
+        backward, "loss_reduce" after the multi-process loss mean and "optimizer" after the
+        update: the lab's step split times this very step through it (None in training)."""
         s, A = self.strategy, self.cfg.train.accum_steps
+        mark = phase or _no_phase
         total = torch.zeros((), device=batch[0].device)
         with s.comm_window():  # the step's collectives are counted (comm_stats)
             for i, micro in enumerate(zip(*(t.chunk(A) for t in batch))):
                 with s.no_sync() if i < A - 1 else contextlib.nullcontext():
                     with s.autocast():
                         loss = self.task.forward_loss(s.model, micro, s.prepare) / A
+                    mark("forward")
                     s.backward(loss)
+                    mark("backward")
                 total += loss.detach()
             if s.world_size > 1:  # the mean over all ranks: every rank sees the same (NaN) loss
                 total = s.all_reduce_sum(total) / s.world_size
+                mark("loss_reduce")
             info = s.step()
             self.task.after_step(self.step)
+            mark("optimizer")
         return total.item(), info
 
-    def _any_rank(self, flag: bool) -> bool:
-        """True on every rank when `flag` holds on any (so that no rank waits for the others);
-        a plain bool on one process: no tensor, no device sync in the step."""
-        s = self.strategy
-        if s.world_size == 1:
-            return flag
-        return bool(s.all_reduce_sum(torch.tensor(float(flag), device=s.device)).item())
+    def describe_run(self) -> str:
+        cfg, s = self.cfg, self.strategy
+        scaling = '' if cfg.optim.lr_scaling == 'none' else \
+            f' ({cfg.optim.lr_scaling} scaling from {cfg.optim.lr:g} at batch {cfg.optim.lr_ref_batch})'
+        return (f"run {self.run_dir}: {self.task.describe(self.spec)}, {self.params / 1e6:.2f}M params, "
+                f"{self.flops_per_image / 1e6:.1f} MFLOPs/{self.task.sample} fwd; "
+                f"{self.data.train_size} train / {self.data.test_size} test {self.task.samples}; "
+                f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
+                f"{cfg.train.accum_steps} micro-batches x "
+                f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; lr {self.lr:.3g}{scaling}"
+                f"; {self.total_steps} steps on {s.device} in {cfg.train.precision}")
+
+    def train_epoch(self) -> str:
+        """Steps from the current one to the end of its epoch (or of training); returns the stop
+        reason: "done", or "time limit"."""
+        cfg, s = self.cfg, self.strategy
+        epoch, start = divmod(self.step, self.steps_per_epoch)
+        self.task.set_epoch(epoch)
+        batches = self.data.train.iterate(epoch, start_batch=start)
+        t_last = time.perf_counter()
+        while self.step < self.total_steps:
+            batch = next(batches, None)
+            if batch is None:
+                break
+            n_local = batch[0].shape[0]
+            t_data = time.perf_counter() - t_last
+            # every image of a batch was unreadable (folder data): all ranks skip together
+            if any_rank(self.strategy, n_local == 0):
+                self.bar.message(f"step {self.step + 1}: no readable image in the batch; step skipped")
+                self.scheduler.step()
+                self.step += 1
+                t_last = time.perf_counter()
+                continue
+            loss, info = self.train_step(batch)
+            if not math.isfinite(loss):
+                where = f"; last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
+                    "; no checkpoint was written before it"
+                raise TrainingError(f"loss is {loss} at step {self.step + 1} (epoch {epoch}): "
+                                    f"training stopped{where}")
+            self.scheduler.step()
+            self.step += 1
+            now = time.perf_counter()
+            self.account(now - t_last, t_data, n_local * s.world_size, loss, info)
+            if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
+                self.save()
+            if cfg.train.time_limit_s and any_rank(self.strategy, self.train_time >= cfg.train.time_limit_s):
+                return "time limit"
+            t_last = time.perf_counter()  # checkpoint I/O is not training time
+        return "done"
+
+    def account(self, dt: float, t_data: float, images: int, loss: float, info: dict) -> None:
+        """Time and samples of a finished step (`images`: global); the train log record every
+        run.log_every steps; the progress line."""
+        self.train_time += dt
+        self.images_seen += images
+        if not self._first:  # throughput excludes each process's first step (compile, warm-up)
+            self.steady = [self.steady[0] + dt, self.steady[1] + images]
+        self._first = False
+        w = self.window
+        w.add(dt, images, t_data)
+        if self.step % self.cfg.run.log_every == 0 or self.step == self.total_steps:
+            if self.strategy.device.type == "cuda":
+                torch.cuda.synchronize()
+            steps = w.images / images
+            self.log.log({"kind": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
+                          "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                          "images_per_s": w.images / w.seconds, "step_time_s": w.seconds / max(1, steps),
+                          "data_time_s": w.data_s / max(1, steps),
+                          "grad_norm": info["grad_norm"], "skipped": info["skipped"],
+                          **self.task.logs(), **self.strategy.comm_stats(round(steps))})
+            self.window = Window()
+        self.bar.update(self.step, f"loss {loss:.4f} | {self.images_seen / self.train_time:.0f} img/s")
+
+    def end_of_epoch(self) -> None:
+        """At an epoch's end: evaluate every run.eval_every epochs; checkpoint unless
+        run.checkpoint_every checkpoints by steps."""
+        cfg = self.cfg
+        if self.step % self.steps_per_epoch:
+            return
+        if cfg.run.eval_every and (self.step // self.steps_per_epoch) % cfg.run.eval_every == 0:
+            ev = self.evaluate()
+            self.log.log({"kind": "eval", **ev}, prefix="eval")
+            self.bar.message(f"epoch {ev['epoch']:.2f} step {self.step}: {self.task.describe_eval(ev, self.best_acc)}, "
+                             f"{self.train_time:.0f}s training")
+        if not cfg.run.checkpoint_every:
+            self.save()
 
     def fit(self) -> dict:
-        cfg = self.cfg
-        s, main = self.strategy, self.strategy.is_main
-        log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard) if main else NullLog()
-        bar = Progress(self.total_steps, cfg.run.progress if main else "off", start=self.step,
-                       every=cfg.run.log_every)
-        sync = torch.cuda.synchronize if self.strategy.device.type == "cuda" else (lambda: None)
-        bar.message(f"run {self.run_dir}: {self.task.describe(self.spec)}, {self.params / 1e6:.2f}M params, "
-                    f"{self.flops_per_image / 1e6:.1f} MFLOPs/{self.task.sample} fwd; "
-                    f"{self.data.train_size} train / {self.data.test_size} test {self.task.samples}; "
-                    f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
-                    f"{cfg.train.accum_steps} micro-batches x "
-                    f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; lr {self.lr:.3g}"
-                    f"{'' if cfg.optim.lr_scaling == 'none' else f' ({cfg.optim.lr_scaling} scaling from {cfg.optim.lr:g} at batch {cfg.optim.lr_ref_batch})'}"
-                    f"; {self.total_steps} steps on "
-                    f"{self.strategy.device} in {cfg.train.precision}")
-        window_t, window_imgs, window_data = 0.0, 0, 0.0
-        stop_reason, first = "done", True
+        """Train to the end (or the time limit), evaluating and checkpointing as configured;
+        returns the summary (every rank), written to summary.json by the main process."""
+        cfg, main = self.cfg, self.strategy.is_main
+        self.log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard) if main else NullLog()
+        self.bar = Progress(self.total_steps, cfg.run.progress if main else "off", start=self.step,
+                            every=cfg.run.log_every)
+        self.bar.message(self.describe_run())
+        self.window, self._first = Window(), True
+        stop_reason = "done"
         try:
             while self.step < self.total_steps and stop_reason == "done":
-                epoch, start = divmod(self.step, self.steps_per_epoch)
-                self.task.set_epoch(epoch)
-                batches = self.data.train.iterate(epoch, start_batch=start)
-                t_last = time.perf_counter()
-                while self.step < self.total_steps:
-                    batch = next(batches, None)
-                    if batch is None:
-                        break
-                    n_local = batch[0].shape[0]
-                    t_data = time.perf_counter() - t_last
-                    # every image of a batch was unreadable (folder data): all ranks skip together
-                    if self._any_rank(n_local == 0):
-                        bar.message(f"step {self.step + 1}: no readable image in the batch; step skipped")
-                        self.scheduler.step()
-                        self.step += 1
-                        t_last = time.perf_counter()
-                        continue
-                    loss, info = self.train_step(batch)
-                    if not math.isfinite(loss):
-                        where = f"; last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
-                            "; no checkpoint was written before it"
-                        raise TrainingError(f"loss is {loss} at step {self.step + 1} (epoch {epoch}): "
-                                            f"training stopped{where}")
-                    self.scheduler.step()
-                    self.step += 1
-                    now = time.perf_counter()
-                    dt, t_last = now - t_last, now
-                    self.train_time += dt
-                    images = n_local * s.world_size  # global
-                    self.images_seen += images
-                    if not first:
-                        self.steady = [self.steady[0] + dt, self.steady[1] + images]
-                    first = False
-                    window_t, window_imgs, window_data = window_t + dt, window_imgs + images, window_data + t_data
-                    if self.step % cfg.run.log_every == 0 or self.step == self.total_steps:
-                        sync()
-                        rec = {"kind": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
-                               "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-                               "images_per_s": window_imgs / window_t,
-                               "step_time_s": window_t / max(1, window_imgs / images),
-                               "data_time_s": window_data / max(1, window_imgs / images),
-                               "grad_norm": info["grad_norm"], "skipped": info["skipped"],
-                               **self.task.logs(), **s.comm_stats(round(window_imgs / images))}
-                        log.log(rec)
-                        window_t, window_imgs, window_data = 0.0, 0, 0.0
-                    bar.update(self.step, f"loss {loss:.4f} | {self.images_seen / self.train_time:.0f} img/s")
-                    if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
-                        self.save()
-                    if cfg.train.time_limit_s and self._any_rank(self.train_time >= cfg.train.time_limit_s):
-                        stop_reason = "time limit"
-                        break
-                    t_last = time.perf_counter()  # checkpoint I/O is not training time
-                epoch_done = self.step % self.steps_per_epoch == 0
-                if epoch_done and cfg.run.eval_every and (self.step // self.steps_per_epoch) % cfg.run.eval_every == 0:
-                    ev = self.evaluate()
-                    log.log({"kind": "eval", **ev}, prefix="eval")
-                    bar.message(f"epoch {ev['epoch']:.2f} step {self.step}: {self.task.describe_eval(ev, self.best_acc)}, "
-                                f"{self.train_time:.0f}s training")
-                if epoch_done and not cfg.run.checkpoint_every:
-                    self.save()
+                stop_reason = self.train_epoch()
+                self.end_of_epoch()
         finally:
-            bar.close()
+            self.bar.close()
         if self.last_eval is None or self.last_eval["step"] != self.step:
-            ev = self.evaluate()
-            log.log({"kind": "eval", **ev}, prefix="eval")
+            self.log.log({"kind": "eval", **self.evaluate()}, prefix="eval")
         if self.last_ckpt is None or not self.last_ckpt.name.endswith(f"{self.step:08d}.pt"):
             self.save()
-        log.close()
-        summary = self.summary(stop_reason)
+        self.log.close()
+        summary = run_summary(self, stop_reason)
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -266,25 +310,27 @@ class Trainer:
         state; gradients, while they exist, take as many bytes as the parameters."""
         return {**self.strategy.state_bytes(), "loss_state": self.task.state_bytes()}
 
-    def summary(self, stop_reason: str) -> dict:
-        # throughput excludes each process's first step (torch.compile, allocator warm-up)
-        t, n = self.steady if self.steady[1] else (self.train_time, self.images_seen)
-        images_per_s = n / t if t else 0.0
-        peak, peak_src = peak_flops(self.strategy.device, self.cfg.train.precision)
-        train_flops = 3 * self.flops_per_image
-        metrics = {k: v for k, v in self.last_eval.items() if k not in ("step", "epoch", "train_time_s")}
-        return {**metrics, f"best_{self.task.metric}": self.best_acc, "train_time_s": self.train_time,
-                "images_per_s": images_per_s, "params": self.params,
-                "flops_per_image": self.flops_per_image, "train_flops_per_image": train_flops,
-                "mfu": mfu(self.flops_per_image, images_per_s, peak, self.strategy.world_size),
-                "peak_flops": peak, "peak_source": peak_src, "world_size": self.strategy.world_size,
-                "steps": self.step, "epochs": self.step / self.steps_per_epoch,
-                "images_seen": self.images_seen, "stop_reason": stop_reason,
-                "precision": self.cfg.train.precision, "lr": self.lr, "device": str(self.strategy.device),
-                "threads": torch.get_num_threads(), "torch": torch.__version__,
-                "checkpoint": str(self.last_ckpt), "run_dir": str(self.run_dir), "rank": self.strategy.rank,
-                "state_bytes_per_rank": self.strategy.gather_objects(self.state_bytes()),
-                "task": self.task.kind, **self.task.summary_extra(self.lr)}
+
+def run_summary(tr: Trainer, stop_reason: str) -> dict:
+    """summary.json: the last evaluation, throughput (each process's first step left out:
+    torch.compile, allocator warm-up), MFU, and what the run was."""
+    s, cfg = tr.strategy, tr.cfg
+    t, n = tr.steady if tr.steady[1] else (tr.train_time, tr.images_seen)
+    images_per_s = n / t if t else 0.0
+    peak, peak_src = peak_flops(s.device, cfg.train.precision)
+    metrics = {k: v for k, v in tr.last_eval.items() if k not in ("step", "epoch", "train_time_s")}
+    return {**metrics, f"best_{tr.task.metric}": tr.best_acc, "train_time_s": tr.train_time,
+            "images_per_s": images_per_s, "params": tr.params,
+            "flops_per_image": tr.flops_per_image, "train_flops_per_image": 3 * tr.flops_per_image,
+            "mfu": mfu(tr.flops_per_image, images_per_s, peak, s.world_size),
+            "peak_flops": peak, "peak_source": peak_src, "world_size": s.world_size,
+            "steps": tr.step, "epochs": tr.step / tr.steps_per_epoch,
+            "images_seen": tr.images_seen, "stop_reason": stop_reason,
+            "precision": cfg.train.precision, "lr": tr.lr, "device": str(s.device),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "checkpoint": str(tr.last_ckpt), "run_dir": str(tr.run_dir), "rank": s.rank,
+            "state_bytes_per_rank": s.gather_objects(tr.state_bytes()),
+            "task": tr.task.kind, **tr.task.summary_extra(tr.lr)}
 
 
 def train(cfg: Config, run_dir: Path | None = None, resume: str | Path | None = None) -> dict:

@@ -211,6 +211,11 @@ class _FolderLoader:
                 log.warning("skipped unreadable image %s (%s); %d skipped so far", path, err, self.skipped)
             yield (b, *(t.to(self.device, non_blocking=True) for t in tensors), keep)
 
+    def worker_processes(self) -> list:
+        """The decoding worker processes alive for this loader now (persistent across epochs)."""
+        it = getattr(self._loader, "_iterator", None)
+        return list(getattr(it, "_workers", []) or [])
+
     def close(self):
         """Stop the decoding workers now (they also stop when the loader is freed)."""
         it = getattr(self._loader, "_iterator", None)

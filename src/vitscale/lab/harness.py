@@ -8,7 +8,7 @@ machine noise hits every configuration alike.
 """
 from __future__ import annotations
 
-import contextlib
+import collections
 import copy
 import os
 import platform
@@ -93,6 +93,25 @@ def static_compiles() -> None:
     dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
 
 
+class PhaseTimer:
+    """`Trainer.train_step`'s `phase` hook: seconds per phase name, each phase ending where the
+    step calls the hook (the device synchronized there) and starting where the last one ended."""
+
+    def __init__(self, sync):
+        self.sync, self.seconds, self.last = sync, collections.defaultdict(float), 0.0
+
+    def start(self) -> float:
+        self.sync()
+        self.last = perf()
+        return self.last
+
+    def __call__(self, name: str) -> None:
+        self.sync()
+        now = perf()
+        self.seconds[name] += now - self.last
+        self.last = now
+
+
 class Bench:
     """One Trainer (run folder in a temp dir: no checkpoints, no eval) and a batch source;
     `synthetic`: the config's dataset replaced by synthetic_data, and one batch of it reused."""
@@ -103,12 +122,24 @@ class Bench:
         if cfg.train.compile:
             static_compiles()
         self.tmp = tempfile.TemporaryDirectory(prefix="vitscale-bench-")
-        self.trainer = Trainer(cfg, Path(self.tmp.name) / "run")
-        self.s = self.trainer.strategy
+        self._attach(Trainer(cfg, Path(self.tmp.name) / "run"))
+        self.fixed = self.fetch() if synthetic else None
+
+    @classmethod
+    def around(cls, trainer, batch: tuple) -> "Bench":
+        """A Bench of an existing trainer (anything with a Trainer's `cfg`, `strategy`, `task` and
+        `train_step`) that times one fixed batch; closing it leaves the trainer alone."""
+        b = cls.__new__(cls)
+        b.cfg, b.tmp = trainer.cfg, None
+        b._attach(trainer)
+        b.fixed = batch
+        return b
+
+    def _attach(self, trainer) -> None:
+        self.trainer, self.s = trainer, trainer.strategy
         cuda = self.s.device.type == "cuda"
         self.sync = torch.cuda.synchronize if cuda else (lambda: None)
         self._epoch, self._it = 0, iter(())
-        self.fixed = self.fetch() if synthetic else None
 
     @property
     def global_batch(self) -> int:
@@ -136,52 +167,26 @@ class Bench:
         return perf() - t0, data
 
     def split(self, n: int) -> dict:
-        """Instrumented pass over one batch (syncs between phases), seconds per step.
-        DDP/FSDP: each step first runs forward+backward under `no_sync()` (backward compute alone),
-        then the normal step; exposed communication = normal backward - no_sync backward."""
-        tr, s, A = self.trainer, self.s, self.cfg.train.accum_steps
+        """Instrumented pass over one batch, seconds per step: the trainer's own `train_step`
+        with a `PhaseTimer` that synchronizes the device at each phase boundary. DDP/FSDP: each
+        step first runs forward+backward under `no_sync()` (backward compute alone), then the
+        real step; exposed communication = real backward - no_sync backward."""
+        s = self.s
         batch = self.fixed if self.fixed is not None else self.fetch()
         can_nosync = s.world_size > 1 and s.no_sync_defers_comm
-        fwd = bwd = local = opt = total = comm = 0.0
-
-        def forward(micro):
-            with s.autocast():
-                return tr.task.forward_loss(s.model, micro, s.prepare) / A
-
+        timer, local, total, comm = PhaseTimer(self.sync), 0.0, 0.0, 0.0
         s.comm_stats(1)  # drop what the timed steps counted
         for _ in range(n):
             if can_nosync:
-                with s.no_sync():
-                    for micro in micros(batch, A):
-                        loss = forward(micro)
-                        self.sync()
-                        a = perf()
-                        s.backward(loss)
-                        self.sync()
-                        local += perf() - a
-                s.optimizer.zero_grad(set_to_none=True)
+                local += self.local_backward(batch)
                 s.comm_stats(1)
-            self.sync()
-            t0 = perf()
-            with s.comm_window():
-                for i, micro in enumerate(micros(batch, A)):
-                    with s.no_sync() if i < A - 1 else contextlib.nullcontext():
-                        a = perf()
-                        loss = forward(micro)
-                        self.sync()
-                        b = perf()
-                        fwd += b - a
-                        s.backward(loss)
-                        self.sync()
-                        bwd += perf() - b
-                a = perf()
-                s.step()
-                tr.task.after_step()
-                self.sync()
-            opt += perf() - a
-            total += perf() - t0
+            t0 = timer.start()
+            self.trainer.train_step(batch, phase=timer)
+            total += timer.last - t0
             comm += s.comm_stats(1).get("comm_s_per_step", 0.0)
-        out = {"forward": fwd / n, "optimizer": opt / n, "instrumented_step": total / n, "notes": []}
+        fwd, bwd = timer.seconds["forward"], timer.seconds["backward"]
+        out = {"forward": fwd / n, "optimizer": timer.seconds["optimizer"] / n, "instrumented_step": total / n,
+               "notes": []}
         if s.world_size == 1:
             out.update(backward=bwd / n, comm_exposed=0.0, comm_overlapped=0.0)
             out["notes"].append("one process: no communication")
@@ -203,10 +208,28 @@ class Bench:
         out["notes"].append("the loss all-reduce of a multi-process step is left out of the split")
         return out
 
+    def local_backward(self, batch: tuple) -> float:
+        """Seconds of backward compute alone: forward + backward of every micro-batch under
+        `no_sync()` (no gradient communication), gradients dropped afterwards."""
+        tr, s, A = self.trainer, self.s, self.cfg.train.accum_steps
+        seconds = 0.0
+        with s.no_sync():
+            for micro in micros(batch, A):
+                with s.autocast():
+                    loss = tr.task.forward_loss(s.model, micro, s.prepare) / A
+                self.sync()
+                a = perf()
+                s.backward(loss)
+                self.sync()
+                seconds += perf() - a
+        s.optimizer.zero_grad(set_to_none=True)
+        return seconds
+
     def close(self) -> None:
-        self.trainer.data.close()
+        if self.tmp is not None:  # a Bench that built its trainer
+            self.trainer.data.close()
+            self.tmp.cleanup()
         del self.trainer, self.s, self.fixed
-        self.tmp.cleanup()
 
 
 def gather_max(s, times: list) -> list:

@@ -139,20 +139,39 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import os
-
     import torch
 
-    from ..config import TrainConfig
     from ..errors import UserError
-    from ..metrics import mfu, peak_flops
-    from .harness import (check_counts, faster_in_most_rounds, lab_config, log, machine_line,
-                              measure_configs, rounds_won, synthetic_data, with_overrides)
-    from ..strategy.dist import broadcast_object, env_world
+    from .harness import check_counts, lab_config, log, machine_line
+    from ..strategy.dist import broadcast_object
     check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0))
     if args.budget_s <= 0:
         raise UserError(f"--budget-s must be > 0, got {args.budget_s}")
     cfg = lab_config(args.config, args.overrides)
+    space = search_space(cfg, args)
+    t0 = time.perf_counter()
+    out_of_time = lambda: broadcast_object(time.perf_counter() - t0 > args.budget_s)  # noqa: E731
+    measure = Measurer(cfg, args)
+    log(f"tuning on {machine_line(torch.device('cuda' if space['gpu'] else 'cpu'))}: precisions "
+        f"{space['allowed']}, micro-batches {[space['per_device'] // a for a in space['accums']]} (global batch "
+        f"{cfg.data.batch_size}), budget {args.budget_s:.0f}s")
+    if space["micro_note"]:
+        log(space["micro_note"])
+    best, history = search(space["choices"], space["accums"], measure, gpu=space["gpu"], out_of_time=out_of_time,
+                           say=log, start_accum=cfg.train.accum_steps)
+    chosen = {k: v for k, v in best.items() if _value(cfg, k) != v}
+    return final_comparison(cfg, args, measure, chosen, space, len(history))
+
+
+def search_space(cfg, args) -> dict:
+    """What the search may change: the allowed precisions, attention, optimizer implementation,
+    the micro-batch (accumulation steps; kept where BatchNorm would change the numerics), compile."""
+    import torch
+
+    from ..config import TrainConfig
+    from ..errors import UserError
+    from ..strategy.dist import env_world
+    from .harness import synthetic_data
     valid = TrainConfig.__dataclass_fields__["precision"].metadata["choices"]
     allowed = [p.strip() for p in args.allow_precision.split(",") if p.strip()] or [cfg.train.precision]
     bad = [p for p in allowed if p not in valid]
@@ -160,7 +179,7 @@ def run(args) -> int:
         raise UserError(f"--allow-precision: unknown precision {', '.join(bad)} (choose from {', '.join(valid)})")
     world = env_world()[1]
     per_device = cfg.data.batch_size // world
-    gpu = torch.cuda.is_available() and cfg.run.device != "cpu"
+
     def first(key, values):  # the recipe's own value first: it is the incumbent
         cur = _value(cfg, key)
         return (key, [cur] + [v for v in values if v != cur] if cur in values else values)
@@ -177,14 +196,25 @@ def run(args) -> int:
                       f"layer(s) ({', '.join(bn[:3])}{', ...' if len(bn) > 3 else ''}) normalize with "
                       f"batch statistics, so a smaller micro-batch would change the numerics "
                       f"(--allow-bn-micro-batch searches it anyway)")
-    t0 = time.perf_counter()
-    out_of_time = lambda: broadcast_object(time.perf_counter() - t0 > args.budget_s)  # noqa: E731
+    return {"allowed": allowed, "choices": choices, "accums": accums, "micro_note": micro_note, "world": world,
+            "per_device": per_device, "gpu": torch.cuda.is_available() and cfg.run.device != "cpu"}
 
-    def measure(cands: list[dict], rounds: int = args.trials) -> list:
+
+class Measurer:
+    """`measure(candidates, rounds)` for `search`: images/s per candidate (overrides of the
+    recipe), compared round by round with the group's first; `last` keeps the raw results."""
+
+    def __init__(self, cfg, args):
+        self.cfg, self.args, self.last = cfg, args, {}
+
+    def __call__(self, cands: list[dict], rounds: int | None = None) -> list:
+        from ..errors import UserError
+        from .harness import faster_in_most_rounds, log, measure_configs, rounds_won, with_overrides
+        args, rounds = self.args, rounds or self.args.trials
         cfgs, idx, out = [], [], [None] * len(cands)
         for i, c in enumerate(cands):
             try:
-                cfgs.append(with_overrides(cfg, c))
+                cfgs.append(with_overrides(self.cfg, c))
                 idx.append(i)
             except UserError as e:
                 log(f"  {describe(c)}: not valid here ({e})")
@@ -200,23 +230,23 @@ def run(args) -> int:
                 out[i] = ref  # a median above 1 from a lucky round or two: no faster than the first
                 note = (f" ({paired:.3f}x the first, round by round, but faster in only {rounds_won(per_round)} of "
                         f"{len(per_round)} rounds: counted as no faster)")
-            measure.last[i] = r
+            self.last[i] = r
             log(f"  {describe(cands[i])}: " + (f"{own:.1f} img/s{note}" if own else r.get("error", "failed")))
         return out
-    measure.last = {}
 
-    log(f"tuning on {machine_line(torch.device('cuda' if gpu else 'cpu'))}: precisions {allowed}, "
-        f"micro-batches {[per_device // a for a in accums]} (global batch {cfg.data.batch_size}), "
-        f"budget {args.budget_s:.0f}s")
-    if micro_note:
-        log(micro_note)
-    best, history = search(choices, accums, measure, gpu=gpu, out_of_time=out_of_time, say=log,
-                           start_accum=cfg.train.accum_steps)
-    chosen = {k: v for k, v in best.items() if _value(cfg, k) != v}
+
+def final_comparison(cfg, args, measure: Measurer, chosen: dict, space: dict, candidates: int) -> int:
+    """The recipe and the search's winner side by side; the tuned recipe written (main process)."""
+    import os
+
+    from ..errors import UserError
+    from ..metrics import mfu, peak_flops
+    from ..strategy.dist import broadcast_object
+    from .harness import log, machine_line, with_overrides
     log(f"final side-by-side: the recipe vs {describe(chosen)}")
     measure.last = {}
     ips = measure([{}, chosen] if chosen else [{}], rounds=max(args.trials, 3))
-    gain = ips[-1] / ips[0] if ips[0] and ips[-1] else None  # round by round (see measure)
+    gain = ips[-1] / ips[0] if ips[0] and ips[-1] else None  # round by round (see Measurer)
     tuned = measure.last[len(ips) - 1]
     rejected = {}
     if not ips[-1]:  # nothing ran (the recipe alone, or the recipe and the tuned settings both failed)
@@ -236,14 +266,14 @@ def run(args) -> int:
         return 0
     machine = machine_line(device)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    header = [f"# tuned by `vitscale tune` on {date}", f"# machine: {machine}, {world} process(es)",
+    header = [f"# tuned by `vitscale tune` on {date}", f"# machine: {machine}, {space['world']} process(es)",
               f"# measured side by side ({max(args.trials, 3)} rounds x {args.steps} steps): recipe "
               f"{vs}, tuned {tuned_ips:.1f} img/s (median rounds); tuned / recipe: {ratio}",
               f"# tuned MFU {100 * tuned_mfu:.1f}% of the bf16 matmul peak {peak / 1e9:.0f} GFLOP/s ({src})",
-              f"# allowed precisions: {','.join(allowed)}; {len(history)} candidate measurements",
+              f"# allowed precisions: {','.join(space['allowed'])}; {candidates} candidate measurements",
               "# chosen overrides: " + (" ".join(f"--set {k}={v}" for k, v in chosen.items()) or "none")]
-    if micro_note:
-        header.append(f"# {micro_note}")
+    if space["micro_note"]:
+        header.append(f"# {space['micro_note']}")
     if rejected:
         header.append("# rejected (slower than the recipe in the final side-by-side): "
                       + " ".join(f"--set {k}={v}" for k, v in rejected.items()))

@@ -98,6 +98,11 @@ def reference_defaults(variant: str) -> dict:
 
 
 class FastClipLoss(nn.Module):
+    """All six global losses in one class (over 250 lines by choice): like the reference's one
+    loss class, the variants share the u tables, the gather and the surrogate and differ by three
+    switches (learn_global, individual, multiply_tau); one class keeps each variant's path
+    readable against tests/test_fastclip_reference.py."""
+
     def __init__(self, variant: str, *, dataset_size: int, gamma_schedule: str = "cosine",
                  gamma_min: float = 0.2, gamma_decay_epochs: float = 1.0, tau_init: float = 0.07,
                  tau_lr: float = 2e-4, tau_lr_schedule: str = "auto",
@@ -140,7 +145,9 @@ class FastClipLoss(nn.Module):
             self.theta = torch.tensor(math.log(1.0 / float(tau_init)), **f64)
             self.theta_m, self.theta_v = torch.zeros((), **f64), torch.zeros((), **f64)
             self.theta_step = torch.zeros((), **f64)
-        self._pending = None  # temperature gradient of the last forward, applied by after_step()
+        # the last forward's raw temperature gradient, which after_step() applies (public: set it to
+        # drive the temperature steps without a forward)
+        self.pending_grad = None
         self.comm_elements = {"features": 0, "scalars": 0, "steps": 0}
 
     # ---- schedule / bookkeeping -------------------------------------------------------------
@@ -226,7 +233,7 @@ class FastClipLoss(nn.Module):
                 continue
             cur.copy_(new.to(cur.device, cur.dtype))
         self.epoch, self.gamma = sd["epoch"], sd["gamma"]
-        self._pending = None
+        self.pending_grad = None
 
     @property
     def tau(self) -> torch.Tensor:
@@ -259,6 +266,10 @@ class FastClipLoss(nn.Module):
         return torch.where(bad, log_g, lu_new)
 
     def _forward(self, e1, e2, index, k, rank, group):
+        # Long by choice (109 lines): one pass over the step's quantities in the order the
+        # reference computes them (gather, z, u update, a_i, packed exchange, table writes,
+        # surrogate, logs); a dozen intermediates are shared across these parts, and each part is
+        # checked against the reference's numbers (tests/test_fastclip_reference.py).
         b, d = e1.shape
         n_all, off = k * b, rank * b
         feats = gather_no_grad(torch.cat([e1, e2], 1), k, group)             # [N, 2d], detached
@@ -325,9 +336,9 @@ class FastClipLoss(nn.Module):
             self._write(name, idx_all, packed[:, c])
         tau = None if self.individual else torch.exp(-self.theta).float()
         if self.learn_global:
-            self._pending = packed[:, 3].mean()
+            self.pending_grad = packed[:, 3].mean()
         elif self.individual:     # the taus change in after_step(): this step uses the old ones
-            self._pending = (idx_all, packed[:, 3], packed[:, 4])
+            self.pending_grad = (idx_all, packed[:, 3], packed[:, 4])
             tau_all = (rows_all["tau1"], rows_all["tau2"]) if self.sharded else \
                 (self.tau1[idx_all].float(), self.tau2[idx_all].float())
         # (a) local anchors vs all features (local ones with grad)
@@ -383,19 +394,19 @@ class FastClipLoss(nn.Module):
         """The last forward's temperature gradient, which after_step() applies: d(loss)/d(theta)
         (fp64 0-d) for v0/v3; (dataset indices, h1, h2) with h the clamped d/dtau_i for v2/iSogCLR;
         None for constant temperatures or when there is nothing pending."""
-        if self._pending is None:
+        if self.pending_grad is None:
             return None
         if self.learn_global:
-            g = self._pending.to(torch.float64)
+            g = self.pending_grad.to(torch.float64)
             return g * torch.exp(-self.theta) if self.multiply_tau else g
-        return self._pending
+        return self.pending_grad
 
     @torch.no_grad()
     def after_step(self, step: int | None = None) -> None:
         """The temperatures' step after the model's (no-op without learnable temperatures).
         `step` is the 0-based optimizer step (for v0's lr schedule; default: this loss's count)."""
         pend = self.temperature_grad()
-        self._pending = None
+        self.pending_grad = None
         if pend is None or self.tau_lr == 0:
             return
         if self.learn_global:
