@@ -1,11 +1,13 @@
 """vitscale bench: MFU arithmetic, the step-split bookkeeping (fake strategy with known phases),
 the JSON on the tiny recipe, a 2-process DDP run, and one-line errors. No timing is asserted."""
 import contextlib
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -14,20 +16,15 @@ from vitscale.metrics import mfu
 from vitscale.cli import main
 from vitscale.config import load_config
 from vitscale.lab.harness import Bench
+from vitscale.loop import Trainer
 
-from test_distributed import free_port, sets
+from helpers import free_port, sets
 
 TINY = "configs/tests/tiny.toml"
 FAST = ["--steps", "2", "--trials", "2", "--warmup", "1", "--split-steps", "1", "--set", "run.threads=1"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads(monkeypatch):
-    from vitscale import metrics as hardware
-    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda *a, **k: 1e11)
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("fixed_peak_and_threads")
 
 
 def test_mfu_arithmetic():
@@ -44,7 +41,7 @@ class FakeStrategy:
     def __init__(self, world_size, name="ddp"):
         self.world_size, self.name, self.syncing, self.comm = world_size, name, True, 0.0
         self.optimizer = type("O", (), {"zero_grad": lambda self, set_to_none=True: None})()
-        self.model, self.prepare = (lambda x: x), (lambda x: x)
+        self.model, self.prepare, self.device = (lambda x: x), (lambda x: x), torch.device("cpu")
         # the capabilities the real strategies declare (strategy/base.py)
         self.no_sync_defers_comm, self.gathers_in_forward = name in ("ddp", "fsdp"), name == "fsdp"
 
@@ -69,6 +66,9 @@ class FakeStrategy:
         time.sleep(0.001)
         return {"grad_norm": 0.0, "skipped": False}
 
+    def all_reduce_sum(self, t):
+        return t * self.world_size  # every rank holds the same loss
+
     def comm_stats(self, steps):
         out = {"comm_s_per_step": self.comm / steps} if self.world_size > 1 else {}
         self.comm = 0.0
@@ -76,13 +76,13 @@ class FakeStrategy:
 
 
 def fake_bench(world_size, name="ddp", accum=1):
-    b = Bench.__new__(Bench)
-    b.cfg = load_config(TINY, [f"train.accum_steps={accum}"])
+    """A Bench around the real `Trainer.train_step`, run on a fake trainer whose strategy sleeps."""
     task = type("T", (), {"forward_loss": lambda self, m, micro, prep: (time.sleep(0.002), torch.ones(()))[1],
-                          "after_step": lambda self: None})()
-    b.trainer = type("Tr", (), {"task": task})()
-    b.s, b.sync, b.fixed = FakeStrategy(world_size, name), (lambda: None), (torch.zeros(4, 1), torch.zeros(4))
-    return b
+                          "after_step": lambda self, step=None: None})()
+    trainer = types.SimpleNamespace(cfg=load_config(TINY, [f"train.accum_steps={accum}"]), task=task, step=0,
+                                    strategy=FakeStrategy(world_size, name))
+    trainer.train_step = functools.partial(Trainer.train_step, trainer)
+    return Bench.around(trainer, (torch.zeros(4, 1), torch.zeros(4)))
 
 
 @pytest.mark.parametrize("world,name,accum", [(1, "single", 1), (2, "ddp", 1), (2, "ddp", 2), (2, "fsdp", 1),

@@ -9,7 +9,7 @@ from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 from vitscale.errors import UserError
 
-from test_distributed import BASE, TINY, check_eval_and_export, rel_diff, sets, torchrun
+from helpers import BASE, TINY, check_eval_and_export, rel_diff, sets, torchrun
 
 # 3 epochs of 4 steps, a checkpoint every 3 steps: interrupted after step 6, resumed to step 12
 RUN = ["run.checkpoint_every=3", "run.keep_last=100", "train.epochs=3"]

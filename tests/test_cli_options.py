@@ -23,8 +23,7 @@ from vitscale.data import fetch as dl
 from vitscale.evaluate import evaluate_checkpoint
 from vitscale.optim import lr_factor
 
-from test_data_folder import make_tree
-from test_data_formats import write_cifar
+from helpers import make_tree, write_cifar
 
 TINY = "configs/tests/tiny.toml"
 LR = 3e-3                 # tiny.toml's optim.lr

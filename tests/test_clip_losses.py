@@ -249,7 +249,7 @@ def test_auto_settings_are_the_reference_recipe(loss, tau_init, tau_lr, schedule
 def adam_steps(m, grads, steps=None):
     """Drive the global temperature with given d/dtheta values (the forward's role)."""
     for k, g in enumerate(grads):
-        m._pending = torch.tensor(g, dtype=torch.float64)
+        m.pending_grad = torch.tensor(g, dtype=torch.float64)
         m.after_step(None if steps is None else steps[k])
 
 
@@ -290,7 +290,7 @@ def test_global_temperature_adam_on_logit_scale_clamp_and_lr_cut():
 
 def test_per_sample_tau_adam_betas_zero_in_epoch_0_and_clamp():
     m = make("isogclr", n_data=10, tau_lr=0.02, tau_init=0.03, tau_beta1=0.9, tau_beta2=0.999)
-    m._pending = (torch.tensor([2, 5]), torch.tensor([1.0, -1.0], dtype=torch.float64),
+    m.pending_grad = (torch.tensor([2, 5]), torch.tensor([1.0, -1.0], dtype=torch.float64),
                   torch.tensor([3.0, 0.0], dtype=torch.float64))
     m.after_step()                                          # epoch 0: betas 0, the step is lr * sign(h)
     assert m.tau1[2].item() == pytest.approx(0.01) and m.tau1[5].item() == pytest.approx(0.05)
@@ -299,7 +299,7 @@ def test_per_sample_tau_adam_betas_zero_in_epoch_0_and_clamp():
     others = [i for i in range(10) if i not in (2, 5)]
     assert (m.tau1[others] == 0.03).all() and (m.m1[others] == 0).all()
     m.set_epoch(2)                                          # betas back; bias correction 1 - b^(epoch+1)
-    m._pending = (torch.tensor([5]), torch.tensor([2.0], dtype=torch.float64),
+    m.pending_grad = (torch.tensor([5]), torch.tensor([2.0], dtype=torch.float64),
                   torch.tensor([0.0], dtype=torch.float64))
     m.after_step()
     mi, vi = 0.9 * -1.0 + 0.1 * 2.0, 0.999 * 1.0 + 0.001 * 4.0

@@ -9,8 +9,7 @@ import torch
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 
-from test_distributed import rel_diff, sets, torchrun, weights
-from test_train import interrupted_copy
+from helpers import interrupted_copy, rel_diff, sets, torchrun, weights
 
 CLIP = "configs/tests/clip_tiny.toml"
 LOSSES = ["openclip", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr"]

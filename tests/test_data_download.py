@@ -13,7 +13,7 @@ from vitscale.data import cifar, fashion_mnist
 from vitscale.data import fetch as dl
 from vitscale.errors import DataError
 
-from test_data_formats import write_cifar, write_fmnist
+from helpers import write_cifar, write_fmnist
 
 
 @pytest.fixture

@@ -10,40 +10,7 @@ from vitscale.config import DataConfig
 from vitscale.data import build_data, folder
 from vitscale.errors import DataError
 
-RED, BLUE = (220, 20, 20), (20, 20, 220)
-
-
-def _noise(rng, w=24, h=20):
-    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-
-
-def make_tree(root, rng=None):
-    """train/cat: 7 images in assorted modes + a truncated JPEG; train/dog: 5 + a fake PNG."""
-    rng = rng or np.random.default_rng(0)
-    for d in ("train/cat", "train/dog", "train/empty", "val/cat", "val/dog"):
-        (root / d).mkdir(parents=True)
-    cat, dog = root / "train/cat", root / "train/dog"
-    Image.new("RGB", (24, 20), RED).save(cat / "a_rgb.png")
-    Image.fromarray(_noise(rng)[..., 0], "L").save(cat / "b_grey.jpg")
-    Image.fromarray(np.dstack([_noise(rng), _noise(rng)[..., :1]]), "RGBA").save(cat / "c_rgba.png")
-    Image.fromarray(_noise(rng)).convert("CMYK").save(cat / "d_cmyk.jpg")
-    Image.fromarray((rng.integers(0, 65536, (20, 24))).astype(np.uint16)).save(cat / "e_16bit.png")
-    Image.fromarray(_noise(rng)).convert("P").save(cat / "f_palette.png")
-    Image.fromarray(_noise(rng)[..., 0] > 128).save(cat / "g_bilevel.bmp")
-    big = Image.fromarray(np.random.default_rng(1).integers(0, 256, (200, 200, 3), dtype=np.uint8))
-    big.save(cat / "h_truncated.jpg", quality=95)
-    data = (cat / "h_truncated.jpg").read_bytes()
-    (cat / "h_truncated.jpg").write_bytes(data[: len(data) // 2])
-    Image.new("RGB", (30, 18), BLUE).save(dog / "a_blue.webp")
-    for i in range(3):
-        Image.fromarray(np.dstack([_noise(rng)[..., :2].max(-1)] * 2), "LA").save(dog / f"b_la{i}.png")
-    Image.fromarray(_noise(rng, 40, 33)).save(dog / "c_rgb.jpeg")
-    (dog / "d_not_an_image.png").write_bytes(b"this is not a png")
-    (dog / "notes.txt").write_text("ignored: not an image extension")
-    Image.new("RGB", (40, 30), RED).save(root / "val/cat/red.png")
-    Image.new("RGB", (30, 40), BLUE).save(root / "val/dog/blue.png")
-    Image.fromarray(_noise(rng)).save(root / "val/dog/x.jpg")
-    return root
+from helpers import BLUE, RED, _noise, make_tree
 
 
 def cfg(root, **kw):
@@ -120,7 +87,7 @@ def test_workers_do_not_change_batches(tmp_path):
     assert len(tail) == 2 and all(torch.equal(p[0], q[0]) for p, q in zip(tail, bb[1:]))
     ea, eb = list(a.test.iterate()), list(b.test.iterate())
     assert all(torch.equal(p[0], q[0]) for p, q in zip(ea, eb))
-    workers = b.train._loader._iterator._workers
+    workers = b.train.worker_processes()
     assert len(workers) == 2 and all(w.is_alive() for w in workers)       # persistent across epochs
     b.close()
     assert not any(w.is_alive() for w in workers)

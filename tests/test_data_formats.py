@@ -12,27 +12,9 @@ from vitscale.config import DataConfig
 from vitscale.data import build_data, cifar, fashion_mnist
 from vitscale.errors import DataError
 
+from helpers import write_idx, write_fmnist, _dump, write_cifar
+
 REAL_FMNIST = Path("/usr/share/datasets/fashion-mnist")
-
-
-def write_idx(path: Path, arr: np.ndarray, magic: int | None = None, gz: bool = True):
-    arr = np.asarray(arr, np.uint8)
-    head = struct.pack(">I", magic if magic is not None else 0x800 | arr.ndim)
-    head += b"".join(struct.pack(">I", d) for d in arr.shape)
-    raw = head + arr.tobytes()
-    path.write_bytes(gzip.compress(raw) if gz else raw)
-
-
-def write_fmnist(root: Path, n_train=12, n_test=5, seed=0):
-    rng = np.random.default_rng(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    data = {}
-    for prefix, n in (("train", n_train), ("t10k", n_test)):
-        x, y = rng.integers(0, 256, (n, 28, 28)), np.arange(n) % 10
-        write_idx(root / f"{prefix}-images-idx3-ubyte.gz", x)
-        write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", y)
-        data[prefix] = (x, y)
-    return data
 
 
 def test_idx_reader_roundtrip(tmp_path):
@@ -106,39 +88,6 @@ def test_real_fashion_mnist():
 
 
 # ---- CIFAR, written in the exact official format (protocol-2 pickles, bytes keys) ----
-
-def _dump(path: Path, obj):
-    with open(path, "wb") as f:
-        pickle.dump(obj, f, protocol=2)
-
-
-def write_cifar(root: Path, name="cifar10", per_batch=3, n_test=4, seed=0):
-    rng = np.random.default_rng(seed)
-    if name == "cifar10":
-        base, k = root / "cifar-10-batches-py", 10
-        base.mkdir(parents=True)
-        _dump(base / "batches.meta", {b"num_cases_per_batch": per_batch, b"num_vis": 3072,
-                                      b"label_names": [b"airplane", b"automobile", b"bird", b"cat",
-                                                       b"deer", b"dog", b"frog", b"horse", b"ship", b"truck"]})
-        files, label_key = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], b"labels"
-    else:
-        base, k = root / "cifar-100-python", 100
-        base.mkdir(parents=True)
-        _dump(base / "meta", {b"fine_label_names": [f"c{i}".encode() for i in range(100)],
-                              b"coarse_label_names": [f"s{i}".encode() for i in range(20)]})
-        files, label_key = ["train", "test"], b"fine_labels"
-    out = {}
-    for f in files:
-        n = n_test if "test" in f else (per_batch if name == "cifar10" else 5 * per_batch)
-        data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
-        labels = rng.integers(0, k, n).tolist()
-        d = {b"batch_label": f.encode(), label_key: labels, b"data": data,
-             b"filenames": [f"{i}.png".encode() for i in range(n)]}
-        if name == "cifar100":
-            d[b"coarse_labels"] = [x // 5 for x in labels]
-        _dump(base / f, d)
-        out[f] = (data, labels)
-    return base, out
 
 
 @pytest.mark.parametrize("name", ["cifar10", "cifar100"])

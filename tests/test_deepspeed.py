@@ -16,8 +16,7 @@ import torch
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 
-from test_distributed import (BASE, TINY, check_eval_and_export, comm_per_step, free_port, rel_diff,  # shared
-                              sets, weights)
+from helpers import BASE, TINY, check_eval_and_export, comm_per_step, free_port, rel_diff, sets, weights
 
 
 def _deepspeed_importable() -> tuple[bool, str]:
@@ -50,13 +49,6 @@ def ds_train(out, extra, nproc=2):
 
 def saved_strategy(run_dir) -> dict:
     return torch.load(ckpt.list_checkpoints(run_dir)[-1], weights_only=False)["strategy"]
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single") / "run"
-    assert main(["train", TINY, "--out", str(out), *sets(BASE)]) == 0
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -13,73 +13,13 @@ import torch
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 
-TINY = "configs/tests/tiny.toml"
-BASE = ["run.threads=1", "train.epochs=2", "optim.grad_clip=1.0"]
+from helpers import TINY, BASE, sets, torchrun, weights, comm_per_step, rel_diff
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def sets(items):
-    return [a for item in items for a in ("--set", item)]
-
-
-def torchrun(out, extra, nproc=2, timeout=240, resume=None, config=TINY, base=BASE):
-    what = ["--resume", str(resume), *sets(extra)] if resume else [config, "--out", str(out), *sets(base + extra)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "vitscale", "train", *what]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if p.returncode and "address already in use" in p.stderr.lower():  # free_port() lost a race
-        return torchrun(out, extra, nproc, timeout, resume, config, base)
-    return p
-
-
-def weights(run_dir):
-    return torch.load(ckpt.list_checkpoints(run_dir)[-1], weights_only=False)["strategy"]["model"]
-
-
-def check_eval_and_export(run_dir, tmp_path, capsys, saved: dict) -> dict:
-    """`vitscale eval` of a run gives its last logged test accuracy and loss; `vitscale export`
-    writes exactly `saved` (its consolidated weights). Returns eval's result."""
-    from safetensors.torch import load_file
-    capsys.readouterr()
-    assert main(["eval", str(run_dir), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in x][-1]
-    assert result["test_accuracy"] == last["test_accuracy"]
-    assert abs(result["test_loss"] - last["test_loss"]) <= 1e-5
-    assert main(["export", str(run_dir), "--out", str(tmp_path / "m.safetensors")]) == 0
-    exported = load_file(str(tmp_path / "m.safetensors"))
-    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
-    return result
-
-
-def comm_per_step(run_dir) -> list[dict]:
-    """Each train record's bytes per collective kind per step, in units of the fp32 parameter
-    bytes (4P), e.g. {"allgather": 2.02, "reducescatter": 1.01}."""
-    P = json.loads((Path(run_dir) / "summary.json").read_text())["params"]
-    recs = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k[len("comm_"):-len("_bytes_per_step")]: v / (4 * P) for k, v in r.items()
-             if k.startswith("comm_") and k.endswith("_bytes_per_step") and k != "comm_bytes_per_step"}
-            for r in recs if r["kind"] == "train"]
-
-
-def rel_diff(a, b):
-    num = sum((a[k].double() - b[k].double()).square().sum() for k in a)
-    den = sum(b[k].double().square().sum() for k in b)
-    return float((num / den).sqrt())
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single") / "run"
-    assert main(["train", TINY, "--out", str(out), *sets(BASE)]) == 0
-    return out
 
 
 @pytest.mark.parametrize("extra,tol", [

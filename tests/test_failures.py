@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from test_distributed import BASE, TINY, free_port, rel_diff, sets, torchrun, weights
+from helpers import BASE, TINY, free_port, rel_diff, sets, torchrun, weights
 from vitscale import checkpoint as ckpt
 
 LONG = ["run.threads=1", "strategy.name=ddp", "train.epochs=2000", "run.progress=plain",

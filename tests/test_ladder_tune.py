@@ -12,9 +12,9 @@ from vitscale.lab.ladder import BASELINE, build_rungs
 from vitscale.lab.tune import accum_choices, search
 
 TINY = "configs/tests/tiny.toml"
+pytestmark = pytest.mark.usefixtures("fixed_peak_and_threads")
 
 
-from test_bench import _restore_threads  # noqa: F401  (autouse: fixed peak, threads restored)
 
 
 # -- ladder ---------------------------------------------------------------------------------------

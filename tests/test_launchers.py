@@ -11,7 +11,7 @@ import pytest
 
 from vitscale.cli import main
 
-from test_distributed import BASE, TINY, free_port, rel_diff, sets, weights  # shared helpers
+from helpers import BASE, TINY, free_port, rel_diff, sets, weights
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"  # the launcher script pip installs next to python
 pytestmark = pytest.mark.skipif(not DEEPSPEED.exists() or importlib.util.find_spec("deepspeed") is None,
@@ -29,13 +29,6 @@ def deepspeed_launch(out, extra, nproc=2, timeout=240):
     if p.returncode and "address already in use" in (p.stdout + p.stderr).lower():  # lost a port race
         return deepspeed_launch(out, extra, nproc, timeout)
     return p
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single") / "run"
-    assert main(["train", TINY, "--out", str(out), *sets(BASE)]) == 0
-    return out
 
 
 def test_deepspeed_launcher_two_ranks_match_single_process(tmp_path, single):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_distributed import BASE, TINY, free_port, rel_diff, sets, single, weights  # noqa: F401 (fixture)
+from helpers import BASE, TINY, free_port, rel_diff, sets, weights
 
 SRUN = """#!/bin/bash
 pids=()

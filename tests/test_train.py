@@ -10,6 +10,8 @@ from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 from vitscale.tasks import ClassificationTask
 
+from helpers import interrupted_copy
+
 TINY = "configs/tests/tiny.toml"
 
 
@@ -79,16 +81,6 @@ def test_resumed_run_ends_with_the_same_weights(tmp_path, capsys, extra):
     sa = json.loads((full / "summary.json").read_text())
     sb = json.loads((part / "summary.json").read_text())
     assert sa["test_accuracy"] == sb["test_accuracy"] and sb["steps"] == 12
-
-
-def interrupted_copy(full, part, step: int):
-    """A copy of the finished run `full` as if it had stopped after the checkpoint at `step`."""
-    shutil.copytree(full, part)
-    for p in ckpt.list_checkpoints(part):
-        if p.name != f"step_{step:08d}.pt":
-            p.unlink()
-    (part / "summary.json").unlink()
-    return part
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys, monkeypatch):

@@ -1,0 +1,179 @@
+"""Helpers shared by the test modules: recipes, launching torchrun, reading runs back, and
+writers of small datasets in the official formats. Fixtures live in conftest.py."""
+import gzip
+import json
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vitscale import checkpoint as ckpt
+from vitscale.cli import main
+from vitscale.strategy.dist import free_port
+
+CLIP = "configs/tests/clip_tiny.toml"
+
+
+TINY = "configs/tests/tiny.toml"
+
+
+BASE = ["run.threads=1", "train.epochs=2", "optim.grad_clip=1.0"]
+
+
+RED, BLUE = (220, 20, 20), (20, 20, 220)
+
+
+def rel_diff(a, b):
+    num = sum((a[k].double() - b[k].double()).square().sum() for k in a)
+    den = sum(b[k].double().square().sum() for k in b)
+    return float((num / den).sqrt())
+
+
+def comm_per_step(run_dir) -> list[dict]:
+    """Each train record's bytes per collective kind per step, in units of the fp32 parameter
+    bytes (4P), e.g. {"allgather": 2.02, "reducescatter": 1.01}."""
+    P = json.loads((Path(run_dir) / "summary.json").read_text())["params"]
+    recs = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{k[len("comm_"):-len("_bytes_per_step")]: v / (4 * P) for k, v in r.items()
+             if k.startswith("comm_") and k.endswith("_bytes_per_step") and k != "comm_bytes_per_step"}
+            for r in recs if r["kind"] == "train"]
+
+
+def check_eval_and_export(run_dir, tmp_path, capsys, saved: dict) -> dict:
+    """`vitscale eval` of a run gives its last logged test accuracy and loss; `vitscale export`
+    writes exactly `saved` (its consolidated weights). Returns eval's result."""
+    from safetensors.torch import load_file
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in x][-1]
+    assert result["test_accuracy"] == last["test_accuracy"]
+    assert abs(result["test_loss"] - last["test_loss"]) <= 1e-5
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "m.safetensors")]) == 0
+    exported = load_file(str(tmp_path / "m.safetensors"))
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    return result
+
+
+def weights(run_dir):
+    return torch.load(ckpt.list_checkpoints(run_dir)[-1], weights_only=False)["strategy"]["model"]
+
+
+def torchrun(out, extra, nproc=2, timeout=240, resume=None, config=TINY, base=BASE):
+    what = ["--resume", str(resume), *sets(extra)] if resume else [config, "--out", str(out), *sets(base + extra)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "vitscale", "train", *what]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if p.returncode and "address already in use" in p.stderr.lower():  # free_port() lost a race
+        return torchrun(out, extra, nproc, timeout, resume, config, base)
+    return p
+
+
+def sets(items):
+    return [a for item in items for a in ("--set", item)]
+
+
+def interrupted_copy(full, part, step: int):
+    """A copy of the finished run `full` as if it had stopped after the checkpoint at `step`."""
+    shutil.copytree(full, part)
+    for p in ckpt.list_checkpoints(part):
+        if p.name != f"step_{step:08d}.pt":
+            p.unlink()
+    (part / "summary.json").unlink()
+    return part
+
+
+def make_tree(root, rng=None):
+    """train/cat: 7 images in assorted modes + a truncated JPEG; train/dog: 5 + a fake PNG."""
+    rng = rng or np.random.default_rng(0)
+    for d in ("train/cat", "train/dog", "train/empty", "val/cat", "val/dog"):
+        (root / d).mkdir(parents=True)
+    cat, dog = root / "train/cat", root / "train/dog"
+    Image.new("RGB", (24, 20), RED).save(cat / "a_rgb.png")
+    Image.fromarray(_noise(rng)[..., 0], "L").save(cat / "b_grey.jpg")
+    Image.fromarray(np.dstack([_noise(rng), _noise(rng)[..., :1]]), "RGBA").save(cat / "c_rgba.png")
+    Image.fromarray(_noise(rng)).convert("CMYK").save(cat / "d_cmyk.jpg")
+    Image.fromarray((rng.integers(0, 65536, (20, 24))).astype(np.uint16)).save(cat / "e_16bit.png")
+    Image.fromarray(_noise(rng)).convert("P").save(cat / "f_palette.png")
+    Image.fromarray(_noise(rng)[..., 0] > 128).save(cat / "g_bilevel.bmp")
+    big = Image.fromarray(np.random.default_rng(1).integers(0, 256, (200, 200, 3), dtype=np.uint8))
+    big.save(cat / "h_truncated.jpg", quality=95)
+    data = (cat / "h_truncated.jpg").read_bytes()
+    (cat / "h_truncated.jpg").write_bytes(data[: len(data) // 2])
+    Image.new("RGB", (30, 18), BLUE).save(dog / "a_blue.webp")
+    for i in range(3):
+        Image.fromarray(np.dstack([_noise(rng)[..., :2].max(-1)] * 2), "LA").save(dog / f"b_la{i}.png")
+    Image.fromarray(_noise(rng, 40, 33)).save(dog / "c_rgb.jpeg")
+    (dog / "d_not_an_image.png").write_bytes(b"this is not a png")
+    (dog / "notes.txt").write_text("ignored: not an image extension")
+    Image.new("RGB", (40, 30), RED).save(root / "val/cat/red.png")
+    Image.new("RGB", (30, 40), BLUE).save(root / "val/dog/blue.png")
+    Image.fromarray(_noise(rng)).save(root / "val/dog/x.jpg")
+    return root
+
+
+def _noise(rng, w=24, h=20):
+    return rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def write_cifar(root: Path, name="cifar10", per_batch=3, n_test=4, seed=0):
+    rng = np.random.default_rng(seed)
+    if name == "cifar10":
+        base, k = root / "cifar-10-batches-py", 10
+        base.mkdir(parents=True)
+        _dump(base / "batches.meta", {b"num_cases_per_batch": per_batch, b"num_vis": 3072,
+                                      b"label_names": [b"airplane", b"automobile", b"bird", b"cat",
+                                                       b"deer", b"dog", b"frog", b"horse", b"ship", b"truck"]})
+        files, label_key = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], b"labels"
+    else:
+        base, k = root / "cifar-100-python", 100
+        base.mkdir(parents=True)
+        _dump(base / "meta", {b"fine_label_names": [f"c{i}".encode() for i in range(100)],
+                              b"coarse_label_names": [f"s{i}".encode() for i in range(20)]})
+        files, label_key = ["train", "test"], b"fine_labels"
+    out = {}
+    for f in files:
+        n = n_test if "test" in f else (per_batch if name == "cifar10" else 5 * per_batch)
+        data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+        labels = rng.integers(0, k, n).tolist()
+        d = {b"batch_label": f.encode(), label_key: labels, b"data": data,
+             b"filenames": [f"{i}.png".encode() for i in range(n)]}
+        if name == "cifar100":
+            d[b"coarse_labels"] = [x // 5 for x in labels]
+        _dump(base / f, d)
+        out[f] = (data, labels)
+    return base, out
+
+
+def _dump(path: Path, obj):
+    with open(path, "wb") as f:
+        pickle.dump(obj, f, protocol=2)
+
+
+def write_fmnist(root: Path, n_train=12, n_test=5, seed=0):
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    data = {}
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        x, y = rng.integers(0, 256, (n, 28, 28)), np.arange(n) % 10
+        write_idx(root / f"{prefix}-images-idx3-ubyte.gz", x)
+        write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", y)
+        data[prefix] = (x, y)
+    return data
+
+
+def write_idx(path: Path, arr: np.ndarray, magic: int | None = None, gz: bool = True):
+    arr = np.asarray(arr, np.uint8)
+    head = struct.pack(">I", magic if magic is not None else 0x800 | arr.ndim)
+    head += b"".join(struct.pack(">I", d) for d in arr.shape)
+    raw = head + arr.tobytes()
+    path.write_bytes(gzip.compress(raw) if gz else raw)
