@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vitscale import checkpoint as ckpt
+from vitscale.strategy.resume import check_resume, read_dcp
 from vitscale.cli import main
 from vitscale.errors import UserError
 
@@ -101,7 +102,7 @@ def test_sharded_resumes_under_single_and_exports(sharded_run, tmp_path, monkeyp
                                 f"uninterrupted: {d:.2e}")
     assert d <= 1e-5, d
     # eval and export consolidate the sharded folder in this one process
-    dcp = ckpt.read_dcp(sharded_run / "checkpoints" / "step_00000012.dcp")["model"]
+    dcp = read_dcp(sharded_run / "checkpoints" / "step_00000012.dcp")["model"]
     assert check_eval_and_export(sharded_run, tmp_path, capsys, dcp)["step"] == 12
 
 
@@ -152,7 +153,7 @@ def test_deepspeed_and_other_engines_refuse_each_other(single_run, tmp_path, mon
     state["config"]["strategy"]["name"] = "deepspeed"
     with pytest.raises(UserError, match=r"under strategy.name=fsdp: it was written by "
                                         r"strategy.name=deepspeed.*ds_to_universal.*vitscale export"):
-        ckpt.check_resume(state, path, "fsdp")
+        check_resume(state, path, "fsdp")
     del state["strategy"]["optimizer"]  # as DeepSpeed writes it: the optimizer is in step_N.ds
     torch.save(state, path)
     assert main(["train", "--resume", str(part), "--set", "strategy.name=single"]) == 2

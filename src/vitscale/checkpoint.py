@@ -103,19 +103,7 @@ def export_safetensors(state_dict: dict, path: Path, metadata: dict[str, str]) -
     return path
 
 
-# -- engine folders (step_N.ds, step_N.dcp) ----------------------------------------------------
-def engine_folder(path: Path, state: dict) -> Path | None:
-    """The engine folder written next to the checkpoint `path`, or None when the .pt holds it all."""
-    suffix = state.get("engine")
-    if suffix is None and saved_strategy(state) == "deepspeed":
-        suffix = ".ds"  # written before checkpoints named their engine folder
-    return Path(path).with_suffix(suffix) if suffix else None
-
-
-def saved_strategy(state: dict) -> str:
-    return state.get("config", {}).get("strategy", {}).get("name", "single")
-
-
+# -- engine folders (step_N.ds, step_N.dcp): written atomically ----------------------------------
 def commit_folder(tmp: Path, path: Path) -> Path:
     """Main process, once every rank has finished writing the engine folder `tmp`: it becomes
     `path` (step_N.ds / step_N.dcp, replacing a copy of the same step written before a crash) and
@@ -126,42 +114,6 @@ def commit_folder(tmp: Path, path: Path) -> Path:
     for stale in path.parent.glob(f".step_*{path.suffix}.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
     return path
-
-
-def read_dcp(path: Path, keys: set[str] | None = None) -> dict:
-    """A torch.distributed.checkpoint folder consolidated in this process (no process group used):
-    full tensors on the CPU; `keys` limits it to those top-level entries (e.g. {"model"})."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise UserError(f"sharded checkpoint folder not found or incomplete: {path} (expected the "
-                        "step_N.dcp folder written next to the .pt checkpoint)")
-    sd: dict = {}
-    # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does (dcp.load itself
-    # cannot fill an empty dict): every rank that calls it reads the whole checkpoint
-    _load_state_dict(sd, storage_reader=FileSystemReader(str(path)),
-                     planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
-    return sd
-
-
-def check_resume(state: dict, path: Path, strategy: str) -> None:
-    """One-line UserError when the engine that wrote `state` cannot be resumed by `strategy`:
-    DeepSpeed's engine checkpoint resumes only under DeepSpeed, and DeepSpeed resumes only from it."""
-    saved = saved_strategy(state)
-    if (saved == "deepspeed") == (strategy == "deepspeed"):
-        return
-    if saved == "deepspeed":
-        raise UserError(f"cannot resume {path} under strategy.name={strategy}: it was written by "
-                        "strategy.name=deepspeed, whose optimizer state is in DeepSpeed's own engine "
-                        "checkpoint; resume it with strategy.name=deepspeed (same processes; other "
-                        "counts after DeepSpeed's ds_to_universal), or take its weights with "
-                        f"`vitscale export {path}`")
-    raise UserError(f"cannot resume {path} under strategy.name=deepspeed: it was written by "
-                    f"strategy.name={saved} and DeepSpeed resumes only from its own engine checkpoint; "
-                    f"resume it with strategy.name={saved} (single, ddp and fsdp resume each other's "
-                    f"checkpoints), or take its weights with `vitscale export {path}`")
 
 
 # -- optimizer state: index-keyed (torch.optim) <-> parameter-name-keyed (FSDP2) ----------------

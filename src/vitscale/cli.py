@@ -81,7 +81,8 @@ LAB = ("bench", "sweep", "ladder", "tune", "predict")
 
 
 def cmd_train(args) -> int:
-    from .checkpoint import check_resume, list_checkpoints, load_checkpoint, resolve_checkpoint
+    from .checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint
+    from .strategy.resume import check_resume
     from .config import load_config, saved_config
     from .loop import train
     from .tasks import describe_result

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import engine_folder, export_safetensors, load_checkpoint, read_dcp, resolve_checkpoint
+from .checkpoint import export_safetensors, load_checkpoint, resolve_checkpoint
 from .config import Config, saved_config
 from .errors import ConfigError
 from .strategy import build_strategy
+from .strategy.resume import engine_folder, read_dcp
 from .tasks import build_task
 
 

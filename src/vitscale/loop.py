@@ -11,14 +11,15 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (check_resume, engine_folder, list_checkpoints, load_checkpoint, resolve_checkpoint,
-                         rng_state, save_checkpoint, set_rng_state)
+from .checkpoint import (list_checkpoints, load_checkpoint, resolve_checkpoint, rng_state, save_checkpoint,
+                         set_rng_state)
 from .config import Config, micro_batch
 from .errors import DataError, TrainingError, UserError
 from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops
 from .models import count_params
 from .optim import build_scheduler, scaled_lr
 from .strategy import build_strategy
+from .strategy.resume import check_resume, engine_folder
 from .tasks import build_task
 
 

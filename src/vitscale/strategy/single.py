@@ -196,7 +196,7 @@ class SingleDevice:  # implements base.Strategy
     def load_engine(self, path) -> None:
         """Resume from FSDP2's sharded checkpoint folder (step_N.dcp): consolidated in this
         process, optimizer state renumbered from parameter names."""
-        from ..checkpoint import read_dcp
+        from .resume import read_dcp
         full = read_dcp(path)
         self.load_state_dict({**full, "scaler": self.scaler.state_dict()})
 
