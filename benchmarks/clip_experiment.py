@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 LOSSES = ["openclip", "sogclr", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3"]
@@ -50,11 +51,27 @@ def train_rows(run: Path) -> list[dict]:
     return [r for r in rows if r.get("kind") == "train"]
 
 
+def final(run: Path) -> dict | None:
+    """The run's final held-out metrics and step count: summary.json, or, where the run trained to
+    its last step and evaluated there but did not write its summary (a crash after the final
+    evaluation), that final evaluation record of metrics.jsonl, which is what summary.json copies;
+    None for an unfinished run."""
+    if (run / "summary.json").exists():
+        return json.loads((run / "summary.json").read_text())
+    if not (run / "metrics.jsonl").exists() or not (run / "config.toml").exists():
+        return None
+    epochs = tomllib.loads((run / "config.toml").read_text())["train"]["epochs"]
+    last = (eval_rows(run) or [None])[-1]
+    if last is None or abs(last["epoch"] - epochs) > 1e-9:
+        return None
+    return {**last, "steps": last["step"], "from": "metrics.jsonl (final evaluation; no summary.json)"}
+
+
 def finished(roots, losses) -> dict:
     """{loss: [run folder per root that has a finished run of it]}."""
     out = {}
     for loss in losses:
-        runs = [Path(r) / loss for r in roots if (Path(r) / loss / "summary.json").exists()]
+        runs = [Path(r) / loss for r in roots if final(Path(r) / loss) is not None]
         if runs:
             out[loss] = runs
     return out
@@ -66,7 +83,7 @@ def cmd_report(args) -> None:
     groups = finished(args.roots, args.losses)
     if not groups:
         sys.exit(f"no finished runs under {' '.join(args.roots)}")
-    first = json.loads((next(iter(groups.values()))[0] / "summary.json").read_text())
+    first = final(next(iter(groups.values()))[0])
     zs_key = next((k for k in first if k.startswith("zeroshot_") and k.endswith("_top1")), None)
     cols = [("test_i2t_r1", "i2t R@1"), ("test_i2t_r5", "i2t R@5"), ("test_t2i_r1", "t2i R@1"),
             ("test_t2i_r5", "t2i R@5"), ("retrieval_r1", "mean R@1")] + ([(zs_key, "zero-shot top-1")] if zs_key else [])
@@ -75,11 +92,11 @@ def cmd_report(args) -> None:
     stats = {}
     for loss, runs in groups.items():
         for run in runs:
-            s = json.loads((run / "summary.json").read_text())
+            s = final(run)
             tau = next((r["tau"] for r in reversed(train_rows(run)) if "tau" in r), None)
             vals = [100 * s[k] if k in s else float("nan") for k, _ in cols]
             stats.setdefault(loss, []).append(vals + [tau if tau is not None else float("nan")])
-            lines.append(f"| {loss} | {run.parent.name} | {s['steps']} | " + " | ".join(f"{v:.2f}" for v in vals)
+            lines.append(f"| {loss} | {run.parent.name}{'*' if 'from' in s else ''} | {s['steps']} | " + " | ".join(f"{v:.2f}" for v in vals)
                          + f" | {'-' if tau is None else f'{tau:.4f}'} |")
     lines += ["", "| loss | runs | " + " | ".join(c[1] for c in cols) + " | final tau |",
               "|---|---|" + "---|" * len(cols) + "---|"]
@@ -90,6 +107,8 @@ def cmd_report(args) -> None:
             sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
             cells.append(f"{statistics.mean(xs):.{4 if j == len(cols) else 2}f} ± {sd:.{4 if j == len(cols) else 2}f}")
         lines.append(f"| {loss} | {len(rows)} | " + " | ".join(cells) + " |")
+    if any("from" in final(run) for runs in groups.values() for run in runs):
+        lines.append("\n* no summary.json: the numbers are the run's final evaluation in metrics.jsonl")
     print("\n".join(lines))
     if args.png:  # held-out mean R@1 per epoch, every run
         plot(args.png, args.title, groups, "epoch", "held-out mean R@1 (%)",
