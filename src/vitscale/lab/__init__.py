@@ -1,3 +1,8 @@
 """The performance lab: timing harness, bench, ladder, tune, sweep, predict, reports and the
 communication model. It drives the training core (config, tasks, trainer, strategies) and is
-never imported by it."""
+never imported by it.
+
+Each command module (bench, ladder, tune, sweep, predict) imports torch and the training core
+inside its functions, not at the top: the CLI imports every command module to build its parser,
+and `vitscale --help`, `vitscale config` or `vitscale info` must not pay for importing torch's
+distributed and compile stacks that only a measurement needs."""
