@@ -4,5 +4,5 @@ never imported by it.
 
 Each command module (bench, ladder, tune, sweep, predict) imports torch and the training core
 inside its functions, not at the top: the CLI imports every command module to build its parser,
-and `vitscale --help`, `vitscale config` or `vitscale info` must not pay for importing torch's
-distributed and compile stacks that only a measurement needs."""
+and `vitscale --help` or `vitscale config` must not pay for importing torch, which only the
+commands that build models need."""
