@@ -35,6 +35,12 @@ def add_recipe_arguments(p, help: str = "TOML recipe (path, or a name from confi
     add_overrides(p, set_help)
 
 
+def add_synthetic_argument(p) -> None:
+    """`--synthetic`, one definition for bench, ladder, tune and sweep (which passes it to bench)."""
+    p.add_argument("--synthetic", action="store_true",
+                   help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vitscale", description="Train Vision Transformers fast.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

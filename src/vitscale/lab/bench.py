@@ -16,14 +16,12 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ..strategy.comm import KINDS
 
 HELP = "time the training step: img/s, MFU, memory, forward/backward/comm/optimizer split"
 
 
 def add_arguments(p) -> None:
-    from ..cli import add_recipe_arguments
-    from .harness import add_synthetic_argument
+    from ..cli import add_recipe_arguments, add_synthetic_argument
     add_recipe_arguments(p)
     p.add_argument("--steps", type=int, default=20, help="timed steps per trial (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")
@@ -102,6 +100,7 @@ def _max_or_none(values):
 
 
 def describe(r: dict) -> str:
+    from ..strategy.comm import KINDS
     ms = lambda v: "n/a" if v is None else f"{1e3 * v:.1f} ms"  # noqa: E731
     st, sp, h = r["step_time_s"], r["split"], r["hardware"]
     c = r["config"]

@@ -66,12 +66,6 @@ def micros(batch: tuple, accum: int):
     return zip(*(t.chunk(accum) for t in batch))
 
 
-def add_synthetic_argument(p) -> None:
-    """`--synthetic`, one definition for bench, ladder, tune and sweep (which passes it to bench)."""
-    p.add_argument("--synthetic", action="store_true",
-                   help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost")
-
-
 def synthetic_data(cfg):
     """`cfg` with its image dataset swapped for synthetic images of the same shape (image size,
     channels, classes; data/synthetic.py), one global batch of them: what `--synthetic` times, so

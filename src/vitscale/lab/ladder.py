@@ -215,8 +215,7 @@ def markdown(r: dict, command: str) -> str:
 
 
 def add_arguments(p) -> None:
-    from ..cli import add_recipe_arguments
-    from .harness import add_synthetic_argument
+    from ..cli import add_recipe_arguments, add_synthetic_argument
     add_recipe_arguments(p)
     p.add_argument("--steps", type=int, default=3, help="timed steps per rung per round (default 3)")
     p.add_argument("--trials", type=int, default=10,
