@@ -21,8 +21,8 @@ pytestmark = pytest.mark.usefixtures("fixed_peak_and_threads")
 def test_rungs_are_cumulative():
     cfg = load_config(TINY)
     rungs = build_rungs(cfg, world_size=1)
-    assert [r.key for r in rungs] == ["baseline", "precision", "foreach", "fused", "pool", "sdpa", "compile",
-                                      "batch", "sharding"]
+    assert [r.key for r in rungs] == ["baseline", "tf32", "precision", "foreach", "fused", "pool", "sdpa",
+                                      "compile", "cudagraphs", "batch", "sharding"]
     assert rungs[0].overrides == BASELINE
     for prev, r in zip(rungs, rungs[1:]):
         if r.skip is None:
@@ -30,10 +30,28 @@ def test_rungs_are_cumulative():
         else:
             assert r.overrides == prev.overrides  # a skipped rung adds nothing
     top = rungs[-2].overrides
-    assert top == {"train.precision": "bf16", "model.head": "pool", "optim.impl": "fused",
-                   "model.attention": "sdpa", "train.compile": True, "data.batch_size": 32}
-    assert [r.numerics for r in rungs] == [True, True, False, False, True, True, False, True, False]
+    assert top == {"train.precision": "bf16", "train.tf32": False, "model.head": "pool", "optim.impl": "fused",
+                   "model.attention": "sdpa", "train.compile": True, "train.compile_mode": "default",
+                   "data.batch_size": 32}
+    assert [r.numerics for r in rungs] == [True, True, True, False, False, True, True, False, False, True, False]
     assert rungs[-1].skip and "more than one process" in rungs[-1].skip
+    # on a CPU the CUDA-only rungs are skipped with the reason (they would change nothing)
+    assert all("CUDA feature" in rungs[i].skip for i in (1, 8))
+    assert rungs[0].name.startswith("baseline (fp32,")
+
+
+def test_rungs_on_a_gpu_add_tf32_and_cuda_graphs(monkeypatch):
+    """The rungs a CUDA machine gets (decided from the device type; built here on a CPU)."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    rungs = {r.key: r for r in build_rungs(load_config(TINY), world_size=1)}
+    assert "TF32 off" in rungs["baseline"].name and rungs["baseline"].overrides["train.tf32"] is False
+    assert rungs["tf32"].skip is None and rungs["tf32"].overrides["train.tf32"] is True
+    assert rungs["cudagraphs"].skip is None
+    assert rungs["cudagraphs"].overrides["train.compile_mode"] == "reduce-overhead"
+    assert rungs["batch"].overrides["train.compile_mode"] == "reduce-overhead"
+    # CUDA graphs are for one GPU: with the compile rung left out, the cudagraphs rung does not validate
+    off = {r.key: r for r in build_rungs(load_config(TINY), world_size=1, skip=("compile",))}
+    assert "needs train.compile=true" in off["cudagraphs"].skip
 
 
 def test_rungs_two_processes_and_invalid_ones():

@@ -107,3 +107,14 @@ def test_parity_with_open_clip():
                     f"in a venv with torchvision stubbed (shared/tools/tv_cpu_stub)")
     for n in (77, 16):
         assert torch.equal(tk.tokenize(CAPTIONS, n), open_clip.tokenize(CAPTIONS, context_length=n))
+
+
+def test_without_ftfy_well_formed_captions_are_unchanged(monkeypatch):
+    """A bare GPU image has no ftfy: the tokenizer still works there, and only captions that ftfy
+    rewrites (mojibake, ligatures, fullwidth letters) tokenize differently."""
+    with_ftfy = tk.SimpleTokenizer()
+    monkeypatch.setitem(__import__("sys").modules, "ftfy", None)  # `from ftfy import ...` fails
+    without = tk.SimpleTokenizer()
+    assert with_ftfy.fix_text is not None and without.fix_text is None
+    differ = [c for c in CAPTIONS if with_ftfy.encode(c) != without.encode(c)]
+    assert differ == [c for c in CAPTIONS if c.startswith(("mojibake", "\ufb01ne ligature"))]

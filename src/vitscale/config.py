@@ -70,6 +70,8 @@ class DataConfig:
     eval_batch_size: int = num(1024, min=1)
     num_workers: int = num(2, min=0, doc="decoding workers (folder datasets)")
     on_device: bool = True          # keep small datasets whole on the training device
+    pin_memory: bool = field(default=True, metadata={"doc": "GPU runs: host batches go through pinned "
+                             "memory, copied without blocking"})
     drop_last: bool = True
     # batched augmentation (train split only)
     crop_padding: int = num(0, min=0, doc="random crop after zero padding by this many pixels")
@@ -165,7 +167,16 @@ class TrainConfig:
     ema_decay: float = num(0.0, min=0.0, max=1.0, doc="EMA of weights (0 = off)")
     ema_eval: bool = True           # evaluate the EMA weights when EMA is on
     compile: bool = False
+    compile_mode: str = choice("default", "default", "reduce-overhead", "max-autotune",
+                               "max-autotune-no-cudagraphs", doc="torch.compile mode: reduce-overhead "
+                               "= CUDA graphs (one launch per step: small, launch-bound models on a GPU)")
     activation_checkpointing: bool = False
+    tf32: bool = field(default=True, metadata={"doc": "CUDA: fp32 matmuls and convolutions in TF32 "
+                       "(tensor cores, 10-bit mantissa); false = IEEE fp32. No effect on CPU"})
+    cudnn_benchmark: bool = field(default=True, metadata={"doc": "CUDA: cuDNN times its convolution "
+                                  "algorithms once per input shape and keeps the fastest"})
+    channels_last: bool = field(default=False, metadata={"doc": "conv stem weights and images in "
+                                "channels-last (NHWC) memory format"})
     eval_hflip_tta: bool = False    # average logits of the image and its mirror at evaluation
 
 
@@ -373,6 +384,18 @@ def micro_batch(batch_size: int, world_size: int = 1, accum_steps: int = 1, erro
 def check(cfg: Config) -> None:
     """Cross-field checks that one key alone cannot express."""
     micro_batch(cfg.data.batch_size, 1, cfg.train.accum_steps)
+    if cfg.train.compile_mode != "default" and not cfg.train.compile:
+        raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} needs train.compile=true")
+    if cfg.train.compile_mode in ("reduce-overhead", "max-autotune"):  # the modes with CUDA graphs
+        if cfg.train.accum_steps > 1:
+            raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} (CUDA graphs) with "
+                              "train.accum_steps > 1 is refused: a replay overwrites the gradient buffers "
+                              "the last micro-batch left in .grad (pytorch/pytorch#169545); use "
+                              "max-autotune-no-cudagraphs or accum_steps=1")
+        if cfg.strategy.name != "single":
+            raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} (CUDA graphs) is for "
+                              f"strategy.name=single (one GPU), not {cfg.strategy.name}; use "
+                              "max-autotune-no-cudagraphs")
     if cfg.model.heads and cfg.model.dim and cfg.model.dim % cfg.model.heads:
         raise ConfigError(f"config: model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
 

@@ -318,7 +318,7 @@ def run_summary(tr: Trainer, stop_reason: str) -> dict:
     s, cfg = tr.strategy, tr.cfg
     t, n = tr.steady if tr.steady[1] else (tr.train_time, tr.images_seen)
     images_per_s = n / t if t else 0.0
-    peak, peak_src = peak_flops(s.device, cfg.train.precision)
+    peak, peak_src = peak_flops(s.device, cfg.train.precision, cfg.train.tf32)
     metrics = {k: v for k, v in tr.last_eval.items() if k not in ("step", "epoch", "train_time_s")}
     return {**metrics, f"best_{tr.task.metric}": tr.best_acc, "train_time_s": tr.train_time,
             "images_per_s": images_per_s, "params": tr.params,

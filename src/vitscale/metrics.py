@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .strategy.devices import tf32_active
 from .strategy.precision import DTYPES, compute_dtype_name
 
 
@@ -101,17 +102,30 @@ GPU_PEAKS = {
     "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12},  # SXM ("H100 80GB HBM3")
     "B200": {"bf16": 2250e12, "fp16": 2250e12},
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
-    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
-    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12, "tf32": 183e12},
+    "L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12, "tf32": 90.5e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12, "tf32": 60e12},
+    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12, "tf32": 62.5e12},
+    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12, "tf32": 82.6e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},  # V100 and T4 have no TF32: fp32 matmuls stay fp32
     "T4": {"fp16": 65e12, "fp32": 8.1e12},
 }
+NO_TF32 = ("V100", "T4")  # pre-Ampere: train.tf32 changes nothing there
+
+
+def gpu_peak_flops(name: str, dtype: str, measure) -> tuple[float, str]:
+    """A GPU's peak for `dtype` from the datasheet table by its name, else `measure()`d (a GPU
+    the table lacks; TF32 is then measured as fp32 matmuls under the run's TF32 setting)."""
+    peak = gpu_peak(name, dtype)
+    if peak:
+        shown = "fp32 (no TF32 on this GPU)" if dtype == "tf32" and any(k in name for k in NO_TF32) else dtype
+        return peak, f"table: {name} dense {shown}"
+    return measure(), f"measured {dtype} matmul on {name}"
 
 
 def gpu_peak(name: str, dtype: str) -> float | None:
+    if dtype == "tf32" and any(key in name for key in NO_TF32):
+        dtype = "fp32"
     for key, peaks in GPU_PEAKS.items():
         if key in name:
             return peaks.get(dtype)
@@ -137,15 +151,13 @@ def measure_matmul_peak(device: torch.device, dtype: str = "fp32", n: int = 1024
     return best
 
 
-def peak_flops(device: torch.device, precision: str) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from) for the precision the model computes in."""
-    dtype = compute_dtype_name(precision)
+def peak_flops(device: torch.device, precision: str, tf32: bool = False) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from) for the precision the model computes in; `tf32`:
+    train.tf32 (fp32 matmuls on a GPU then run at the TF32 peak)."""
+    dtype = compute_dtype_name(precision, tf32_active(device.type, precision, tf32))
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = gpu_peak(name, dtype)
-        if peak:
-            return peak, f"table: {name} dense {dtype}"
-        return measure_matmul_peak(device, dtype, n=4096), f"measured {dtype} matmul on {name}"
+        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype,
+                              lambda: measure_matmul_peak(device, "fp32" if dtype == "tf32" else dtype, n=4096))
     return measure_matmul_peak(device, dtype), f"measured {dtype} matmul on CPU ({torch.get_num_threads()} threads)"
 
 

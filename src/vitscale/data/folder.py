@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from ..errors import DataError
+from ..strategy.devices import pin_batches
 from .loaders import DataBundle
 from .sampler import EpochPlan, derive_seed, generator, shard_range
 from .transforms import BatchAugment
@@ -188,7 +189,7 @@ def _dataloader(dataset, batches, cfg, device, collate_fn):
     workers = cfg.num_workers
     return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=workers,
                                        collate_fn=functools.partial(collate_fn, size=dataset.size),
-                                       pin_memory=device.type == "cuda",
+                                       pin_memory=pin_batches(device.type, cfg.pin_memory, on_device=False),
                                        persistent_workers=workers > 0)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from ..config import micro_batch
 from ..errors import DataError
+from ..strategy.devices import to_device
 from .sampler import EpochPlan, generator
 from .loaders import TensorEvalLoader, TensorTrainLoader
 from .transforms import BatchAugment
@@ -72,8 +73,7 @@ class PairTrainLoader(TensorTrainLoader):
         params = self.augment.draw(generator("aug", self.seed, epoch, b), len(g_idx))
         idx = g_idx[lo:hi]
         home = idx.to(self.x.device)
-        x = self.x[home].to(self.device, non_blocking=True)
-        tokens = self.y[home].to(self.device, non_blocking=True)
+        x, tokens = to_device(self.x[home], self.device, self.pin), to_device(self.y[home], self.device, self.pin)
         index = idx.to(self.device, non_blocking=True)
         x, index = self.augment(x, index, params.take(slice(lo, hi)))
         return x, tokens, index
@@ -111,12 +111,13 @@ def memory_bundle(cfg, *, train_x, train_tokens, test_x, test_tokens, captions_t
     zs = {}
     for name, (classes, templates, x, y) in zeroshot_sets.items():
         loader = TensorEvalLoader(x.to(home), y.to(home), cfg.eval_batch_size, augment.norm,
-                                  device=device, rank=rank, world_size=world_size)
+                                  device=device, rank=rank, world_size=world_size, pin_memory=cfg.pin_memory)
         zs[name] = ZeroShotSet(list(classes), list(templates), loader)
     return ImageTextBundle(
-        train=PairTrainLoader(train_x, train_tokens, plan, augment, seed=seed, device=device),
+        train=PairTrainLoader(train_x, train_tokens, plan, augment, seed=seed, device=device,
+                              pin_memory=cfg.pin_memory),
         test=PairEvalLoader(test_x, test_tokens, cfg.eval_batch_size, augment.norm, device=device,
-                            rank=rank, world_size=world_size),
+                            rank=rank, world_size=world_size, pin_memory=cfg.pin_memory),
         zeroshot=zs, train_size=len(train_x), test_size=len(test_x), channels=train_x.shape[1],
         image_size=train_x.shape[-1], mean=tuple(mean), std=tuple(std),
         captions_test=list(captions_test))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import DataError
+from ..strategy.devices import pin_batches, to_device
 from .sampler import EpochPlan, generator, shard_range
 from .transforms import BatchAugment, Normalizer, resize_u8
 
@@ -48,10 +49,12 @@ class TensorSplits:
 class TensorTrainLoader:
     """`len()` optimizer steps per epoch; `iterate(epoch, start_batch)` yields this rank's share."""
 
-    def __init__(self, x, y, plan: EpochPlan, augment: BatchAugment, *, seed: int, device):
+    def __init__(self, x, y, plan: EpochPlan, augment: BatchAugment, *, seed: int, device, pin_memory=True):
         self.x, self.y = x, y            # [N,C,H,W] uint8, [N] int64
         self.plan, self.augment = plan, augment
         self.seed, self.device = seed, torch.device(device)
+        # host-held data bound for a GPU: each batch through pinned memory (data.pin_memory)
+        self.pin = pin_batches(self.device.type, pin_memory, on_device=x.device == self.device)
         self.batch_size = plan.batch_size // plan.world_size
         self.skipped = 0                 # nothing can be unreadable here
 
@@ -68,9 +71,8 @@ class TensorTrainLoader:
         lo, hi = self.plan.local_range(len(g_idx))
         params = self.augment.draw(generator("aug", self.seed, epoch, b), len(g_idx))
         idx = g_idx[lo:hi].to(self.x.device)
-        x = self.x[idx].to(self.device, non_blocking=True)
-        y = self.y[idx].to(self.device, non_blocking=True)
-        return self.augment(x, y, params.take(slice(lo, hi)))
+        x, y = to_device(self.x[idx], self.device, self.pin), to_device(self.y[idx], self.device, self.pin)
+        return self.augment(x, y, params.take(slice(lo, hi)))  # on the device
 
     def close(self):
         pass
@@ -85,9 +87,10 @@ class TensorTrainLoader:
 class TensorEvalLoader:
     """The whole test split, no augmentation; rank r gets a contiguous shard (no padding)."""
 
-    def __init__(self, x, y, batch_size: int, norm: Normalizer, *, device, rank=0, world_size=1):
+    def __init__(self, x, y, batch_size: int, norm: Normalizer, *, device, rank=0, world_size=1, pin_memory=True):
         self.x, self.y, self.batch_size, self.norm = x, y, batch_size, norm
         self.device = torch.device(device)
+        self.pin = pin_batches(self.device.type, pin_memory, on_device=x.device == self.device)
         self.lo, self.hi = shard_range(len(x), rank, world_size)
         self.num_samples = self.hi - self.lo
         self.skipped = 0
@@ -104,8 +107,8 @@ class TensorEvalLoader:
     def iterate(self):
         for s in range(self.lo, self.hi, self.batch_size):
             e = min(s + self.batch_size, self.hi)
-            x = self.x[s:e].to(self.device, non_blocking=True)
-            yield self.norm(x), self.y[s:e].to(self.device, non_blocking=True)
+            x = to_device(self.x[s:e], self.device, self.pin)
+            yield self.norm(x), to_device(self.y[s:e], self.device, self.pin)
 
 
 def tensor_bundle(splits: TensorSplits, cfg, *, device, seed: int, rank: int = 0,
@@ -126,9 +129,10 @@ def tensor_bundle(splits: TensorSplits, cfg, *, device, seed: int, rank: int = 0
                      rank=rank, world_size=world_size)
     augment = BatchAugment(cfg, mean=splits.mean, std=splits.std, num_classes=num_classes)
     return DataBundle(
-        train=TensorTrainLoader(train_x, train_y, plan, augment, seed=seed, device=device),
+        train=TensorTrainLoader(train_x, train_y, plan, augment, seed=seed, device=device,
+                                pin_memory=cfg.pin_memory),
         test=TensorEvalLoader(test_x, test_y, cfg.eval_batch_size, augment.norm, device=device,
-                              rank=rank, world_size=world_size),
+                              rank=rank, world_size=world_size, pin_memory=cfg.pin_memory),
         num_classes=num_classes, channels=train_x.shape[1], image_size=train_x.shape[-1],
         class_names=list(splits.class_names), train_size=len(train_x), test_size=len(test_x),
         mean=tuple(splits.mean), std=tuple(splits.std))

@@ -4,7 +4,8 @@
     = [<start_of_text>=49406, ids..., <end_of_text>=49407, 0, 0, ...]
 
 Text is cleaned as CLIP does (ftfy.fix_text, html.unescape twice, whitespace collapsed,
-lowercased), split with CLIP's regex and encoded with the merges of `bpe_simple_vocab_16e6.txt.gz`.
+lowercased; without ftfy installed, e.g. on a bare GPU image, fix_text is skipped: plain text
+tokenizes the same, mojibake, ligatures and fullwidth letters are left as they are), split with CLIP's regex and encoded with the merges of `bpe_simple_vocab_16e6.txt.gz`.
 Too long captions are cut to `context_length` with the last token set to <end_of_text>
 (OpenCLIP's behaviour). The vocabulary file is the one shipped in the PyPI package
 open-clip-torch (found without importing it) or the file named by $VITSCALE_BPE_VOCAB.
@@ -69,17 +70,22 @@ def _pairs(word: tuple) -> set:
 
 
 def _deps():
+    """(ftfy.fix_text or None, regex): regex is required, ftfy optional (it repairs mojibake and
+    replaces ligatures and fullwidth letters; other captions come out the same without it)."""
     try:
-        import ftfy
         import regex
     except ImportError as e:
-        raise DataError(f"CLIP tokenizer needs ftfy and regex ({e}): pip install ftfy regex") from None
-    return ftfy, regex
+        raise DataError(f"CLIP tokenizer needs regex ({e}): pip install regex") from None
+    try:
+        from ftfy import fix_text
+    except ImportError:
+        fix_text = None
+    return fix_text, regex
 
 
 class SimpleTokenizer:
     def __init__(self, path: str | os.PathLike | None = None):
-        self.ftfy, regex = _deps()
+        self.fix_text, regex = _deps()
         path = Path(path) if path else vocab_path()
         try:
             lines = gzip.open(path).read().decode("utf-8").split("\n")
@@ -104,7 +110,8 @@ class SimpleTokenizer:
         assert (self.vocab_size, self.sot_id, self.eot_id) == (VOCAB_SIZE, SOT_ID, EOT_ID)
 
     def clean(self, text: str) -> str:
-        text = html.unescape(html.unescape(self.ftfy.fix_text(text))).strip()
+        text = self.fix_text(text) if self.fix_text is not None else text
+        text = html.unescape(html.unescape(text)).strip()
         return " ".join(text.split()).lower()
 
     def bpe(self, token: str) -> str:

@@ -37,6 +37,7 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
     import torch
 
     from ..metrics import mfu, peak_flops
+    from ..strategy.devices import tf32_active
     from .harness import Bench, gather_max, hardware_info, max_rss_bytes, rate, versions
     rss0 = max_rss_bytes()
     cuda = torch.cuda.is_available() and cfg.run.device != "cpu"
@@ -62,7 +63,7 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
         mem = max(s.gather_objects(mem))
         state = s.gather_objects(b.trainer.state_bytes())  # what each rank holds, by kind
         split_all = s.gather_objects({k: v for k, v in split.items() if k != "notes"})
-        peak, peak_src = peak_flops(s.device, cfg.train.precision)  # every rank at once: shared cores
+        peak, peak_src = peak_flops(s.device, cfg.train.precision, cfg.train.tf32)  # every rank at once: shared cores
         peak = s.broadcast_object(peak)
         ips = r["images_per_s"]
         world = s.world_size
@@ -70,6 +71,7 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
             "images_per_s": ips, "images_per_s_per_device": ips / world,
             "mfu": mfu(b.trainer.flops_per_image, ips, peak, world),
             "peak_flops": peak, "peak_source": peak_src,
+            "tf32": tf32_active(s.device.type, cfg.train.precision, cfg.train.tf32),
             "flops_per_image": b.trainer.flops_per_image, "train_flops_per_image": 3 * b.trainer.flops_per_image,
             "step_time_s": r["step_time_s"],
             "split": {"data": r["data_s"],

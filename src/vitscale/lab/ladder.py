@@ -22,8 +22,8 @@ from pathlib import Path
 
 HELP = "ablation ladder: cumulative speed-ups measured side by side, speedups + accuracy, table + PNG"
 
-BASELINE = {"train.precision": "fp32", "model.head": "token", "optim.impl": "forloop",
-            "model.attention": "explicit", "train.compile": False}
+BASELINE = {"train.precision": "fp32", "train.tf32": False, "model.head": "token", "optim.impl": "forloop",
+            "model.attention": "explicit", "train.compile": False, "train.compile_mode": "default"}
 
 
 @dataclass
@@ -37,7 +37,8 @@ class Rung:
     note: str = ""
 
 
-KEYS = ("precision", "foreach", "fused", "pool", "sdpa", "compile", "batch", "sharding")
+KEYS = ("tf32", "precision", "foreach", "fused", "pool", "sdpa", "compile", "cudagraphs", "batch", "sharding")
+CUDA_ONLY = ("tf32", "cudagraphs")  # rungs that change nothing on a CPU
 
 
 def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
@@ -51,14 +52,19 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
     from ..optim import build_optimizer
     per_device = cfg.data.batch_size // world_size
     half = "bf16"  # bf16 autocast: the fast path on CPUs with AVX-512 bf16 and on Ampere+ GPUs
+    device_type = "cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu"
+    fp32 = "fp32 IEEE, TF32 off" if device_type == "cuda" else "fp32"
     rungs = [
-        Rung("baseline", "baseline (fp32, class token, for-loop AdamW, explicit attention)", dict(BASELINE), True),
+        Rung("baseline", f"baseline ({fp32}, class token, for-loop AdamW, explicit attention)", dict(BASELINE), True),
+        Rung("tf32", "+ TF32 matmuls and convolutions", {"train.tf32": True}, True),
         Rung("precision", f"+ mixed precision ({half})", {"train.precision": half}, True),
         Rung("foreach", "+ multi-tensor optimizer (foreach)", {"optim.impl": "foreach"}, False),
         Rung("fused", "+ fused optimizer", {"optim.impl": "fused"}, False),
         Rung("pool", "+ pooled head", {"model.head": "pool"}, True),
         Rung("sdpa", "+ fused attention (sdpa)", {"model.attention": "sdpa"}, True),
         Rung("compile", "+ compile", {"train.compile": True}, False),
+        Rung("cudagraphs", "+ CUDA graphs (compile mode reduce-overhead)", {"train.compile_mode": "reduce-overhead"},
+             False),
         Rung("batch", f"+ larger batch ({per_device} -> {2 * per_device} per device)",
              {"data.batch_size": 2 * cfg.data.batch_size}, True),
         Rung("sharding", "+ sharding (fsdp)", {"strategy.name": "fsdp"}, False),
@@ -67,6 +73,8 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
     for r in rungs:
         if r.key in skip:
             r.skip = "left out (--skip)"
+        elif r.key in CUDA_ONLY and device_type != "cuda":
+            r.skip = "a CUDA feature (this ladder runs on the CPU)"
         elif r.delta.get("strategy.name") == "fsdp" and world_size < 2:
             r.skip = "sharding needs more than one process (launch with torchrun --nproc-per-node N)"
         else:

@@ -34,7 +34,8 @@ from torch import nn
 from ..config import OptimConfig, StrategyConfig, TrainConfig, micro_batch
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
-from .dist import Distributed, env_world, free_port
+from .devices import backend_for, compile_kwargs
+from .dist import Distributed, env_world, free_port, launched
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -162,7 +163,7 @@ class DeepSpeedStrategy(Distributed):
             raise ConfigError(f"config: strategy.name=deepspeed does not support {refused[0]}")
         # launched (torchrun / deepspeed): join that group; else one process without a launcher
         # (one GPU with offload), whose group setup() makes for the engine
-        super().__init__(train, optim, scfg, device_type, join="MASTER_ADDR" in os.environ)
+        super().__init__(train, optim, scfg, device_type, join=launched())
         self.half = None  # precision lives in the ds_config, not in autocast
         self.input_dtype: torch.dtype | None = None  # set by setup(): what the engine's weights hold
         self.engine = None
@@ -194,13 +195,13 @@ class DeepSpeedStrategy(Distributed):
         if dist.is_initialized():
             return
         os.environ.setdefault("LOCAL_RANK", "0")  # ZeRO-3 reads it
-        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+        dist.init_process_group(backend_for(self.device.type, self.scfg.backend),
                                 init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
     def setup(self, model: nn.Module) -> None:
         deepspeed = self._import_deepspeed()
         self._ensure_process_group()
-        model.to(self.device)
+        self.place(model)
         if self.cfg.activation_checkpointing:
             model.set_grad_checkpointing(True)
         groups = param_groups(model, self.optim_cfg.weight_decay)
@@ -226,7 +227,7 @@ class DeepSpeedStrategy(Distributed):
         else:
             self.master = None
         if self.cfg.compile:  # DeepSpeed's own: the wrapped module compiled, hooks kept outside
-            self.engine.compile()
+            self.engine.compile(compile_kwargs=compile_kwargs(self.cfg.compile_mode))
         self.model = self.engine    # callable: forward through the engine (ZeRO-3 gathers parameters)
         self.module = self.engine.module
 
@@ -235,6 +236,7 @@ class DeepSpeedStrategy(Distributed):
         return contextlib.nullcontext()
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layout(x)
         return x.to(self.input_dtype) if self.input_dtype is not None and x.is_floating_point() else x
 
     def no_sync(self):

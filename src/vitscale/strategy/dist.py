@@ -15,15 +15,20 @@ from ..checkpoint import commit_folder
 from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError
 from .comm import COUNTER, install
+from .devices import device_for, launch_env, process_group_kwargs
 from .single import SingleDevice
 
 
 def env_world() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) as set by torchrun / the deepspeed launcher; (0, 1, 0) alone."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", os.environ.get("LOCAL_PROCESS_RANK", "0")))
-    return rank, world, local
+    """(rank, world_size, local_rank) as torchrun, the deepspeed launcher or srun set them
+    (devices.launch_env); (0, 1, 0) alone."""
+    launch = launch_env(os.environ)
+    return launch.rank, launch.world_size, launch.local_rank
+
+
+def launched() -> bool:
+    """A launcher started this process (torchrun / deepspeed / srun with several tasks)."""
+    return launch_env(os.environ).launcher != "none" or "MASTER_ADDR" in os.environ
 
 
 def free_port() -> int:
@@ -34,26 +39,27 @@ def free_port() -> int:
 
 
 def init_process_group(device_type: str, backend: str = "auto", timeout_s: float = 600.0) -> None:
-    """Join the group the launcher describes (env://); NCCL on GPUs, gloo on CPUs by default."""
+    """Join the group the launcher describes (devices.launch_env): NCCL on GPUs (bound to this
+    process's GPU at init), gloo on CPUs by default. Under srun without torchrun, the env://
+    variables are filled in from SLURM's (for the engines that read them, e.g. ZeRO-3's LOCAL_RANK)."""
     if dist.is_initialized():
         return
-    rank, world, local = env_world()
-    if "MASTER_ADDR" not in os.environ:
+    launch = launch_env(os.environ)
+    if launch.master_addr is None:
         raise ConfigError("strategy: a multi-process strategy needs a launcher: run it with "
                           "`torchrun --nproc-per-node N -m vitscale train ...` (MASTER_ADDR is not set)")
-    if backend == "auto":
-        backend = "nccl" if device_type == "cuda" else "gloo"
+    for key, value in launch.env().items():
+        os.environ.setdefault(key, value)
+    kw = process_group_kwargs(launch, device_type, backend, datetime.timedelta(seconds=timeout_s))
     if device_type == "cuda":
-        torch.cuda.set_device(local)
-    timeout = datetime.timedelta(seconds=timeout_s)
+        torch.cuda.set_device(kw.get("device_id", launch.local_rank))
     # the store env:// would make, with keys of their own per torchrun restart: after a restart,
     # gloo otherwise now and then reads a dead process's address and fails to connect
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500")), world,
-                          is_master=rank == 0 and not agent, timeout=timeout, multi_tenant=not agent)
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                          is_master=launch.rank == 0 and not agent, timeout=kw["timeout"], multi_tenant=not agent)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"vitscale/attempt_{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(store=dist.PrefixStore(f"vitscale/attempt_{attempt}", store), **kw)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +109,7 @@ class Distributed(SingleDevice):
             self.rank, self.world_size, local = 0, 1, 0
         self.is_main = self.rank == 0
         self.scfg = scfg
-        device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
+        device = device_for(device_type, local)
         super().__init__(train, optim, device)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,17 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from ..checkpoint import optim_keyed_by_name, optim_state_by_name
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
+from .devices import compile_kwargs
 from .dist import Distributed
 from .precision import DTYPES, half_dtype
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def mp_policy(precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2's precision for train.precision: parameters all-gathered and computed in bf16 (None:
+    fp32), gradients reduce-scattered in strategy.reduce_dtype (fp32 by default)."""
+    return MixedPrecisionPolicy(param_dtype=half_dtype(precision), reduce_dtype=DTYPES[reduce_dtype])
 
 
 class FSDPStrategy(Distributed):
@@ -51,22 +58,21 @@ class FSDPStrategy(Distributed):
             raise ConfigError(f"config: strategy.name=fsdp does not support {', '.join(unsupported)} yet "
                               "(use strategy.name=ddp or single)")
         super().__init__(train, optim, scfg, device_type)
-        self.param_dtype = half_dtype(train.precision)
         self.half = None  # precision lives in the MixedPrecisionPolicy, not in autocast
         # sharded checkpoints: the loop calls save_engine(step_N.dcp) before writing step_N.pt
         self.engine_suffix = ".dcp" if scfg.checkpoint_format == "sharded" else None
 
     def setup(self, model: nn.Module) -> None:
-        model.to(self.device)
+        self.place(model)
         if self.cfg.activation_checkpointing:
             model.set_grad_checkpointing(True)
-        mp = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=DTYPES[self.scfg.reduce_dtype])
+        mp = mp_policy(self.cfg.precision, self.scfg.reduce_dtype)
         offload = CPUOffloadPolicy() if self.scfg.cpu_offload else OffloadPolicy()
         kw = dict(mp_policy=mp, offload_policy=offload, reshard_after_forward=self.scfg.reshard_after_forward)
         from ..models.layers import Block
         for block in [m for m in model.modules() if isinstance(m, Block)]:  # both towers of a CLIP
             if self.cfg.compile:  # each block's forward compiled in place (names unchanged)
-                block.compile()
+                block.compile(**compile_kwargs(self.cfg.compile_mode))
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         self.module = self.model = model

@@ -7,9 +7,12 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def compute_dtype_name(precision: str) -> str:
-    """The number format the matmuls run in: "bf16", "fp16" or "fp32" (MFU peaks are per format)."""
-    return "bf16" if "bf16" in precision else "fp16" if "fp16" in precision else "fp32"
+def compute_dtype_name(precision: str, tf32: bool = False) -> str:
+    """The number format the matmuls run in: "bf16", "fp16", "fp32", or "tf32" (fp32 precision
+    with TF32 on: `tf32` says whether the device runs TF32, see devices.tf32_active). MFU peaks
+    are per format."""
+    name = "bf16" if "bf16" in precision else "fp16" if "fp16" in precision else "fp32"
+    return "tf32" if name == "fp32" and tf32 else name
 
 
 def half_dtype(precision: str) -> torch.dtype | None:

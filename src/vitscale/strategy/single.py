@@ -17,8 +17,8 @@ from torch import nn
 from ..config import OptimConfig, TrainConfig
 from ..errors import ConfigError
 from ..optim import build_optimizer, param_groups
+from .devices import CUDAGRAPH_MODES, apply_backend_flags, backend_flags, compile_kwargs, fp16_refusal
 from .precision import half_dtype
-
 
 
 def resolve_device(name: str) -> torch.device:
@@ -43,20 +43,30 @@ class SingleDevice:  # implements base.Strategy
         self.cfg, self.optim_cfg, self.device = train, optim, device
         self.precision = train.precision
         self.half = half_dtype(self.precision)
-        if self.half is torch.float16 and device.type == "cpu":
-            raise ConfigError(f"config: train.precision={self.precision} is refused on CPU (fp16 matmul has "
-                              "no fast path there, ~1 GFLOP/s); use bf16 or pure_bf16")
+        refusal = fp16_refusal(device.type, self.precision)
+        if refusal:
+            raise ConfigError(refusal)
         self.pure = self.precision.startswith("pure_")
         self.scaler = torch.amp.GradScaler(device.type, init_scale=train.loss_scale,
                                            enabled=self.half is torch.float16)
         self.master: list[torch.Tensor] | None = None
         self.ema: torch.optim.swa_utils.AveragedModel | None = None
+        # TF32 and cuDNN autotuning (process-wide; nothing on a CPU)
+        apply_backend_flags(backend_flags(device.type, train.tf32, train.cudnn_benchmark))
+        self.cudagraphs = train.compile and train.compile_mode in CUDAGRAPH_MODES
 
     # -- set-up ---------------------------------------------------------------------------------
-    def setup(self, model: nn.Module) -> None:
+    def place(self, model: nn.Module) -> None:
+        """Move (and cast, for pure half) the model to this strategy's device; its conv weights
+        to channels-last memory when train.channels_last."""
         model.to(self.device)
         if self.pure:
             model.to(self.half)
+        if self.cfg.channels_last:
+            model.to(memory_format=torch.channels_last)
+
+    def setup(self, model: nn.Module) -> None:
+        self.place(model)
         groups = param_groups(model, self.optim_cfg.weight_decay)
         if self.pure and self.cfg.master_weights:
             # the optimizer sees fp32 copies; model params stay half and get refreshed from them
@@ -73,13 +83,12 @@ class SingleDevice:  # implements base.Strategy
             model.set_grad_checkpointing(True)
         self.module = model  # plain module: checkpoints, export, eval
         wrapped = self.wrap(model)
-        self.model = torch.compile(wrapped) if self.cfg.compile else wrapped  # what training calls
+        self.model = torch.compile(wrapped, **compile_kwargs(self.cfg.compile_mode)) if self.cfg.compile \
+            else wrapped  # what training calls
 
     def setup_eval(self, model: nn.Module) -> None:
         """Place and cast a model for evaluation only (no optimizer, no wrapper): `vitscale eval`."""
-        model.to(self.device)
-        if self.pure:
-            model.to(self.half)
+        self.place(model)
         self.module = self.model = model
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -111,11 +120,20 @@ class SingleDevice:  # implements base.Strategy
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):
+        """Entered once per micro-batch forward: with CUDA graphs (train.compile_mode), it also
+        marks the start of a new step, so that the graphs' output buffers may be reused."""
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         if self.half is None or self.pure:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.half)
 
+    def layout(self, x: torch.Tensor) -> torch.Tensor:
+        """Images in channels-last memory when train.channels_last (other tensors unchanged)."""
+        return x.contiguous(memory_format=torch.channels_last) if self.cfg.channels_last and x.ndim == 4 else x
+
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layout(x)
         return x.to(self.half) if self.pure else x
 
     def no_sync(self):
