@@ -33,9 +33,10 @@ def test_slurm_two_nodes_of_eight_gpus_without_torchrun():
         assert (launch.rank, launch.world_size, launch.local_rank, launch.launcher) == (procid, 16, procid % 8, "slurm")
         assert launch.master_addr == "gpu07" and launch.master_port == 29500
         # one GPU per process on each node, chosen by the local rank (rank 9 is node 2's cuda:1)
-        dev = device_for("cuda", launch.local_rank)
+        dev = device_for("cuda", launch.local_rank, visible=8)
         seen.add((procid // 8, dev.index))
-        kw = process_group_kwargs(launch, "cuda", "auto", datetime.timedelta(seconds=60))
+        assert device_for("cuda", launch.local_rank, visible=1) == torch.device("cuda", 0)  # --gpus-per-task=1
+        kw = process_group_kwargs(launch, dev, "auto", datetime.timedelta(seconds=60))
         assert kw["backend"] == "nccl" and kw["device_id"] == dev and kw["rank"] == procid
         assert kw["world_size"] == 16 and kw["timeout"] == datetime.timedelta(seconds=60)
         assert launch.env() == {"RANK": str(procid), "WORLD_SIZE": "16", "LOCAL_RANK": str(procid % 8),
@@ -79,7 +80,7 @@ def test_bad_launcher_values_are_one_line_errors():
     with pytest.raises(ConfigError, match="strategy.backend=nccl needs CUDA"):
         backend_for("cpu", "nccl")
     assert backend_for("cpu") == "gloo" and backend_for("cuda") == "nccl" and backend_for("cuda", "gloo") == "gloo"
-    assert "device_id" not in process_group_kwargs(Launch(0, 2, 0, "torchrun", "h"), "cpu", "auto", None)
+    assert "device_id" not in process_group_kwargs(Launch(0, 2, 0, "torchrun", "h"), torch.device("cpu"), "auto", None)
 
 
 # -- backend flags, peaks, timers -----------------------------------------------------------------

@@ -35,3 +35,52 @@ def test_fp16_loss_scaler_skips_overflowing_steps():
     assert info["skipped"]  # 2^40 * 1e6 overflows fp16 gradients: the step is skipped, scale cut
     assert s.scaler.get_scale() < 2.0 ** 40
     assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+
+
+def _train(tmp_path, capsys, name, *sets):
+    out = tmp_path / name
+    args = ["train", "configs/tests/tiny.toml", "--out", str(out), "--set", "run.device=cuda"]
+    for s in sets:
+        args += ["--set", s]
+    rc = main(args)
+    assert rc == 0, capsys.readouterr().err
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_cuda_graphs_train(tmp_path, capsys):
+    s = _train(tmp_path, capsys, "graphs", "train.compile=true", "train.compile_mode=reduce-overhead",
+               "train.precision=bf16", "train.epochs=4")
+    assert s["test_accuracy"] > 0.4
+
+
+def test_tf32_flags_and_peak(tmp_path, capsys):
+    s = _train(tmp_path, capsys, "tf32", "train.precision=fp32", "train.tf32=true", "train.epochs=1")
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32" and torch.backends.cudnn.benchmark
+    assert "tf32" in s["peak_source"] or "measured" in s["peak_source"]
+    _train(tmp_path, capsys, "ieee", "train.precision=fp32", "train.tf32=false", "train.epochs=1")
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+
+
+def test_host_data_through_pinned_memory_and_device_augmentation(tmp_path, capsys):
+    s = _train(tmp_path, capsys, "pinned", "data.on_device=false", "data.pin_memory=true", "data.hflip=true",
+               "data.crop_padding=2", "data.randaugment_ops=2", "data.mixup_alpha=0.2", "train.epochs=4",
+               "train.channels_last=true")
+    assert s["test_accuracy"] > 0.3
+
+
+def test_fused_adamw_on_pure_bf16_weights_without_masters(tmp_path, capsys):
+    s = _train(tmp_path, capsys, "fused", "train.precision=pure_bf16", "train.master_weights=false",
+               "optim.impl=fused", "train.epochs=4")
+    assert s["test_accuracy"] > 0.3
+
+
+def test_nccl_ddp_one_process_under_torchrun(tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "nccl"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                        "-m", "vitscale", "train", "configs/tests/tiny.toml", "--out", str(out),
+                        "--set", "run.device=cuda", "--set", "strategy.name=ddp", "--set", "train.precision=bf16",
+                        "--set", "train.epochs=2"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["device"] == "cuda:0"

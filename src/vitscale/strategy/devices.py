@@ -97,18 +97,22 @@ def backend_for(device_type: str, backend: str = "auto") -> str:
     return backend
 
 
-def device_for(device_type: str, local_rank: int) -> torch.device:
+def device_for(device_type: str, local_rank: int, visible: int = 0) -> torch.device:
     """One GPU per process, chosen by the local rank (never the global rank: on node 2 of a
-    2 x 8 job, rank 9 is cuda:1)."""
-    return torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    2 x 8 job, rank 9 is cuda:1), modulo the GPUs this process sees (`visible`: `srun
+    --gpus-per-task=1` shows each task its own GPU as cuda:0)."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % visible if visible else local_rank)
 
 
-def process_group_kwargs(launch: Launch, device_type: str, backend: str, timeout) -> dict:
-    """Arguments for `torch.distributed.init_process_group` (the store added by the caller)."""
-    kw = {"backend": backend_for(device_type, backend), "rank": launch.rank,
+def process_group_kwargs(launch: Launch, device: torch.device, backend: str, timeout) -> dict:
+    """Arguments for `torch.distributed.init_process_group` (the store added by the caller);
+    NCCL's communicator is bound to this process's GPU at init (`device_id`)."""
+    kw = {"backend": backend_for(device.type, backend), "rank": launch.rank,
           "world_size": launch.world_size, "timeout": timeout}
     if kw["backend"] == "nccl":
-        kw["device_id"] = device_for(device_type, launch.local_rank)
+        kw["device_id"] = device
     return kw
 
 

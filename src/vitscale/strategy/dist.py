@@ -26,6 +26,11 @@ def env_world() -> tuple[int, int, int]:
     return launch.rank, launch.world_size, launch.local_rank
 
 
+def local_device(device_type: str, local_rank: int) -> torch.device:
+    """This process's device: its local rank's GPU among those it sees, or the CPU."""
+    return device_for(device_type, local_rank, torch.cuda.device_count() if device_type == "cuda" else 0)
+
+
 def launched() -> bool:
     """A launcher started this process (torchrun / deepspeed / srun with several tasks)."""
     return launch_env(os.environ).launcher != "none" or "MASTER_ADDR" in os.environ
@@ -50,9 +55,10 @@ def init_process_group(device_type: str, backend: str = "auto", timeout_s: float
                           "`torchrun --nproc-per-node N -m vitscale train ...` (MASTER_ADDR is not set)")
     for key, value in launch.env().items():
         os.environ.setdefault(key, value)
-    kw = process_group_kwargs(launch, device_type, backend, datetime.timedelta(seconds=timeout_s))
-    if device_type == "cuda":
-        torch.cuda.set_device(kw.get("device_id", launch.local_rank))
+    device = local_device(device_type, launch.local_rank)
+    kw = process_group_kwargs(launch, device, backend, datetime.timedelta(seconds=timeout_s))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     # the store env:// would make, with keys of their own per torchrun restart: after a restart,
     # gloo otherwise now and then reads a dead process's address and fails to connect
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -109,7 +115,7 @@ class Distributed(SingleDevice):
             self.rank, self.world_size, local = 0, 1, 0
         self.is_main = self.rank == 0
         self.scfg = scfg
-        device = device_for(device_type, local)
+        device = local_device(device_type, local)
         super().__init__(train, optim, device)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
