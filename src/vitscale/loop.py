@@ -19,6 +19,7 @@ from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops
 from .models import count_params
 from .optim import build_scheduler, scaled_lr
 from .strategy import build_strategy
+from .strategy.devices import synchronizer, tf32_active
 from .strategy.resume import check_resume, engine_folder
 from .tasks import build_task
 
@@ -254,8 +255,7 @@ class Trainer:
         w = self.window
         w.add(dt, images, t_data)
         if self.step % self.cfg.run.log_every == 0 or self.step == self.total_steps:
-            if self.strategy.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronizer(self.strategy.device)()  # (each step's loss.item() already waits for the GPU)
             steps = w.images / images
             self.log.log({"kind": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
                           "loss": loss, "lr": self.scheduler.get_last_lr()[0],
@@ -327,7 +327,8 @@ def run_summary(tr: Trainer, stop_reason: str) -> dict:
             "peak_flops": peak, "peak_source": peak_src, "world_size": s.world_size,
             "steps": tr.step, "epochs": tr.step / tr.steps_per_epoch,
             "images_seen": tr.images_seen, "stop_reason": stop_reason,
-            "precision": cfg.train.precision, "lr": tr.lr, "device": str(s.device),
+            "precision": cfg.train.precision, "tf32": tf32_active(s.device.type, cfg.train.precision, cfg.train.tf32),
+            "lr": tr.lr, "device": str(s.device),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "checkpoint": str(tr.last_ckpt), "run_dir": str(tr.run_dir), "rank": s.rank,
             "state_bytes_per_rank": s.gather_objects(tr.state_bytes()),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .strategy.devices import tf32_active
+from .strategy.devices import synchronizer, tf32_active
 from .strategy.precision import DTYPES, compute_dtype_name
 
 
@@ -137,7 +137,7 @@ def measure_matmul_peak(device: torch.device, dtype: str = "fp32", n: int = 1024
     dt = DTYPES[dtype]
     a = torch.randn(n, n, device=device).to(dt)
     b = torch.randn(n, n, device=device).to(dt)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     for _ in range(2):
         a @ b
     sync()

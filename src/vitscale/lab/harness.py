@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..strategy.devices import synchronizer
 
 perf = time.perf_counter
 
@@ -131,8 +132,7 @@ class Bench:
 
     def _attach(self, trainer) -> None:
         self.trainer, self.s = trainer, trainer.strategy
-        cuda = self.s.device.type == "cuda"
-        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self.sync = synchronizer(self.s.device)  # the GPU's clock is read only after its queue drains
         self._epoch, self._it = 0, iter(())
 
     @property
