@@ -247,3 +247,35 @@ def test_pinned_host_batches(monkeypatch):
     assert not TensorTrainLoader(x, y, plan, aug, seed=0, device="cuda", pin_memory=False).pin
     assert not TensorTrainLoader(x, y, plan, aug, seed=0, device="cpu").pin
     assert TensorEvalLoader(x, y, 4, aug.norm, device="cuda").pin
+
+
+# -- what a GPU's limits trigger, driven here ------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cuda_asked_for_without_a_gpu_is_one_line():
+    from vitscale.strategy import resolve_device
+    with pytest.raises(ConfigError, match="run.device=cuda but no CUDA GPU is visible"):
+        resolve_device("cuda")
+
+
+def test_side_by_side_drops_a_configuration_that_runs_out_of_gpu_memory():
+    """A rung or candidate that hits CUDA OOM (in warm-up or in a round) is reported as such and
+    the others go on (tune and ladder on a GPU)."""
+    from vitscale.lab.harness import side_by_side
+    from vitscale.strategy import SingleDevice
+
+    class FakeBench:
+        s = SingleDevice(TrainConfig(), OptimConfig(), torch.device("cpu"))
+
+        def __init__(self, oom_at):
+            self.calls, self.oom_at = 0, oom_at
+
+        def steps(self, n):
+            self.calls += 1
+            if self.calls == self.oom_at:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return (0.1 * n, 0.01 * n)
+
+    out = side_by_side([FakeBench(0), FakeBench(1), FakeBench(3)], steps=2, rounds=3, warmup=1)
+    assert out[0] == [pytest.approx((0.2, 0.02))] * 3
+    assert out[1] is None  # out of memory in its warm-up
+    assert out[2] is None  # out of memory in the second round
