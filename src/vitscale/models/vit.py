@@ -26,6 +26,11 @@ class ViTSpec:
     stem: str = "patch"        # "patch" (one stride-p conv, as in ViT) | "conv" (3x3 conv stages)
     drop_path: float = 0.0
     dropout: float = 0.0
+    # timm's variants, so that imported weights compute the same function (interop/timm.py):
+    fc_norm: bool = False          # pool head: mean of the un-normed tokens, then LayerNorm (timm's
+                                   # global_pool="avg"); False: LayerNorm of every token, then mean
+    no_embed_class: bool = False   # position embeddings for the patches only, added before the class
+                                   # token is prepended (timm's no_embed_class, e.g. DeiT III)
 
     @property
     def num_patches(self) -> int:
@@ -33,7 +38,13 @@ class ViTSpec:
 
     @property
     def num_tokens(self) -> int:
+        """The sequence length the blocks see (patches, plus the class token)."""
         return self.num_patches + (1 if self.head == "token" else 0)
+
+    @property
+    def pos_tokens(self) -> int:
+        """Rows of the position embedding (the class token's row left out with no_embed_class)."""
+        return self.num_patches if self.no_embed_class else self.num_tokens
 
 
 # name -> (dim, depth, heads, mlp_ratio, default patch size)
@@ -68,13 +79,15 @@ class VisionTransformer(nn.Module):
         stem = ConvStem if spec.stem == "conv" else PatchEmbed
         self.patch_embed = stem(spec.image_size, spec.patch_size, spec.in_chans, D)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if spec.head == "token" else None
-        self.pos_embed = nn.Parameter(torch.zeros(1, spec.num_tokens, D))
+        self.pos_embed = nn.Parameter(torch.zeros(1, spec.pos_tokens, D))
         dpr = [spec.drop_path * i / max(1, spec.depth - 1) for i in range(spec.depth)]  # rises with depth
         self.blocks = nn.ModuleList(
             Block(D, spec.heads, spec.mlp_ratio, fused_attn=spec.attention == "sdpa",
                   drop_path=dpr[i], dropout=spec.dropout)
             for i in range(spec.depth))
-        self.norm = nn.LayerNorm(D, eps=1e-6)
+        # fc_norm: the LayerNorm moves after the pooling (timm's keys: no `norm`, a `fc_norm`)
+        self.norm = nn.Identity() if spec.fc_norm else nn.LayerNorm(D, eps=1e-6)
+        self.fc_norm = nn.LayerNorm(D, eps=1e-6) if spec.fc_norm else None
         self.head = nn.Linear(D, spec.num_classes)
         self.grad_checkpointing = False
         self.reset_parameters()
@@ -104,9 +117,12 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)  # [B, N, D]
+        if self.spec.no_embed_class:
+            x = x + self.pos_embed
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # [B, N+1, D]
-        x = x + self.pos_embed
+        if not self.spec.no_embed_class:
+            x = x + self.pos_embed
         for blk in self.blocks:
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(blk, x, use_reentrant=False)
@@ -116,6 +132,8 @@ class VisionTransformer(nn.Module):
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = x[:, 0] if self.cls_token is not None else x.mean(dim=1)  # [B, D]
+        if self.fc_norm is not None:
+            x = self.fc_norm(x)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
