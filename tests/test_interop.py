@@ -123,3 +123,63 @@ def test_timm_loads_an_exported_file_through_pretrained_cfg_overlay(tmp_path):
                           num_classes=5, img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2).eval()
     with torch.no_grad():
         torch.testing.assert_close(t(x), logits, rtol=1e-5, atol=1e-5)
+
+
+# -- model.init: fine-tuning from a file ------------------------------------------------------------
+def weights_file(tmp_path, name="token"):
+    """The fixture's weights alone, as a published file would hold them."""
+    return str(write_state_dict(fixture(name)[2], tmp_path / f"{name}.safetensors"))
+
+
+def test_init_weights_for_another_geometry(tmp_path):
+    from vitscale.interop.finetune import init_weights
+    x, logits, sd = fixture("token")
+    path = weights_file(tmp_path)
+    # the same geometry and classes: the very function timm computes, head kept
+    spec, state = init_weights(path, image_size=32, in_chans=3, num_classes=5, heads=2)
+    from vitscale.models.vit import VisionTransformer
+    model = VisionTransformer(spec).eval()
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), logits, rtol=1e-5, atol=1e-5)
+    # 48 px grey images, 4 classes: a 6x6 grid, one input channel, a new head
+    spec, state = init_weights(path, image_size=48, in_chans=1, num_classes=4, heads=2)
+    assert (spec.image_size, spec.in_chans, spec.num_classes, spec.patch_size) == (48, 1, 4, 8)
+    assert state["pos_embed"].shape == (1, 37, 32) and "head.weight" not in state
+    assert torch.equal(state["pos_embed"][:, 0], sd["pos_embed"][:, 0])  # the class token's row kept
+    torch.testing.assert_close(state["patch_embed.proj.weight"], sd["patch_embed.proj.weight"].sum(1, keepdim=True))
+    # a grey image through the summed filters = the same image as three equal channels through the originals
+    grey = torch.randn(2, 1, 32, 32)
+    conv = torch.nn.functional.conv2d
+    torch.testing.assert_close(conv(grey, state["patch_embed.proj.weight"], stride=8),
+                               conv(grey.expand(-1, 3, -1, -1), sd["patch_embed.proj.weight"], stride=8))
+    if HAVE_TIMM:  # the resampling is timm's
+        from timm.layers import resample_abs_pos_embed
+        torch.testing.assert_close(state["pos_embed"], resample_abs_pos_embed(sd["pos_embed"], [6, 6],
+                                                                              num_prefix_tokens=1))
+    with pytest.raises(UserError, match="init_head=keep"):
+        init_weights(path, image_size=32, in_chans=3, num_classes=4, heads=2, head_policy="keep")
+    with pytest.raises(UserError, match="not divisible by the weights' patch size 8"):
+        init_weights(path, image_size=36, in_chans=3, num_classes=4, heads=2)
+    with pytest.raises(UserError, match="only 3 -> 1"):
+        init_weights(path, image_size=32, in_chans=2, num_classes=4, heads=2)
+
+
+def test_train_from_a_timm_file(tmp_path, capsys):
+    """`vitscale train --set model.init=FILE`: the tiny recipe's grey 16 px synthetic data fine-tunes
+    the shipped timm weights (3-channel, 32 px, 5 classes) with a new 4-class head."""
+    import json
+
+    from vitscale.cli import main
+    path = weights_file(tmp_path)
+    out = tmp_path / "ft"
+    rc = main(["train", "configs/tests/tiny.toml", "--out", str(out), "--set", f"model.init={path}",
+               "--set", "model.heads=2", "--set", "data.image_size=16", "--set", "run.threads=1"])
+    assert rc == 0, capsys.readouterr().err
+    s = json.loads((out / "summary.json").read_text())
+    assert s["params"] == sum(v.numel() for k, v in fixture("token")[2].items()
+                              if k not in ("pos_embed", "head.weight", "head.bias", "patch_embed.proj.weight")) \
+        + 5 * 32 + 32 * 8 * 8 + 4 * 32 + 4  # pos 2x2+1 rows, 1-channel patch filters, the 4-class head
+    from vitscale.config import load_config
+    with pytest.raises(Exception, match="CLIP models cannot be initialized"):
+        load_config("clip_openclipart", [f"model.init={path}"])

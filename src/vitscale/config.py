@@ -86,6 +86,12 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     arch: str = "vit_tiny"          # registry name, see `vitscale.models.registry`
+    init: str = field(default="", metadata={"doc": "start from these weights: a timm ViT state dict "
+                      "(.safetensors/.bin/.pt/.pth) or a `vitscale export` file; the architecture is read "
+                      "from them (arch/dim/depth/patch_size/head are then ignored), the image size, "
+                      "channels and classes come from the data"})
+    init_head: str = choice("auto", "auto", "keep", "reset", doc="model.init: keep the weights' classifier "
+                            "(auto: when its class count matches the data's) or start a new one")
     patch_size: int = num(0, min=0, doc="0 = the arch's default")
     dim: int = num(0, min=0, doc="0 = the arch's default")
     depth: int = num(0, min=0, doc="0 = the arch's default")
@@ -396,6 +402,9 @@ def check(cfg: Config) -> None:
             raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} (CUDA graphs) is for "
                               f"strategy.name=single (one GPU), not {cfg.strategy.name}; use "
                               "max-autotune-no-cudagraphs")
+    if cfg.model.init and cfg.model.arch.startswith("clip"):
+        raise ConfigError("config: model.init loads ViT classifiers (timm layout); CLIP models cannot be "
+                          "initialized from a file yet")
     if cfg.model.heads and cfg.model.dim and cfg.model.dim % cfg.model.heads:
         raise ConfigError(f"config: model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
 

@@ -51,6 +51,12 @@ class ClassificationTask(Task):
 
     def build_spec(self, image_size: int, channels: int, num_classes: int) -> ViTSpec:
         m = self.cfg.model
+        if m.init:  # the architecture from the weights, the geometry from the data
+            from ..interop.finetune import init_weights
+            spec, self.init_state = init_weights(m.init, image_size=image_size, in_chans=channels,
+                                                 num_classes=num_classes, heads=m.heads, head_policy=m.init_head,
+                                                 attention=m.attention, drop_path=m.drop_path, dropout=m.dropout)
+            return spec
         try:
             spec = resolve_spec(m.arch, image_size=image_size, in_chans=channels, num_classes=num_classes,
                                 patch_size=m.patch_size, dim=m.dim, depth=m.depth, heads=m.heads,
@@ -70,8 +76,14 @@ class ClassificationTask(Task):
     def spec_from_dict(self, d: dict) -> ViTSpec:
         return ViTSpec(**d)
 
+    init_state: dict | None = None  # adapted weights of model.init (build_spec reads them)
+
     def build_model(self, spec: ViTSpec) -> nn.Module:
-        return VisionTransformer(spec)
+        model = VisionTransformer(spec)
+        if self.init_state is not None:
+            missing, unexpected = model.load_state_dict(self.init_state, strict=False)
+            assert not unexpected and set(missing) <= {"head.weight", "head.bias"}, (missing, unexpected)
+        return model
 
     def flops(self, spec: ViTSpec) -> int:
         return vit_forward_flops(spec)
