@@ -183,3 +183,44 @@ def test_train_from_a_timm_file(tmp_path, capsys):
     from vitscale.config import load_config
     with pytest.raises(Exception, match="CLIP models cannot be initialized"):
         load_config("clip_openclipart", [f"model.init={path}"])
+
+
+def test_export_a_run_in_timms_layout(tmp_path, capsys):
+    """`vitscale export RUN --format timm`: a file timm loads (where timm imports: the same logits),
+    and that model.init / from_timm read back into the same function."""
+    import json
+
+    from safetensors import safe_open
+
+    from vitscale.cli import main
+    from vitscale.evaluate import _load, _weights
+    from vitscale.tasks import build_task
+    run = tmp_path / "run"
+    assert main(["train", "configs/tests/tiny.toml", "--out", str(run), "--set", "train.epochs=1",
+                 "--set", "run.threads=1"]) == 0
+    out = tmp_path / "vit_timm.safetensors"
+    assert main(["export", str(run), "--format", "timm", "--out", str(out)]) == 0
+    assert "timm.create_model(" in capsys.readouterr().out
+    state, cfg, _ = _load(run)
+    task = build_task(cfg, "vit")
+    ours = task.build_model(task.spec_from_dict(state["spec"])).eval()
+    ours.load_state_dict(_weights(state, False))
+    with safe_open(str(out), "pt") as f:
+        kw = json.loads(f.metadata()["timm_kwargs"])
+    assert kw == dict(img_size=8, patch_size=4, in_chans=1, num_classes=4, embed_dim=32, depth=2, num_heads=2,
+                      mlp_ratio=2.0)
+    x = torch.randn(3, 1, 8, 8)
+    back = from_timm(read_state_dict(out), heads=2).eval()
+    with torch.no_grad():
+        assert torch.equal(back(x), ours(x))
+        if HAVE_TIMM:
+            import timm
+            t = timm.create_model("vit_base_patch16_224", pretrained=True,
+                                  pretrained_cfg_overlay=dict(file=str(out), num_classes=4), **kw).eval()
+            torch.testing.assert_close(t(x), ours(x), rtol=1e-5, atol=1e-5)
+    # a layout timm has no model for: one line
+    pool = tmp_path / "pool"
+    assert main(["train", "configs/tests/tiny.toml", "--out", str(pool), "--set", "train.epochs=1",
+                 "--set", "model.head=pool", "--set", "run.threads=1"]) == 0
+    assert main(["export", str(pool), "--format", "timm", "--out", str(tmp_path / "p.safetensors")]) == 2
+    assert "head=pool without fc_norm" in capsys.readouterr().err

@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("checkpoint")
     x.add_argument("--out", help="output file (default: RUN/model.safetensors)")
     x.add_argument("--no-ema", action="store_true", help="export the raw weights even when EMA is on")
+    x.add_argument("--format", choices=("vitscale", "timm"), default="vitscale",
+                   help="key layout: vitscale's (default) or timm's VisionTransformer (timm.create_model "
+                        "arguments in the file's metadata and printed)")
 
     d = sub.add_parser("data", help="dataset utilities")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="ACTION")
@@ -146,8 +149,15 @@ def cmd_config(args) -> int:
 
 def cmd_export(args) -> int:
     from .evaluate import export_checkpoint
-    path = export_checkpoint(args.checkpoint, args.out, use_ema=not args.no_ema)
+    path = export_checkpoint(args.checkpoint, args.out, use_ema=not args.no_ema, fmt=args.format)
     print(f"wrote {path}")
+    if args.format == "timm":
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            kw = json.loads(f.metadata()["timm_kwargs"])
+        args_text = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+        print(f'load it: timm.create_model("vit_base_patch16_224", pretrained=True, pretrained_cfg_overlay='
+              f'dict(file="{path}", num_classes={kw["num_classes"]}), {args_text})')
     return 0
 
 

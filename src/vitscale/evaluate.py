@@ -54,10 +54,23 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     return {**result, "step": state["step"], "checkpoint": str(path), "task": task.kind}
 
 
-def export_checkpoint(checkpoint, out=None, use_ema: bool = True) -> Path:
+def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vitscale") -> Path:
+    """The checkpoint's weights as safetensors: vitscale's keys and spec (`fmt="vitscale"`), or
+    timm's VisionTransformer layout (`fmt="timm"`, with the timm.create_model arguments in the
+    file's metadata)."""
     state, cfg, path = _load(checkpoint)
     weights = {k: v.float() for k, v in _weights(state, use_ema).items()}
-    out = Path(out) if out else path.parent.parent / "model.safetensors"
+    out = Path(out) if out else path.parent.parent / ("model.safetensors" if fmt == "vitscale" else f"model_{fmt}.safetensors")
+    if fmt == "timm":
+        from .interop import timm_kwargs, to_timm
+        if state.get("kind", "vit") != "vit":
+            raise ConfigError(f"export --format timm: {path} holds a {state.get('kind')} model; timm's layout is "
+                              "for ViT classifiers")
+        task = build_task(cfg, "vit")
+        model = task.build_model(task.spec_from_dict(state["spec"]))
+        model.load_state_dict(weights)
+        meta = {"format": "timm", "timm_kwargs": json.dumps(timm_kwargs(model.spec)), "step": str(state["step"])}
+        return export_safetensors(to_timm(model), out, meta)
     meta = {"format": f"vitscale-{state.get('kind', 'vit')}", "spec": json.dumps(state["spec"]), "config": json.dumps(cfg.to_dict()),
             "step": str(state["step"])}
     return export_safetensors(weights, out, meta)

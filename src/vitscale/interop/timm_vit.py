@@ -103,6 +103,19 @@ def from_timm(sd: dict, heads: int = 0, num_classes: int = 0, **spec_overrides) 
     return model
 
 
+def timm_kwargs(spec: ViTSpec) -> dict:
+    """`timm.create_model("vit_base_patch16_224", **timm_kwargs(spec))` builds the model whose
+    weights `to_timm` writes (any of timm's vit_* names: these arguments set every size)."""
+    kw = dict(img_size=spec.image_size, patch_size=spec.patch_size, in_chans=spec.in_chans,
+              num_classes=spec.num_classes, embed_dim=spec.dim, depth=spec.depth, num_heads=spec.heads,
+              mlp_ratio=spec.mlp_ratio)
+    if spec.head == "pool":
+        kw.update(class_token=False, global_pool="avg")
+    if spec.no_embed_class:
+        kw["no_embed_class"] = True
+    return kw
+
+
 def to_timm(model: VisionTransformer) -> dict[str, torch.Tensor]:
     """The state dict timm's VisionTransformer of the same configuration loads (fp32, CPU):
     `timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=..., num_classes=N),
