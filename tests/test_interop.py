@@ -224,3 +224,65 @@ def test_export_a_run_in_timms_layout(tmp_path, capsys):
                  "--set", "model.head=pool", "--set", "run.threads=1"]) == 0
     assert main(["export", str(pool), "--format", "timm", "--out", str(tmp_path / "p.safetensors")]) == 2
     assert "head=pool without fc_norm" in capsys.readouterr().err
+
+
+def test_layer_wise_lr_decay_groups():
+    from vitscale.config import OptimConfig
+    from vitscale.models.vit import VisionTransformer, ViTSpec
+    from vitscale.optim import build_optimizer, layer_id
+    model = VisionTransformer(ViTSpec(image_size=8, patch_size=4, in_chans=1, num_classes=3, dim=16, depth=2,
+                                      heads=2, mlp_ratio=2.0))
+    assert [layer_id(n, 2) for n in ("cls_token", "pos_embed", "patch_embed.proj.weight", "blocks.0.attn.qkv.weight",
+                                     "blocks.1.norm2.bias", "norm.weight", "head.bias")] == [0, 0, 0, 1, 2, 3, 3]
+    opt = build_optimizer(model, OptimConfig(lr=1.0, layer_decay=0.5))
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    wd_of = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    expect = {"cls_token": 0.125, "patch_embed.proj.weight": 0.125, "blocks.0.mlp.fc1.weight": 0.25,
+              "blocks.1.attn.proj.weight": 0.5, "norm.weight": 1.0, "head.weight": 1.0}
+    named = dict(model.named_parameters())
+    assert {n: lr_of[id(named[n])] for n in expect} == expect
+    assert wd_of[id(named["head.weight"])] == 0.05 and wd_of[id(named["head.bias"])] == 0.0
+    assert len(lr_of) == len(named)  # every parameter in exactly one group
+    # off (1.0): the two groups as before, the optimizer's own lr
+    opt = build_optimizer(model, OptimConfig(lr=1.0))
+    assert len(opt.param_groups) == 2 and {g["lr"] for g in opt.param_groups} == {1.0}
+
+
+@pytest.mark.parametrize("what, blocks, trainable", [
+    ("backbone", 0, {"head.weight", "head.bias"}),
+    ("embed", 1, "all but embeddings and block 0")])
+def test_freezing_trains_only_the_rest(tmp_path, capsys, what, blocks, trainable):
+    from vitscale.config import load_config
+    from vitscale.loop import Trainer
+    cfg = load_config("configs/tests/tiny.toml", [f"model.freeze={what}", f"model.freeze_blocks={blocks}",
+                                                  "run.max_steps=3", "run.threads=1"])
+    t = Trainer(cfg, tmp_path / what)
+    before = {n: p.detach().clone() for n, p in t.strategy.module.named_parameters()}
+    try:
+        t.fit()
+    finally:
+        t.data.close()
+    changed = {n for n, p in t.strategy.module.named_parameters() if not torch.equal(before[n], p)}
+    if what == "backbone":
+        assert changed == trainable
+    else:
+        frozen = {n for n in before if n.startswith(("patch_embed.", "cls_token", "pos_embed", "blocks.0."))}
+        assert changed == set(before) - frozen and frozen
+
+
+def test_normalization_that_belongs_to_the_weights(tmp_path):
+    from vitscale.config import load_config
+    from vitscale.data.transforms import NORMALIZATIONS, normalization
+    from vitscale.interop.finetune import weights_normalization
+    from vitscale.strategy import SingleDevice
+    from vitscale.tasks import build_task
+    assert normalization("dataset", (0.3,), (0.2,)) == ((0.3,), (0.2,))
+    assert normalization("imagenet", (0.1, 0.2, 0.3), (1, 1, 1)) == NORMALIZATIONS["imagenet"]
+    m, s = normalization("clip", (0.3,), (0.2,))
+    assert m == pytest.approx((sum(NORMALIZATIONS["clip"][0]) / 3,)) and len(s) == 1
+    timm_file = weights_file(tmp_path)
+    assert weights_normalization(timm_file) == "imagenet"
+    cfg = load_config("configs/tests/tiny.toml", [f"model.init={timm_file}", "model.heads=2", "data.image_size=16"])
+    task = build_task(cfg)
+    data = task.build_data(SingleDevice(cfg.train, cfg.optim, torch.device("cpu")))
+    assert data.mean == pytest.approx((sum(NORMALIZATIONS["imagenet"][0]) / 3,))

@@ -70,6 +70,9 @@ class DataConfig:
     eval_batch_size: int = num(1024, min=1)
     num_workers: int = num(2, min=0, doc="decoding workers (folder datasets)")
     on_device: bool = True          # keep small datasets whole on the training device
+    normalize: str = choice("auto", "auto", "dataset", "imagenet", "clip", doc="image mean/std: the "
+                            "dataset's own, ImageNet's or CLIP's; auto = the dataset's, or ImageNet's when "
+                            "model.init loads timm weights")
     pin_memory: bool = field(default=True, metadata={"doc": "GPU runs: host batches go through pinned "
                              "memory, copied without blocking"})
     drop_last: bool = True
@@ -92,6 +95,10 @@ class ModelConfig:
                       "channels and classes come from the data"})
     init_head: str = choice("auto", "auto", "keep", "reset", doc="model.init: keep the weights' classifier "
                             "(auto: when its class count matches the data's) or start a new one")
+    freeze: str = choice("none", "none", "embed", "backbone", doc="parameters that do not train: embed = the "
+                         "patch and position embeddings (and model.freeze_blocks blocks); backbone = all but "
+                         "the head (linear probing)")
+    freeze_blocks: int = num(0, min=0, doc="with freeze=embed: also freeze the first N transformer blocks")
     patch_size: int = num(0, min=0, doc="0 = the arch's default")
     dim: int = num(0, min=0, doc="0 = the arch's default")
     depth: int = num(0, min=0, doc="0 = the arch's default")
@@ -159,6 +166,8 @@ class OptimConfig:
     lr_scaling: str = choice("none", "none", "linear", "sqrt",
                              doc="scale lr with data.batch_size / lr_ref_batch (keep warmup on)")
     lr_ref_batch: int = num(256, min=1, doc="the global batch that optim.lr was tuned for")
+    layer_decay: float = num(1.0, min=0.0, max=1.0, doc="layer-wise lr decay (BEiT/timm): block i of L gets "
+                             "lr x decay^(L + 1 - (i + 1)), the embeddings decay^(L + 1), the head lr; 1 = off")
 
 
 @dataclass

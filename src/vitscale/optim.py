@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -10,19 +11,35 @@ from .config import OptimConfig
 from .errors import ConfigError
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on norms, biases, position embeddings and the class token."""
+def layer_id(name: str, depth: int) -> int:
+    """A parameter's layer for layer-wise lr decay (BEiT / timm's numbering): embeddings 0,
+    transformer block i -> i + 1, everything after the blocks (final norm, head) depth + 1."""
+    m = re.search(r"(?:^|\.)blocks\.(\d+)\.", name)
+    if m:
+        return int(m.group(1)) + 1
+    if re.search(r"(?:^|\.)(patch_embed|cls_token|pos_embed|token_embed|positional_embedding)", name):
+        return 0
+    return depth + 1
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0) -> list[dict]:
+    """No weight decay on norms, biases, position embeddings and the class token. With
+    `layer_decay` < 1, one pair of groups per layer, each with `lr_scale` = layer_decay ** (depth + 1
+    - layer) (build_optimizer multiplies the lr by it). Frozen parameters are left out."""
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim <= 1 or name in skip or name.split(".")[-1] in skip:
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    depth = 1 + max((int(m.group(1)) for n, _ in named if (m := re.search(r"(?:^|\.)blocks\.(\d+)\.", n))),
+                    default=-1)
+    groups: dict = {}
+    for name, p in named:
+        no_wd = p.ndim <= 1 or name in skip or name.split(".")[-1] in skip
+        layer = layer_id(name, depth) if layer_decay < 1 else 0
+        groups.setdefault((layer, no_wd), []).append(p)
+    if layer_decay >= 1:  # the two groups as always (also when one is empty: checkpoints expect two)
+        return [{"params": groups.get((0, False), []), "weight_decay": weight_decay},
+                {"params": groups.get((0, True), []), "weight_decay": 0.0}]
+    return [{"params": ps, "weight_decay": 0.0 if no_wd else weight_decay,
+             "lr_scale": layer_decay ** (depth + 1 - layer)} for (layer, no_wd), ps in sorted(groups.items())]
 
 
 class Lamb(torch.optim.Optimizer):
@@ -59,9 +76,15 @@ class Lamb(torch.optim.Optimizer):
         return loss
 
 
+def with_lr(groups: list[dict], lr: float) -> list[dict]:
+    """Groups with an `lr_scale` (layer-wise decay) get their own lr: lr x scale."""
+    return [{**g, "lr": lr * g["lr_scale"]} if "lr_scale" in g else g for g in groups]
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig, params=None) -> torch.optim.Optimizer:
     """`params` (param groups) defaults to `param_groups(model)`; the strategy may pass master copies."""
-    groups = params if params is not None else param_groups(model, cfg.weight_decay)
+    groups = with_lr(params if params is not None else param_groups(model, cfg.weight_decay, cfg.layer_decay),
+                     cfg.lr)
     impl = {"forloop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True),
             "auto": {}}[cfg.impl]
     if cfg.name == "adamw":

@@ -22,7 +22,7 @@ from ..errors import DataError
 from ..strategy.devices import pin_batches
 from .loaders import DataBundle
 from .sampler import EpochPlan, derive_seed, generator, shard_range
-from .transforms import BatchAugment
+from .transforms import BatchAugment, normalization
 
 log = logging.getLogger("vitscale.data")
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
@@ -281,11 +281,12 @@ def build(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> Data
     size, device = cfg.image_size or 224, torch.device(device)
     plan = EpochPlan(len(train_p), cfg.batch_size, seed=seed, drop_last=cfg.drop_last,
                      rank=rank, world_size=world_size)
-    augment = BatchAugment(cfg, mean=MEAN, std=STD, num_classes=len(classes), crop_flip=False)
+    mean, std = normalization(cfg.normalize, MEAN, STD)  # "dataset": ImageNet's, as before
+    augment = BatchAugment(cfg, mean=mean, std=std, num_classes=len(classes), crop_flip=False)
     train = FolderTrainLoader(FolderDataset(train_p, train_y, size, cfg.hflip), plan, augment, cfg,
                               seed=seed, device=device)
     test = FolderEvalLoader(FolderDataset(eval_p, eval_y, size, False), cfg, augment.norm,
                             device=device, rank=rank, world_size=world_size)
     return DataBundle(train=train, test=test, num_classes=len(classes), channels=3, image_size=size,
                       class_names=classes, train_size=len(train_p), test_size=len(eval_p),
-                      mean=MEAN, std=STD)
+                      mean=mean, std=std)

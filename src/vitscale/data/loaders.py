@@ -13,7 +13,7 @@ import torch
 from ..errors import DataError
 from ..strategy.devices import pin_batches, to_device
 from .sampler import EpochPlan, generator, shard_range
-from .transforms import BatchAugment, Normalizer, resize_u8
+from .transforms import BatchAugment, Normalizer, normalization, resize_u8
 
 
 @dataclass
@@ -127,7 +127,8 @@ def tensor_bundle(splits: TensorSplits, cfg, *, device, seed: int, rank: int = 0
     num_classes = len(splits.class_names)
     plan = EpochPlan(len(train_x), cfg.batch_size, seed=seed, drop_last=cfg.drop_last,
                      rank=rank, world_size=world_size)
-    augment = BatchAugment(cfg, mean=splits.mean, std=splits.std, num_classes=num_classes)
+    mean, std = normalization(cfg.normalize, splits.mean, splits.std)
+    augment = BatchAugment(cfg, mean=mean, std=std, num_classes=num_classes)
     return DataBundle(
         train=TensorTrainLoader(train_x, train_y, plan, augment, seed=seed, device=device,
                                 pin_memory=cfg.pin_memory),
@@ -135,4 +136,4 @@ def tensor_bundle(splits: TensorSplits, cfg, *, device, seed: int, rank: int = 0
                               rank=rank, world_size=world_size, pin_memory=cfg.pin_memory),
         num_classes=num_classes, channels=train_x.shape[1], image_size=train_x.shape[-1],
         class_names=list(splits.class_names), train_size=len(train_x), test_size=len(test_x),
-        mean=tuple(splits.mean), std=tuple(splits.std))
+        mean=mean, std=std)

@@ -23,6 +23,23 @@ OP = {name: i for i, name in enumerate(OPS)}
 GEOMETRY = ("translate_x", "translate_y", "rotate", "shear_x", "shear_y")
 
 
+# the mean/std that published weights were trained with (data.normalize)
+NORMALIZATIONS = {"imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+                  "clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))}
+
+
+def normalization(name: str, mean, std) -> tuple[tuple, tuple]:
+    """(mean, std) for data.normalize=`name` given the dataset's own: "auto"/"dataset" keep them;
+    "imagenet"/"clip" take those constants, averaged over the channels for 1-channel data (a grey
+    image seen as three equal channels, as the 3 -> 1 filter sum of model.init sees it)."""
+    if name in ("auto", "dataset"):
+        return tuple(mean), tuple(std)
+    m, s = NORMALIZATIONS[name]
+    if len(mean) == 1:
+        return (sum(m) / 3,), (sum(s) / 3,)
+    return m, s
+
+
 class Normalizer:
     """uint8 [B,C,H,W] -> float32 (x/255 - mean)/std, constants cached per device."""
 

@@ -75,3 +75,19 @@ def init_weights(path: str, *, image_size: int, in_chans: int, num_classes: int,
         out.pop("head.weight", None)
         out.pop("head.bias", None)
     return spec, out
+
+
+def weights_normalization(path: str) -> str:
+    """data.normalize for data.normalize=auto with model.init: a `vitscale export` file says it was
+    trained on its own data's normalization ("dataset": the new data keeps its own); anything else
+    (timm's files) was trained with ImageNet's mean/std."""
+    if str(path).endswith(".safetensors"):
+        from safetensors import safe_open
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+        except Exception:  # unreadable: init_weights says so in one line
+            return "imagenet"
+        if meta.get("format", "").startswith("vitscale"):
+            return "dataset"
+    return "imagenet"

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..config import OptimConfig, StrategyConfig, TrainConfig, micro_batch
 from ..errors import ConfigError, UserError
-from ..optim import build_optimizer, param_groups
+from ..optim import build_optimizer, param_groups, with_lr
 from .devices import backend_for, compile_kwargs
 from .dist import Distributed, env_world, free_port, launched
 
@@ -204,12 +204,12 @@ class DeepSpeedStrategy(Distributed):
         self.place(model)
         if self.cfg.activation_checkpointing:
             model.set_grad_checkpointing(True)
-        groups = param_groups(model, self.optim_cfg.weight_decay)
+        groups = param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay)
         if self.scfg.offload_optimizer and self.device.type == "cuda" and self.optim_cfg.name == "adamw":
             # the optimizer steps on the CPU: DeepSpeed's vectorized CPU Adam (compiled once, ~1 min)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             o = self.optim_cfg
-            optimizer = DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
+            optimizer = DeepSpeedCPUAdam(with_lr(groups, o.lr), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
         else:
             optimizer = build_optimizer(model, self.optim_cfg, params=groups)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,

@@ -76,7 +76,7 @@ class FSDPStrategy(Distributed):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         self.module = self.model = model
-        self.optimizer = build_optimizer(model, self.optim_cfg, params=param_groups(model, self.optim_cfg.weight_decay))
+        self.optimizer = build_optimizer(model, self.optim_cfg, params=param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay))
 
     def no_sync(self):
         @contextlib.contextmanager

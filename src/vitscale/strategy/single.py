@@ -67,7 +67,7 @@ class SingleDevice:  # implements base.Strategy
 
     def setup(self, model: nn.Module) -> None:
         self.place(model)
-        groups = param_groups(model, self.optim_cfg.weight_decay)
+        groups = param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay)
         if self.pure and self.cfg.master_weights:
             # the optimizer sees fp32 copies; model params stay half and get refreshed from them
             self.model_params = [p for g in groups for p in g["params"]]

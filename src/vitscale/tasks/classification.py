@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,22 @@ from ..data import IMAGE_TEXT, NATIVE_GEOMETRY, build_data
 from ..errors import ConfigError, UserError
 from ..models import VisionTransformer, ViTSpec, resolve_spec, vit_forward_flops
 from .base import Task
+
+
+def freeze(model: nn.Module, what: str, blocks: int = 0) -> None:
+    """model.freeze: "embed" = patch/position embeddings and class token (and the first `blocks`
+    blocks); "backbone" = everything but the head (linear probing); "none"."""
+    if what == "none":
+        return
+    for name, p in model.named_parameters():
+        if what == "backbone":
+            frozen = not name.startswith("head.")
+        else:
+            block = name.split(".")[1] if name.startswith("blocks.") else None
+            frozen = name.startswith(("patch_embed.", "cls_token", "pos_embed")) or \
+                (block is not None and int(block) < blocks)
+        if frozen:
+            p.requires_grad_(False)
 
 
 class ClassificationTask(Task):
@@ -28,7 +45,11 @@ class ClassificationTask(Task):
         if cfg.data.name in IMAGE_TEXT:
             raise ConfigError(f"config: data.name={cfg.data.name} holds image-text pairs: train a CLIP model "
                               f"(model.arch=clip_mini, clip_vit_b32, ...)")
-        data = build_data(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank, world_size=s.world_size)
+        dcfg = cfg.data
+        if cfg.model.init and dcfg.normalize == "auto":  # the normalization the weights were trained with
+            from ..interop.finetune import weights_normalization
+            dcfg = replace(dcfg, normalize=weights_normalization(cfg.model.init))
+        data = build_data(dcfg, device=s.device, seed=cfg.run.seed, rank=s.rank, world_size=s.world_size)
         if cfg.model.num_classes and cfg.model.num_classes != data.num_classes:
             raise ConfigError(f"config: model.num_classes={cfg.model.num_classes} but the dataset has "
                               f"{data.num_classes} classes (set 0 to follow the data)")
@@ -83,6 +104,7 @@ class ClassificationTask(Task):
         if self.init_state is not None:
             missing, unexpected = model.load_state_dict(self.init_state, strict=False)
             assert not unexpected and set(missing) <= {"head.weight", "head.bias"}, (missing, unexpected)
+        freeze(model, self.cfg.model.freeze, self.cfg.model.freeze_blocks)
         return model
 
     def flops(self, spec: ViTSpec) -> int:
