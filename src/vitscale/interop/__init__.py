@@ -1,6 +1,9 @@
-"""Weights from and to other libraries' layouts: timm's ViTs (timm_vit.py). Reading a state dict
-file is `read_state_dict`; nothing here imports timm or open_clip."""
+"""Weights from and to other libraries' layouts: timm's ViTs (timm_vit.py) and OpenCLIP's ViT CLIP
+models (open_clip.py). Reading a state dict file is `read_state_dict`; nothing here imports timm or
+open_clip."""
 from .files import read_state_dict, write_state_dict
+from .open_clip import from_open_clip, open_clip_spec, to_open_clip
 from .timm_vit import from_timm, timm_kwargs, timm_vit_spec, to_timm
 
-__all__ = ["read_state_dict", "write_state_dict", "from_timm", "timm_kwargs", "timm_vit_spec", "to_timm"]
+__all__ = ["read_state_dict", "write_state_dict", "from_timm", "timm_kwargs", "timm_vit_spec", "to_timm",
+           "from_open_clip", "open_clip_spec", "to_open_clip"]

@@ -4,6 +4,10 @@
     encode_image(images [B, C, H, W]) -> [B, E]     encode_text(tokens [B, L]) -> [B, E]
     forward(images, tokens) -> (image features [B, E], text features [B, E], logit_scale [1]),
     features L2-normalized. `logit_scale` has shape [1], not [] (FSDP2 cannot shard a 0-d tensor).
+
+OpenCLIP's ViT CLIP computes the same function with the options that interop/open_clip.py sets
+(all off by default): ClipSpec.ln_pre / patch_bias / proj_bias / vision_norm_eps / vision_act for
+the image tower, TextSpec.norm_eps / act for the text tower.
 """
 from __future__ import annotations
 
@@ -13,8 +17,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import did_you_mean
+from .layers import PatchEmbed, activation
 from .text import TextSpec, TextTransformer, text_forward_macs
 from .vit import VisionTransformer, ViTSpec
 
@@ -25,6 +31,12 @@ class ClipSpec:
     text: TextSpec
     embed_dim: int = 512
     init_tau: float = 0.07
+    # the image tower's OpenCLIP options (interop/open_clip.py); the defaults are vitscale's ViT
+    ln_pre: bool = False           # a LayerNorm after adding the position embeddings, before the blocks
+    patch_bias: bool = True        # the patch convolution has a bias (OpenCLIP's conv1 has none)
+    proj_bias: bool = True         # the projection (the ViT's head) has a bias (OpenCLIP's proj has none)
+    vision_norm_eps: float = 1e-6  # every LayerNorm of the image tower (OpenCLIP: torch's 1e-5)
+    vision_act: str = "gelu"       # its MLP activation: "gelu" | "quick_gelu" (OpenAI's models)
 
 
 # name -> (vision ViTSpec, text (dim, depth, heads), embed_dim)
@@ -61,11 +73,51 @@ def resolve_clip_spec(arch: str, *, vision: dict | None = None, text: dict | Non
                    text=replace(spec.text, **keep(text), embed_dim=E))
 
 
+class ImageTower(VisionTransformer):
+    """vitscale's ViT (its head is the projection) with ClipSpec's image-tower options. With the
+    defaults it is VisionTransformer exactly: same parameters, same initialization, same function.
+    `norm_pre` (timm's name for OpenCLIP's ln_pre) normalizes the tokens before the first block."""
+
+    def __init__(self, spec: ClipSpec):
+        super().__init__(replace(spec.vision, num_classes=spec.embed_dim))
+        self.norm_pre = nn.LayerNorm(spec.vision.dim, eps=spec.vision_norm_eps) if spec.ln_pre else None
+        if not spec.patch_bias:
+            if not isinstance(self.patch_embed, PatchEmbed):
+                raise ValueError("patch_bias=False needs the patch stem (model.stem=patch)")
+            self.patch_embed.proj.register_parameter("bias", None)
+        if not spec.proj_bias:
+            self.head.register_parameter("bias", None)
+        for m in self.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.eps = spec.vision_norm_eps
+        if spec.vision_act != "gelu":
+            for blk in self.blocks:
+                blk.mlp.act = activation(spec.vision_act)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm_pre is None:
+            return super().forward_features(x)
+        # VisionTransformer.forward_features with norm_pre before the blocks (CLIP towers have a
+        # class token with a position-embedding row: no no_embed_class)
+        x = self.patch_embed(x)  # [B, N, D]
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # [B, N+1, D]
+        x = self.norm_pre(x + self.pos_embed)
+        for blk in self.blocks:
+            if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        return self.norm(x)  # [B, T, D]
+
+
 class CLIP(nn.Module):
     def __init__(self, spec: ClipSpec):
         super().__init__()
+        if spec.ln_pre and spec.vision.no_embed_class:
+            raise ValueError("ln_pre with no_embed_class is not implemented")
         self.spec = spec
-        self.visual = VisionTransformer(replace(spec.vision, num_classes=spec.embed_dim))  # head = projection
+        self.visual = ImageTower(spec)  # head = projection
         self.text = TextTransformer(replace(spec.text, embed_dim=spec.embed_dim))
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(1 / spec.init_tau)))
 

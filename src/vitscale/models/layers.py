@@ -18,13 +18,13 @@ def grid_to_tokens(x: torch.Tensor) -> torch.Tensor:
 class PatchEmbed(nn.Module):
     """[B, C, H, W] -> [B, N, D] with N = (H/p)*(W/p): a stride-p convolution."""
 
-    def __init__(self, image_size: int, patch_size: int, in_chans: int, dim: int):
+    def __init__(self, image_size: int, patch_size: int, in_chans: int, dim: int, bias: bool = True):
         super().__init__()
         if image_size % patch_size:
             raise ValueError(f"image size {image_size} is not divisible by patch size {patch_size}")
         self.grid = image_size // patch_size
         self.num_patches = self.grid * self.grid
-        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
+        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return grid_to_tokens(self.proj(x))
@@ -160,11 +160,28 @@ class Attention(nn.Module):
         return self.proj(x.transpose(1, 2).reshape(B, T, D))
 
 
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): the activation OpenAI's CLIP models were trained with (OpenCLIP's
+    `*-quickgelu` configurations)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {"gelu": nn.GELU, "quick_gelu": QuickGELU}
+
+
+def activation(name: str) -> nn.Module:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation '{name}' (expected one of {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]()
+
+
 class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, dropout: float = 0.0):
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0, act: str = "gelu"):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
+        self.act = activation(act)
         self.fc2 = nn.Linear(hidden, dim)
         self.drop = nn.Dropout(dropout)
 
@@ -185,12 +202,13 @@ class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, fused_attn: bool = True,
-                 drop_path: float = 0.0, dropout: float = 0.0, causal: bool = False):
+                 drop_path: float = 0.0, dropout: float = 0.0, causal: bool = False,
+                 eps: float = 1e-6, act: str = "gelu"):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, heads, fused=fused_attn, dropout=dropout, causal=causal)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), dropout=dropout)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), dropout=dropout, act=act)
         self.drop_path = drop_path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,9 @@ class TextSpec:
     mlp_ratio: float = 4.0
     embed_dim: int = 512          # output (shared embedding) size
     attention: str = "sdpa"       # "sdpa" | "explicit"
+    # OpenCLIP's (interop/open_clip.py): its LayerNorms use torch's default eps, its OpenAI models QuickGELU
+    norm_eps: float = 1e-6        # every LayerNorm (blocks and ln_final)
+    act: str = "gelu"             # MLP activation: "gelu" | "quick_gelu"
 
 
 class TextTransformer(nn.Module):
@@ -36,9 +39,10 @@ class TextTransformer(nn.Module):
         self.token_embedding = nn.Embedding(spec.vocab_size, W)
         self.positional_embedding = nn.Parameter(torch.zeros(spec.context_length, W))
         self.blocks = nn.ModuleList(
-            Block(W, spec.heads, spec.mlp_ratio, fused_attn=spec.attention == "sdpa", causal=True)
+            Block(W, spec.heads, spec.mlp_ratio, fused_attn=spec.attention == "sdpa", causal=True,
+                  eps=spec.norm_eps, act=spec.act)
             for _ in range(spec.depth))
-        self.ln_final = nn.LayerNorm(W, eps=1e-6)
+        self.ln_final = nn.LayerNorm(W, eps=spec.norm_eps)
         self.proj = nn.Linear(W, spec.embed_dim, bias=False)
         self.grad_checkpointing = False
         self.reset_parameters()
