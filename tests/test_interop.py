@@ -161,8 +161,13 @@ def test_init_weights_for_another_geometry(tmp_path):
         init_weights(path, image_size=32, in_chans=3, num_classes=4, heads=2, head_policy="keep")
     with pytest.raises(UserError, match="not divisible by the weights' patch size 8"):
         init_weights(path, image_size=36, in_chans=3, num_classes=4, heads=2)
-    with pytest.raises(UserError, match="only 3 -> 1"):
+    with pytest.raises(UserError, match=r"adapted: 3 -> 1 and 1 -> N"):
         init_weights(path, image_size=32, in_chans=2, num_classes=4, heads=2)
+    # grey weights for colour data: a colour image gives its channel mean's response
+    from vitscale.interop.finetune import adapt_in_chans
+    w1 = torch.randn(4, 1, 8, 8)
+    rgb = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(conv(rgb, adapt_in_chans(w1, 3), stride=8), conv(rgb.mean(1, keepdim=True), w1, stride=8))
 
 
 def test_train_from_a_timm_file(tmp_path, capsys):
@@ -286,3 +291,26 @@ def test_normalization_that_belongs_to_the_weights(tmp_path):
     task = build_task(cfg)
     data = task.build_data(SingleDevice(cfg.train, cfg.optim, torch.device("cpu")))
     assert data.mean == pytest.approx((sum(NORMALIZATIONS["imagenet"][0]) / 3,))
+
+
+def test_init_from_a_vitscale_export_with_its_own_stem_and_head(tmp_path, capsys):
+    """vitscale's own exports carry their spec: a conv-stem, mean-pool model (no timm counterpart)
+    starts a run at another size, with colour images and another class count."""
+    import json
+
+    from vitscale.cli import main
+    from vitscale.interop.finetune import init_weights, weights_normalization
+    run = tmp_path / "src"
+    assert main(["train", "configs/tests/tiny.toml", "--out", str(run), "--set", "train.epochs=1", "--set",
+                 "model.stem=conv", "--set", "model.head=pool", "--set", "run.threads=1"]) == 0
+    path = tmp_path / "src.safetensors"
+    assert main(["export", str(run), "--out", str(path)]) == 0
+    assert weights_normalization(str(path)) == "dataset"
+    spec, state = init_weights(str(path), image_size=16, in_chans=3, num_classes=6)
+    assert (spec.stem, spec.head, spec.image_size, spec.in_chans, spec.num_classes) == ("conv", "pool", 16, 3, 6)
+    assert state["pos_embed"].shape == (1, 16, 32) and state["patch_embed.proj.0.weight"].shape[1] == 3
+    out = tmp_path / "ft"
+    assert main(["train", "configs/tests/tiny.toml", "--out", str(out), "--set", f"model.init={path}",
+                 "--set", "data.image_size=16", "--set", "data.channels=3", "--set", "data.num_classes=6",
+                 "--set", "train.epochs=1", "--set", "run.threads=1"]) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4

@@ -3,12 +3,13 @@ image size, channels and classes from the run's data, and the weights are adapte
 them when it loads a checkpoint into another geometry:
 - position embeddings resampled to the new patch grid (bicubic with antialiasing, the class
   token's row kept), like timm's `resample_abs_pos_embed`;
-- a 3-channel patch embedding summed over its input channels for 1-channel images, like timm's
-  `adapt_input_conv`;
+- a 3-channel patch embedding summed over its input channels for 1-channel images, a 1-channel
+  one spread over N channels, like timm's `adapt_input_conv`;
 - the classifier kept when the class count matches (`model.init_head=auto`), else a new one.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -16,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from ..models.vit import ViTSpec
+from ..models.vit import VisionTransformer, ViTSpec
 from .files import read_state_dict
-from .timm_vit import expected_keys, timm_vit_spec
+from .timm_vit import timm_vit_spec
 
 
 def resample_pos_embed(pos: torch.Tensor, grid: int, prefix: int) -> torch.Tensor:
@@ -35,37 +36,64 @@ def resample_pos_embed(pos: torch.Tensor, grid: int, prefix: int) -> torch.Tenso
 
 
 def adapt_in_chans(w: torch.Tensor, in_chans: int) -> torch.Tensor:
-    """A patch embedding [D, C, p, p] for `in_chans` input channels: the same, or RGB summed for
-    grey images (a grey image seen as three equal channels gives the same response)."""
+    """A patch embedding [D, C, p, p] for `in_chans` input channels: the same; RGB summed for
+    grey images (a grey image seen as three equal channels gives the same response); a grey
+    filter spread over the channels, divided by their number, for colour images (a colour image
+    then gives the response its channel mean would)."""
     if w.shape[1] == in_chans:
         return w
     if w.shape[1] == 3 and in_chans == 1:
         return w.sum(dim=1, keepdim=True)
+    if w.shape[1] == 1:
+        return w.repeat(1, in_chans, 1, 1) / in_chans
     raise UserError(f"model.init: the weights take {w.shape[1]}-channel images, the data has {in_chans} "
-                    "channels (only 3 -> 1 is adapted)")
+                    "channels (adapted: 3 -> 1 and 1 -> N)")
+
+
+def vitscale_export_spec(path) -> ViTSpec | None:
+    """The spec a `vitscale export` file's metadata holds (None for other files: timm's layout is
+    then read from the keys)."""
+    if not str(path).endswith(".safetensors"):
+        return None
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # read_state_dict reports an unreadable file in one line
+        return None
+    if meta.get("format", "").startswith("vitscale") and meta.get("format") != "vitscale-vit":
+        raise UserError(f"model.init: {path} holds a {meta['format'][len('vitscale-'):]} model; model.init "
+                        "starts ViT classifiers")
+    return ViTSpec(**json.loads(meta["spec"])) if meta.get("format") == "vitscale-vit" and "spec" in meta else None
 
 
 def init_weights(path: str, *, image_size: int, in_chans: int, num_classes: int, heads: int = 0,
                  head_policy: str = "auto", **overrides) -> tuple[ViTSpec, dict]:
-    """(spec, state dict for it) from a timm ViT file or a `vitscale export` file (same keys), for
-    this run's image size, channels and classes. The head is dropped from the state dict when
-    it is re-initialized."""
+    """(spec, state dict for it) from a `vitscale export` file (its spec in the metadata: any
+    stem and head) or a timm ViT file (the spec read from the keys), for this run's image size,
+    channels and classes. The head is dropped from the state dict when it is re-initialized."""
     sd = read_state_dict(path)
+    src = vitscale_export_spec(path)
     try:
-        src = timm_vit_spec(sd, heads, num_classes)
+        src = src or timm_vit_spec(sd, heads, num_classes)
     except UserError as e:
         raise UserError(f"model.init: {path}: {str(e)}") from None
     if image_size % src.patch_size:
         raise UserError(f"model.init: image size {image_size} is not divisible by the weights' patch size "
                         f"{src.patch_size} (set data.image_size)")
     spec = replace(src, image_size=image_size, in_chans=in_chans, num_classes=num_classes, **overrides)
-    unknown = set(sd) - expected_keys(src)
-    if unknown:
-        raise UserError(f"model.init: {path}: unknown keys {', '.join(sorted(unknown)[:4])}")
-    out = {k: v.float() for k, v in sd.items()}
+    with torch.device("meta"):  # the keys and shapes, without the memory
+        want = VisionTransformer(src).state_dict()
+    unknown, missing = set(sd) - set(want), set(want) - set(sd) - {"head.weight", "head.bias"}
+    if unknown or missing:
+        parts = ([f"unknown keys {', '.join(sorted(unknown)[:4])}"] if unknown else []) + \
+                ([f"missing keys {', '.join(sorted(missing)[:4])}"] if missing else [])
+        raise UserError(f"model.init: {path}: {'; '.join(parts)}")
+    out = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
     prefix = 1 if spec.head == "token" and not spec.no_embed_class else 0
     out["pos_embed"] = resample_pos_embed(out["pos_embed"], image_size // spec.patch_size, prefix)
-    out["patch_embed.proj.weight"] = adapt_in_chans(out["patch_embed.proj.weight"], in_chans)
+    first = "patch_embed.proj.weight" if spec.stem == "patch" else "patch_embed.proj.0.weight"
+    out[first] = adapt_in_chans(out[first], in_chans)
     same_head = "head.weight" in out and out["head.weight"].shape[0] == num_classes
     if head_policy == "keep" and not same_head:
         raise UserError(f"model.init_head=keep: the weights' head has "
