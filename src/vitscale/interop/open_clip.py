@@ -166,20 +166,21 @@ def from_open_clip(sd: dict, *, quick_gelu: bool = False, vision_heads: int = 0,
         parts = ([f"unknown keys {_first(unknown)}"] if unknown else []) + \
                 ([f"missing keys {_first(missing)}"] if missing else [])
         raise UserError(f"OpenCLIP: {'; '.join(parts)}")
-    model = CLIP(spec)
+    with torch.device("meta"):  # no initialization: every parameter comes from the weights
+        model = CLIP(spec)
     ours = model.state_dict()
     out = {}
     for theirs, name in kmap.items():
-        v = sd[theirs].detach().float()
+        v = sd[theirs].detach().to("cpu", torch.float32, copy=True)  # the model owns its weights
         if theirs in ("visual.proj", "text_projection"):
-            v = v.t()
+            v = v.t().contiguous()
         if theirs in RESHAPED and v.numel() == ours[name].numel():
             v = v.reshape(ours[name].shape)
         if v.shape != ours[name].shape:
             raise UserError(f"OpenCLIP: {theirs} has shape {tuple(sd[theirs].shape)}, the model expects "
                             f"{tuple(ours[name].shape)} at {name}")
         out[name] = v
-    model.load_state_dict(out, strict=True)
+    model.load_state_dict(out, strict=True, assign=True)
     return model
 
 

@@ -1,0 +1,270 @@
+"""OpenCLIP ViT CLIP weights in and out (vitscale/interop/open_clip.py). Against open_clip itself
+where it imports (it needs torchvision: ../shared/tools/tv_cpu_stub makes that work on a CPU torch),
+else against the small state dict and the features open_clip computed for it that
+tests/fixtures/open_clip_tiny.safetensors ships (made by open_clip 3.3.0 with `make_fixture` below:
+`open_clip.CLIP(embed_dim=16, vision_cfg=dict(image_size=32, patch_size=8, width=32, layers=2,
+head_width=16), text_cfg=dict(context_length=16, vocab_size=64, width=32, heads=2, layers=2))`,
+every parameter normal(0, 0.1) rounded to fp16, features for GELU and QuickGELU)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vitscale.errors import UserError
+from vitscale.interop import from_open_clip, open_clip_spec, read_state_dict, to_open_clip, write_state_dict
+from vitscale.models import CLIP, resolve_clip_spec
+
+FIXTURE = Path(__file__).parent / "fixtures" / "open_clip_tiny.safetensors"
+TINY = dict(embed_dim=16, vision_cfg=dict(image_size=32, patch_size=8, width=32, layers=2, head_width=16),
+            text_cfg=dict(context_length=16, vocab_size=64, width=32, heads=2, layers=2))
+HEADS = dict(vision_heads=2, text_heads=2)  # not in the weights; width // 64 would give 1
+
+try:
+    import open_clip
+    HAVE_OPEN_CLIP, WHY = True, ""
+except Exception as e:  # not installed, or torchvision missing (CI)
+    open_clip, HAVE_OPEN_CLIP = None, False
+    WHY = f"open_clip does not import ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+needs_open_clip = pytest.mark.skipif(not HAVE_OPEN_CLIP, reason=WHY + "; the shipped fixture is checked instead")
+
+
+def inputs(image_size: int, context: int, vocab: int, n: int = 3, seed: int = 0):
+    """Images, and token rows as the tokenizer writes them: start, words, end (the largest id), padding."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(n, 3, image_size, image_size, generator=g)
+    tokens = torch.zeros(n, context, dtype=torch.long)
+    for i, length in enumerate((context - 1 - 3 * i) for i in range(n)):
+        tokens[i, 0] = vocab - 2
+        tokens[i, 1:length] = torch.randint(1, vocab - 2, (length - 1,), generator=g)
+        tokens[i, length] = vocab - 1
+    return images, tokens
+
+
+def features(model, images, tokens, theirs: bool):
+    """Unnormalized image and text features (OpenCLIP's encode_* default; vitscale's normalize=False)."""
+    with torch.no_grad():
+        if theirs:
+            return model.encode_image(images), model.encode_text(tokens)
+        return model.encode_image(images, normalize=False), model.encode_text(tokens, normalize=False)
+
+
+def perturb(model, std: float = 0.1, seed: int = 0):
+    """Every parameter random (OpenCLIP's init has zero biases and unit norms, which would hide a swap)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name != "logit_scale":
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def make_fixture(path: Path = FIXTURE) -> None:
+    """The shipped fixture (needs open_clip): `python -c "import tests.test_interop_openclip as t; t.make_fixture()"`."""
+    model = perturb(open_clip.CLIP(**TINY)).eval()
+    with torch.no_grad():  # fp16-exact values, so that the file can hold them in half the bytes
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    sd = {k: v.half() for k, v in model.state_dict().items()}
+    images, tokens = inputs(32, 16, 64)
+    out = {**sd, "__images__": images, "__tokens__": tokens}
+    for act, quick in (("gelu", False), ("quick_gelu", True)):
+        m = open_clip.CLIP(**TINY, quick_gelu=quick).eval()
+        m.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+        out[f"__image_{act}__"], out[f"__text_{act}__"] = features(m, images, tokens, theirs=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(path), metadata={"open_clip": open_clip.__version__})
+
+
+def fixture():
+    sd = load_file(str(FIXTURE))
+    extra = {k: sd.pop(k) for k in list(sd) if k.startswith("__")}
+    return sd, extra
+
+
+def assert_close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# -- the shipped fixture (always) --------------------------------------------------------------------
+def test_fixture_spec_is_read_from_the_shapes():
+    sd, _ = fixture()
+    spec = open_clip_spec(sd, **HEADS)
+    v, t = spec.vision, spec.text
+    assert (v.image_size, v.patch_size, v.dim, v.depth, v.heads, v.mlp_ratio, v.head) == (32, 8, 32, 2, 2, 4.0, "token")
+    assert (t.vocab_size, t.context_length, t.dim, t.depth, t.heads, t.mlp_ratio) == (64, 16, 32, 2, 2, 4.0)
+    assert spec.embed_dim == 16 == t.embed_dim == v.num_classes
+    assert (spec.ln_pre, spec.patch_bias, spec.proj_bias, spec.vision_norm_eps, t.norm_eps) == (True, False, False,
+                                                                                               1e-5, 1e-5)
+    assert (spec.vision_act, t.act) == ("gelu", "gelu")
+    q = open_clip_spec(sd, quick_gelu=True)
+    assert (q.vision_act, q.text.act, q.vision.heads, q.text.heads) == ("quick_gelu", "quick_gelu", 1, 1)
+
+
+@pytest.mark.parametrize("act", ["gelu", "quick_gelu"])
+@pytest.mark.parametrize("attention", ["sdpa", "explicit"])
+def test_shipped_weights_give_open_clips_features(act, attention):
+    sd, x = fixture()
+    model = from_open_clip(sd, quick_gelu=act == "quick_gelu", attention=attention, **HEADS).eval()
+    img, txt = features(model, x["__images__"], x["__tokens__"], theirs=False)
+    assert_close(img, x[f"__image_{act}__"])
+    assert_close(txt, x[f"__text_{act}__"])
+    # forward: the same, L2-normalized, and OpenCLIP's logit_scale as shape [1]
+    with torch.no_grad():
+        fi, ft, scale = model(x["__images__"], x["__tokens__"])
+    assert_close(fi, torch.nn.functional.normalize(x[f"__image_{act}__"], dim=-1))
+    assert_close(ft, torch.nn.functional.normalize(x[f"__text_{act}__"], dim=-1))
+    assert scale.shape == (1,) and scale.item() == sd["logit_scale"].float().item()
+
+
+def test_shipped_weights_round_trip_exactly(tmp_path):
+    sd, x = fixture()
+    model = from_open_clip(sd, **HEADS).eval()
+    out = to_open_clip(model)
+    assert out.keys() == sd.keys()
+    for k in sd:
+        assert out[k].dtype == torch.float32 and out[k].shape == sd[k].shape and torch.equal(out[k], sd[k].float()), k
+    for suffix in (".safetensors", ".pt"):
+        again = from_open_clip(read_state_dict(write_state_dict(out, tmp_path / f"w{suffix}")), **HEADS).eval()
+        assert torch.equal(features(again, x["__images__"], x["__tokens__"], False)[1],
+                           features(model, x["__images__"], x["__tokens__"], False)[1])
+
+
+def test_custom_text_layout_and_openai_extras_are_read():
+    """CustomTextCLIP keeps the text tower under `text.`; OpenAI's files carry three size scalars."""
+    sd, x = fixture()
+    custom = {(k if k.startswith(("visual.", "logit_scale")) else f"text.{k}"): v for k, v in sd.items()}
+    custom.update(input_resolution=torch.tensor(32), context_length=torch.tensor(16), vocab_size=torch.tensor(64))
+    model = from_open_clip(custom, **HEADS).eval()
+    assert_close(features(model, x["__images__"], x["__tokens__"], False)[1], x["__text_gelu__"])
+
+
+def test_no_ln_pre_is_read_as_such():
+    sd, _ = fixture()
+    sd = {k: v for k, v in sd.items() if not k.startswith("visual.ln_pre.")}
+    model = from_open_clip(sd, **HEADS)
+    assert not model.spec.ln_pre and model.visual.norm_pre is None
+    assert to_open_clip(model).keys() == sd.keys()
+
+
+def test_defaults_keep_vitscales_clip():
+    spec = resolve_clip_spec("clip_tiny")
+    assert (spec.ln_pre, spec.patch_bias, spec.proj_bias, spec.vision_norm_eps, spec.vision_act) == \
+        (False, True, True, 1e-6, "gelu")
+    assert (spec.text.norm_eps, spec.text.act) == (1e-6, "gelu")
+    model = CLIP(spec)
+    assert model.visual.norm_pre is None and model.visual.head.bias is not None
+    assert model.visual.patch_embed.proj.bias is not None
+    assert {m.eps for m in model.modules() if isinstance(m, torch.nn.LayerNorm)} == {1e-6}
+    assert all(type(m.act) is torch.nn.GELU for m in model.modules() if hasattr(m, "fc1"))
+
+
+def one_line(fn) -> str:
+    with pytest.raises(UserError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    return msg
+
+
+def test_bad_inputs_are_one_line_errors():
+    sd, _ = fixture()
+    timm_like = {"pos_embed": torch.zeros(1, 5, 8), "patch_embed.proj.weight": torch.zeros(8, 3, 4, 4)}
+    unknown = {**sd, "visual.extra.weight": torch.zeros(3)}
+    missing = {k: v for k, v in sd.items() if k != "transformer.resblocks.1.mlp.c_proj.bias"}
+    bad_shape = {**sd, "visual.ln_post.weight": torch.zeros(7)}
+    siglip = {**sd, "logit_bias": torch.zeros(())}
+    gap = {k: v for k, v in sd.items() if not k.startswith("transformer.resblocks.0.")}
+    grid = {**sd, "visual.positional_embedding": torch.zeros(19, 32)}
+    cases = [
+        (lambda: from_open_clip(timm_like), "not an OpenCLIP ViT CLIP state dict"),
+        (lambda: from_open_clip(unknown, **HEADS), "unknown keys visual.extra.weight"),
+        (lambda: from_open_clip(missing, **HEADS), "missing keys transformer.resblocks.1.mlp.c_proj.bias"),
+        (lambda: from_open_clip(bad_shape, **HEADS), "visual.ln_post.weight has shape (7,)"),
+        (lambda: from_open_clip(siglip, **HEADS), "SigLIP's logit_bias"),
+        (lambda: from_open_clip(gap, **HEADS), "not numbered 0..N-1"),
+        (lambda: from_open_clip(grid, **HEADS), "no square patch grid"),
+        (lambda: open_clip_spec(sd, vision_heads=3), "image width 32 is not divisible by 3 heads"),
+        (lambda: to_open_clip(CLIP(resolve_clip_spec("clip_tiny"))), "lacks OpenCLIP's layout"),
+        (lambda: to_open_clip(torch.nn.Linear(2, 2)), "not a vitscale CLIP model"),
+    ]
+    for fn, want in cases:
+        msg = one_line(fn)
+        assert want in msg, msg
+
+
+# -- against open_clip itself (where it imports) ------------------------------------------------------
+@needs_open_clip
+def test_shipped_fixture_is_what_open_clip_computes():
+    sd, x = fixture()
+    for act, quick in (("gelu", False), ("quick_gelu", True)):
+        m = open_clip.CLIP(**TINY, quick_gelu=quick).eval()
+        m.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+        img, txt = features(m, x["__images__"], x["__tokens__"], theirs=True)
+        assert_close(img, x[f"__image_{act}__"])
+        assert_close(txt, x[f"__text_{act}__"])
+
+
+def open_clip_model(name: str, layers: int | None, **cfg):
+    """open_clip's configuration `name` (its `layers` reduced where given: 2 CPU cores), random weights;
+    the full models as open_clip.create_model builds them."""
+    if layers is None and not cfg:
+        model = open_clip.create_model(name, pretrained=None)
+        return perturb(model, std=0.02).eval(), open_clip.get_model_config(name), name.endswith("-quickgelu")
+    c = open_clip.get_model_config(name)
+    c = {**c, "vision_cfg": dict(c["vision_cfg"]), "text_cfg": dict(c["text_cfg"]), **cfg}
+    quick = c.pop("quick_gelu", False)
+    if layers:
+        c["vision_cfg"]["layers"] = c["text_cfg"]["layers"] = layers
+    return perturb(open_clip.CLIP(**c, quick_gelu=quick), std=0.02).eval(), c, quick
+
+
+MEASURED: dict[str, tuple[float, float]] = {}
+
+
+@needs_open_clip
+@pytest.mark.parametrize("name, layers, cfg", [
+    ("ViT-B-32", None, {}),                  # the full model, as open_clip.create_model builds it
+    ("ViT-B-32-quickgelu", 3, {}),           # fewer layers: 2 CPU cores
+    ("ViT-B-16", 3, {}),
+    ("ViT-S-32", 2, {}),
+    ("ViT-M-16", 2, {}),
+    ("ViT-B-32", 2, {"vision_cfg": dict(image_size=96, patch_size=32, layers=2, width=768, no_ln_pre=True)}),
+])
+def test_open_clip_models_give_the_same_features(name, layers, cfg):
+    theirs, c, quick = open_clip_model(name, layers, **cfg)
+    assert quick == name.endswith("-quickgelu")
+    images, tokens = inputs(c["vision_cfg"]["image_size"], c["text_cfg"]["context_length"], 49408, n=2)
+    ours = from_open_clip(theirs.state_dict(), quick_gelu=quick).eval()
+    assert ours.spec.vision.heads == c["vision_cfg"]["width"] // 64
+    assert ours.spec.text.heads == c["text_cfg"].get("heads", 8)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    (a, b), (p, q) = features(theirs, images, tokens, True), features(ours, images, tokens, False)
+    MEASURED[name] = ((a - p).abs().max().item(), (b - q).abs().max().item())
+    assert_close(p, a)
+    assert_close(q, b)
+    with torch.no_grad():
+        assert_close(ours.encode_image(images), theirs.encode_image(images, normalize=True))
+        assert_close(ours.encode_text(tokens), theirs.encode_text(tokens, normalize=True))
+    # and back: OpenCLIP's model of the same configuration loads it strictly and computes the same
+    back = open_clip.CLIP(**{k: v for k, v in c.items() if k != "quick_gelu"}, quick_gelu=quick).eval()
+    back.load_state_dict(to_open_clip(ours), strict=True)
+    (a2, b2) = features(back, images, tokens, True)
+    assert torch.equal(a2, a) and torch.equal(b2, b)
+
+
+@needs_open_clip
+def test_open_clip_custom_text_layout():
+    """CustomTextCLIP's layout (the text tower under `text.`) reads the same; it exports as CLIP's."""
+    c = open_clip.get_model_config("ViT-B-32")
+    c = {**c, "vision_cfg": {**c["vision_cfg"], "layers": 2}, "text_cfg": {**c["text_cfg"], "layers": 2}}
+    theirs = perturb(open_clip.CustomTextCLIP(**c), std=0.02).eval()
+    assert any(k.startswith("text.") for k in theirs.state_dict())
+    images, tokens = inputs(224, 77, 49408, n=2)
+    ours = from_open_clip(theirs.state_dict()).eval()
+    (a, b), (p, q) = features(theirs, images, tokens, True), features(ours, images, tokens, False)
+    assert_close(p, a)
+    assert_close(q, b)
+    plain = open_clip.CLIP(**c).eval()
+    plain.load_state_dict(to_open_clip(ours), strict=True)
