@@ -62,7 +62,8 @@ def perturb(model, std: float = 0.1, seed: int = 0):
 
 
 def make_fixture(path: Path = FIXTURE) -> None:
-    """The shipped fixture (needs open_clip): `python -c "import tests.test_interop_openclip as t; t.make_fixture()"`."""
+    """The shipped fixture (needs open_clip):
+    `python -c "import tests.test_interop_openclip as t; t.make_fixture()"`."""
     model = perturb(open_clip.CLIP(**TINY)).eval()
     with torch.no_grad():  # fp16-exact values, so that the file can hold them in half the bytes
         for p in model.parameters():
@@ -268,3 +269,66 @@ def test_open_clip_custom_text_layout():
     assert_close(q, b)
     plain = open_clip.CLIP(**c).eval()
     plain.load_state_dict(to_open_clip(ours), strict=True)
+
+
+# -- model.init: a CLIP run starting from OpenCLIP weights ------------------------------------------------
+def test_init_weights_adapts_the_geometry_exactly_where_it_can(tmp_path):
+    from vitscale.interop.open_clip import init_weights, uses_quick_gelu
+    sd, x = fixture()
+    path = write_state_dict(sd, tmp_path / "oc.safetensors")
+    # the same geometry and a shorter context: the same function (causal attention never looks ahead)
+    spec, state = init_weights(path, image_size=32, in_chans=3, context_length=12, vocab_size=64, **HEADS)
+    assert spec.text.context_length == 12 and state["text.positional_embedding"].shape == (12, 32)
+    model = CLIP(spec).eval()
+    model.load_state_dict(state, strict=True)
+    img, txt = features(model, x["__images__"], x["__tokens__"][2:, :12], False)
+    assert_close(img, x["__image_gelu__"])
+    assert_close(txt, x["__text_gelu__"][2:])
+    # another image size and grey images: position embeddings resampled, RGB filters summed
+    spec, state = init_weights(path, image_size=16, in_chans=1, context_length=16, vocab_size=64, **HEADS)
+    assert (spec.vision.image_size, spec.vision.in_chans, state["visual.pos_embed"].shape) == (16, 1, (1, 5, 32))
+    CLIP(spec).load_state_dict(state, strict=True)
+    assert uses_quick_gelu("ViT-B-32-quickgelu.safetensors") and uses_quick_gelu("hub/clip_224.openai/m.bin")
+    assert not uses_quick_gelu("laion2b_s34b_b79k.safetensors")
+    for kw, want in ((dict(context_length=17), "longer than the weights' 16"), (dict(vocab_size=49408), "vocabulary"),
+                     (dict(image_size=20), "not divisible by the weights' patch size 8")):
+        args = dict(image_size=32, in_chans=3, context_length=16, vocab_size=64, **HEADS) | kw
+        assert want in one_line(lambda: init_weights(path, **args))
+    timm_like = write_state_dict({"pos_embed": torch.zeros(1, 5, 8)}, tmp_path / "vit.safetensors")
+    assert "model.init: " in one_line(lambda: init_weights(timm_like, **args))
+
+
+def test_a_clip_run_starts_from_open_clip_weights(tmp_path, capsys):
+    """`vitscale train` with model.init=<OpenCLIP file>: the fixture's towers with the tokenizer's
+    49,408-token vocabulary, on 16 px grey synthetic images; the run resumes and evaluates."""
+    import json
+
+    from vitscale.cli import main
+    sd, _ = fixture()
+    vocab = torch.randn(49408, 32) * 0.02
+    vocab[:64] = sd["token_embedding.weight"].float()
+    path = write_state_dict({**sd, "token_embedding.weight": vocab}, tmp_path / "oc.safetensors")
+    out = tmp_path / "run"
+    args = ["--set", f"model.init={path}", "--set", "model.heads=2", "--set", "model.text_heads=2",
+            "--set", "data.image_size=16", "--set", "run.threads=1", "--set", "train.epochs=1"]
+    assert main(["train", "configs/tests/clip_tiny.toml", "--out", str(out), *args]) == 0, capsys.readouterr().err
+    s = json.loads((out / "summary.json").read_text())
+    expected = sum(v.numel() for k, v in sd.items() if k not in ("token_embedding.weight", "visual.conv1.weight",
+                                                                  "visual.positional_embedding"))
+    assert s["params"] == expected + 49408 * 32 + 32 * 1 * 8 * 8 + 5 * 32  # grey filters, 2x2+1 positions
+    from vitscale import checkpoint as ckpt
+    saved = torch.load(ckpt.list_checkpoints(out)[-1], weights_only=False)
+    spec = saved["spec"]
+    assert (spec["ln_pre"], spec["proj_bias"], spec["text"]["norm_eps"]) == (True, False, 1e-5)
+    w0 = sd["visual.transformer.resblocks.0.attn.in_proj_weight"].float()
+    w = saved["strategy"]["model"]["visual.blocks.0.attn.qkv.weight"]
+    assert (w - w0).abs().max() < 0.05 < w0.abs().max()  # a few steps from the file's weights
+    assert main(["eval", str(out), "--json"]) == 0
+    ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert ev["test_i2t_r1"] == pytest.approx(s["test_i2t_r1"])
+    # a timm ViT file is refused when the config is read
+    from vitscale.config import load_config
+    vit = write_state_dict({"pos_embed": torch.zeros(1, 5, 8), "patch_embed.proj.weight": torch.zeros(8, 3, 4, 4)},
+                           tmp_path / "vit.safetensors")
+    with pytest.raises(Exception, match="CLIP models cannot be initialized"):
+        load_config("configs/tests/clip_tiny.toml", [f"model.init={vit}"])

@@ -412,8 +412,10 @@ def check(cfg: Config) -> None:
                               f"strategy.name=single (one GPU), not {cfg.strategy.name}; use "
                               "max-autotune-no-cudagraphs")
     if cfg.model.init and cfg.model.arch.startswith("clip"):
-        raise ConfigError("config: model.init loads ViT classifiers (timm layout); CLIP models cannot be "
-                          "initialized from a file yet")
+        from .interop.open_clip import looks_like_open_clip
+        if not looks_like_open_clip(cfg.model.init):
+            raise ConfigError(f"config: model.init={cfg.model.init} holds no OpenCLIP ViT CLIP weights (visual.conv1, "
+                              "token_embedding); CLIP models cannot be initialized from ViT classifier weights")
     if cfg.model.heads and cfg.model.dim and cfg.model.dim % cfg.model.heads:
         raise ConfigError(f"config: model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
 

@@ -160,15 +160,21 @@ def from_open_clip(sd: dict, *, quick_gelu: bool = False, vision_heads: int = 0,
     spec = open_clip_spec(sd, quick_gelu=quick_gelu, vision_heads=vision_heads, text_heads=text_heads)
     spec = replace(spec, vision=replace(spec.vision, attention=attention),
                    text=replace(spec.text, attention=attention))
+    with torch.device("meta"):  # no initialization: every parameter comes from the weights
+        model = CLIP(spec)
+    model.load_state_dict(_convert(sd, spec, model.state_dict()), strict=True, assign=True)
+    return model
+
+
+def _convert(sd: dict, spec: ClipSpec, ours: dict) -> dict[str, torch.Tensor]:
+    """OpenCLIP's (normalized) state dict as the spec's model's, fp32 copies on the CPU; `ours`: the
+    model's state dict (for the shapes; meta tensors will do)."""
     kmap = _key_map(spec)
     unknown, missing = set(sd) - set(kmap), set(kmap) - set(sd)
     if unknown or missing:
         parts = ([f"unknown keys {_first(unknown)}"] if unknown else []) + \
                 ([f"missing keys {_first(missing)}"] if missing else [])
         raise UserError(f"OpenCLIP: {'; '.join(parts)}")
-    with torch.device("meta"):  # no initialization: every parameter comes from the weights
-        model = CLIP(spec)
-    ours = model.state_dict()
     out = {}
     for theirs, name in kmap.items():
         v = sd[theirs].detach().to("cpu", torch.float32, copy=True)  # the model owns its weights
@@ -180,8 +186,7 @@ def from_open_clip(sd: dict, *, quick_gelu: bool = False, vision_heads: int = 0,
             raise UserError(f"OpenCLIP: {theirs} has shape {tuple(sd[theirs].shape)}, the model expects "
                             f"{tuple(ours[name].shape)} at {name}")
         out[name] = v
-    model.load_state_dict(out, strict=True, assign=True)
-    return model
+    return out
 
 
 def to_open_clip(model: CLIP) -> dict[str, torch.Tensor]:
@@ -208,3 +213,68 @@ def to_open_clip(model: CLIP) -> dict[str, torch.Tensor]:
             v = v.reshape(())
         out[theirs] = v.contiguous()
     return out
+
+
+def looks_like_open_clip(path) -> bool:
+    """Whether a weights file has OpenCLIP's ViT CLIP keys (read from a safetensors header alone;
+    other formats are loaded). An absent or unreadable file answers True: reading it reports that."""
+    from pathlib import Path
+    from .files import read_state_dict
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(path), "pt") as f:
+                keys = set(f.keys())
+        else:
+            keys = set(read_state_dict(path))
+    except Exception:
+        return True
+    keys = {k[len("text."):] if k.startswith("text.") else k for k in keys}
+    return "visual.conv1.weight" in keys and "token_embedding.weight" in keys
+
+
+def uses_quick_gelu(path) -> bool:
+    """The activation is not in the weights: files whose name says "quickgelu" or "openai" (OpenCLIP's
+    configurations and pretrained tags for OpenAI's weights, e.g. timm/vit_base_patch32_clip_224.openai)
+    are read with QuickGELU, others with GELU."""
+    from pathlib import Path
+    name = str(Path(path)).lower()
+    return "quickgelu" in name or "quick_gelu" in name or "openai" in name
+
+
+def init_weights(path, *, image_size: int, in_chans: int, context_length: int, vocab_size: int,
+                 vision_heads: int = 0, text_heads: int = 0, attention: str = "sdpa", drop_path: float = 0.0,
+                 dropout: float = 0.0, quick_gelu: bool | None = None) -> tuple[ClipSpec, dict]:
+    """`model.init` for CLIP: (spec, state dict for it) from an OpenCLIP ViT CLIP file, the architecture
+    from the weights and the geometry from the run: the image position embeddings resampled to the
+    data's patch grid (finetune.resample_pos_embed), RGB patch filters summed for grey images, the
+    text position embeddings cut to `context_length` (exact: causal attention never looks past a
+    caption's last token). `quick_gelu` None: from the file name (uses_quick_gelu)."""
+    from .files import read_state_dict
+    from .finetune import adapt_in_chans, resample_pos_embed
+    sd = _normalize(read_state_dict(path))
+    quick_gelu = uses_quick_gelu(path) if quick_gelu is None else quick_gelu
+    try:
+        src = open_clip_spec(sd, quick_gelu=quick_gelu, vision_heads=vision_heads, text_heads=text_heads)
+        with torch.device("meta"):
+            state = _convert(sd, src, CLIP(src).state_dict())
+    except UserError as e:
+        raise UserError(f"model.init: {path}: {e}") from None
+    v, t = src.vision, src.text
+    if image_size % v.patch_size:
+        raise UserError(f"model.init: image size {image_size} is not divisible by the weights' patch size "
+                        f"{v.patch_size} (set data.image_size)")
+    if context_length > t.context_length:
+        raise UserError(f"model.init: model.context_length={context_length} is longer than the weights' "
+                        f"{t.context_length} positions")
+    if vocab_size != t.vocab_size:
+        raise UserError(f"model.init: the weights' vocabulary has {t.vocab_size} tokens, the tokenizer "
+                        f"{vocab_size}")
+    spec = replace(src, vision=replace(v, image_size=image_size, in_chans=in_chans, attention=attention,
+                                       drop_path=drop_path, dropout=dropout),
+                   text=replace(t, context_length=context_length, attention=attention))
+    state["visual.pos_embed"] = resample_pos_embed(state["visual.pos_embed"], image_size // v.patch_size, 1)
+    state["visual.patch_embed.proj.weight"] = adapt_in_chans(state["visual.patch_embed.proj.weight"], in_chans)
+    state["text.positional_embedding"] = state["text.positional_embedding"][:context_length].contiguous()
+    return spec, state

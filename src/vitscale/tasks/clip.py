@@ -11,7 +11,7 @@ Evaluation
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -81,8 +81,18 @@ class ClipTask(Task):
         size, channels, _ = ClassificationTask(self.cfg).geometry()
         return size, channels, 0
 
+    init_state: dict | None = None  # model.init's weights, adapted to the run (build_spec reads them)
+
     def build_spec(self, image_size: int, channels: int, num_classes: int = 0) -> ClipSpec:
         cfg, m = self.cfg, self.cfg.model
+        if m.init:  # an OpenCLIP ViT CLIP file: the architecture from the weights, the geometry from the run
+            from ..data.tokenizer import VOCAB_SIZE
+            from ..interop.open_clip import init_weights
+            spec, self.init_state = init_weights(
+                m.init, image_size=image_size, in_chans=channels, context_length=m.context_length,
+                vocab_size=VOCAB_SIZE, vision_heads=m.heads, text_heads=m.text_heads, attention=m.attention,
+                drop_path=m.drop_path, dropout=m.dropout)
+            return replace(spec, init_tau=cfg.clip.tau_init or 0.07)  # logit_scale itself comes from the file
         try:
             spec = resolve_clip_spec(
                 m.arch, embed_dim=m.embed_dim,
@@ -104,11 +114,15 @@ class ClipTask(Task):
         return spec
 
     def spec_from_dict(self, d: dict) -> ClipSpec:
-        return ClipSpec(vision=ViTSpec(**d["vision"]), text=TextSpec(**d["text"]), embed_dim=d["embed_dim"],
-                        init_tau=d["init_tau"])
+        """Checkpoints from before the OpenCLIP options (ln_pre, ...) lack them: the defaults."""
+        rest = {f.name: d[f.name] for f in fields(ClipSpec) if f.name not in ("vision", "text") and f.name in d}
+        return ClipSpec(vision=ViTSpec(**d["vision"]), text=TextSpec(**d["text"]), **rest)
 
     def build_model(self, spec: ClipSpec):
-        return CLIP(spec)
+        model = CLIP(spec)
+        if self.init_state is not None:
+            model.load_state_dict(self.init_state, strict=True)
+        return model
 
     def flops(self, spec: ClipSpec) -> int:
         return clip_forward_flops(spec)  # one (image, caption) pair
