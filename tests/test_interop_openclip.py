@@ -145,7 +145,7 @@ def test_no_ln_pre_is_read_as_such():
     sd, _ = fixture()
     sd = {k: v for k, v in sd.items() if not k.startswith("visual.ln_pre.")}
     model = from_open_clip(sd, **HEADS)
-    assert not model.spec.ln_pre and model.visual.norm_pre is None
+    assert not model.spec.ln_pre and isinstance(model.visual.norm_pre, torch.nn.Identity)
     assert to_open_clip(model).keys() == sd.keys()
 
 
@@ -155,7 +155,7 @@ def test_defaults_keep_vitscales_clip():
         (False, True, True, 1e-6, "gelu")
     assert (spec.text.norm_eps, spec.text.act) == (1e-6, "gelu")
     model = CLIP(spec)
-    assert model.visual.norm_pre is None and model.visual.head.bias is not None
+    assert isinstance(model.visual.norm_pre, torch.nn.Identity) and model.visual.head.bias is not None
     assert model.visual.patch_embed.proj.bias is not None
     assert {m.eps for m in model.modules() if isinstance(m, torch.nn.LayerNorm)} == {1e-6}
     assert all(type(m.act) is torch.nn.GELU for m in model.modules() if hasattr(m, "fc1"))

@@ -59,3 +59,17 @@ def write_state_dict(sd: dict[str, torch.Tensor], path: str | Path) -> Path:
     else:
         torch.save(sd, path)
     return path
+
+
+def first_keys(names, n: int = 4) -> str:
+    """The first `n` of `names`, sorted, and how many more: for one-line errors."""
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f" (and {len(names) - n} more)" if len(names) > n else "")
+
+
+def refuse_unsupported(sd: dict, table: dict, source: str, target: str) -> None:
+    """One line naming the first variant in `table` ({key fragment: what it is}) that the keys show."""
+    for marker, what in table.items():
+        hits = [k for k in sd if marker in k]
+        if hits:
+            raise UserError(f"{source}: {what} ({first_keys(hits, 2)}) is not implemented by {target}")

@@ -37,6 +37,7 @@ from dataclasses import replace
 import torch
 
 from ..errors import UserError
+from .files import first_keys, refuse_unsupported
 from ..models.clip import CLIP, ClipSpec
 from ..models.text import TextSpec
 from ..models.vit import ViTSpec
@@ -50,10 +51,6 @@ UNSUPPORTED = {"attn_pool": "attentional pooling (CoCa)", ".ls_1.": "layer scale
                ".ln_attn.": "scaled attention norms", ".ln_inner.": "scaled attention norms"}
 OPENAI_EXTRAS = ("input_resolution", "context_length", "vocab_size")  # in OpenAI's original files
 
-
-def _first(names, n: int = 4) -> str:
-    names = sorted(names)
-    return ", ".join(names[:n]) + (f" (and {len(names) - n} more)" if len(names) > n else "")
 
 
 def _normalize(sd: dict) -> dict:
@@ -82,13 +79,10 @@ def open_clip_spec(sd: dict, *, quick_gelu: bool = False, vision_heads: int = 0,
     """The ClipSpec that computes what OpenCLIP's CLIP with these weights computes (`quick_gelu`:
     the "-quickgelu" configurations and OpenAI's weights; heads: width // 64 unless given)."""
     sd = _normalize(sd)
-    for marker, what in UNSUPPORTED.items():
-        hits = [k for k in sd if marker in k]
-        if hits:
-            raise UserError(f"OpenCLIP: {what} ({_first(hits, 2)}) is not implemented by vitscale's CLIP")
+    refuse_unsupported(sd, UNSUPPORTED, "OpenCLIP", "vitscale's CLIP")
     if "visual.conv1.weight" not in sd or "token_embedding.weight" not in sd:
         raise UserError("OpenCLIP: not an OpenCLIP ViT CLIP state dict (no visual.conv1.weight / "
-                        f"token_embedding.weight; its keys begin {_first(sd, 3)})")
+                        f"token_embedding.weight; its keys begin {first_keys(sd, 3)})")
     dim, in_chans, patch, patch_w = _shape(sd, "visual.conv1.weight", 4)
     if patch != patch_w:
         raise UserError(f"OpenCLIP: visual.conv1.weight has a {patch}x{patch_w} patch; vitscale's patches are square")
@@ -172,8 +166,8 @@ def _convert(sd: dict, spec: ClipSpec, ours: dict) -> dict[str, torch.Tensor]:
     kmap = _key_map(spec)
     unknown, missing = set(sd) - set(kmap), set(kmap) - set(sd)
     if unknown or missing:
-        parts = ([f"unknown keys {_first(unknown)}"] if unknown else []) + \
-                ([f"missing keys {_first(missing)}"] if missing else [])
+        parts = ([f"unknown keys {first_keys(unknown)}"] if unknown else []) + \
+                ([f"missing keys {first_keys(missing)}"] if missing else [])
         raise UserError(f"OpenCLIP: {'; '.join(parts)}")
     out = {}
     for theirs, name in kmap.items():

@@ -21,6 +21,7 @@ import re
 import torch
 
 from ..errors import UserError
+from .files import first_keys, refuse_unsupported
 from ..models.vit import VisionTransformer, ViTSpec
 
 HEADS_BY_DIM = {96: 3, 128: 4, 192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
@@ -29,10 +30,6 @@ UNSUPPORTED = {"reg_token": "register tokens", ".ls1.": "layer scale", ".ls2.": 
                "q_norm": "q/k normalization", "k_norm": "q/k normalization", "norm_pre": "a pre-norm",
                "patch_embed.norm": "a patch-embedding norm"}
 
-
-def _first(names, n: int = 4) -> str:
-    names = sorted(names)
-    return ", ".join(names[:n]) + (f" (and {len(names) - n} more)" if len(names) > n else "")
 
 
 def expected_keys(spec: ViTSpec) -> set[str]:
@@ -46,13 +43,10 @@ def expected_keys(spec: ViTSpec) -> set[str]:
 def timm_vit_spec(sd: dict, heads: int = 0, num_classes: int = 0) -> ViTSpec:
     """The ViTSpec that computes what timm's model with these weights computes. `num_classes`:
     for a checkpoint without a classifier (timm's num_classes=0); a head it has wins."""
-    for marker, what in UNSUPPORTED.items():
-        hits = [k for k in sd if marker in k]
-        if hits:
-            raise UserError(f"timm ViT: {what} ({_first(hits, 2)}) is not implemented by vitscale's ViT")
+    refuse_unsupported(sd, UNSUPPORTED, "timm ViT", "vitscale's ViT")
     if "patch_embed.proj.weight" not in sd or "pos_embed" not in sd:
         raise UserError("timm ViT: not a timm VisionTransformer state dict (no patch_embed.proj.weight / "
-                        f"pos_embed; its keys begin {_first(sd, 3)})")
+                        f"pos_embed; its keys begin {first_keys(sd, 3)})")
     w = sd["patch_embed.proj.weight"]
     if w.ndim != 4 or w.shape[-1] != w.shape[-2]:
         raise UserError(f"timm ViT: patch_embed.proj.weight has shape {tuple(w.shape)}; expected a square "
@@ -91,8 +85,8 @@ def from_timm(sd: dict, heads: int = 0, num_classes: int = 0, **spec_overrides) 
     have = set(sd)
     unknown, missing = have - want, want - have - ({"head.weight", "head.bias"} if "head.weight" not in sd else set())
     if unknown or missing:
-        parts = ([f"unknown keys {_first(unknown)}"] if unknown else []) + \
-                ([f"missing keys {_first(missing)}"] if missing else [])
+        parts = ([f"unknown keys {first_keys(unknown)}"] if unknown else []) + \
+                ([f"missing keys {first_keys(missing)}"] if missing else [])
         raise UserError(f"timm ViT: {'; '.join(parts)}")
     model = VisionTransformer(spec)
     theirs = {k: v.float() for k, v in sd.items()}

@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..errors import did_you_mean
 from .layers import PatchEmbed, activation
@@ -80,7 +79,8 @@ class ImageTower(VisionTransformer):
 
     def __init__(self, spec: ClipSpec):
         super().__init__(replace(spec.vision, num_classes=spec.embed_dim))
-        self.norm_pre = nn.LayerNorm(spec.vision.dim, eps=spec.vision_norm_eps) if spec.ln_pre else None
+        if spec.ln_pre:
+            self.norm_pre = nn.LayerNorm(spec.vision.dim, eps=spec.vision_norm_eps)
         if not spec.patch_bias:
             if not isinstance(self.patch_embed, PatchEmbed):
                 raise ValueError("patch_bias=False needs the patch stem (model.stem=patch)")
@@ -93,22 +93,6 @@ class ImageTower(VisionTransformer):
         if spec.vision_act != "gelu":
             for blk in self.blocks:
                 blk.mlp.act = activation(spec.vision_act)
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        if self.norm_pre is None:
-            return super().forward_features(x)
-        # VisionTransformer.forward_features with norm_pre before the blocks (CLIP towers have a
-        # class token with a position-embedding row: no no_embed_class)
-        x = self.patch_embed(x)  # [B, N, D]
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # [B, N+1, D]
-        x = self.norm_pre(x + self.pos_embed)
-        for blk in self.blocks:
-            if self.grad_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(blk, x, use_reentrant=False)
-            else:
-                x = blk(x)
-        return self.norm(x)  # [B, T, D]
 
 
 class CLIP(nn.Module):

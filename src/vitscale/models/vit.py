@@ -80,6 +80,7 @@ class VisionTransformer(nn.Module):
         self.patch_embed = stem(spec.image_size, spec.patch_size, spec.in_chans, D)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if spec.head == "token" else None
         self.pos_embed = nn.Parameter(torch.zeros(1, spec.pos_tokens, D))
+        self.norm_pre = nn.Identity()  # a LayerNorm before the blocks in CLIP's image tower (ln_pre)
         dpr = [spec.drop_path * i / max(1, spec.depth - 1) for i in range(spec.depth)]  # rises with depth
         self.blocks = nn.ModuleList(
             Block(D, spec.heads, spec.mlp_ratio, fused_attn=spec.attention == "sdpa",
@@ -123,6 +124,7 @@ class VisionTransformer(nn.Module):
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # [B, N+1, D]
         if not self.spec.no_embed_class:
             x = x + self.pos_embed
+        x = self.norm_pre(x)
         for blk in self.blocks:
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(blk, x, use_reentrant=False)
