@@ -330,3 +330,29 @@ def test_a_clip_run_starts_from_open_clip_weights(tmp_path, capsys):
                            tmp_path / "vit.safetensors")
     with pytest.raises(Exception, match="CLIP models cannot be initialized"):
         load_config("configs/tests/clip_tiny.toml", [f"model.init={vit}"])
+    # the fine-tuned model back in OpenCLIP's layout: every key of the file, the trained values
+    exported = tmp_path / "back.safetensors"
+    assert main(["export", str(out), "--format", "open_clip", "--out", str(exported)]) == 0
+    back = read_state_dict(exported)
+    assert set(back) == set(sd) and back["token_embedding.weight"].shape == (49408, 32)
+    assert torch.equal(back["visual.transformer.resblocks.0.attn.in_proj_weight"], w)
+    # a CLIP model without OpenCLIP's layout, or a ViT classifier: one line
+    assert main(["train", "configs/tests/clip_tiny.toml", "--out", str(tmp_path / "plain"), "--set",
+                 "train.epochs=1", "--set", "run.threads=1"]) == 0
+    assert main(["export", str(tmp_path / "plain"), "--format", "open_clip", "--out", str(tmp_path / "x.st")]) == 2
+    assert "lacks OpenCLIP's layout" in capsys.readouterr().err
+
+
+def test_init_act_chooses_quick_gelu(tmp_path):
+    """QuickGELU is not in the weights: model.init_act says it (auto: from the file name)."""
+    from vitscale.config import load_config
+    from vitscale.tasks import build_task
+    sd, _ = fixture()
+    vocab = torch.zeros(49408, 32)
+    for name, act, want in [("oc.safetensors", "auto", "gelu"), ("oc_openai.safetensors", "auto", "quick_gelu"),
+                            ("oc.safetensors", "quick_gelu", "quick_gelu"), ("oc_quickgelu.safetensors", "gelu", "gelu")]:
+        path = write_state_dict({**sd, "token_embedding.weight": vocab}, tmp_path / name)
+        cfg = load_config("configs/tests/clip_tiny.toml", [f"model.init={path}", f"model.init_act={act}",
+                                                           "model.heads=2", "model.text_heads=2"])
+        spec = build_task(cfg).build_spec(32, 3)
+        assert (spec.vision_act, spec.text.act) == (want, want), (name, act)

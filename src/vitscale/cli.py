@@ -68,9 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("checkpoint")
     x.add_argument("--out", help="output file (default: RUN/model.safetensors)")
     x.add_argument("--no-ema", action="store_true", help="export the raw weights even when EMA is on")
-    x.add_argument("--format", choices=("vitscale", "timm"), default="vitscale",
-                   help="key layout: vitscale's (default) or timm's VisionTransformer (timm.create_model "
-                        "arguments in the file's metadata and printed)")
+    x.add_argument("--format", choices=("vitscale", "timm", "open_clip"), default="vitscale",
+                   help="key layout: vitscale's (default), timm's VisionTransformer (timm.create_model "
+                        "arguments in the file's metadata and printed) or OpenCLIP's CLIP (a model with "
+                        "OpenCLIP's layout: one started from an OpenCLIP file)")
 
     d = sub.add_parser("data", help="dataset utilities")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="ACTION")

@@ -95,6 +95,10 @@ class ModelConfig:
                       "channels and classes come from the data"})
     init_head: str = choice("auto", "auto", "keep", "reset", doc="model.init: keep the weights' classifier "
                             "(auto: when its class count matches the data's) or start a new one")
+    init_act: str = choice("auto", "auto", "gelu", "quick_gelu", doc="CLIP model.init: the MLP activation "
+                           "the weights were trained with (not stored in them): OpenAI's CLIP weights and "
+                           "OpenCLIP's -quickgelu models use QuickGELU; auto = QuickGELU when the file name "
+                           "says quickgelu or openai")
     freeze: str = choice("none", "none", "embed", "backbone", doc="parameters that do not train: embed = the "
                          "patch and position embeddings (and model.freeze_blocks blocks); backbone = all but "
                          "the head (linear probing)")

@@ -61,6 +61,15 @@ def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vi
     state, cfg, path = _load(checkpoint)
     weights = {k: v.float() for k, v in _weights(state, use_ema).items()}
     out = Path(out) if out else path.parent.parent / ("model.safetensors" if fmt == "vitscale" else f"model_{fmt}.safetensors")
+    if fmt == "open_clip":
+        from .interop.open_clip import to_open_clip
+        if state.get("kind") != "clip":
+            raise ConfigError(f"export --format open_clip: {path} holds a ViT classifier; OpenCLIP's layout is "
+                              "for CLIP models (use --format timm)")
+        task = build_task(cfg, "clip")
+        model = task.build_model(task.spec_from_dict(state["spec"]))
+        model.load_state_dict(weights)
+        return export_safetensors(to_open_clip(model), out, {"format": "open_clip", "step": str(state["step"])})
     if fmt == "timm":
         from .interop import timm_kwargs, to_timm
         if state.get("kind", "vit") != "vit":

@@ -91,7 +91,8 @@ class ClipTask(Task):
             spec, self.init_state = init_weights(
                 m.init, image_size=image_size, in_chans=channels, context_length=m.context_length,
                 vocab_size=VOCAB_SIZE, vision_heads=m.heads, text_heads=m.text_heads, attention=m.attention,
-                drop_path=m.drop_path, dropout=m.dropout)
+                drop_path=m.drop_path, dropout=m.dropout,
+                quick_gelu=None if m.init_act == "auto" else m.init_act == "quick_gelu")
             return replace(spec, init_tau=cfg.clip.tau_init or 0.07)  # logit_scale itself comes from the file
         try:
             spec = resolve_clip_spec(
