@@ -356,3 +356,19 @@ def test_init_act_chooses_quick_gelu(tmp_path):
                                                            "model.heads=2", "model.text_heads=2"])
         spec = build_task(cfg).build_spec(32, 3)
         assert (spec.vision_act, spec.text.act) == (want, want), (name, act)
+
+
+@needs_open_clip
+def test_open_clip_loads_an_exported_file_as_pretrained(tmp_path):
+    """The path `open_clip.create_model_and_transforms(name, pretrained=FILE)` takes for a local
+    file (`open_clip.load_checkpoint`) reads vitscale's export: the same features."""
+    import open_clip
+    theirs, c, quick = open_clip_model("ViT-S-32", 2)
+    ours = from_open_clip(theirs.state_dict(), quick_gelu=quick).eval()
+    path = write_state_dict(to_open_clip(ours), tmp_path / "clip.safetensors")
+    fresh = open_clip.CLIP(**{k: v for k, v in c.items() if k != "quick_gelu"}, quick_gelu=quick).eval()
+    open_clip.load_checkpoint(fresh, str(path))
+    images, tokens = inputs(c["vision_cfg"]["image_size"], c["text_cfg"]["context_length"], 49408, n=2)
+    a, b = features(fresh, images, tokens, True)
+    p, q = features(theirs, images, tokens, True)
+    assert torch.equal(a, p) and torch.equal(b, q)
