@@ -34,6 +34,13 @@ def _weights(state: dict, use_ema: bool) -> dict:
     return sd["model"]
 
 
+def _rebuild(task, state: dict, weights: dict):
+    """The checkpoint's model, built from its saved spec, holding `weights`."""
+    model = task.build_model(task.spec_from_dict(state["spec"]))
+    model.load_state_dict(weights)
+    return model
+
+
 def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     """The run's own metrics for a checkpoint: accuracy for a ViT; held-out retrieval and
     zero-shot accuracy for a CLIP model."""
@@ -42,8 +49,7 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     strategy = build_strategy(cfg)
     task = build_task(cfg, state.get("kind", "vit"))
     data = task.build_data(strategy)
-    model = task.build_model(task.spec_from_dict(state["spec"]))
-    model.load_state_dict(_weights(state, cfg.train.ema_decay > 0 and cfg.train.ema_eval))
+    model = _rebuild(task, state, _weights(state, cfg.train.ema_decay > 0 and cfg.train.ema_eval))
     strategy.setup_eval(model)
     try:
         result = task.evaluate_all(strategy, data)
@@ -55,31 +61,25 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
 
 
 def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vitscale") -> Path:
-    """The checkpoint's weights as safetensors: vitscale's keys and spec (`fmt="vitscale"`), or
+    """The checkpoint's weights as safetensors: vitscale's keys and spec (`fmt="vitscale"`),
     timm's VisionTransformer layout (`fmt="timm"`, with the timm.create_model arguments in the
-    file's metadata)."""
+    file's metadata) or OpenCLIP's CLIP layout (`fmt="open_clip"`)."""
     state, cfg, path = _load(checkpoint)
     weights = {k: v.float() for k, v in _weights(state, use_ema).items()}
     out = Path(out) if out else path.parent.parent / ("model.safetensors" if fmt == "vitscale" else f"model_{fmt}.safetensors")
-    if fmt == "open_clip":
-        from .interop.open_clip import to_open_clip
-        if state.get("kind") != "clip":
-            raise ConfigError(f"export --format open_clip: {path} holds a ViT classifier; OpenCLIP's layout is "
-                              "for CLIP models (use --format timm)")
-        task = build_task(cfg, "clip")
-        model = task.build_model(task.spec_from_dict(state["spec"]))
-        model.load_state_dict(weights)
-        return export_safetensors(to_open_clip(model), out, {"format": "open_clip", "step": str(state["step"])})
-    if fmt == "timm":
+    if fmt != "vitscale":  # another library's layout: rebuild the model, let interop convert it
         from .interop import timm_kwargs, to_timm
-        if state.get("kind", "vit") != "vit":
-            raise ConfigError(f"export --format timm: {path} holds a {state.get('kind')} model; timm's layout is "
-                              "for ViT classifiers")
-        task = build_task(cfg, "vit")
-        model = task.build_model(task.spec_from_dict(state["spec"]))
-        model.load_state_dict(weights)
-        meta = {"format": "timm", "timm_kwargs": json.dumps(timm_kwargs(model.spec)), "step": str(state["step"])}
-        return export_safetensors(to_timm(model), out, meta)
+        from .interop.open_clip import to_open_clip
+        kind, convert, what = {"timm": ("vit", to_timm, "ViT classifiers"),
+                               "open_clip": ("clip", to_open_clip, "CLIP models")}[fmt]
+        if state.get("kind", "vit") != kind:
+            raise ConfigError(f"export --format {fmt}: {path} holds a {state.get('kind', 'vit')} model; "
+                              f"{fmt}'s layout is for {what}")
+        model = _rebuild(build_task(cfg, kind), state, weights)
+        meta = {"format": fmt, "step": str(state["step"])}
+        if fmt == "timm":
+            meta["timm_kwargs"] = json.dumps(timm_kwargs(model.spec))
+        return export_safetensors(convert(model), out, meta)
     meta = {"format": f"vitscale-{state.get('kind', 'vit')}", "spec": json.dumps(state["spec"]), "config": json.dumps(cfg.to_dict()),
             "step": str(state["step"])}
     return export_safetensors(weights, out, meta)

@@ -118,14 +118,18 @@ def gpu_peak_flops(name: str, dtype: str, measure) -> tuple[float, str]:
     the table lacks; TF32 is then measured as fp32 matmuls under the run's TF32 setting)."""
     peak = gpu_peak(name, dtype)
     if peak:
-        shown = "fp32 (no TF32 on this GPU)" if dtype == "tf32" and any(k in name for k in NO_TF32) else dtype
+        shown = "fp32 (no TF32 on this GPU)" if table_dtype(name, dtype) != dtype else dtype
         return peak, f"table: {name} dense {shown}"
     return measure(), f"measured {dtype} matmul on {name}"
 
 
+def table_dtype(name: str, dtype: str) -> str:
+    """The number format the GPU really runs `dtype` in: fp32 for TF32 on a GPU without it."""
+    return "fp32" if dtype == "tf32" and any(key in name for key in NO_TF32) else dtype
+
+
 def gpu_peak(name: str, dtype: str) -> float | None:
-    if dtype == "tf32" and any(key in name for key in NO_TF32):
-        dtype = "fp32"
+    dtype = table_dtype(name, dtype)
     for key, peaks in GPU_PEAKS.items():
         if key in name:
             return peaks.get(dtype)

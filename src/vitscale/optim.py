@@ -11,12 +11,19 @@ from .config import OptimConfig
 from .errors import ConfigError
 
 
+def block_index(name: str) -> int | None:
+    """The transformer block a parameter belongs to ("blocks.3.attn..." or "visual.blocks.3..."
+    -> 3), None outside the blocks."""
+    m = re.search(r"(?:^|\.)blocks\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
 def layer_id(name: str, depth: int) -> int:
     """A parameter's layer for layer-wise lr decay (BEiT / timm's numbering): embeddings 0,
     transformer block i -> i + 1, everything after the blocks (final norm, head) depth + 1."""
-    m = re.search(r"(?:^|\.)blocks\.(\d+)\.", name)
-    if m:
-        return int(m.group(1)) + 1
+    block = block_index(name)
+    if block is not None:
+        return block + 1
     if re.search(r"(?:^|\.)(patch_embed|cls_token|pos_embed|token_embed|positional_embedding)", name):
         return 0
     return depth + 1
@@ -28,8 +35,7 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0
     - layer) (build_optimizer multiplies the lr by it). Frozen parameters are left out."""
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    depth = 1 + max((int(m.group(1)) for n, _ in named if (m := re.search(r"(?:^|\.)blocks\.(\d+)\.", n))),
-                    default=-1)
+    depth = 1 + max((b for n, _ in named if (b := block_index(n)) is not None), default=-1)
     groups: dict = {}
     for name, p in named:
         no_wd = p.ndim <= 1 or name in skip or name.split(".")[-1] in skip

@@ -22,12 +22,12 @@ from ..errors import DataError
 from ..strategy.devices import pin_batches
 from .loaders import DataBundle
 from .sampler import EpochPlan, derive_seed, generator, shard_range
-from .transforms import BatchAugment, normalization
+from .transforms import NORMALIZATIONS, BatchAugment, normalization
 
 log = logging.getLogger("vitscale.data")
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 EVAL_SPLITS = ("val", "validation", "test")
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)    # ImageNet
+MEAN, STD = NORMALIZATIONS["imagenet"]
 SCALE, RATIO, CROP_FRACTION = (0.35, 1.0), (3 / 4, 4 / 3), 0.875
 
 

@@ -39,11 +39,10 @@ from ..errors import DataError
 from .fetch import data_home
 from .folder import FolderEvalLoader, FolderTrainLoader, decode
 from .sampler import EpochPlan, generator
-from .transforms import BatchAugment
+from .transforms import NORMALIZATIONS, BatchAugment
 
 log = logging.getLogger("vitscale.data")
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)           # OpenAI CLIP's
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+CLIP_MEAN, CLIP_STD = NORMALIZATIONS["clip"]  # OpenAI CLIP's
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 

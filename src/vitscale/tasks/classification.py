@@ -11,6 +11,7 @@ from torch import nn
 from ..data import IMAGE_TEXT, NATIVE_GEOMETRY, build_data
 from ..errors import ConfigError, UserError
 from ..models import VisionTransformer, ViTSpec, resolve_spec, vit_forward_flops
+from ..optim import block_index
 from .base import Task
 
 
@@ -23,9 +24,9 @@ def freeze(model: nn.Module, what: str, blocks: int = 0) -> None:
         if what == "backbone":
             frozen = not name.startswith("head.")
         else:
-            block = name.split(".")[1] if name.startswith("blocks.") else None
+            block = block_index(name)
             frozen = name.startswith(("patch_embed.", "cls_token", "pos_embed")) or \
-                (block is not None and int(block) < blocks)
+                (block is not None and block < blocks)
         if frozen:
             p.requires_grad_(False)
 
