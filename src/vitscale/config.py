@@ -68,7 +68,18 @@ class DataConfig:
     test_size: int = num(256, min=1, doc="synthetic only")
     batch_size: int = num(256, min=1, doc="global batch per optimizer step")
     eval_batch_size: int = num(1024, min=1)
-    num_workers: int = num(2, min=0, doc="decoding workers (folder datasets)")
+    num_workers: int = num(2, min=0, doc="decoding workers (folder, csv and webdataset data)")
+    decoder: str = choice("auto", "auto", "pil", "simplejpeg", doc="JPEG decoding (folder, csv, webdataset): "
+                          "pil = Pillow with draft mode; simplejpeg = libjpeg-turbo, scaled in the DCT domain "
+                          "to what the crop needs; auto = simplejpeg when installed")
+    reader: str = choice("auto", "auto", "seek", "stream", doc="webdataset shards: seek = exact epochs by "
+                         "seeking in local uncompressed .tar files; stream = the webdataset library (local "
+                         "paths, brace patterns, pipe:, http(s)/s3 URLs, .tar.gz; shard order and a shuffle "
+                         "buffer per epoch and rank); auto = seek for local .tar files, stream otherwise")
+    shuffle_buffer: int = num(1000, min=0, doc="reader=stream: samples in each worker's shuffle buffer "
+                              "(0 = shard order only)")
+    num_samples: int = num(0, min=0, doc="reader=stream on shards without a vitscale manifest: the number "
+                           "of training samples (0 = count them once in a pass over the shards, cached)")
     on_device: bool = True          # keep small datasets whole on the training device
     normalize: str = choice("auto", "auto", "dataset", "imagenet", "clip", doc="image mean/std: the "
                             "dataset's own, ImageNet's or CLIP's; auto = the dataset's, or ImageNet's when "
