@@ -78,8 +78,6 @@ class DataConfig:
                          "buffer per epoch and rank); auto = seek for local .tar files, stream otherwise")
     shuffle_buffer: int = num(1000, min=0, doc="reader=stream: samples in each worker's shuffle buffer "
                               "(0 = shard order only)")
-    num_samples: int = num(0, min=0, doc="reader=stream on shards without a vitscale manifest: the number "
-                           "of training samples (0 = count them once in a pass over the shards, cached)")
     on_device: bool = True          # keep small datasets whole on the training device
     normalize: str = choice("auto", "auto", "dataset", "imagenet", "clip", doc="image mean/std: the "
                             "dataset's own, ImageNet's or CLIP's; auto = the dataset's, or ImageNet's when "
