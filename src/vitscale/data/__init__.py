@@ -18,8 +18,9 @@ from .loaders import DataBundle, TensorEvalLoader, TensorTrainLoader
 # (image size, channels, classes) of the built-in labelled sets; the image-text sets (CLIP)
 NATIVE_GEOMETRY = {"fashion_mnist": (28, 1, 10), "cifar10": (32, 3, 10), "cifar100": (32, 3, 100)}
 IMAGE_TEXT = ("openclipart", "csv", "webdataset")
+PAIRS_ONLY = ("openclipart", "csv")   # webdataset shards hold pairs (.txt) or labels (.cls)
 
-__all__ = ["NATIVE_GEOMETRY", "IMAGE_TEXT", "DataBundle", "build_data", "download", "default_root", "data_home",
+__all__ = ["NATIVE_GEOMETRY", "IMAGE_TEXT", "PAIRS_ONLY", "DataBundle", "build_data", "download", "default_root", "data_home",
            "TensorTrainLoader", "TensorEvalLoader", "ImageTextBundle", "build_image_text"]
 
 
@@ -30,6 +31,13 @@ def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) ->
     if cfg.name == "folder":
         from . import folder
         return folder.build(cfg, device=device, seed=seed, rank=rank, world_size=world_size)
+    if cfg.name == "webdataset":                  # labelled shards (KEY.cls), streamed
+        from .stream import resolve_reader
+        from .stream_loader import classification_bundle
+        if resolve_reader(cfg, pairs=False) != "stream":
+            raise DataError("data.reader=seek reads image-text shards only: labelled shards stream "
+                            "(data.reader=stream or auto)")
+        return classification_bundle(cfg, device=device, seed=seed, rank=rank, world_size=world_size)
     from .loaders import tensor_bundle
     if cfg.name == "fashion_mnist":
         from . import fashion_mnist

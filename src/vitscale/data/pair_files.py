@@ -111,10 +111,16 @@ def expand_braces(pattern: str) -> list[str]:
     return [x for it in items for x in expand_braces(head + it + tail)]
 
 
-def shard_list(root: str) -> list[str]:
+def shard_list(root: str, split: str = "train") -> list[str]:
+    from .stream import read_manifest
     if not root:
         raise DataError("data.root must name the webdataset shards (a folder of .tar files or a "
                         "pattern like /data/{00000..00009}.tar)")
+    m = read_manifest(root)                  # a `vitscale data prepare` folder: its split's shards
+    if m is not None:
+        if split not in m["splits"]:
+            raise DataError(f"webdataset: {root} has no {split} split: set data.test_root")
+        return m["splits"][split]["shards"]
     p = Path(root).expanduser()
     if p.is_dir():
         shards = sorted(str(s) for s in p.glob("*.tar"))
@@ -182,9 +188,9 @@ def shard_index(path: str) -> dict:
     return idx
 
 
-def read_shards(root: str) -> Records:
+def read_shards(root: str, split: str = "train") -> Records:
     caps, keys, paths, offs, sizes, incomplete = [], [], [], [], [], 0
-    for shard in shard_list(root):
+    for shard in shard_list(root, split):
         idx = shard_index(shard)
         n = len(idx["keys"])
         caps += idx["captions"]
@@ -206,8 +212,9 @@ def read_shards(root: str) -> Records:
 class PairDataset(torch.utils.data.Dataset):
     """Keys (index, sample seed) -> (image uint8 [3,S,S] or None, tokens [L], index, source, error)."""
 
-    def __init__(self, rec: Records, size: int, hflip: bool, context_length: int):
+    def __init__(self, rec: Records, size: int, hflip: bool, context_length: int, decoder: str = "pil"):
         self.rec, self.size, self.hflip, self.context_length = rec, size, hflip, context_length
+        self.decoder = decoder
 
     def __len__(self):
         return len(self.rec)
@@ -230,7 +237,7 @@ class PairDataset(torch.utils.data.Dataset):
         except OSError as e:
             return None, tokens, i, str(self.rec.paths[i]), f"{type(e).__name__}: {e}"
         try:
-            return decode(src, self.size, sample_seed, self.hflip), tokens, i, name, ""
+            return decode(src, self.size, sample_seed, self.hflip, decoder=self.decoder), tokens, i, name, ""
         except Exception as e:  # noqa: BLE001 - unreadable, truncated, not an image ...
             return None, tokens, i, name, f"{type(e).__name__}: {e}"
 
@@ -303,15 +310,23 @@ class FolderPairs:
 
 def build(cfg, *, device, seed: int, rank: int, world_size: int, context_length: int):
     from .image_text import ImageTextBundle
+    from .jpeg import resolve_decoder
+    from .stream import read_manifest, resolve_reader
     if cfg.name == "csv":
         if not cfg.root:
             raise DataError("data.root must name the csv/tsv file for data.name = 'csv'")
         read = lambda p: read_csv(p, cfg.csv_image_key, cfg.csv_caption_key)  # noqa: E731
+    elif resolve_reader(cfg, pairs=True) == "stream":
+        from .stream_loader import pairs_bundle
+        return pairs_bundle(cfg, device=device, seed=seed, rank=rank, world_size=world_size,
+                            context_length=context_length)
     else:
         read = read_shards
     rec = read(cfg.root)
     if cfg.test_root:
         train, test = rec, read(cfg.test_root)
+    elif cfg.name == "webdataset" and read_manifest(cfg.root):   # prepared shards: their val split
+        train, test = rec, read_shards(cfg.root, "val")
     else:
         train, test = rec.split(cfg.test_fraction)
     if not len(train):
@@ -320,9 +335,10 @@ def build(cfg, *, device, seed: int, rank: int, world_size: int, context_length:
     plan = EpochPlan(len(train), cfg.batch_size, seed=seed, drop_last=True, rank=rank,
                      world_size=world_size)
     augment = BatchAugment(cfg, mean=CLIP_MEAN, std=CLIP_STD, num_classes=1, crop_flip=False)
-    train_loader = PairFileTrainLoader(PairDataset(train, size, cfg.hflip, context_length), plan,
+    decoder = resolve_decoder(cfg.decoder)
+    train_loader = PairFileTrainLoader(PairDataset(train, size, cfg.hflip, context_length, decoder), plan,
                                        augment, cfg, seed=seed, device=device)
-    test_loader = FolderEvalLoader(PairDataset(test, size, False, context_length), cfg, augment.norm,
+    test_loader = FolderEvalLoader(PairDataset(test, size, False, context_length, decoder), cfg, augment.norm,
                                    device=device, rank=rank, world_size=world_size, collate_fn=collate)
     return ImageTextBundle(train=train_loader, test=test_loader, zeroshot={}, train_size=len(train),
                            test_size=len(test), channels=3, image_size=size, mean=CLIP_MEAN,

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data import IMAGE_TEXT, NATIVE_GEOMETRY, build_data
+from ..data import NATIVE_GEOMETRY, PAIRS_ONLY, build_data
 from ..errors import ConfigError, UserError
 from ..models import VisionTransformer, ViTSpec, resolve_spec, vit_forward_flops
 from ..optim import block_index
@@ -43,7 +43,7 @@ class ClassificationTask(Task):
     # -- building ---------------------------------------------------------------------------------
     def build_data(self, s):
         cfg = self.cfg
-        if cfg.data.name in IMAGE_TEXT:
+        if cfg.data.name in PAIRS_ONLY:
             raise ConfigError(f"config: data.name={cfg.data.name} holds image-text pairs: train a CLIP model "
                               f"(model.arch=clip_mini, clip_vit_b32, ...)")
         dcfg = cfg.data
@@ -61,11 +61,11 @@ class ClassificationTask(Task):
         d = self.cfg.data
         if d.name in NATIVE_GEOMETRY:
             size, ch, nc = NATIVE_GEOMETRY[d.name]
-        elif d.name in IMAGE_TEXT:
+        elif d.name in PAIRS_ONLY:
             size, ch, nc = (64 if d.name == "openclipart" else 224), 3, 0
         elif d.name == "synthetic":
             size, ch, nc = 32, d.channels, d.num_classes
-        else:  # folder: classes come from the folder tree unless the model fixes them
+        else:  # folder, webdataset: classes come from the folders / labels unless the model fixes them
             size, ch, nc = 224, 3, self.cfg.model.num_classes
             if not nc:  # count class folders
                 nc = build_data(d, device=torch.device("cpu"), seed=0).num_classes

@@ -1,0 +1,251 @@
+"""Loaders over streamed webdataset shards (stream.py says which samples make which batch).
+
+    StreamTrainLoader.iterate(epoch, start_batch) -> (x float32 [B,3,S,S], labels [B])      classification
+                                                  -> (x, tokens [B,L], index [B])           pairs (CLIP)
+    StreamEvalLoader.iterate()                    -> the same over this rank's held-out shards
+
+Decoding runs in DataLoader worker processes (one per stream); each worker yields whole
+collated batches with what went wrong on the way, logged and counted here.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import DataError
+from ..strategy.devices import pin_batches
+from .sampler import derive_seed, generator
+from .stream import ShardErrors, ShardSet, StreamPlan, complete, label_of, shard_samples, stream_samples
+
+log = logging.getLogger("vitscale.data")
+
+
+class _Decode:
+    """(key, index, image bytes, text) -> (image uint8 [3,S,S] or None, tokens [L] or label, index, name, error)."""
+
+    def __init__(self, size: int, hflip: bool, decoder: str, context_length: int, pairs: bool):
+        self.size, self.hflip, self.decoder = size, hflip, decoder
+        self.context_length, self.pairs = context_length, pairs
+
+    def __call__(self, sample, sample_seed: int, url: str = ""):
+        from .folder import decode
+        key, index, img, text = sample
+        if self.pairs:
+            from .tokenizer import get_tokenizer
+            second = get_tokenizer()(text, self.context_length)[0]
+        else:
+            second = label_of(text, url, key)
+        try:
+            return decode(img, self.size, sample_seed, self.hflip, decoder=self.decoder), second, index, key, ""
+        except Exception as e:  # noqa: BLE001 - corrupt, truncated, not an image ...
+            return None, second, index, key, f"{type(e).__name__}: {e}"
+
+
+def collate(items, size: int, pairs: bool):
+    """-> x uint8 [b,3,S,S], tokens [b,L] or labels [b], index [b], kept positions [b], failures."""
+    keep = [j for j, it in enumerate(items) if it[0] is not None]
+    x = torch.stack([items[j][0] for j in keep]) if keep else torch.empty(0, 3, size, size, dtype=torch.uint8)
+    if pairs:
+        L = items[0][1].shape[0] if items else 1
+        second = torch.stack([items[j][1] for j in keep]) if keep else torch.empty(0, L, dtype=torch.long)
+    else:
+        second = torch.tensor([items[j][1] for j in keep], dtype=torch.long)
+    index = torch.tensor([items[j][2] for j in keep], dtype=torch.long)
+    failures = [(it[3], it[4]) for it in items if it[0] is None]
+    return x, second, index, torch.tensor(keep, dtype=torch.long), failures
+
+
+class StreamTrainDataset(torch.utils.data.IterableDataset):
+    """This rank's training batches; DataLoader worker w serves stream (start + w) % V, so the
+    round-robin order of the workers is the batch order b = start, start + 1, ..."""
+
+    def __init__(self, plan: StreamPlan, decode: _Decode, buffer: int):
+        self.plan, self.decode, self.buffer = plan, decode, buffer
+        self.epoch, self.start = 0, 0
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        workers = info.num_workers if info else 1
+        w = info.id if info else 0
+        plan, V, bl = self.plan, self.plan.streams, self.plan.hi - self.plan.lo
+        for v in range(V) if workers == 1 and V > 1 else [(self.start + w) % V]:
+            yield from self._stream(v, bl, V)
+
+    def _stream(self, v: int, bl: int, V: int):
+        plan, epoch = self.plan, self.epoch
+        k0 = max(0, -(-(self.start - v) // V))               # first batch of stream v at or after start
+        errors, bad = ShardErrors(), []
+        samples = stream_samples(plan, epoch, v, self.buffer, errors, bad)
+        try:
+            for _ in range(k0 * bl):                         # replay without decoding (exact resume)
+                next(samples)
+            for k in range(k0, plan.batches_of(v)):
+                b = k * V + v
+                first = b * plan.batch_size + plan.lo            # position in the epoch
+                items = [self.decode(next(samples), derive_seed("img", plan.seed, epoch, first + j))
+                         for j in range(bl)]
+                events = errors.events + bad
+                errors.events, bad[:] = [], []
+                yield (*collate(items, self.decode.size, self.decode.pairs), events)
+        except DataError as e:
+            yield ("error", str(e))
+
+
+class StreamEvalDataset(torch.utils.data.IterableDataset):
+    """This rank's held-out shards in order (worker w reads every V-th), eval transform."""
+
+    def __init__(self, shards: ShardSet, rank: int, world_size: int, workers: int, batch_size: int,
+                 decode: _Decode):
+        self.shards, self.workers, self.batch_size, self.decode = shards, max(1, workers), batch_size, decode
+        self.mine = list(range(len(shards.urls)))[rank::world_size]
+
+    def worker_shards(self, w: int) -> list[int]:
+        return self.mine[w::self.workers]
+
+    def __len__(self) -> int:
+        return sum(-(-sum(self.shards.counts[s] for s in self.worker_shards(w)) // self.batch_size)
+                   for w in range(self.workers))
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        ws = [info.id] if info else range(self.workers)
+        for w in ws:
+            errors, bad, items = ShardErrors(), [], []
+            for s in self.worker_shards(w):
+                pos, url = 0, self.shards.urls[s]
+                for sample in shard_samples(url, errors):
+                    key = sample["__key__"]
+                    if not self.shards.keep(key):
+                        continue
+                    c = complete(sample, self.shards.want)
+                    if isinstance(c, str):
+                        bad.append(("sample", f"{url}:{key}", c))
+                        continue
+                    items.append(self.decode((key, self.shards.index(s, pos, key), c[0], c[1]), -1, url))
+                    pos += 1
+                    if len(items) == self.batch_size:
+                        yield (*collate(items, self.decode.size, self.decode.pairs), errors.events + bad)
+                        items, errors.events, bad = [], [], []
+            if items or errors.events or bad:
+                yield (*collate(items, self.decode.size, self.decode.pairs), errors.events + bad)
+
+
+class _StreamLoader:
+    """DataLoader over a stream dataset (workers started per pass: each pass carries its epoch)."""
+
+    def _start(self, dataset, cfg, device, workers: int):
+        self.dataset, self.device, self.workers = dataset, torch.device(device), workers
+        self.pin = pin_batches(self.device.type, cfg.pin_memory, on_device=False)
+        self.skipped, self.shard_errors, self._it = 0, 0, None
+
+    def _batches(self, start: int = 0):
+        loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
+                                             pin_memory=self.pin)
+        self._it = iter(loader)
+        for b, item in enumerate(self._it, start):
+            if item[0] == "error":
+                raise DataError(item[1])
+            *tensors, keep, failures, events = item
+            for what, name, err in [("sample", *f) for f in failures] + events:
+                if what == "shard":
+                    self.shard_errors += 1
+                    log.warning("webdataset: shard %s stopped (%s): its other samples are skipped in this "
+                                "pass; %d shard error(s) so far", name, err, self.shard_errors)
+                else:
+                    self.skipped += 1
+                    log.warning("skipped sample %s (%s); %d skipped so far", name, err, self.skipped)
+            yield (b, *(t.to(self.device, non_blocking=True) for t in tensors), keep)
+        self._it = None
+
+    def close(self):
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+
+class StreamTrainLoader(_StreamLoader):
+    def __init__(self, dataset: StreamTrainDataset, augment, cfg, *, device):
+        self.plan, self.augment = dataset.plan, augment
+        self.batch_size = self.plan.hi - self.plan.lo
+        self.seed, self.pairs = self.plan.seed, dataset.decode.pairs
+        self._start(dataset, cfg, device, dataset.plan.streams if cfg.num_workers else 0)
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def iterate(self, epoch: int, start_batch: int = 0):
+        if start_batch < 0:
+            raise DataError(f"data: start_batch must be >= 0, got {start_batch}")
+        self.close()
+        self.dataset.epoch, self.dataset.start = epoch, start_batch
+        plan = self.plan
+        for b, x, second, index, keep in self._batches(start_batch):
+            params = self.augment.draw(generator("aug", self.seed, epoch, b), plan.batch_size)
+            params = params.take(slice(plan.lo, plan.hi)).take(keep)
+            if self.pairs:
+                x, index = self.augment(x, index, params)        # num_classes=1: index passes through
+                yield x, second, index
+            else:
+                yield self.augment(x, second, params)
+
+
+class StreamEvalLoader(_StreamLoader):
+    def __init__(self, dataset: StreamEvalDataset, cfg, norm, *, device):
+        self.norm, self.batch_size, self.pairs = norm, dataset.batch_size, dataset.decode.pairs
+        self.num_samples = sum(dataset.shards.counts[s] for s in dataset.mine)
+        self._start(dataset, cfg, device, dataset.workers if cfg.num_workers else 0)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def iterate(self):
+        self.close()
+        for _, x, second, index, _ in self._batches():
+            yield (self.norm(x), second, index) if self.pairs else (self.norm(x), second)
+
+
+def loaders(cfg, train: ShardSet, test: ShardSet, augment, *, device, seed: int, rank: int, world_size: int,
+            context_length: int = 77):
+    """-> (train loader, test loader) over the streamed shard sets."""
+    from .jpeg import resolve_decoder
+    size, pairs = cfg.image_size or 224, train.want == "txt"
+    decoder = resolve_decoder(cfg.decoder)
+    plan = StreamPlan(train, cfg.batch_size, seed=seed, rank=rank, world_size=world_size, streams=cfg.num_workers)
+    train_ds = StreamTrainDataset(plan, _Decode(size, cfg.hflip, decoder, context_length, pairs), cfg.shuffle_buffer)
+    test_ds = StreamEvalDataset(test, rank, world_size, cfg.num_workers, cfg.eval_batch_size,
+                                _Decode(size, False, decoder, context_length, pairs))
+    return (StreamTrainLoader(train_ds, augment, cfg, device=device),
+            StreamEvalLoader(test_ds, cfg, augment.norm, device=device))
+
+
+def classification_bundle(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1):
+    """Labelled shards (KEY.jpg + KEY.cls): a DataBundle like folder data's."""
+    from .folder import MEAN, STD
+    from .loaders import DataBundle
+    from .stream import shard_sets
+    from .transforms import BatchAugment, normalization
+    train, test = shard_sets(cfg, "cls")
+    num_classes = max(train.num_classes, test.num_classes)
+    if num_classes < 2:
+        raise DataError(f"webdataset {cfg.root}: labels (.cls) span {num_classes} class(es); need at least 2")
+    names = train.classes or [str(i) for i in range(num_classes)]
+    mean, std = normalization(cfg.normalize, MEAN, STD)
+    augment = BatchAugment(cfg, mean=mean, std=std, num_classes=num_classes, crop_flip=False)
+    tr, te = loaders(cfg, train, test, augment, device=device, seed=seed, rank=rank, world_size=world_size)
+    return DataBundle(train=tr, test=te, num_classes=num_classes, channels=3, image_size=cfg.image_size or 224,
+                      class_names=names, train_size=len(train), test_size=len(test), mean=mean, std=std)
+
+
+def pairs_bundle(cfg, *, device, seed: int, rank: int, world_size: int, context_length: int):
+    """Image-text shards (KEY.jpg + KEY.txt): an ImageTextBundle (no zero-shot sets)."""
+    from .image_text import ImageTextBundle
+    from .stream import shard_sets
+    from .transforms import NORMALIZATIONS, BatchAugment
+    mean, std = NORMALIZATIONS["clip"]
+    train, test = shard_sets(cfg, "txt")
+    augment = BatchAugment(cfg, mean=mean, std=std, num_classes=1, crop_flip=False)
+    tr, te = loaders(cfg, train, test, augment, device=device, seed=seed, rank=rank, world_size=world_size,
+                     context_length=context_length)
+    return ImageTextBundle(train=tr, test=te, zeroshot={}, train_size=len(train), test_size=len(test), channels=3,
+                           image_size=cfg.image_size or 224, mean=mean, std=std, captions_test=[])

@@ -1,0 +1,206 @@
+"""Streamed webdataset shards (data.reader=stream): resume, ranks, index routing, sources, bad input."""
+import gzip
+import importlib.util
+import io
+import logging
+import os
+import tarfile
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitscale.config import DataConfig
+from vitscale.data import build_data, build_image_text
+from vitscale.data.stream import StreamPlan, is_remote, open_url, resolve_reader, shard_sets
+from vitscale.data.tokenizer import tokenize
+from vitscale.errors import DataError
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("open_clip") is None,
+                                reason="the BPE vocabulary ships in open-clip-torch")
+L = 12
+
+
+def jpeg(k: int) -> bytes:
+    rng = np.random.default_rng(k)
+    a = (rng.integers(0, 255, (3, 3, 3)).repeat(8, 0).repeat(8, 1)).astype(np.uint8)  # 24x24 blocks
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def add(tf, name, data):
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    tf.addfile(ti, io.BytesIO(data))
+
+
+def write_shards(folder, n_shards=4, per=6, *, gz=False, gz_members=False, bad_jpeg=(), no_caption=(), start=0):
+    """n_shards x per samples s0000...: KEY.jpg, KEY.txt 'sample k', KEY.cls k % 3."""
+    folder.mkdir(parents=True, exist_ok=True)
+    k = start
+    for s in range(n_shards):
+        with tarfile.open(folder / f"{s:05d}.tar{'.gz' if gz else ''}", "w:gz" if gz else "w") as tf:
+            for _ in range(per):
+                key = f"s{k:04d}"
+                add(tf, f"{key}.jpg", b"not a jpeg" if k in bad_jpeg else jpeg(k))
+                if k not in no_caption:
+                    cap = f"sample {k}".encode()
+                    add(tf, f"{key}.txt.gz" if gz_members else f"{key}.txt", gzip.compress(cap) if gz_members else cap)
+                add(tf, f"{key}.cls", str(k % 3).encode())
+                k += 1
+    return folder
+
+
+def cfg(root, test_root, **kw):
+    base = dict(name="webdataset", reader="stream", root=str(root), test_root=str(test_root), image_size=16,
+                batch_size=4, eval_batch_size=5, num_workers=2, on_device=False, shuffle_buffer=8, hflip=True)
+    base.update(kw)
+    return replace(DataConfig(), **base)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wds")
+    write_shards(root / "train", n_shards=4, per=6)               # 24 samples
+    write_shards(root / "test", n_shards=2, per=4, start=100)     # 8 held-out samples
+    return root
+
+
+def pairs(c, **kw):
+    return build_image_text(c, device="cpu", seed=kw.pop("seed", 0), context_length=L, **kw)
+
+
+def epoch(loader, e, start=0):
+    return [tuple(t.clone() for t in b) for b in loader.iterate(e, start)]
+
+
+def test_index_routing_and_resume(shards):
+    """Every row's tokens are the caption of the sample its index names (FastCLIP's state routing);
+    a resume at batch 3 gives the uninterrupted run's batches, bit for bit."""
+    b = pairs(cfg(shards / "train", shards / "test"))
+    assert (b.train_size, b.test_size, len(b.train)) == (24, 8, 6)
+    full = epoch(b.train, 1)
+    assert len(full) == 6
+    idx = torch.cat([i for _, _, i in full])
+    assert sorted(idx.tolist()) == list(range(24))                 # 4 shards over 2 streams: all once
+    for x, t, i in full:
+        assert x.shape == (4, 3, 16, 16) and x.dtype == torch.float32
+        assert torch.equal(t, tokenize([f"sample {k}" for k in i.tolist()], L))
+    for a, r in zip(full[3:], epoch(b.train, 1, 3), strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, r))
+    other = torch.cat([i for _, _, i in epoch(b.train, 2)])
+    assert other.tolist() != idx.tolist() and sorted(other.tolist()) == list(range(24))   # a new order
+    seen = torch.cat([i for _, _, i in b.test.iterate()])
+    assert sorted(seen.tolist()) == list(range(8)) and len(b.test) == 2
+    b.close()
+
+
+def test_index_equals_seek_reader(shards, tmp_path):
+    """Without a manifest the index is the count of earlier samples + the position in the shard:
+    what the seek reader gives the same sample."""
+    c = cfg(shards / "train", shards / "test", num_workers=0)
+    stream = pairs(c)
+    seek = pairs(replace(c, reader="seek"))
+    caps = seek.train.dataset.rec.captions
+    for x, t, i in stream.train.iterate(0):
+        assert torch.equal(t, tokenize([str(caps[k]) for k in i.tolist()], L))
+    assert resolve_reader(replace(c, reader="auto"), pairs=True) == "seek"     # local .tar: exact epochs
+    assert resolve_reader(replace(c, reader="auto"), pairs=False) == "stream"
+
+
+def test_two_ranks_disjoint_equal_steps(shards):
+    c = cfg(shards / "train", shards / "test", num_workers=1)
+    ranks = [pairs(c, rank=r, world_size=2) for r in (0, 1)]
+    got = [epoch(b.train, 0) for b in ranks]
+    assert len(got[0]) == len(got[1]) == len(ranks[0].train) == 6
+    i0, i1 = (torch.cat([i for _, _, i in g]) for g in got)
+    assert all(len(i) == 2 for g in got for _, _, i in g)                         # 4 = 2 + 2 per step
+    assert not set(i0.tolist()) & set(i1.tolist())
+    assert sorted(i0.tolist() + i1.tolist()) == list(range(24))
+    tests = [torch.cat([i for _, _, i in b.test.iterate()]) for b in ranks]
+    assert sorted(torch.cat(tests).tolist()) == list(range(8))
+    for b in ranks:
+        b.close()
+
+
+def test_uneven_shards_equal_steps(tmp_path):
+    """3 shards of 5, 9 and 2 samples over 2 ranks: both ranks give floor(16/4) steps; the short
+    rank starts its shards over (a documented approximation of an exact epoch)."""
+    root = tmp_path / "u"
+    for s, n in enumerate((5, 9, 2)):
+        write_shards(root / f"p{s}", n_shards=1, per=n, start=100 * s)
+        os.rename(root / f"p{s}" / "00000.tar", root / f"{s:05d}.tar")
+    write_shards(tmp_path / "t", n_shards=2, per=2, start=900)
+    c = cfg(root, tmp_path / "t", num_workers=0)
+    ranks = [pairs(c, rank=r, world_size=2) for r in (0, 1)]
+    counts = [len(epoch(b.train, e)) for b in ranks for e in (0, 1)]
+    assert counts == [4] * 4
+
+
+def test_pipe_gz_and_compressed_members(shards, tmp_path):
+    """pipe:cat URLs, .tar.gz shards and KEY.txt.gz members give the same batches as plain files."""
+    gz = write_shards(tmp_path / "gz", gz=True, gz_members=True)
+    base = cfg(shards / "train", shards / "test", num_workers=0)
+    plain = epoch(pairs(base).train, 0)
+    piped = epoch(pairs(replace(base, root=f"pipe:cat {shards}/train/{{00000..00003}}.tar")).train, 0)
+    zipped = epoch(pairs(replace(base, root=str(gz))).train, 0)
+    for a, b, z in zip(plain, piped, zipped, strict=True):
+        assert all(torch.equal(u, v) and torch.equal(u, w) for u, v, w in zip(a, b, z))
+    assert resolve_reader(replace(base, reader="auto", root=str(gz)), pairs=True) == "stream"
+    assert is_remote("pipe:cat x") and is_remote("s3://b/k.tar") and is_remote("https://h/a.tar")
+    assert not is_remote("/data/{0..3}.tar") and open_url("s3://b/0.tar") == "pipe:aws s3 cp s3://b/0.tar -"
+
+
+def test_classification_from_streamed_shards(shards):
+    c = cfg(shards / "train", shards / "test", batch_size=6)
+    d = build_data(c, device="cpu", seed=0)
+    assert (d.num_classes, d.train_size, d.test_size, len(d.train)) == (3, 24, 8, 4)
+    ys = torch.cat([y for _, y in d.train.iterate(0)])
+    assert len(ys) == 24 and set(ys.tolist()) == {0, 1, 2}
+    x, y = next(iter(d.test.iterate()))
+    assert x.shape[1:] == (3, 16, 16) and y.dtype == torch.int64
+    d.close()
+    with pytest.raises(DataError, match="labelled shards stream"):
+        build_data(replace(c, reader="seek"), device="cpu", seed=0)
+
+
+def test_bad_input_skipped_and_counted(tmp_path, caplog):
+    """A corrupt JPEG and a sample without caption are skipped and counted; a truncated shard
+    and one that vanishes mid-epoch stop that shard with a warning: the epoch still has all its steps."""
+    root = write_shards(tmp_path / "bad", bad_jpeg=(2,), no_caption=(7,))
+    write_shards(tmp_path / "t", n_shards=2, per=2, start=900)
+    data = (root / "00002.tar").read_bytes()
+    (root / "00002.tar").write_bytes(data[:len(data) // 2])           # truncated
+    c = cfg(root, tmp_path / "t", num_workers=0, shuffle_buffer=0)
+    b = pairs(c)
+    with caplog.at_level(logging.WARNING, logger="vitscale.data"):
+        got = epoch(b.train, 0)
+    assert len(got) == len(b.train)
+    assert b.train.skipped >= 1 and any("not a jpeg" in r.getMessage() or "skipped sample" in r.getMessage()
+                                        for r in caplog.records)
+    assert any("no caption" in r.getMessage() for r in caplog.records)
+    assert any("00002.tar" in r.getMessage() and "stopped" in r.getMessage() for r in caplog.records)
+    os.remove(root / "00003.tar")                                     # vanishes after counting
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vitscale.data"):
+        assert len(epoch(b.train, 1)) == len(b.train)
+    assert any("00003.tar" in r.getMessage() for r in caplog.records)
+    for name in ("00000.tar", "00001.tar", "00002.tar"):
+        os.remove(root / name)                                        # nothing left to read: one line
+    with pytest.raises(DataError, match="none of the"):
+        epoch(b.train, 2)
+
+
+def test_one_line_errors(shards, tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        pairs(cfg(tmp_path / "nope" / "{0..3}.tar", shards / "test"))
+    with pytest.raises(DataError, match="non-empty shard"):
+        pairs(cfg(shards / "test", shards / "test", num_workers=4, batch_size=2))
+    with pytest.raises(DataError, match="larger than the training set"):
+        pairs(cfg(shards / "test", shards / "test", batch_size=64))
+    train, _ = shard_sets(cfg(shards / "train", shards / "test"), "txt")
+    plan = StreamPlan(train, 4, seed=0, rank=1, world_size=2, streams=2)
+    assert len(plan) == 6 and [plan.batches_of(v) for v in (0, 1)] == [3, 3]
