@@ -78,6 +78,25 @@ def _parser() -> argparse.ArgumentParser:
     dl = dsub.add_parser("download", help="fetch an official archive and check its md5")
     dl.add_argument("name", choices=["cifar10", "cifar100", "fashion-mnist"])
     dl.add_argument("--root", help="target folder (default: the dataset's default location)")
+    pr = dsub.add_parser("prepare", help="an image folder or a CSV of images and captions -> shards of "
+                                         "pre-resized JPEGs (parallel, resumable, with a manifest)",
+                         description="Write webdataset shards of pre-resized JPEGs with their labels or "
+                                     "captions and sample indices, plus DIR/manifest.json. Rerun the same "
+                                     "command to resume: finished shards are kept.")
+    pr.add_argument("src", metavar="SRC", help="ImageNet-style folder (SRC/train/<class>/*.jpg and "
+                                               "SRC/val/<class>/...) or a .csv/.tsv of image paths and captions")
+    pr.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    pr.add_argument("--size", type=int, default=256, help="shorter side of the stored images; smaller "
+                                                          "images are not upscaled (default: 256)")
+    pr.add_argument("--quality", type=int, default=90, help="JPEG quality 1..100 (default: 90)")
+    pr.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default: 1000)")
+    pr.add_argument("--workers", type=int, default=None, help="processes (default: the number of CPUs)")
+    pr.add_argument("--seed", type=int, default=0, help="shuffle of the train split (default: 0)")
+    pr.add_argument("--image-key", default="filepath", help="CSV column of the image paths (default: filepath)")
+    pr.add_argument("--caption-key", default="title", help="CSV column of the captions (default: title)")
+    pr.add_argument("--val-fraction", type=float, default=0.1,
+                    help="CSV: fraction held out as the val split, by crc32 of the image path as written "
+                         "(data.test_fraction's split); 0 = no val split (default: 0.1)")
 
     # the performance lab: each module declares its own arguments (HELP, add_arguments, run)
     for name in LAB:
@@ -163,6 +182,19 @@ def cmd_export(args) -> int:
 
 
 def cmd_data(args) -> int:
+    if args.data_command == "prepare":
+        from .data.prepare import prepare_shards
+        try:
+            done = prepare_shards(args.src, args.out, size=args.size, quality=args.quality,
+                                  shard_size=args.shard_size, workers=args.workers, seed=args.seed,
+                                  image_key=args.image_key, caption_key=args.caption_key,
+                                  val_fraction=args.val_fraction)
+        except KeyboardInterrupt:
+            print("vitscale: interrupted; finished shards are kept: rerun the same command to resume",
+                  file=sys.stderr)
+            return 130
+        print(f"prepared {done.summary()}")
+        return 0
     from .data import download
     path = download(args.name, args.root)
     print(f"{args.name} ready in {path}")
