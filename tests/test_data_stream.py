@@ -204,3 +204,100 @@ def test_one_line_errors(shards, tmp_path):
     train, _ = shard_sets(cfg(shards / "train", shards / "test"), "txt")
     plan = StreamPlan(train, 4, seed=0, rank=1, world_size=2, streams=2)
     assert len(plan) == 6 and [plan.batches_of(v) for v in (0, 1)] == [3, 3]
+
+
+def _train(out, config, shards, *extra):
+    from vitscale.cli import main
+    from helpers import sets
+    base = ["run.threads=1", "data.name=webdataset", "data.reader=stream", f"data.root={shards / 'train'}",
+            f"data.test_root={shards / 'test'}", "data.image_size=16", "data.batch_size=8", "data.eval_batch_size=8",
+            "data.num_workers=2", "data.on_device=false", "model.patch_size=4"]
+    assert main(["train", config, "--out", str(out), *sets([*base, *extra])]) == 0
+    return out
+
+
+@pytest.mark.integration
+def test_fastclip_trains_and_resumes_exactly_from_streamed_shards(shards, tmp_path):
+    import json
+    from vitscale import checkpoint as ckpt
+    from vitscale.cli import main
+    from helpers import interrupted_copy, rel_diff
+    full = _train(tmp_path / "full", "configs/tests/clip_tiny.toml", shards, "clip.loss=fastclip_v3",
+                  "run.checkpoint_every=2", "run.keep_last=100", "train.epochs=3")
+    s = json.loads((full / "summary.json").read_text())
+    assert s["steps"] == 9 and s["test_pairs"] == 8
+    part = interrupted_copy(full, tmp_path / "part", step=4)             # mid-epoch 2
+    assert main(["train", "--resume", str(part)]) == 0
+    a, b = (torch.load(ckpt.list_checkpoints(r)[-1], weights_only=False) for r in (part, full))
+    assert a["step"] == b["step"] == 9
+    assert rel_diff(a["strategy"]["model"], b["strategy"]["model"]) == 0.0
+    assert torch.equal(a["task"]["lu1"], b["task"]["lu1"]) and (b["task"]["lu1"] != 0).sum() == 24   # all 24 touched
+
+
+@pytest.mark.integration
+def test_classification_trains_from_streamed_shards(shards, tmp_path):
+    import json
+    out = _train(tmp_path / "vit", "configs/tests/tiny.toml", shards, "data.hflip=true")
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"] == 6 and s["test_count"] == 8 and 0.0 <= s["test_accuracy"] <= 1.0
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A 3-class folder (8 train + 2 val images each) and a 24-pair CSV through `data prepare`."""
+    from vitscale.data.prepare import prepare
+    root = tmp_path_factory.mktemp("prep")
+    rows = ["filepath,title"]
+    for c in range(3):
+        for split, n in (("train", 8), ("val", 2)):
+            d = root / "folder" / split / f"class{c}"
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                (d / f"{i}.jpg").write_bytes(jpeg(100 * c + i))
+    for i in range(24):
+        (root / f"p{i}.jpg").write_bytes(jpeg(500 + i))
+        rows.append(f"p{i}.jpg,picture {i}")
+    (root / "pairs.csv").write_text("\n".join(rows) + "\n")
+    prepare(str(root / "folder"), str(root / "cls"), size=20, shard_size=6, workers=1, progress=False)
+    prepare(str(root / "pairs.csv"), str(root / "pairs"), size=20, shard_size=5, workers=1, val_fraction=0.25,
+            progress=False)
+    return root
+
+
+def test_prepared_shards_stream_and_seek(prepared):
+    """Prepared shards: index = int(KEY) (tokens match the captions the manifest's json holds),
+    the val split is the held-out set, and the seek reader gives the same indices."""
+    import json
+    import webdataset as wds
+    m = json.loads((prepared / "pairs" / "manifest.json").read_text())
+    caption = {}
+    for s in wds.WebDataset([str(prepared / "pairs" / f) for f in m["splits"]["train"]["shards"]], shardshuffle=False):
+        caption[int(s["__key__"])] = s["txt"].decode()
+    n = m["splits"]["train"]["samples"]
+    assert sorted(caption) == list(range(n))
+    for reader in ("stream", "seek"):
+        c = replace(DataConfig(), name="webdataset", reader=reader, root=str(prepared / "pairs"), image_size=16,
+                    batch_size=4, eval_batch_size=4, num_workers=0, on_device=False)
+        b = pairs(c)
+        assert (b.train_size, b.test_size) == (n, m["splits"]["val"]["samples"])
+        seen = []
+        for x, t, i in b.train.iterate(0):
+            assert torch.equal(t, tokenize([caption[k] for k in i.tolist()], L))
+            seen += i.tolist()
+        assert len(seen) == n // 4 * 4 and len(set(seen)) == len(seen)
+        assert sum(len(i) for _, _, i in b.test.iterate()) == b.test_size
+        b.close()
+    assert resolve_reader(replace(c, reader="auto"), pairs=True) == "seek"
+
+
+@pytest.mark.integration
+def test_classification_trains_from_prepared_shards(prepared, tmp_path):
+    import json
+    from vitscale.cli import main
+    from helpers import sets
+    out = tmp_path / "run"
+    assert main(["train", "configs/tests/tiny.toml", "--out", str(out), *sets([
+        "run.threads=1", "data.name=webdataset", f"data.root={prepared / 'cls'}", "data.image_size=16",
+        "data.batch_size=6", "data.num_workers=2", "model.patch_size=4", "data.on_device=false"])]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"] == 8 and s["test_count"] == 6 and 0.0 <= s["test_accuracy"] <= 1.0   # 24 / 6 x 2 epochs
