@@ -317,3 +317,17 @@ def test_two_ranks_stream_disjoint_shards_under_ddp(shards, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     s = torch.load(ckpt.list_checkpoints(tmp_path / "two")[-1], weights_only=False)
     assert s["step"] == 3 and (s["task"]["lu1"] != 0).sum() == 24
+
+
+def test_unreadable_compressed_member_is_skipped(tmp_path, caplog):
+    root = write_shards(tmp_path / "z", n_shards=2, per=4)
+    with tarfile.open(root / "00002.tar", "w") as tf:                 # one more shard: 4 samples, 1 bad .gz
+        for k in range(50, 54):
+            add(tf, f"s{k:04d}.jpg", jpeg(k))
+            add(tf, f"s{k:04d}.txt.gz", b"not gzip" if k == 51 else gzip.compress(f"sample {k}".encode()))
+    write_shards(tmp_path / "t", n_shards=1, per=2, start=900)
+    b = pairs(cfg(root, tmp_path / "t", num_workers=0, shuffle_buffer=0, batch_size=11))
+    assert b.train_size == 11                                         # counted without the bad one
+    with caplog.at_level(logging.WARNING, logger="vitscale.data"):
+        n = sum(len(i) for _, _, i in b.train.iterate(0))
+    assert n == 11 and any("unreadable member .txt.gz" in r.getMessage() for r in caplog.records)

@@ -44,6 +44,7 @@ import logging
 import os
 import random
 import re
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +52,6 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from ..strategy.devices import pin_batches
 from .fetch import data_home
 from .sampler import derive_seed, generator, shard_range
 
@@ -114,7 +114,10 @@ def complete(sample: dict, want: str):
     """-> (image bytes, the wanted field's text) or the name of what is missing.
     Members KEY.ext.gz are gunzipped (compressed members)."""
     for k in [k for k in sample if isinstance(k, str) and k.endswith(".gz")]:
-        sample[k[:-3]] = gzip.decompress(sample.pop(k))
+        try:
+            sample[k[:-3]] = gzip.decompress(sample.pop(k))
+        except (OSError, EOFError, zlib.error) as e:
+            return f"unreadable member .{k} ({type(e).__name__}: {e})"
     img = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
     if img is None:
         return "no image (.jpg/.jpeg/.png/.webp)"

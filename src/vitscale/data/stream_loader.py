@@ -65,12 +65,9 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
         self.epoch, self.start = 0, 0
 
     def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        workers = info.num_workers if info else 1
-        w = info.id if info else 0
-        plan, V, bl = self.plan, self.plan.streams, self.plan.hi - self.plan.lo
-        for v in range(V) if workers == 1 and V > 1 else [(self.start + w) % V]:
-            yield from self._stream(v, bl, V)
+        info = torch.utils.data.get_worker_info()          # the loader starts one worker per stream
+        V = self.plan.streams
+        yield from self._stream((self.start + (info.id if info else 0)) % V, self.plan.hi - self.plan.lo, V)
 
     def _stream(self, v: int, bl: int, V: int):
         plan, epoch = self.plan, self.epoch
