@@ -1,25 +1,24 @@
 """ImageNet-style folders: root/train/<class>/*.jpg and root/{val,validation,test}/<class>/...
 
-Decoding and the per-image crop run in DataLoader worker processes with PIL; each image's
-random crop comes from a seed derived from (seed, epoch, position in the epoch), so batches do
-not depend on the number of workers. Unreadable images are dropped by the collate function and
-counted in `loader.skipped`; normalization and mixing happen on the device.
+Decoding and the per-image crop run in DataLoader worker processes (jpeg.py, data.decoder: Pillow,
+or simplejpeg, which decodes a JPEG at the DCT scale its crop needs); each image's random crop comes
+from a seed derived from (seed, epoch, position in the epoch), so batches do not depend on the
+number of workers. Unreadable images are dropped by the collate function and counted in
+`loader.skipped`; normalization and mixing happen on the device.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
-import random
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from ..errors import DataError
 from ..strategy.devices import pin_batches
+from .jpeg import CROP_FRACTION, RATIO, SCALE, decode, eval_box, resolve_decoder, rrc_box, to_rgb  # noqa: F401
 from .loaders import DataBundle
 from .sampler import EpochPlan, derive_seed, generator, shard_range
 from .transforms import NORMALIZATIONS, BatchAugment, normalization
@@ -28,7 +27,6 @@ log = logging.getLogger("vitscale.data")
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 EVAL_SPLITS = ("val", "validation", "test")
 MEAN, STD = NORMALIZATIONS["imagenet"]
-SCALE, RATIO, CROP_FRACTION = (0.35, 1.0), (3 / 4, 4 / 3), 0.875
 
 
 def _images_in(folder: Path) -> list[str]:
@@ -78,59 +76,12 @@ def scan(root: Path):
     return classes, out[0], out[1]
 
 
-def to_rgb(img: Image.Image) -> Image.Image:
-    """Any PIL mode -> RGB; 16/32-bit greyscale scaled to 8 bit (65535 -> 255)."""
-    if img.mode == "RGB":
-        return img
-    if img.mode.startswith("I") or img.mode == "F":
-        a = np.asarray(img).astype(np.float64)
-        a = a / 257.0 if img.mode != "F" else a * (255.0 if a.max() <= 1.0 else 1.0)
-        return Image.fromarray(np.clip(np.round(a), 0, 255).astype(np.uint8), "L").convert("RGB")
-    if img.mode == "P":
-        img = img.convert("RGBA")         # applies palette transparency without a warning
-    return img.convert("RGB")
-
-
-def rrc_box(w: int, h: int, rng: random.Random):
-    """Random-resized-crop box (left, top, right, bottom), torchvision's algorithm."""
-    area, (lo, hi) = w * h, (math.log(RATIO[0]), math.log(RATIO[1]))
-    for _ in range(10):
-        target, ar = area * rng.uniform(*SCALE), math.exp(rng.uniform(lo, hi))
-        cw, ch = round(math.sqrt(target * ar)), round(math.sqrt(target / ar))
-        if 0 < cw <= w and 0 < ch <= h:
-            x0, y0 = rng.randint(0, w - cw), rng.randint(0, h - ch)
-            return x0, y0, x0 + cw, y0 + ch
-    ratio = min(max(w / h, RATIO[0]), RATIO[1])               # fallback: central crop
-    cw, ch = (w, round(w / ratio)) if w / h < ratio else (round(h * ratio), h)
-    return (w - cw) // 2, (h - ch) // 2, (w - cw) // 2 + cw, (h - ch) // 2 + ch
-
-
-def decode(path: str, size: int, sample_seed: int, hflip: bool) -> torch.Tensor:
-    """One image -> uint8 [3,size,size]; sample_seed < 0 means the eval transform."""
-    train = sample_seed >= 0
-    with Image.open(path) as img:
-        if img.format == "JPEG":          # decode at reduced scale when the image is large
-            img.draft("RGB", (2 * size, 2 * size) if train else (round(size / CROP_FRACTION),) * 2)
-        img = to_rgb(img)
-        img.load()
-    w, h = img.size
-    if train:
-        rng = random.Random(sample_seed)
-        img = img.resize((size, size), Image.BILINEAR, box=rrc_box(w, h, rng))
-        if hflip and rng.random() < 0.5:
-            img = img.transpose(Image.FLIP_LEFT_RIGHT)
-    else:                                 # shorter side -> size/0.875, then the central size^2
-        side = size * min(w, h) / round(size / CROP_FRACTION)
-        box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
-        img = img.resize((size, size), Image.BILINEAR, box=box)
-    return torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
-
-
 class FolderDataset(torch.utils.data.Dataset):
     """Keys are (file index, sample seed); items are (image or None, label, path, error)."""
 
-    def __init__(self, paths: np.ndarray, labels: np.ndarray, size: int, hflip: bool):
+    def __init__(self, paths: np.ndarray, labels: np.ndarray, size: int, hflip: bool, decoder: str = "auto"):
         self.paths, self.labels, self.size, self.hflip = paths, labels, size, hflip
+        self.decoder = resolve_decoder(decoder)
 
     def __len__(self):
         return len(self.paths)
@@ -139,7 +90,8 @@ class FolderDataset(torch.utils.data.Dataset):
         i, sample_seed = key
         path = str(self.paths[i])
         try:
-            return decode(path, self.size, sample_seed, self.hflip), int(self.labels[i]), path, ""
+            return (decode(path, self.size, sample_seed, self.hflip, self.decoder), int(self.labels[i]),
+                    path, "")
         except Exception as e:  # unreadable, truncated, not an image, decompression bomb ...
             return None, int(self.labels[i]), path, f"{type(e).__name__}: {e}"
 
@@ -283,9 +235,10 @@ def build(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> Data
                      rank=rank, world_size=world_size)
     mean, std = normalization(cfg.normalize, MEAN, STD)  # "dataset": ImageNet's, as before
     augment = BatchAugment(cfg, mean=mean, std=std, num_classes=len(classes), crop_flip=False)
-    train = FolderTrainLoader(FolderDataset(train_p, train_y, size, cfg.hflip), plan, augment, cfg,
+    decoder = resolve_decoder(cfg.decoder)
+    train = FolderTrainLoader(FolderDataset(train_p, train_y, size, cfg.hflip, decoder), plan, augment, cfg,
                               seed=seed, device=device)
-    test = FolderEvalLoader(FolderDataset(eval_p, eval_y, size, False), cfg, augment.norm,
+    test = FolderEvalLoader(FolderDataset(eval_p, eval_y, size, False, decoder), cfg, augment.norm,
                             device=device, rank=rank, world_size=world_size)
     return DataBundle(train=train, test=test, num_classes=len(classes), channels=3, image_size=size,
                       class_names=classes, train_size=len(train_p), test_size=len(eval_p),
