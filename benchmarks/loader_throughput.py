@@ -271,28 +271,28 @@ def main() -> int:
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="vitscale-loader-")
     base = Path(args.dir or tmp.name)
     src, shards = base / "folder", base / f"shards-{args.prepared_size}-q{args.prepared_quality}"
-    t0 = time.perf_counter()
-    if not (src / "train").is_dir():
+    t0, made = time.perf_counter(), not (src / "train").is_dir()
+    if made:
         write_folder(src, args.images)
-    t_gen = time.perf_counter() - t0
+    t_gen = f"written in {time.perf_counter() - t0:.0f}s" if made else f"reused from {src}"
     n, kb, mw, mh = folder_stats(src)
-    t0 = time.perf_counter()
+    t0, made = time.perf_counter(), not (shards / "manifest.json").is_file()
     why_not = prepare(src, shards, args.prepared_size, args.prepared_quality, args.shard_size)
-    t_prep = time.perf_counter() - t0
+    t_prep = f"{time.perf_counter() - t0:.0f}s" if made else f"reused from {shards}"
     load = os.getloadavg()
     print(f"# Decoding images/s per core; cores per {args.gpu}\n\n"
           f"command: `python {' '.join(sys.argv)}`  \n"
           f"machine: {machine_line(torch.device('cpu'))}; {os.cpu_count()} CPUs; load average "
           f"{load[0]:.1f} at the start (a shared machine)  \n"
           f"date: {datetime.datetime.now().astimezone().isoformat(timespec='minutes')}\n\n"
-          f"Files: {n} train JPEGs, mean {mw:.0f}x{mh:.0f} px, mean {kb:.1f} kB (written in {t_gen:.0f}s); "
+          f"Files: {n} train JPEGs, mean {mw:.0f}x{mh:.0f} px, mean {kb:.1f} kB ({t_gen}); "
           f"simplejpeg decodes the crops at DCT scale {dct_scales(src, args.size)}.")
     if why_not:
         print(f"Pre-resized shards: NOT MEASURED: {why_not}")
     else:
         sn, skb, sw, sh = shard_stats(shards)
         print(f"Pre-resized shards: `vitscale data prepare --size {args.prepared_size} --quality "
-              f"{args.prepared_quality} --shard-size {args.shard_size} --workers 1` ({t_prep:.0f}s): {sn} train "
+              f"{args.prepared_quality} --shard-size {args.shard_size} --workers 1` ({t_prep}): {sn} train "
               f"JPEGs, mean {sw:.0f}x{sh:.0f} px, mean {skb:.1f} kB.")
     print(f"\nPer core: one decoding process (data.num_workers=0, torch.set_num_threads(1)); one pass over the "
           f"train split per round (decode + random-resized crop to {args.size} + flip + collate, batch {args.batch}); "
