@@ -107,8 +107,7 @@ def test_index_equals_seek_reader(shards, tmp_path):
     caps = seek.train.dataset.rec.captions
     for x, t, i in stream.train.iterate(0):
         assert torch.equal(t, tokenize([str(caps[k]) for k in i.tolist()], L))
-    assert resolve_reader(replace(c, reader="auto"), pairs=True) == "seek"     # local .tar: exact epochs
-    assert resolve_reader(replace(c, reader="auto"), pairs=False) == "stream"
+    assert resolve_reader(replace(c, reader="auto")) == "seek"     # local .tar: exact epochs
 
 
 def test_two_ranks_disjoint_equal_steps(shards):
@@ -149,7 +148,7 @@ def test_pipe_gz_and_compressed_members(shards, tmp_path):
     zipped = epoch(pairs(replace(base, root=str(gz))).train, 0)
     for a, b, z in zip(plain, piped, zipped, strict=True):
         assert all(torch.equal(u, v) and torch.equal(u, w) for u, v, w in zip(a, b, z))
-    assert resolve_reader(replace(base, reader="auto", root=str(gz)), pairs=True) == "stream"
+    assert resolve_reader(replace(base, reader="auto", root=str(gz))) == "stream"
     assert is_remote("pipe:cat x") and is_remote("s3://b/k.tar") and is_remote("https://h/a.tar")
     assert not is_remote("/data/{0..3}.tar") and open_url("s3://b/0.tar") == "pipe:aws s3 cp s3://b/0.tar -"
 
@@ -163,8 +162,10 @@ def test_classification_from_streamed_shards(shards):
     x, y = next(iter(d.test.iterate()))
     assert x.shape[1:] == (3, 16, 16) and y.dtype == torch.int64
     d.close()
-    with pytest.raises(DataError, match="labelled shards stream"):
-        build_data(replace(c, reader="seek"), device="cpu", seed=0)
+    seek = build_data(replace(c, reader="seek"), device="cpu", seed=0)       # the same set, read by seeking
+    assert (seek.num_classes, seek.train_size, seek.test_size) == (3, 24, 8)
+    assert sorted(torch.cat([y for _, y in seek.train.iterate(0)]).tolist()) == sorted(ys.tolist())
+    assert sorted(torch.cat([y for _, y in seek.test.iterate()]).tolist()) == sorted(k % 3 for k in range(100, 108))
 
 
 def test_bad_input_skipped_and_counted(tmp_path, caplog):
@@ -287,7 +288,7 @@ def test_prepared_shards_stream_and_seek(prepared):
         assert len(seen) == n // 4 * 4 and len(set(seen)) == len(seen)
         assert sum(len(i) for _, _, i in b.test.iterate()) == b.test_size
         b.close()
-    assert resolve_reader(replace(c, reader="auto"), pairs=True) == "seek"
+    assert resolve_reader(replace(c, reader="auto")) == "seek"
 
 
 @pytest.mark.integration

@@ -31,13 +31,13 @@ def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) ->
     if cfg.name == "folder":
         from . import folder
         return folder.build(cfg, device=device, seed=seed, rank=rank, world_size=world_size)
-    if cfg.name == "webdataset":                  # labelled shards (KEY.cls), streamed
+    if cfg.name == "webdataset":                  # labelled shards (KEY.cls)
         from .stream import resolve_reader
-        from .stream_loader import classification_bundle
-        if resolve_reader(cfg, pairs=False) != "stream":
-            raise DataError("data.reader=seek reads image-text shards only: labelled shards stream "
-                            "(data.reader=stream or auto)")
-        return classification_bundle(cfg, device=device, seed=seed, rank=rank, world_size=world_size)
+        if resolve_reader(cfg) == "stream":
+            from .stream_loader import classification_bundle
+            return classification_bundle(cfg, device=device, seed=seed, rank=rank, world_size=world_size)
+        from .pair_files import labelled_bundle
+        return labelled_bundle(cfg, device=device, seed=seed, rank=rank, world_size=world_size)
     from .loaders import tensor_bundle
     if cfg.name == "fashion_mnist":
         from . import fashion_mnist

@@ -86,14 +86,20 @@ class FolderDataset(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.paths)
 
+    def source(self, i: int):
+        """(what decode reads: a path or bytes, the name that warnings give)"""
+        path = str(self.paths[i])
+        return path, path
+
     def __getitem__(self, key):
         i, sample_seed = key
-        path = str(self.paths[i])
+        name = str(self.paths[i])
         try:
-            return (decode(path, self.size, sample_seed, self.hflip, self.decoder), int(self.labels[i]),
-                    path, "")
+            src, name = self.source(i)
+            return (decode(src, self.size, sample_seed, self.hflip, self.decoder), int(self.labels[i]),
+                    name, "")
         except Exception as e:  # unreadable, truncated, not an image, decompression bomb ...
-            return None, int(self.labels[i]), path, f"{type(e).__name__}: {e}"
+            return None, int(self.labels[i]), name, f"{type(e).__name__}: {e}"
 
 
 def collate(items, size: int):

@@ -37,7 +37,7 @@ import torch
 
 from ..errors import DataError
 from .fetch import data_home
-from .folder import FolderEvalLoader, FolderTrainLoader, decode
+from .folder import FolderDataset, FolderEvalLoader, FolderTrainLoader, decode
 from .sampler import EpochPlan, generator
 from .transforms import NORMALIZATIONS, BatchAugment
 
@@ -134,8 +134,9 @@ def shard_list(root: str, split: str = "train") -> list[str]:
     return shards
 
 
-def scan_shard(path: str) -> dict:
-    """{keys, exts, offsets, sizes, captions, incomplete}: one pass over the tar's headers."""
+def scan_shard(path: str, want: str = "txt") -> dict:
+    """{keys, offsets, sizes, captions, incomplete}: one pass over the tar's headers; captions = the
+    text of each sample's KEY.<want> member (txt: the caption, cls: the label)."""
     samples: dict = {}
     try:
         with tarfile.open(path, "r:") as tf:
@@ -150,34 +151,35 @@ def scan_shard(path: str) -> dict:
                 ext = ext.lower()
                 if ext in IMAGE_EXTS and "img" not in s:
                     s["img"] = (m.offset_data, m.size)
-                elif ext == "txt":
-                    s["txt"] = tf.extractfile(m).read().decode("utf-8", "replace").strip()
+                elif ext == want:
+                    s[want] = tf.extractfile(m).read().decode("utf-8", "replace").strip()
     except (tarfile.TarError, OSError) as e:
         raise DataError(f"webdataset: cannot read shard {path} ({type(e).__name__}: {e}); shards "
                         f"must be uncompressed .tar") from None
     out = {"keys": [], "offsets": [], "sizes": [], "captions": [], "incomplete": 0}
     for key, s in samples.items():
-        if "img" not in s or "txt" not in s:
+        if "img" not in s or not s.get(want):
             out["incomplete"] += 1
             continue
         out["keys"].append(key)
         out["offsets"].append(s["img"][0])
         out["sizes"].append(s["img"][1])
-        out["captions"].append(s["txt"])
+        out["captions"].append(s[want])
     return out
 
 
-def shard_index(path: str) -> dict:
-    """scan_shard, cached on disk (keyed by absolute path, size and mtime)."""
+def shard_index(path: str, want: str = "txt") -> dict:
+    """scan_shard, cached on disk (keyed by absolute path, size, mtime and the member read)."""
     st = os.stat(path)
-    tag = hashlib.blake2b(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode(),
+    suffix = "" if want == "txt" else f"|{want}"
+    tag = hashlib.blake2b(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}{suffix}".encode(),
                           digest_size=12).hexdigest()
     cache = data_home() / "webdataset-index" / f"{tag}.json"
     try:
         return json.loads(cache.read_text())
     except (OSError, ValueError):
         pass
-    idx = scan_shard(path)
+    idx = scan_shard(path, want)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".{os.getpid()}.tmp")
@@ -188,10 +190,10 @@ def shard_index(path: str) -> dict:
     return idx
 
 
-def read_shards(root: str, split: str = "train") -> Records:
+def read_shards(root: str, split: str = "train", want: str = "txt") -> Records:
     caps, keys, paths, offs, sizes, incomplete = [], [], [], [], [], 0
     for shard in shard_list(root, split):
-        idx = shard_index(shard)
+        idx = shard_index(shard, want)
         n = len(idx["keys"])
         caps += idx["captions"]
         keys += idx["keys"]
@@ -200,15 +202,75 @@ def read_shards(root: str, split: str = "train") -> Records:
         sizes += idx["sizes"]
         incomplete += idx["incomplete"]
     if incomplete:
-        log.warning("webdataset %s: skipped %d sample(s) without an image or a .txt caption",
-                    root, incomplete)
+        log.warning("webdataset %s: skipped %d sample(s) without an image or a .%s %s",
+                    root, incomplete, want, "caption" if want == "txt" else "label")
     if not keys:
-        raise DataError(f"webdataset: no samples (KEY.jpg + KEY.txt) in {root}")
+        raise DataError(f"webdataset: no samples (KEY.jpg + KEY.{want}) in {root}")
     return Records(np.array(caps), np.array(keys), np.array(paths),
                    np.array(offs, dtype=np.int64), np.array(sizes, dtype=np.int64))
 
 
 # ---------------------------------------------------------------- decoding in workers
+def read_member(rec: Records, i: int):
+    """(what decode reads, the sample's name): the file, or the image's bytes inside its shard."""
+    path = str(rec.paths[i])
+    if rec.offset is None:
+        return path, path
+    with open(path, "rb") as f:
+        f.seek(int(rec.offset[i]))
+        data = f.read(int(rec.size[i]))
+    return data, f"{path}:{rec.keys[i]}"
+
+
+class ShardImages(FolderDataset):
+    """Labelled samples (KEY.jpg + KEY.cls) in local tar shards, read by seeking; items as
+    FolderDataset's (image, label, name, error)."""
+
+    def __init__(self, rec: Records, size: int, hflip: bool, decoder: str):
+        from .stream import label_of
+        labels = [label_of(t, str(p), str(k)) for t, p, k in zip(rec.captions.tolist(), rec.paths, rec.keys)]
+        super().__init__(rec.paths, np.array(labels, dtype=np.int64), size, hflip, decoder)
+        self.rec = rec
+
+    def source(self, i: int):
+        return read_member(self.rec, i)
+
+
+def splits(cfg, read):
+    """(train, held-out) records: data.test_root, a prepared folder's val split, or by key."""
+    from .stream import read_manifest
+    rec = read(cfg.root)
+    if cfg.test_root:
+        return rec, read(cfg.test_root)
+    if cfg.name == "webdataset" and read_manifest(cfg.root):
+        return rec, read(cfg.root, "val")
+    return rec.split(cfg.test_fraction)
+
+
+def labelled_bundle(cfg, *, device, seed: int, rank: int, world_size: int):
+    """Labelled local shards read by seeking (exact epochs): a DataBundle like folder data's."""
+    from .folder import MEAN, STD
+    from .jpeg import resolve_decoder
+    from .loaders import DataBundle
+    from .stream import read_manifest
+    from .transforms import normalization
+    train, test = splits(cfg, lambda root, split="train": read_shards(root, split, "cls"))
+    size, decoder = cfg.image_size or 224, resolve_decoder(cfg.decoder)
+    train_ds, test_ds = ShardImages(train, size, cfg.hflip, decoder), ShardImages(test, size, False, decoder)
+    m = read_manifest(cfg.root)
+    classes = list(m.get("classes", [])) if m else []
+    num_classes = len(classes) or int(max(train_ds.labels.max(), test_ds.labels.max(initial=0))) + 1
+    plan = EpochPlan(len(train), cfg.batch_size, seed=seed, drop_last=cfg.drop_last, rank=rank,
+                     world_size=world_size)
+    mean, std = normalization(cfg.normalize, MEAN, STD)
+    augment = BatchAugment(cfg, mean=mean, std=std, num_classes=num_classes, crop_flip=False)
+    return DataBundle(
+        train=FolderTrainLoader(train_ds, plan, augment, cfg, seed=seed, device=device),
+        test=FolderEvalLoader(test_ds, cfg, augment.norm, device=device, rank=rank, world_size=world_size),
+        num_classes=num_classes, channels=3, image_size=size, class_names=classes or [str(i) for i in range(num_classes)],
+        train_size=len(train), test_size=len(test), mean=mean, std=std)
+
+
 class PairDataset(torch.utils.data.Dataset):
     """Keys (index, sample seed) -> (image uint8 [3,S,S] or None, tokens [L], index, source, error)."""
 
@@ -220,13 +282,7 @@ class PairDataset(torch.utils.data.Dataset):
         return len(self.rec)
 
     def _source(self, i: int):
-        path = str(self.rec.paths[i])
-        if self.rec.offset is None:
-            return path, path
-        with open(path, "rb") as f:
-            f.seek(int(self.rec.offset[i]))
-            data = f.read(int(self.rec.size[i]))
-        return io.BytesIO(data), f"{path}:{self.rec.keys[i]}"
+        return read_member(self.rec, i)
 
     def __getitem__(self, key):
         from .tokenizer import get_tokenizer
@@ -311,24 +367,18 @@ class FolderPairs:
 def build(cfg, *, device, seed: int, rank: int, world_size: int, context_length: int):
     from .image_text import ImageTextBundle
     from .jpeg import resolve_decoder
-    from .stream import read_manifest, resolve_reader
+    from .stream import resolve_reader
     if cfg.name == "csv":
         if not cfg.root:
             raise DataError("data.root must name the csv/tsv file for data.name = 'csv'")
         read = lambda p: read_csv(p, cfg.csv_image_key, cfg.csv_caption_key)  # noqa: E731
-    elif resolve_reader(cfg, pairs=True) == "stream":
+    elif resolve_reader(cfg) == "stream":
         from .stream_loader import pairs_bundle
         return pairs_bundle(cfg, device=device, seed=seed, rank=rank, world_size=world_size,
                             context_length=context_length)
     else:
         read = read_shards
-    rec = read(cfg.root)
-    if cfg.test_root:
-        train, test = rec, read(cfg.test_root)
-    elif cfg.name == "webdataset" and read_manifest(cfg.root):   # prepared shards: their val split
-        train, test = rec, read_shards(cfg.root, "val")
-    else:
-        train, test = rec.split(cfg.test_fraction)
+    train, test = splits(cfg, read)
     if not len(train):
         raise DataError(f"{cfg.name} dataset {cfg.root}: every sample fell in the held-out split")
     size = cfg.image_size or 224

@@ -341,12 +341,10 @@ def stream_samples(plan: StreamPlan, epoch: int, v: int, buffer: int, errors: Sh
                             f"(e.g. {set_.urls[shards[0]]}: {errors.events[-1][2] if errors.events else 'empty'})")
 
 
-def resolve_reader(cfg, pairs: bool) -> str:
-    """data.reader: auto = seek for image-text pairs in local uncompressed .tar files, else stream."""
+def resolve_reader(cfg) -> str:
+    """data.reader: auto = seek for local uncompressed .tar files, else stream."""
     if cfg.reader != "auto":
         return cfg.reader
-    if not pairs:
-        return "stream"
     urls = []
     for root in filter(None, (cfg.root, cfg.test_root)):
         if is_remote(root):
