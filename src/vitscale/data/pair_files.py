@@ -22,7 +22,6 @@ from __future__ import annotations
 import csv
 import glob
 import hashlib
-import io
 import json
 import logging
 import os
