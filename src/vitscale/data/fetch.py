@@ -55,6 +55,33 @@ def data_home() -> Path:
     return Path(os.environ.get("VITSCALE_DATA") or "~/.cache/vitscale/data").expanduser()
 
 
+def file_tag(path: str) -> str:
+    """What identifies a local file's content for a cache: absolute path, size, modification time."""
+    st = os.stat(path)
+    return f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def cached_json(kind: str, tag: str, compute):
+    """compute(), kept as JSON under data_home()/kind/, keyed by a hash of `tag` (written atomically;
+    a cache that cannot be written costs a warning, not the run)."""
+    import json
+    import logging
+    cache = data_home() / kind / f"{hashlib.blake2b(tag.encode(), digest_size=12).hexdigest()}.json"
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):
+        pass
+    value = compute()
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, cache)
+    except OSError as e:
+        logging.getLogger("vitscale.data").warning("could not cache %s in %s (%s)", kind, cache, e)
+    return value
+
+
 def default_root(name: str) -> Path:
     """Where a dataset is looked for when `data.root` is empty."""
     key = canonical(name)

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import csv
 import glob
-import hashlib
-import json
 import logging
 import os
 import re
@@ -35,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .fetch import data_home
+from .fetch import cached_json, file_tag
 from .folder import FolderDataset, FolderEvalLoader, FolderTrainLoader, decode
 from .sampler import EpochPlan, generator
 from .transforms import NORMALIZATIONS, BatchAugment
@@ -169,24 +167,8 @@ def scan_shard(path: str, want: str = "txt") -> dict:
 
 def shard_index(path: str, want: str = "txt") -> dict:
     """scan_shard, cached on disk (keyed by absolute path, size, mtime and the member read)."""
-    st = os.stat(path)
     suffix = "" if want == "txt" else f"|{want}"
-    tag = hashlib.blake2b(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}{suffix}".encode(),
-                          digest_size=12).hexdigest()
-    cache = data_home() / "webdataset-index" / f"{tag}.json"
-    try:
-        return json.loads(cache.read_text())
-    except (OSError, ValueError):
-        pass
-    idx = scan_shard(path, want)
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(idx))
-        os.replace(tmp, cache)
-    except OSError as e:
-        log.warning("webdataset: could not cache the index of %s (%s)", path, e)
-    return idx
+    return cached_json("webdataset-index", file_tag(path) + suffix, lambda: scan_shard(path, want))
 
 
 def read_shards(root: str, split: str = "train", want: str = "txt") -> Records:

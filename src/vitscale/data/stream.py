@@ -38,7 +38,6 @@ one-line error.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import logging
 import os
@@ -52,7 +51,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .fetch import data_home
+from .fetch import cached_json, file_tag
 from .sampler import derive_seed, generator, shard_range
 
 log = logging.getLogger("vitscale.data")
@@ -179,29 +178,10 @@ def label_of(text: str, url: str, key: str) -> int:
 
 
 def count_samples(urls: list[str], want: str, fraction: float, test: bool | None) -> list[dict]:
-    """Per shard: {count, incomplete, max_label}; cached by (url, size, mtime) for local files."""
-    out = []
-    for url in urls:
-        tag = f"{url}|{want}|{fraction}|{test}"
-        if not is_remote(url):
-            st = os.stat(url)
-            tag += f"|{os.path.abspath(url)}|{st.st_size}|{st.st_mtime_ns}"
-        cache = data_home() / "webdataset-counts" / (hashlib.blake2b(tag.encode(), digest_size=12).hexdigest() + ".json")
-        try:
-            out.append(json.loads(cache.read_text()))
-            continue
-        except (OSError, ValueError):
-            pass
-        c = _count_one(url, want, fraction, test)
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(c))
-            os.replace(tmp, cache)
-        except OSError as e:
-            log.warning("webdataset: could not cache the sample count of %s (%s)", url, e)
-        out.append(c)
-    return out
+    """Per shard: {count, incomplete, max_label, error}; cached (local files by path, size, mtime)."""
+    return [cached_json("webdataset-counts", f"{url}|{want}|{fraction}|{test}" + ("" if is_remote(url) else
+                        "|" + file_tag(url)), lambda url=url: _count_one(url, want, fraction, test))
+            for url in urls]
 
 
 @dataclass
