@@ -141,7 +141,7 @@ class _StreamLoader:
                                              pin_memory=self.pin)
         self._it = iter(loader)
         for b, item in enumerate(self._it, start):
-            if item[0] == "error":
+            if isinstance(item[0], str):                  # ("error", message) from a worker
                 raise DataError(item[1])
             *tensors, keep, failures, events = item
             for what, name, err in [("sample", *f) for f in failures] + events:
