@@ -255,3 +255,20 @@ def test_parser_keeps_download():
     a = p.parse_args(["data", "prepare", "SRC", "--out", "D"])
     assert (a.src, a.out, a.size, a.quality, a.shard_size, a.workers, a.seed, a.image_key, a.caption_key,
             a.val_fraction) == ("SRC", "D", 256, 90, 1000, None, 0, "filepath", "title", 0.1)
+
+
+def test_large_images_without_warnings(tmp_path, monkeypatch):
+    """An image over PIL's pixel limit (but under twice it) is prepared without PIL's multi-line
+    warning; one over twice the limit is a decompression bomb: skipped and counted."""
+    import warnings
+    root = tmp_path / "big"
+    for split in ("train", "val"):
+        (root / split / "a").mkdir(parents=True)
+        noise(40, 40, 4).save(root / split / "a" / "ok.png")
+    noise(40, 40, 5).save(root / "train" / "a" / "large.png")       # 1600 px: over 1000, under 2000
+    noise(50, 50, 6).save(root / "train" / "a" / "bomb.png")        # 2500 px: over 2000
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        r = run(root, tmp_path / "out")
+    assert r.manifest["splits"]["train"]["samples"] == 2 and r.manifest["skipped"]["unreadable"] == 1

@@ -43,6 +43,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -59,10 +60,19 @@ TAR_MTIME = 0              # fixed tar metadata: shard bytes do not depend on wh
 
 
 # ---------------------------------------------------------------- image work (in the workers)
+def _open(path: str):
+    """Image.open without PIL's multi-line DecompressionBombWarning: images between its limit and
+    twice it (real ones: OpenClipArt has 13000 x 13000 drawings) are decoded; larger ones raise
+    DecompressionBombError and are skipped and counted like any unreadable image."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        return Image.open(path)
+
+
 def encode(path: str, size: int, quality: int) -> bytes:
     """An image file -> JPEG bytes: RGB, shorter side `size` when larger (never upscaled)."""
     from .folder import to_rgb
-    with Image.open(path) as img:
+    with _open(path) as img:
         if img.format == "JPEG":             # decode at the smallest DCT scale still >= size
             img.draft("RGB", (size, size))
         img = to_rgb(img)
@@ -80,7 +90,7 @@ def readable(path: str) -> str:
     """'' when the image decodes (JPEG at 1/8 scale, enough to read every coefficient), else why not."""
     from .folder import to_rgb
     try:
-        with Image.open(path) as img:
+        with _open(path) as img:
             if img.format == "JPEG":
                 img.draft("RGB", (1, 1))
             to_rgb(img).load()
