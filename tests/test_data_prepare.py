@@ -272,3 +272,18 @@ def test_large_images_without_warnings(tmp_path, monkeypatch):
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         r = run(root, tmp_path / "out")
     assert r.manifest["splits"]["train"]["samples"] == 2 and r.manifest["skipped"]["unreadable"] == 1
+
+
+def test_transparency_over_white(tmp_path):
+    """A transparent PNG (clip art) becomes a white-backed JPEG, not a black-backed one."""
+    root = tmp_path / "alpha"
+    for split in ("train", "val"):
+        (root / split / "a").mkdir(parents=True)
+        a = np.zeros((20, 20, 4), np.uint8)                 # transparent black everywhere ...
+        a[5:15, 5:15] = (200, 0, 0, 255)                    # ... but an opaque red square
+        Image.fromarray(a, "RGBA").save(root / split / "a" / "x.png")
+        Image.fromarray(a[..., :3]).convert("P").save(root / split / "a" / "p.png", transparency=0)
+    run(root, tmp_path / "out", size=20)
+    for _, s in samples(tmp_path / "out", "train"):
+        px = np.asarray(Image.open(io.BytesIO(s["jpg"])).convert("RGB")).astype(int)
+        assert (px[0, 0] > 240).all() and px[10, 10, 0] > 150 and px[10, 10, 1] < 60, s["json"]

@@ -7,7 +7,7 @@ Output (DIR = --out; read by the streaming loader, the format is fixed):
     DIR/prepare.json         the arguments, a fingerprint of the source list and the check results
     DIR/{train,val}-NNNNNN.tar
         KEY.jpg   RGB JPEG at `quality`, shorter side resized to `size` (LANCZOS) when larger,
-                  never upscaled, aspect kept
+                  never upscaled, aspect kept; transparent images composited over white
         KEY.cls   the label as decimal ASCII (classification) | KEY.txt  the caption, UTF-8 (pairs)
         KEY.json  {"index": i, "source": path as in the folder (relative to SRC) / the CSV,
                    "label": int | "caption": str}
@@ -69,13 +69,24 @@ def _open(path: str):
         return Image.open(path)
 
 
-def encode(path: str, size: int, quality: int) -> bytes:
-    """An image file -> JPEG bytes: RGB, shorter side `size` when larger (never upscaled)."""
+def flatten(img: Image.Image) -> Image.Image:
+    """-> RGB; transparent images (RGBA, LA, PA, P or L with a transparent colour) over white, as
+    img2dataset does: a JPEG has no alpha, and dropping it leaves whatever colour the transparent
+    pixels hold (black, for most of OpenClipArt's drawings)."""
     from .folder import to_rgb
+    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return to_rgb(img)
+
+
+def encode(path: str, size: int, quality: int) -> bytes:
+    """An image file -> JPEG bytes: RGB (transparency over white), shorter side `size` when larger
+    (never upscaled)."""
     with _open(path) as img:
         if img.format == "JPEG":             # decode at the smallest DCT scale still >= size
             img.draft("RGB", (size, size))
-        img = to_rgb(img)
+        img = flatten(img)
         img.load()
     w, h = img.size
     if min(w, h) > size:
