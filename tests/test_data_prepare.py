@@ -15,6 +15,7 @@ from PIL import Image
 from helpers import make_tree
 from vitscale.cli import _parser, main
 from vitscale.data import prepare as prep
+from vitscale.data import shard_writer
 from vitscale.data.folder import scan
 from vitscale.data.pair_files import held_out, read_csv
 from vitscale.errors import DataError
@@ -200,18 +201,18 @@ def test_resume_rewrites_only_missing_shards(tree, folder_out, tmp_path):
 
 def test_interrupt_leaves_no_half_shard(tree, folder_out, tmp_path, monkeypatch):
     ref, _ = folder_out
-    out, real, calls = tmp_path / "i", prep.encode, []
+    out, real, calls = tmp_path / "i", shard_writer.encode, []
 
     def encode(*a):
         calls.append(1)
         if len(calls) == 6:                                                     # inside the 2nd shard
             raise KeyboardInterrupt
         return real(*a)
-    monkeypatch.setattr(prep, "encode", encode)
+    monkeypatch.setattr(shard_writer, "encode", encode)
     with pytest.raises(KeyboardInterrupt):
         run(tree, out)
     assert sorted(p.name for p in out.iterdir()) == ["prepare.json", "train-000000.tar"]
-    monkeypatch.setattr(prep, "encode", real)
+    monkeypatch.setattr(shard_writer, "encode", real)
     assert run(tree, out).reused == 1
     assert shard_bytes(out) == shard_bytes(ref)
 
