@@ -24,8 +24,9 @@ scale. The check's result is stored in prepare.json, so a resumed run neither re
 shifts an index. An image that passed the check but fails in the shard pass means the source
 changed under us: that is an error (start again into a new DIR), never a silent gap.
 
-Parallel (shard_writer.py): one task per shard (and per chunk of the check pass) in a process pool; a shard's bytes
-depend only on its samples (fixed tar metadata), so any number of workers gives the same files.
+Parallel (shard_writer.py): one task per shard (and per chunk of the check pass) in a process
+pool; a shard's bytes depend only on its samples (fixed tar metadata), so any number of workers
+gives the same files.
 Resumable: a shard is written to NAME.tar.tmp and renamed when complete, so a final name always
 holds a whole shard; a rerun with the same arguments keeps the finished shards, a rerun with other
 arguments (or a changed source list) into the same DIR is refused.
