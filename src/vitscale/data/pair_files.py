@@ -20,10 +20,8 @@ the same split on every machine. Unreadable images are dropped from their batch 
 from __future__ import annotations
 
 import csv
-import glob
 import logging
 import os
-import re
 import tarfile
 import zlib
 from dataclasses import dataclass
@@ -92,42 +90,23 @@ def read_csv(path: str, image_key: str, caption_key: str) -> Records:
 
 
 # ---------------------------------------------------------------- webdataset shards
-def expand_braces(pattern: str) -> list[str]:
-    """'a/{000..003}.tar' and 'a/{x,y}.tar' (nested, several groups) -> the list of names."""
-    m = re.search(r"\{([^{}]*)\}", pattern)
-    if not m:
-        return [pattern]
-    body, head, tail = m.group(1), pattern[:m.start()], pattern[m.end():]
-    r = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if r:
-        a, b = r.groups()
-        width = len(a) if a.startswith("0") or len(a) == len(b) else 0
-        items = [str(i).zfill(width) for i in range(int(a), int(b) + 1)]
-    else:
-        items = body.split(",")
-    return [x for it in items for x in expand_braces(head + it + tail)]
-
-
 def shard_list(root: str, split: str = "train") -> list[str]:
-    from .stream import read_manifest
+    """The split's shards: a `vitscale data prepare` folder's, else stream.expand(root); the seek
+    reader needs them uncompressed."""
+    from .stream import expand, is_remote, read_manifest
     if not root:
         raise DataError("data.root must name the webdataset shards (a folder of .tar files or a "
                         "pattern like /data/{00000..00009}.tar)")
-    m = read_manifest(root)                  # a `vitscale data prepare` folder: its split's shards
+    m = read_manifest(root)
     if m is not None:
         if split not in m["splits"]:
             raise DataError(f"webdataset: {root} has no {split} split: set data.test_root")
         return m["splits"][split]["shards"]
-    p = Path(root).expanduser()
-    if p.is_dir():
-        shards = sorted(str(s) for s in p.glob("*.tar"))
-    else:
-        shards = sorted({s for pat in expand_braces(str(p)) for s in glob.glob(pat)})
-        missing = [s for s in expand_braces(str(p)) if not any(ch in s for ch in "*?[") and not os.path.exists(s)]
-        if missing:
-            raise DataError(f"webdataset: {len(missing)} shard(s) of {root} not found, e.g. {missing[0]}")
-    if not shards:
-        raise DataError(f"webdataset: no .tar shards at {root}")
+    shards = expand(root)
+    other = [s for s in shards if is_remote(s) or not s.endswith(".tar")]
+    if other:
+        raise DataError(f"webdataset: data.reader=seek reads local uncompressed .tar shards, not {other[0]}: "
+                        f"set data.reader=stream (or auto)")
     return shards
 
 

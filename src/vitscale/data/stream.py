@@ -37,6 +37,7 @@ one-line error.
 """
 from __future__ import annotations
 
+import glob
 import gzip
 import json
 import logging
@@ -74,21 +75,29 @@ def open_url(url: str) -> str:
 
 
 def expand(root: str) -> list[str]:
-    """A folder, a brace pattern, a pipe: command or URL (several with '::') -> shard URLs."""
+    """A folder, a brace pattern (local ones may also hold * ? [ globs), a pipe: command or URL
+    (several with '::') -> the shard URLs, sorted: both readers number samples in this order."""
     import braceexpand
-    out = []
+    out, missing = set(), []
     for part in root.split("::"):
         p = Path(part).expanduser()
-        if not is_remote(part) and p.is_dir():
-            out += sorted(str(s) for s in p.iterdir() if s.name.endswith(SHARD_EXTS))
+        if is_remote(part):
+            out.update(braceexpand.braceexpand(part))
+        elif p.is_dir():
+            out.update(str(s) for s in p.iterdir() if s.name.endswith(SHARD_EXTS))
         else:
-            out += list(braceexpand.braceexpand(part if is_remote(part) else str(p)))
-    if not out:
-        raise DataError(f"webdataset: no shards (.tar, .tar.gz, .tgz) at {root}")
-    missing = [u for u in out if not is_remote(u) and not os.path.exists(u)]
+            for name in braceexpand.braceexpand(str(p)):
+                if any(ch in name for ch in "*?["):
+                    out.update(glob.glob(name))
+                elif os.path.exists(name):
+                    out.add(name)
+                else:
+                    missing.append(name)
     if missing:
         raise DataError(f"webdataset: {len(missing)} shard(s) of {root} not found, e.g. {missing[0]}")
-    return out
+    if not out:
+        raise DataError(f"webdataset: no shards (.tar, .tar.gz, .tgz) at {root}")
+    return sorted(out)
 
 
 def read_manifest(root: str) -> dict | None:
