@@ -241,10 +241,9 @@ def build(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> Data
                      rank=rank, world_size=world_size)
     mean, std = normalization(cfg.normalize, MEAN, STD)  # "dataset": ImageNet's, as before
     augment = BatchAugment(cfg, mean=mean, std=std, num_classes=len(classes), crop_flip=False)
-    decoder = resolve_decoder(cfg.decoder)
-    train = FolderTrainLoader(FolderDataset(train_p, train_y, size, cfg.hflip, decoder), plan, augment, cfg,
+    train = FolderTrainLoader(FolderDataset(train_p, train_y, size, cfg.hflip, cfg.decoder), plan, augment, cfg,
                               seed=seed, device=device)
-    test = FolderEvalLoader(FolderDataset(eval_p, eval_y, size, False, decoder), cfg, augment.norm,
+    test = FolderEvalLoader(FolderDataset(eval_p, eval_y, size, False, cfg.decoder), cfg, augment.norm,
                             device=device, rank=rank, world_size=world_size)
     return DataBundle(train=train, test=test, num_classes=len(classes), channels=3, image_size=size,
                       class_names=classes, train_size=len(train_p), test_size=len(eval_p),

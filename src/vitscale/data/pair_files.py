@@ -32,7 +32,7 @@ import torch
 
 from ..errors import DataError
 from .fetch import cached_json, file_tag
-from .folder import FolderDataset, FolderEvalLoader, FolderTrainLoader, decode
+from .folder import FolderDataset, FolderEvalLoader, FolderTrainLoader, decode, resolve_decoder
 from .sampler import EpochPlan, generator
 from .transforms import NORMALIZATIONS, BatchAugment
 
@@ -210,13 +210,12 @@ def splits(cfg, read):
 def labelled_bundle(cfg, *, device, seed: int, rank: int, world_size: int):
     """Labelled local shards read by seeking (exact epochs): a DataBundle like folder data's."""
     from .folder import MEAN, STD
-    from .jpeg import resolve_decoder
     from .loaders import DataBundle
     from .stream import read_manifest
     from .transforms import normalization
     train, test = splits(cfg, lambda root, split="train": read_shards(root, split, "cls"))
-    size, decoder = cfg.image_size or 224, resolve_decoder(cfg.decoder)
-    train_ds, test_ds = ShardImages(train, size, cfg.hflip, decoder), ShardImages(test, size, False, decoder)
+    size = cfg.image_size or 224
+    train_ds, test_ds = ShardImages(train, size, cfg.hflip, cfg.decoder), ShardImages(test, size, False, cfg.decoder)
     m = read_manifest(cfg.root)
     classes = list(m.get("classes", [])) if m else []
     num_classes = len(classes) or int(max(train_ds.labels.max(), test_ds.labels.max(initial=0))) + 1
@@ -234,9 +233,9 @@ def labelled_bundle(cfg, *, device, seed: int, rank: int, world_size: int):
 class PairDataset(torch.utils.data.Dataset):
     """Keys (index, sample seed) -> (image uint8 [3,S,S] or None, tokens [L], index, source, error)."""
 
-    def __init__(self, rec: Records, size: int, hflip: bool, context_length: int, decoder: str = "pil"):
+    def __init__(self, rec: Records, size: int, hflip: bool, context_length: int, decoder: str = "auto"):
         self.rec, self.size, self.hflip, self.context_length = rec, size, hflip, context_length
-        self.decoder = decoder
+        self.decoder = resolve_decoder(decoder)
 
     def __len__(self):
         return len(self.rec)
@@ -326,7 +325,6 @@ class FolderPairs:
 
 def build(cfg, *, device, seed: int, rank: int, world_size: int, context_length: int):
     from .image_text import ImageTextBundle
-    from .jpeg import resolve_decoder
     from .stream import resolve_reader
     if cfg.name == "csv":
         if not cfg.root:
@@ -345,10 +343,9 @@ def build(cfg, *, device, seed: int, rank: int, world_size: int, context_length:
     plan = EpochPlan(len(train), cfg.batch_size, seed=seed, drop_last=True, rank=rank,
                      world_size=world_size)
     augment = BatchAugment(cfg, mean=CLIP_MEAN, std=CLIP_STD, num_classes=1, crop_flip=False)
-    decoder = resolve_decoder(cfg.decoder)
-    train_loader = PairFileTrainLoader(PairDataset(train, size, cfg.hflip, context_length, decoder), plan,
+    train_loader = PairFileTrainLoader(PairDataset(train, size, cfg.hflip, context_length, cfg.decoder), plan,
                                        augment, cfg, seed=seed, device=device)
-    test_loader = FolderEvalLoader(PairDataset(test, size, False, context_length, decoder), cfg, augment.norm,
+    test_loader = FolderEvalLoader(PairDataset(test, size, False, context_length, cfg.decoder), cfg, augment.norm,
                                    device=device, rank=rank, world_size=world_size, collate_fn=collate)
     return ImageTextBundle(train=train_loader, test=test_loader, zeroshot={}, train_size=len(train),
                            test_size=len(test), channels=3, image_size=size, mean=CLIP_MEAN,

@@ -155,24 +155,23 @@ def shard_samples(url: str, errors: ShardErrors):
     yield from tarfile_samples([{"url": open_url(url)}], handler=errors)
 
 
-def split_of(key: str, fraction: float, test: bool | None) -> bool:
-    """Is the sample in the requested split? test None = the whole set (a separate test_root)."""
+def in_test(key: str, fraction: float) -> bool:
+    """Does the sample fall in the held-out part? (never with fraction 0: a separate test_root)"""
     from .pair_files import held_out
-    return test is None or held_out(key, fraction) == test
+    return fraction > 0 and held_out(key, fraction)
 
 
 # ---------------------------------------------------------------- counting
-def _count_one(url: str, want: str, fraction: float, test: bool | None) -> dict:
+def _count_one(url: str, want: str, fraction: float) -> dict:
+    """One pass over a shard: complete samples of the training and the held-out part."""
     errors = ShardErrors()
-    n, incomplete, top = 0, 0, -1
+    n, incomplete, top = [0, 0], 0, -1
     for s in shard_samples(url, errors):
-        if not split_of(s["__key__"], fraction, test):
-            continue
         got = complete(s, want)
         if isinstance(got, str):
             incomplete += 1
             continue
-        n += 1
+        n[in_test(s["__key__"], fraction)] += 1
         if want == "cls":
             top = max(top, label_of(got[1], url, s["__key__"]))
     error = errors.events[0][2] if errors.events else ""
@@ -186,10 +185,11 @@ def label_of(text: str, url: str, key: str) -> int:
         raise DataError(f"webdataset: {url}: sample {key} has label '{text[:40]}', not an integer") from None
 
 
-def count_samples(urls: list[str], want: str, fraction: float, test: bool | None) -> list[dict]:
-    """Per shard: {count, incomplete, max_label, error}; cached (local files by path, size, mtime)."""
-    return [cached_json("webdataset-counts", f"{url}|{want}|{fraction}|{test}" + ("" if is_remote(url) else
-                        "|" + file_tag(url)), lambda url=url: _count_one(url, want, fraction, test))
+def count_samples(urls: list[str], want: str, fraction: float) -> list[dict]:
+    """Per shard: {count: [training, held-out], incomplete, max_label, error}; one pass for both
+    parts, cached (local files by path, size, mtime)."""
+    return [cached_json("webdataset-counts", f"{url}|{want}|{fraction}|v2" + ("" if is_remote(url) else
+                        "|" + file_tag(url)), lambda url=url: _count_one(url, want, fraction))
             for url in urls]
 
 
@@ -200,7 +200,7 @@ class ShardSet:
     counts: list
     want: str                      # "txt" (captions) or "cls" (labels)
     fraction: float = 0.0          # held-out share, split by key (raw shard sets without test_root)
-    test: bool | None = None       # None: every sample; True/False: the held-out / training part
+    test: bool = False             # the held-out part (True) or the training part of the shards
     index_from_key: bool = False   # prepared shards: index = int(KEY)
     num_classes: int = 0
     classes: list = field(default_factory=list)
@@ -212,7 +212,7 @@ class ShardSet:
         return int(self.offsets[-1])
 
     def keep(self, key: str) -> bool:
-        return split_of(key, self.fraction, self.test)
+        return in_test(key, self.fraction) == self.test
 
     def index(self, shard: int, position: int, key: str) -> int:
         return int(key.rsplit("/", 1)[-1]) if self.index_from_key else int(self.offsets[shard]) + position
@@ -234,30 +234,30 @@ def shard_sets(cfg, want: str) -> tuple[ShardSet, ShardSet]:
                                   num_classes=len(classes), classes=classes)
         train = made(splits["train"])
         if cfg.test_root:
-            test = raw_set(cfg.test_root, want, 0.0, None)
+            test = raw_set(cfg.test_root, want, 0.0, False)
         elif "val" in splits:
             test = made(splits["val"])
         else:
             raise DataError(f"webdataset: {cfg.root} has no val split: set data.test_root")
         return train, test
     if cfg.test_root:
-        return raw_set(cfg.root, want, 0.0, None), raw_set(cfg.test_root, want, 0.0, None)
+        return raw_set(cfg.root, want, 0.0, False), raw_set(cfg.test_root, want, 0.0, False)
     return raw_set(cfg.root, want, cfg.test_fraction, False), raw_set(cfg.root, want, cfg.test_fraction, True)
 
 
-def raw_set(root: str, want: str, fraction: float, test: bool | None) -> ShardSet:
+def raw_set(root: str, want: str, fraction: float, test: bool) -> ShardSet:
     urls = expand(root)
-    counts = count_samples(urls, want, fraction, test)
+    counts = count_samples(urls, want, fraction)
     for url, c in zip(urls, counts):
         if c["error"]:     # truncated, unreadable: its readable samples are used
             log.warning("webdataset: shard %s is damaged (%s): using the %d sample(s) before the damage",
-                        url, c["error"], c["count"])
+                        url, c["error"], c["count"][test])
     incomplete = sum(c["incomplete"] for c in counts)
     if incomplete:
         log.warning("webdataset %s: %d sample(s) without an image or a %s are skipped", root, incomplete,
                     "caption (.txt)" if want == "txt" else "label (.cls)")
     top = max(c["max_label"] for c in counts)
-    return ShardSet(urls, [c["count"] for c in counts], want, fraction, test, num_classes=top + 1)
+    return ShardSet(urls, [c["count"][test] for c in counts], want, fraction, test, num_classes=top + 1)
 
 
 # ---------------------------------------------------------------- which shards, which batches
@@ -294,25 +294,31 @@ class StreamPlan:
         return len(range(v, self.num_batches, self.streams))
 
 
+def set_samples(set_: ShardSet, s: int, errors: ShardErrors, bad: list):
+    """Shard s of the set: its samples of the set's part as (url, key, index, image bytes, text);
+    samples without their image or text are noted in `bad` and skipped."""
+    url, pos = set_.urls[s], 0
+    for sample in shard_samples(url, errors):
+        key = sample["__key__"]
+        if not set_.keep(key):
+            continue
+        c = complete(sample, set_.want)
+        if isinstance(c, str):
+            bad.append(("sample", f"{url}:{key}", c))
+            continue
+        yield url, key, set_.index(s, pos, key), c[0], c[1]
+        pos += 1
+
+
 def stream_samples(plan: StreamPlan, epoch: int, v: int, buffer: int, errors: ShardErrors, bad: list):
-    """Stream v's endless sample sequence: (key, index, image bytes, text). Each pass over its
-    shards goes through its own shuffle buffer, so the first pass holds every sample once."""
+    """Stream v's endless sample sequence (set_samples' tuples). Each pass over its shards goes
+    through its own shuffle buffer, so the first pass holds every sample once."""
     from webdataset import shuffle
     shards, set_ = plan.stream_shards(epoch, v), plan.shards
 
     def one_pass(order):
         for s in order:
-            pos = 0
-            for sample in shard_samples(set_.urls[s], errors):
-                key = sample["__key__"]
-                if not set_.keep(key):
-                    continue
-                c = complete(sample, set_.want)
-                if isinstance(c, str):
-                    bad.append(("sample", f"{set_.urls[s]}:{key}", c))
-                    continue
-                yield key, set_.index(s, pos, key), c[0], c[1]
-                pos += 1
+            yield from set_samples(set_, s, errors, bad)
 
     for cycle in range(10**9):
         order = shards if cycle == 0 else [shards[i] for i in torch.randperm(

@@ -16,30 +16,28 @@ import torch
 from ..errors import DataError
 from ..strategy.devices import pin_batches
 from .sampler import derive_seed, generator
-from .stream import ShardErrors, ShardSet, StreamPlan, complete, label_of, shard_samples, stream_samples
+from .folder import decode, resolve_decoder
+from .stream import ShardErrors, ShardSet, StreamPlan, label_of, set_samples, stream_samples
+from .tokenizer import get_tokenizer
 
 log = logging.getLogger("vitscale.data")
 
 
 class _Decode:
-    """(key, index, image bytes, text) -> (image uint8 [3,S,S] or None, tokens [L] or label, index, name, error)."""
+    """(url, key, index, image bytes, text) -> (image uint8 [3,S,S] or None, tokens [L] or label, index,
+    name, error)."""
 
     def __init__(self, size: int, hflip: bool, decoder: str, context_length: int, pairs: bool):
-        self.size, self.hflip, self.decoder = size, hflip, decoder
+        self.size, self.hflip, self.decoder = size, hflip, resolve_decoder(decoder)
         self.context_length, self.pairs = context_length, pairs
 
-    def __call__(self, sample, sample_seed: int, url: str = ""):
-        from .folder import decode
-        key, index, img, text = sample
-        if self.pairs:
-            from .tokenizer import get_tokenizer
-            second = get_tokenizer()(text, self.context_length)[0]
-        else:
-            second = label_of(text, url, key)
+    def __call__(self, sample, sample_seed: int):
+        url, key, index, img, text = sample
+        second = get_tokenizer()(text, self.context_length)[0] if self.pairs else label_of(text, url, key)
         try:
             return decode(img, self.size, sample_seed, self.hflip, decoder=self.decoder), second, index, key, ""
         except Exception as e:  # noqa: BLE001 - corrupt, truncated, not an image ...
-            return None, second, index, key, f"{type(e).__name__}: {e}"
+            return None, second, index, f"{url}:{key}", f"{type(e).__name__}: {e}"
 
 
 def collate(items, size: int, pairs: bool):
@@ -110,20 +108,12 @@ class StreamEvalDataset(torch.utils.data.IterableDataset):
         for w in ws:
             errors, bad, items = ShardErrors(), [], []
             for s in self.worker_shards(w):
-                pos, url = 0, self.shards.urls[s]
-                for sample in shard_samples(url, errors):
-                    key = sample["__key__"]
-                    if not self.shards.keep(key):
-                        continue
-                    c = complete(sample, self.shards.want)
-                    if isinstance(c, str):
-                        bad.append(("sample", f"{url}:{key}", c))
-                        continue
-                    items.append(self.decode((key, self.shards.index(s, pos, key), c[0], c[1]), -1, url))
-                    pos += 1
+                for sample in set_samples(self.shards, s, errors, bad):
+                    items.append(self.decode(sample, -1))
                     if len(items) == self.batch_size:
                         yield (*collate(items, self.decode.size, self.decode.pairs), errors.events + bad)
-                        items, errors.events, bad = [], [], []
+                        items, errors.events = [], []
+                        bad.clear()              # in place: set_samples appends to this list
             if items or errors.events or bad:
                 yield (*collate(items, self.decode.size, self.decode.pairs), errors.events + bad)
 
@@ -205,9 +195,7 @@ class StreamEvalLoader(_StreamLoader):
 def loaders(cfg, train: ShardSet, test: ShardSet, augment, *, device, seed: int, rank: int, world_size: int,
             context_length: int = 77):
     """-> (train loader, test loader) over the streamed shard sets."""
-    from .jpeg import resolve_decoder
-    size, pairs = cfg.image_size or 224, train.want == "txt"
-    decoder = resolve_decoder(cfg.decoder)
+    size, pairs, decoder = cfg.image_size or 224, train.want == "txt", cfg.decoder
     plan = StreamPlan(train, cfg.batch_size, seed=seed, rank=rank, world_size=world_size, streams=cfg.num_workers)
     train_ds = StreamTrainDataset(plan, _Decode(size, cfg.hflip, decoder, context_length, pairs), cfg.shuffle_buffer)
     test_ds = StreamEvalDataset(test, rank, world_size, cfg.num_workers, cfg.eval_batch_size,
