@@ -83,3 +83,25 @@ def test_config_command_prints_resolved_toml(capsys, tmp_path):
     p = tmp_path / "printed.toml"
     p.write_text(text)
     assert load_config(p) == load_config("configs/tests/tiny.toml", ["optim.lr=0.125"])
+
+
+def test_pure_fp16_without_master_weights_is_refused_in_one_line(monkeypatch):
+    """The combination crashes at the first step ("Attempting to unscale FP16 gradients", shown
+    below on a CPU with the speed-only fp16 refusal lifted): the config check refuses it first."""
+    import torch
+
+    from vitscale.config import OptimConfig, TrainConfig
+    from vitscale.models import vit
+    from vitscale.strategy.single import SingleDevice
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tests/tiny.toml", ["train.precision=pure_fp16", "train.master_weights=false"])
+    assert "master_weights=true" in str(e.value) and "\n" not in str(e.value)
+    load_config("configs/tests/tiny.toml", ["train.precision=pure_fp16"])  # with masters: accepted
+    load_config("configs/tests/tiny.toml", ["train.precision=pure_bf16", "train.master_weights=false"])
+    # why: torch's scaler refuses half gradients at the first step
+    monkeypatch.setattr("vitscale.strategy.single.fp16_refusal", lambda device_type, precision: None)
+    s = SingleDevice(TrainConfig(precision="pure_fp16", master_weights=False), OptimConfig(), torch.device("cpu"))
+    s.setup(vit("vit_pico", image_size=8, patch_size=4, in_chans=1, num_classes=4, depth=1))
+    s.backward(s.model(s.prepare(torch.randn(2, 1, 8, 8))).float().mean())
+    with pytest.raises(ValueError, match="unscale FP16 gradients"):
+        s.step()

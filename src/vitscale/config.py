@@ -424,6 +424,10 @@ def check(cfg: Config) -> None:
             raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} (CUDA graphs) is for "
                               f"strategy.name=single (one GPU), not {cfg.strategy.name}; use "
                               "max-autotune-no-cudagraphs")
+    if cfg.train.precision == "pure_fp16" and not cfg.train.master_weights:
+        raise ConfigError("config: train.precision=pure_fp16 with train.master_weights=false is refused: "
+                          "torch's loss scaler cannot unscale fp16 gradients, and fp16 optimizer state "
+                          "underflows AdamW's eps (1e-8 is 0 in fp16); keep master_weights=true or use pure_bf16")
     if cfg.model.init and cfg.model.arch.startswith("clip"):
         from .interop.open_clip import looks_like_open_clip
         if not looks_like_open_clip(cfg.model.init):
