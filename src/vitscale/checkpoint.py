@@ -23,9 +23,12 @@ ENGINE_SUFFIXES = (".ds", ".dcp")  # DeepSpeed's engine folder, FSDP2's sharded 
 
 
 def rng_state() -> dict:
+    """This process's RNG states. On a GPU, only its own device's CUDA generator (the current
+    device): one process per GPU, and a resume may see fewer GPUs (one GPU, srun
+    --gpus-per-task=1), where a list of every visible GPU's state could not be restored."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -33,8 +36,14 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        if isinstance(cuda, (list, tuple)):  # older checkpoints: every visible GPU's state
+            if not cuda:
+                return
+            cuda = cuda[min(device, len(cuda) - 1)]
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def atomic_save(obj, path: Path) -> None:
