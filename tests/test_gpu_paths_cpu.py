@@ -54,3 +54,42 @@ def test_checkpoint_holds_this_process_gpu_rng_and_resumes_where_fewer_gpus_are_
     one.states[0] = torch.zeros(8, dtype=torch.uint8)
     ckpt.set_rng_state({**saved, "cuda": [torch.full((8,), i, dtype=torch.uint8) for i in range(8)]})
     assert torch.equal(one.states[0], torch.zeros(8, dtype=torch.uint8))  # list[0] for cuda:0
+
+
+# -- FSDP2 cpu_offload on NCCL: a gloo backend for the CPU DTensors too --------------------------------
+class _Joined(Exception):
+    pass
+
+
+def test_fsdp_cpu_offload_joins_nccl_with_a_cpu_backend(monkeypatch):
+    """The group a GPU run joins: NCCL alone normally; "cuda:nccl,cpu:gloo" with FSDP2's
+    cpu_offload, whose grad-norm full_tensor() and full state dict run on CPU DTensors."""
+    from vitscale.config import OptimConfig, StrategyConfig, TrainConfig
+    from vitscale.strategy import dist as vdist
+    from vitscale.strategy.fsdp import FSDPStrategy
+    seen = []
+    monkeypatch.setattr(vdist.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(vdist.dist, "TCPStore", lambda *a, **k: object())
+    monkeypatch.setattr(vdist.dist, "PrefixStore", lambda prefix, store: store)
+    monkeypatch.setattr(vdist.dist, "init_process_group", lambda **kw: seen.append(kw))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    vdist.init_process_group("cuda", "auto", 60.0)
+    vdist.init_process_group("cuda", "auto", 60.0, cpu_collectives=True)
+    vdist.init_process_group("cpu", "auto", 60.0, cpu_collectives=True)
+    assert [kw["backend"] for kw in seen] == ["nccl", "cuda:nccl,cpu:gloo", "gloo"]
+    assert seen[1]["device_id"] == torch.device("cuda", 1)
+    # FSDPStrategy asks for the CPU backend exactly when it offloads
+    asked = []
+
+    def record(device_type, backend, timeout_s, cpu_collectives=False):
+        asked.append(cpu_collectives)
+        raise _Joined
+    monkeypatch.setattr(vdist, "init_process_group", record)
+    for offload in (False, True):
+        with pytest.raises(_Joined):
+            FSDPStrategy(TrainConfig(), OptimConfig(), StrategyConfig(name="fsdp", cpu_offload=offload), "cuda")
+    assert asked == [False, True]

@@ -43,10 +43,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_group(device_type: str, backend: str = "auto", timeout_s: float = 600.0) -> None:
+def group_backend(backend: str, cpu_collectives: bool) -> str:
+    """The backend string for init_process_group: with `cpu_collectives` (FSDP2's cpu_offload,
+    whose gradient norm and full state dict are collectives on CPU DTensors), NCCL for CUDA
+    tensors and gloo for CPU ones in the same group, as torchtitan does."""
+    return "cuda:nccl,cpu:gloo" if cpu_collectives and backend == "nccl" else backend
+
+
+def init_process_group(device_type: str, backend: str = "auto", timeout_s: float = 600.0,
+                       cpu_collectives: bool = False) -> None:
     """Join the group the launcher describes (devices.launch_env): NCCL on GPUs (bound to this
-    process's GPU at init), gloo on CPUs by default. Under srun without torchrun, the env://
-    variables are filled in from SLURM's (for the engines that read them, e.g. ZeRO-3's LOCAL_RANK)."""
+    process's GPU at init), gloo on CPUs by default; both (group_backend) where `cpu_collectives`.
+    Under srun without torchrun, the env:// variables are filled in from SLURM's (for the engines
+    that read them, e.g. ZeRO-3's LOCAL_RANK)."""
     if dist.is_initialized():
         return
     launch = launch_env(os.environ)
@@ -57,6 +66,7 @@ def init_process_group(device_type: str, backend: str = "auto", timeout_s: float
         os.environ.setdefault(key, value)
     device = local_device(device_type, launch.local_rank)
     kw = process_group_kwargs(launch, device, backend, datetime.timedelta(seconds=timeout_s))
+    kw["backend"] = group_backend(kw["backend"], cpu_collectives)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # the store env:// would make, with keys of their own per torchrun restart: after a restart,
@@ -103,12 +113,15 @@ def broadcast_object(obj, src: int = 0):
 class Distributed(SingleDevice):
     """One process per device in a process group: the collectives behind the loop's verbs."""
 
+    # collectives on CPU tensors as well as on the devices' (FSDP2 with cpu_offload)
+    cpu_collectives = False
+
     def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str,
                  join: bool = True):
         """`join`: join the group the launcher describes; False: one process, no launcher (the
         engine may make a one-process group of its own)."""
         if join:
-            init_process_group(device_type, scfg.backend, scfg.timeout_s)
+            init_process_group(device_type, scfg.backend, scfg.timeout_s, self.cpu_collectives)
             install()  # count the engines' collectives (before an engine keeps references to them)
             self.rank, self.world_size, local = env_world()
         else:

@@ -57,6 +57,9 @@ class FSDPStrategy(Distributed):
         if unsupported:
             raise ConfigError(f"config: strategy.name=fsdp does not support {', '.join(unsupported)} yet "
                               "(use strategy.name=ddp or single)")
+        # offloaded shards are CPU DTensors: the gradient norm's full_tensor() and the full state
+        # dict are collectives on CPU tensors, which NCCL cannot run (group_backend adds gloo)
+        self.cpu_collectives = scfg.cpu_offload
         super().__init__(train, optim, scfg, device_type)
         self.half = None  # precision lives in the MixedPrecisionPolicy, not in autocast
         # sharded checkpoints: the loop calls save_engine(step_N.dcp) before writing step_N.pt
