@@ -93,3 +93,56 @@ def test_fsdp_cpu_offload_joins_nccl_with_a_cpu_backend(monkeypatch):
         with pytest.raises(_Joined):
             FSDPStrategy(TrainConfig(), OptimConfig(), StrategyConfig(name="fsdp", cpu_offload=offload), "cuda")
     assert asked == [False, True]
+
+
+# -- communication time on NCCL: CUDA events, read at the log step ----------------------------------
+class FakeEvent:
+    """torch.cuda.Event on a fake clock: each record() advances it by 1/8 s."""
+    clock, syncs = 0.0, 0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.t = None
+
+    def record(self, stream=None):
+        FakeEvent.clock += 0.125
+        self.t = FakeEvent.clock
+
+    def synchronize(self):
+        FakeEvent.syncs += 1
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def test_collective_time_on_cuda_comes_from_events_read_at_take(tmp_path, monkeypatch):
+    """A NCCL work's future completes when its kernel is queued, so the host clock times the launch
+    (microseconds). Payloads on a GPU are timed with CUDA events instead (start on the issuing
+    stream, end in the future's callback), synchronized only when take() reads them."""
+    import torch.distributed as dist
+
+    from vitscale.strategy import comm
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(comm, "on_cuda", lambda payload: True)  # the payload "is on a GPU"
+    FakeEvent.clock, FakeEvent.syncs = 0.0, 0
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        c = comm.Counter()
+        all_reduce = c.wrap(dist.all_reduce, "allreduce", 0, "tensor")
+        t = torch.ones(1000)
+        with c.window():
+            all_reduce(t, async_op=True).wait()  # async: end event in the future's callback
+            all_reduce(t)                        # synchronous: end event after the call
+        assert FakeEvent.syncs == 0              # nothing waited for the GPU inside the step
+        r = c.take(2)
+        assert FakeEvent.syncs == 2
+        assert r["comm_allreduce_calls_per_step"] == 1.0 and r["comm_allreduce_bytes_per_step"] == 4000
+        assert r["comm_allreduce_s_per_step"] == pytest.approx(0.125)  # (2 x 1/8 s) / 2 steps
+        # the functional all-reduce is only queued when it returns: bytes and calls, no time
+        funcol = c.wrap(lambda self, op, group: self, "allreduce", 0, "self", completes=False)
+        with c.window():
+            funcol(t, "sum", None)
+        r = c.take(1)
+        assert r["comm_allreduce_calls_per_step"] == 1 and r["comm_allreduce_s_per_step"] == 0
+    finally:
+        dist.destroy_process_group()

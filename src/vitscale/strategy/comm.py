@@ -15,9 +15,16 @@ Per collective kind (allreduce, allgather, reducescatter, broadcast, reduce, all
   scattered for reduce-scatter, the input for all-to-all. A ring moves 2(N-1)/N x payload per link
   for an all-reduce and (N-1)/N x payload for an all-gather or reduce-scatter.
 - calls;
-- seconds from launch to completion (an async collective's future callback; a synchronous one's
-  call). Collectives overlap compute and one another, so the sum is not the exposed time. The
-  functional all-reduce returns before it completes: its time is the launch only.
+- seconds from launch to completion. On CPU tensors (gloo): the host clock, to an async
+  collective's future callback or over a synchronous call. On CUDA tensors (NCCL) the host clock
+  would time the launch only (a NCCL work's future completes when the kernel is queued): CUDA
+  events are recorded instead, one on the issuing stream before the launch and one in the
+  future's callback, which runs on a stream ordered after the NCCL kernel (after the call for a
+  synchronous one, whose wait orders the current stream after it). They are read at `take()`
+  (the log step, where the loop synchronizes anyway): no host sync in the step. Collectives
+  overlap compute and one another, so the sum is not the exposed time. The functional
+  all-reduce returns before it completes: its time is counted on CPU tensors as the launch only
+  and not at all on CUDA ones (its bytes and calls are).
 """
 from __future__ import annotations
 
@@ -63,6 +70,34 @@ def nbytes(x) -> int:
     return 0
 
 
+def on_cuda(x) -> bool:
+    """The collective's payload is on a GPU (its time must come from CUDA events)."""
+    if isinstance(x, torch.Tensor):
+        return x.is_cuda
+    if isinstance(x, (list, tuple)) and x:
+        return on_cuda(x[0])
+    return False
+
+
+class EventTimer:
+    """Launch-to-completion time of a collective on the GPU: a CUDA event recorded on the current
+    stream when made, one when `stop()` is called; `seconds()` waits for the second."""
+
+    def __init__(self):
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.start.record()
+        self.end = None
+
+    def stop(self) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.end = end
+
+    def seconds(self) -> float:
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3
+
+
 class Counter:
     """Bytes, calls and seconds per collective kind since the last `take()` (thread-safe: async
     completions arrive on the backend's threads)."""
@@ -71,6 +106,7 @@ class Counter:
         self.lock = threading.Lock()
         self.active = 0              # > 0 inside window() (global: autograd may run on other threads)
         self.local = threading.local()  # .depth: nested torch.distributed calls count once
+        self.pending: list[tuple[str, "EventTimer"]] = []  # CUDA timings not read yet
         self.reset()
 
     def reset(self) -> dict:
@@ -86,9 +122,19 @@ class Counter:
             s[1] += calls
             s[2] += seconds
 
+    def settle(self) -> None:
+        """Add the seconds of every CUDA-event timing whose end has been recorded."""
+        with self.lock:
+            done = [(k, t) for k, t in self.pending if t.end is not None]
+            self.pending = [(k, t) for k, t in self.pending if t.end is None]
+        for kind, timer in done:
+            self.add(kind, seconds=timer.seconds())
+
     def take(self, steps: int) -> dict:
         """Per optimizer step: comm_<kind>_{bytes,calls,s}_per_step for each kind seen, and the
-        totals comm_{bytes,calls,s}_per_step (empty when nothing was counted); then reset."""
+        totals comm_{bytes,calls,s}_per_step (empty when nothing was counted); then reset.
+        CUDA-event timings finished so far are read here (waiting for their end events)."""
+        self.settle()
         stats = self.reset()
         n = max(1, steps)
         out = {}
@@ -101,6 +147,10 @@ class Counter:
                         "comm_calls_per_step": sum(v[1] for v in stats.values()) / n,
                         "comm_s_per_step": sum(v[2] for v in stats.values()) / n})
         return out
+
+    def track(self, kind: str, timer: "EventTimer") -> None:
+        with self.lock:
+            self.pending.append((kind, timer))
 
     @contextlib.contextmanager
     def window(self):
@@ -131,19 +181,32 @@ class Counter:
             if not counter.active or getattr(local, "depth", 0):
                 return fn(*args, **kwargs)
             local.depth = 1
+            payload = _arg(args, kwargs, pos, name)
+            timer = EventTimer() if on_cuda(payload) else None  # start event before the launch
             t0 = time.perf_counter()
             try:
                 out = fn(*args, **kwargs)
             finally:
                 local.depth = 0
-            counter.add(kind, nbytes(_arg(args, kwargs, pos, name)), 1)
+            counter.add(kind, nbytes(payload), 1)
+            if timer is not None and not completes:  # queued, not finished: no honest time
+                return out
             if completes and isinstance(out, dist.Work):
                 try:  # async: time to completion, reported by the backend's future
-                    out.get_future().then(lambda _f: counter.add(kind, seconds=time.perf_counter() - t0))
+                    fut = out.get_future()
+                    if timer is None:
+                        fut.then(lambda _f: counter.add(kind, seconds=time.perf_counter() - t0))
+                    else:
+                        counter.track(kind, timer)
+                        fut.then(lambda _f: timer.stop())  # runs on a stream after the kernel
                     return out
                 except RuntimeError:  # a Work without a future (e.g. inside coalescing)
                     pass
-            counter.add(kind, seconds=time.perf_counter() - t0)
+            if timer is None:
+                counter.add(kind, seconds=time.perf_counter() - t0)
+            else:  # synchronous: the current stream now waits for the collective
+                counter.track(kind, timer)
+                timer.stop()
             return out
 
         counted.__wrapped__ = fn
