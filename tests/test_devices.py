@@ -84,26 +84,90 @@ def test_bad_launcher_values_are_one_line_errors():
 
 
 # -- backend flags, peaks, timers -----------------------------------------------------------------
-def test_tf32_and_cudnn_flags_only_on_cuda(monkeypatch):
+FP32_PRECISION_SETTINGS = [("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"), ("cuda", "all"),
+                           ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn"), ("mkldnn", "all"),
+                           ("generic", "all")]
+
+
+@pytest.fixture
+def restore_backend_flags():
+    """The process-wide TF32 / cuDNN settings exactly as they were (both APIs' state: the legacy
+    values first, then every per-backend fp32_precision, which the legacy setters overwrite)."""
+    getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+    new = {k: getter(*k) for k in FP32_PRECISION_SETTINGS} if getter else {}
+    legacy = (torch._C._get_float32_matmul_precision(), torch._C._get_cudnn_allow_tf32())
+    bench = torch.backends.cudnn.benchmark
+    yield
+    torch.set_float32_matmul_precision(legacy[0])
+    torch._C._set_cudnn_allow_tf32(legacy[1])
+    for k, v in new.items():
+        torch._C._set_fp32_precision_setter(*k, v)
+    torch.backends.cudnn.benchmark = bench
+
+
+def test_tf32_and_cudnn_flags_only_on_cuda(restore_backend_flags):
     assert backend_flags("cpu", True, True) == {}
     assert backend_flags("cuda", True, False) == {"matmul_tf32": True, "conv_tf32": True, "cudnn_benchmark": False}
     # a CPU run leaves every process-wide flag alone (its numerics never depend on them)
-    before = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.benchmark)
+    before = (devices.backend_readers(), torch.backends.cudnn.benchmark)
     SingleDevice(TrainConfig(tf32=True, cudnn_benchmark=True), OptimConfig(), torch.device("cpu"))
-    assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.benchmark) == before
+    assert (devices.backend_readers(), torch.backends.cudnn.benchmark) == before
     # what a GPU run sets (the same torch.backends attributes; harmless on a CPU build), restored after
-    matmul, conv, bench = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
-                           torch.backends.cudnn.benchmark)
-    try:
-        devices.apply_backend_flags(backend_flags("cuda", True, True))
-        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-        assert torch.backends.cudnn.conv.fp32_precision == "tf32" and torch.backends.cudnn.benchmark
-        devices.apply_backend_flags(backend_flags("cuda", False, False))
-        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
-        assert torch.backends.cudnn.conv.fp32_precision == "ieee" and not torch.backends.cudnn.benchmark
-    finally:
-        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = matmul, conv
-        torch.backends.cudnn.benchmark = bench
+    devices.apply_backend_flags(backend_flags("cuda", True, True))
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert torch.backends.cudnn.conv.fp32_precision == "tf32" and torch.backends.cudnn.benchmark
+    assert devices.current_backend_flags() == backend_flags("cuda", True, True)
+    devices.apply_backend_flags(backend_flags("cuda", False, False))
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert torch.backends.cudnn.conv.fp32_precision != "tf32" and not torch.backends.cudnn.benchmark
+    assert devices.current_backend_flags() == backend_flags("cuda", False, False)
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_tf32_flags_readable_by_both_apis_as_torch_compile_reads_them(restore_backend_flags, tf32):
+    """Issue 25, item 1: the flags were set through the per-backend fp32_precision API, after which
+    torch 2.13's legacy readers raise "mix of the legacy and new APIs"; inductor's autotuning
+    reads `torch.get_float32_matmul_precision()` and its conv templates `cudnn.allow_tf32`. After
+    applying the flags every reader works, and they agree."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecation warning either
+        devices.apply_backend_flags(backend_flags("cuda", tf32, False))
+    r = devices.backend_readers()
+    assert not [v for v in r.values() if isinstance(v, str) and v.startswith("RuntimeError")], r
+    assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+    assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+    assert (torch.backends.cuda.matmul.fp32_precision == "tf32") is tf32
+    assert (torch.backends.cudnn.conv.fp32_precision == "tf32") is tf32
+    assert devices.readers_agree()
+    # inductor's own reader: the key under which max-autotune caches its GEMM choices
+    from torch._inductor.select_algorithm import create_precompile_key
+    assert create_precompile_key("mm", "inputs", []).endswith("high" if tf32 else "highest")
+    # the CPU's oneDNN matmuls stay as they were (set_float32_matmul_precision would make them TF32)
+    assert torch._C._get_fp32_precision_getter("mkldnn", "matmul") != "tf32"
+
+
+def test_tf32_flags_repair_a_mixed_state_and_compile_still_works(restore_backend_flags):
+    """A process left in a mixed state (the new API set to TF32, the legacy one not: what the old
+    apply_backend_flags did) is made consistent; a compiled matmul runs under the flags."""
+    import time
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    assert not devices.readers_agree()
+    devices.apply_backend_flags(backend_flags("cuda", True, False))
+    assert devices.readers_agree() and devices.current_backend_flags()["conv_tf32"]
+    # re-applying what is in effect writes nothing: the flags the lab restores around each round
+    with devices.backend_flags_applied(backend_flags("cuda", False, False)):
+        assert devices.current_backend_flags() == backend_flags("cuda", False, False) and devices.readers_agree()
+    assert devices.current_backend_flags() == backend_flags("cuda", True, False) and devices.readers_agree()
+    with devices.backend_flags_applied({}):  # a CPU run's flags: nothing is touched
+        assert devices.current_backend_flags() == backend_flags("cuda", True, False)
+    t0 = time.perf_counter()
+    f = torch.compile(lambda a, b: torch.relu(a @ b) + 1)
+    a = torch.randn(8, 8)
+    torch.testing.assert_close(f(a, a), torch.relu(a @ a) + 1)
+    assert devices.readers_agree()
+    assert time.perf_counter() - t0 < 120, "torch.compile of one matmul took over 2 minutes"
 
 
 def test_gpu_peaks_by_device_name_and_tf32(monkeypatch):

@@ -8,7 +8,9 @@ multi-node branches on a CPU machine; the strategies only apply what these retur
 - `process_group_kwargs`: backend (NCCL on GPUs, gloo on CPUs) and, for NCCL, the device bound
   at init (`device_id`: eager NCCL communicator, no "guessing device" warnings, no rank on GPU 0).
 - `backend_flags` / `apply_backend_flags`: TF32 and cuDNN autotuning (CUDA only; the CPU's flags are
-  never touched, so CPU numerics do not depend on them).
+  never touched, so CPU numerics do not depend on them), set through the legacy API only, which
+  torch.compile reads (`backend_readers` / `readers_agree` check both kinds of reader);
+  `backend_flags_applied`: a block under given flags, restored after (the lab's timed rounds).
 - `compile_kwargs`: torch.compile's mode (CUDA graphs: "reduce-overhead").
 - `synchronizer`: what timers call before reading the clock (the GPU runs asynchronously).
 - `pin_batches`: whether host batches go through pinned memory (non-blocking copies).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -125,18 +128,89 @@ def backend_flags(device_type: str, tf32: bool, cudnn_benchmark: bool) -> dict:
 
 
 def apply_backend_flags(flags: dict) -> None:
-    """Set what `backend_flags` chose (process-wide). torch >= 2.9 has the fp32_precision
-    settings (the allow_tf32 ones are deprecated there); older versions the allow_tf32 ones."""
+    """Set what `backend_flags` chose (process-wide), through ONE API: the legacy one,
+    `torch.backends.cuda.matmul.allow_tf32` and `torch.backends.cudnn.allow_tf32`.
+    torch >= 2.9 also has per-backend `fp32_precision` settings, but once those are set to TF32 the
+    legacy readers raise ("mix of the legacy and new APIs"), and torch.compile reads the legacy ones
+    (inductor's autotuning keys: `torch.get_float32_matmul_precision()`; its conv templates:
+    `torch.backends.cudnn.allow_tf32`). The legacy setters also update the new settings (torch
+    2.13: matmul.allow_tf32 = True is get_float32_matmul_precision() "high" and
+    matmul.fp32_precision "tf32"), so after this both kinds of reader work and agree
+    (`readers_agree`); this API exists on every torch the project supports. matmul.allow_tf32
+    rather than set_float32_matmul_precision("high"): the latter also sets oneDNN's CPU matmuls
+    to TF32 on torch 2.13. Settings already in effect are not written again, so re-applying the
+    flags a process already runs under (the lab does, before each timed round) changes nothing."""
     if not flags:
         return
+    now = current_backend_flags()
+    consistent = readers_agree()
+    if not consistent or now["matmul_tf32"] != flags["matmul_tf32"]:
+        torch.backends.cuda.matmul.allow_tf32 = flags["matmul_tf32"]
+    if not consistent or now["conv_tf32"] != flags["conv_tf32"]:
+        torch.backends.cudnn.allow_tf32 = flags["conv_tf32"]
+    if now["cudnn_benchmark"] != flags["cudnn_benchmark"]:
+        torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+
+
+def current_backend_flags() -> dict:
+    """The process's settings in `backend_flags`' form (on a CPU too: they are Python-side
+    settings). Read from the per-backend `fp32_precision` settings where torch has them (those
+    readers never raise, and the kernels follow them); from the allow_tf32 ones on older torch."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     if hasattr(matmul, "fp32_precision") and hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
-        matmul.fp32_precision = "tf32" if flags["matmul_tf32"] else "ieee"
-        cudnn.conv.fp32_precision = "tf32" if flags["conv_tf32"] else "ieee"
+        m, c = matmul.fp32_precision == "tf32", cudnn.conv.fp32_precision == "tf32"
     else:  # pragma: no cover (torch < 2.9)
-        matmul.allow_tf32 = flags["matmul_tf32"]
-        cudnn.allow_tf32 = flags["conv_tf32"]
-    cudnn.benchmark = flags["cudnn_benchmark"]
+        m, c = matmul.allow_tf32, cudnn.allow_tf32
+    return {"matmul_tf32": m, "conv_tf32": c, "cudnn_benchmark": cudnn.benchmark}
+
+
+def backend_readers() -> dict:
+    """Every reader of the TF32 settings that torch or torch.compile may call, {name: value, or
+    the RuntimeError's text where it raises}: the legacy ones (`get_float32_matmul_precision`,
+    `allow_tf32`) and the per-backend `fp32_precision` ones."""
+    readers = {
+        "get_float32_matmul_precision": torch.get_float32_matmul_precision,
+        "cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+        "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+    }
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        readers.update({"cuda.matmul.fp32_precision": lambda: torch.backends.cuda.matmul.fp32_precision,
+                        "cudnn.conv.fp32_precision": lambda: torch.backends.cudnn.conv.fp32_precision})
+    out = {}
+    for name, read in readers.items():
+        try:
+            out[name] = read()
+        except RuntimeError as e:
+            out[name] = f"RuntimeError: {e}"
+    return out
+
+
+def readers_agree() -> bool:
+    """Whether every reader in `backend_readers` works and they tell the same TF32 state."""
+    r = backend_readers()
+    if any(isinstance(v, str) and v.startswith("RuntimeError") for v in r.values()):
+        return False
+    matmul = {r["get_float32_matmul_precision"] != "highest", r["cuda.matmul.allow_tf32"]}
+    conv = {r["cudnn.allow_tf32"]}
+    if "cuda.matmul.fp32_precision" in r:
+        matmul.add(r["cuda.matmul.fp32_precision"] == "tf32")
+        conv.add(r["cudnn.conv.fp32_precision"] == "tf32")
+    return len(matmul) == 1 and len(conv) == 1
+
+
+@contextmanager
+def backend_flags_applied(flags: dict):
+    """Run a block under `flags` (`apply_backend_flags`), the process's settings restored after;
+    {} (a CPU run) touches nothing."""
+    if not flags:
+        yield
+        return
+    before = current_backend_flags()
+    apply_backend_flags(flags)
+    try:
+        yield
+    finally:
+        apply_backend_flags(before)
 
 
 def tf32_active(device_type: str, precision: str, tf32: bool) -> bool:
