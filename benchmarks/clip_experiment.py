@@ -169,6 +169,8 @@ def cmd_overhead(args) -> None:
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     t.train_step(batch)
+                if torch.cuda.is_available():  # the step leaves its work queued on the GPU
+                    torch.cuda.synchronize()
                 times[loss].append((time.perf_counter() - start) / args.steps)
         for t in trainers.values():
             t.data.close()

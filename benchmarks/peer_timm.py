@@ -99,6 +99,7 @@ def plain_step_fn(model, batch, bf16):
 
 
 def run_case(name, case, precision, rounds, steps, warmup):
+    import torch
     cfg, spec, bench, models, batch, (n_ours, n_timm) = build(case, precision)
     bf16 = precision == "bf16"
     fns = {"vitscale step": lambda: bench.trainer.train_step(bench.fixed)}
@@ -113,6 +114,8 @@ def run_case(name, case, precision, rounds, steps, warmup):
             t0 = time.perf_counter()
             for _ in range(steps):
                 fns[k]()
+            if torch.cuda.is_available():  # the step leaves its work queued on the GPU
+                torch.cuda.synchronize()
             times[k].append((time.perf_counter() - t0) / steps)
     bench.close()
     b = cfg.data.batch_size

@@ -146,3 +146,147 @@ def test_collective_time_on_cuda_comes_from_events_read_at_take(tmp_path, monkey
         assert r["comm_allreduce_calls_per_step"] == 1 and r["comm_allreduce_s_per_step"] == 0
     finally:
         dist.destroy_process_group()
+
+
+# -- no host sync in the training step ------------------------------------------------------------
+def _count_host_reads(monkeypatch) -> dict:
+    """Counts every read of a tensor's value on the host (what waits for a GPU) made by vitscale's
+    code (torch's optimizers read their step counters, which they keep on the CPU)."""
+    import sys
+    n = {"reads": 0}
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _real=real, **k):
+            if "/vitscale/" in sys._getframe(1).f_code.co_filename:
+                n["reads"] += 1
+            return _real(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return n
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_training_steps_between_log_steps_read_nothing_from_the_device(tmp_path, monkeypatch, precision):
+    """torchtitan's rule: the loss and gradient norm stay on the device and are read at log steps.
+    Two runs of 4 and 12 steps logging only at their last step read the device equally often
+    (before: loss.item() and float(grad_norm) every step); the log line still has the values."""
+    import json
+
+    from vitscale.config import load_config
+    from vitscale.loop import train
+
+    def reads(steps: int) -> tuple[int, dict]:
+        cfg = load_config("configs/tests/tiny.toml", [f"run.max_steps={steps}", "run.log_every=1000",
+                                                        "train.epochs=4", "run.eval_every=0",
+                                                        f"train.precision={precision}"])
+        out = tmp_path / f"r{steps}"
+        n = _count_host_reads(monkeypatch)
+        orig_fit = __import__("vitscale.loop", fromlist=["Trainer"]).Trainer.fit
+
+        def fit_counting(self):  # only the training loop: not set-up, evaluation or the summary
+            before = n["reads"]
+            real_train_epoch = self.train_epoch
+
+            def epoch():
+                start = n["reads"]
+                r = real_train_epoch()
+                counted.append(n["reads"] - start)
+                return r
+            self.train_epoch = epoch
+            return orig_fit(self)
+        counted = []
+        monkeypatch.setattr("vitscale.loop.Trainer.fit", fit_counting)
+        train(cfg, run_dir=out)
+        monkeypatch.undo()
+        recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return sum(counted), [r for r in recs if r["kind"] == "train"][-1]
+
+    few, rec_few = reads(4)
+    many, rec_many = reads(12)
+    assert many == few, (few, many)
+    assert rec_many["step"] == 12 and rec_many["loss"] > 0 and rec_many["grad_norm"] > 0
+    assert rec_many["skipped"] == 0
+
+
+def test_a_nan_loss_between_log_steps_is_found_before_the_next_checkpoint(tmp_path, capsys, monkeypatch):
+    """With no per-step read, a NaN at step 3 (log lines every 1000 steps) is still reported with
+    its own step, before the checkpoint of step 4 is written."""
+    from vitscale import checkpoint as ckpt
+    from vitscale.cli import main
+    from vitscale.tasks import ClassificationTask
+    calls = {"n": 0}
+    real = ClassificationTask.loss
+
+    def poisoned(self, logits, y):
+        calls["n"] += 1
+        loss = real(self, logits, y)
+        return loss * float("inf") if calls["n"] == 3 else loss
+    monkeypatch.setattr(ClassificationTask, "loss", poisoned)
+    out = tmp_path / "inf"
+    rc = main(["train", "configs/tests/tiny.toml", "--out", str(out), "--set", "run.checkpoint_every=2",
+               "--set", "run.log_every=1000"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "loss is inf at step 3 (epoch 0)" in err and "step_00000002.pt" in err
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_00000002.pt"]
+
+
+# -- evaluation: no forward on an empty batch ------------------------------------------------------
+class _Loader:
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def iterate(self, *a, **k):
+        return iter(self.batches)
+
+
+class _NoEmptyBatches(torch.nn.Module):
+    """Refuses a batch of 0 as flash attention does on older torch; counts forwards."""
+
+    def __init__(self, clip: bool = False):
+        super().__init__()
+        self.lin, self.clip, self.sizes = torch.nn.Linear(4, 3), clip, []
+
+    def forward(self, x, tokens=None):
+        if x is not None and x.shape[0] == 0:
+            raise RuntimeError("batch of 0")
+        self.sizes.append(x.shape[0])
+        out = self.lin(x)
+        return (out, out if tokens is not None else None, None) if self.clip else out
+
+
+def test_evaluation_pads_a_short_shard_with_one_sample_forwards_not_empty_batches():
+    """A rank with 1 test batch where another has 3 (FSDP2 / ZeRO-3: every rank in every forward)
+    runs 2 padding forwards of one real sample, whose outputs are not counted."""
+    import contextlib
+
+    from vitscale.config import load_config
+    from vitscale.tasks import build_task
+    task = build_task(load_config("configs/tests/tiny.toml"))
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    model = _NoEmptyBatches()
+    r = task.evaluate(model, _Loader([(x, y)]), contextlib.nullcontext, batches=3)
+    expect = task.evaluate(torch.nn.Sequential(model.lin), _Loader([(x, y)]), contextlib.nullcontext)
+    assert r == expect and r["count"] == 5
+    assert model.sizes == [5, 1, 1]
+    # a rank whose shard is empty has no sample to pad with: one line
+    from vitscale.errors import UserError
+    with pytest.raises(UserError, match="too small"):
+        task.evaluate(model, _Loader([]), contextlib.nullcontext, batches=1)
+    # CLIP's encoder does the same
+    from vitscale.tasks.clip import ClipTask
+    clip = _NoEmptyBatches(clip=True)
+    img, txt, toks = ClipTask._encode(None, clip, _Loader([(x, torch.zeros(5, 7, dtype=torch.long))]),
+                                      contextlib.nullcontext, lambda t: t, batches=3, pairs=True)
+    assert img.shape == (5, 3) and txt.shape == (5, 3) and clip.sizes == [5, 1, 1]
+
+
+def test_strategies_pad_evaluation_only_where_forwards_are_collective():
+    from vitscale.strategy.ddp import DDPStrategy
+    from vitscale.strategy.fsdp import FSDPStrategy
+    from vitscale.strategy.single import SingleDevice
+    assert not SingleDevice.forward_is_collective and not DDPStrategy.forward_is_collective
+    assert FSDPStrategy.forward_is_collective

@@ -30,13 +30,39 @@ def _no_phase(name: str) -> None:
 
 @dataclass
 class Window:
-    """Time, global samples and data-wait time since the last train log record."""
+    """Time, global samples, data-wait time and skipped steps (a device tensor where the strategy
+    keeps it there) since the last train log record."""
     seconds: float = 0.0
     images: int = 0
     data_s: float = 0.0
+    skipped: object = 0
 
-    def add(self, seconds: float, images: int, data_s: float) -> None:
+    def add(self, seconds: float, images: int, data_s: float, skipped=False) -> None:
         self.seconds, self.images, self.data_s = self.seconds + seconds, self.images + images, self.data_s + data_s
+        self.skipped = self.skipped + skipped
+
+
+class FiniteWatch:
+    """Non-finite losses noticed without a host sync per step: the first bad step and its loss are
+    kept on the device (a few element-wise ops per step) and read by `check()` at log steps and
+    before anything is evaluated or saved, so a NaN never reaches a checkpoint."""
+
+    def __init__(self):
+        self.first = None  # device tensors: step number (-1: none yet), its loss
+
+    def see(self, step: int, loss: torch.Tensor) -> None:
+        if self.first is None:
+            self.first = (torch.full((), -1, dtype=torch.int64, device=loss.device), loss.detach().clone())
+        first, bad_loss = self.first
+        new = (first < 0) & ~torch.isfinite(loss)
+        self.first = (torch.where(new, step, first), torch.where(new, loss.detach(), bad_loss))
+
+    def bad(self) -> tuple[int, float] | None:
+        """(step, loss) of the first non-finite loss, or None (reads the device: a sync)."""
+        if self.first is None:
+            return None
+        step = int(self.first[0])
+        return (step, float(self.first[1])) if step >= 0 else None
 
 
 def any_rank(s, flag: bool) -> bool:
@@ -102,6 +128,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.strategy.optimizer, cfg.optim, self.total_steps,
                                          self.steps_per_epoch)
         self.step, self.train_time, self.images_seen = 0, 0.0, 0
+        self.watch = FiniteWatch()
         self.steady = [0.0, 0]  # time and images of steps after each process's first (compile, warm-up)
         self.best_acc, self.last_eval = None, None
         self.last_ckpt: Path | None = None
@@ -143,8 +170,21 @@ class Trainer:
         except (ValueError, KeyError) as e:  # e.g. a loss state from another version or dataset
             raise UserError(f"checkpoint: {e}") from None
 
+    def check_finite(self) -> None:
+        """TrainingError if a loss since the start was non-finite (the same on every rank: the loss
+        is the mean over ranks). Called before anything is logged, evaluated or saved."""
+        bad = self.watch.bad()
+        if bad is None:
+            return
+        step, loss = bad
+        where = f"; last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
+            "; no checkpoint was written before it"
+        raise TrainingError(f"loss is {loss} at step {step} (epoch {(step - 1) // self.steps_per_epoch}): "
+                            f"training stopped{where}")
+
     def save(self) -> Path:
         """Collective (every rank's RNG goes in); the main process writes."""
+        self.check_finite()
         s = self.strategy
         suffix = s.engine_suffix  # DeepSpeed, FSDP2 sharded: big state in a folder every rank writes
         if suffix:
@@ -159,6 +199,8 @@ class Trainer:
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """The task's metrics over the whole test set (every rank gets the same numbers)."""
+        self.check_finite()
+        self.strategy.sync_buffers()  # every rank evaluates the buffers that are saved (rank 0's)
         r = self.task.evaluate_all(self.strategy, self.data)
         self.last_eval = {"step": self.step, "epoch": self.step / self.steps_per_epoch,
                           "train_time_s": self.train_time, **r}
@@ -168,9 +210,10 @@ class Trainer:
         return self.last_eval
 
     # -- training ---------------------------------------------------------------------------------
-    def train_step(self, batch: tuple, phase: Callable[[str], None] | None = None) -> tuple[float, dict]:
+    def train_step(self, batch: tuple, phase: Callable[[str], None] | None = None) -> tuple[torch.Tensor, dict]:
         """One optimizer step over a batch ((images, labels) or (images, tokens, index)) split
-        into accum_steps micro-batches; returns (the loss, the strategy's step info).
+        into accum_steps micro-batches; returns (the loss, the strategy's step info), both left
+        on the device: nothing here waits for the GPU (the loop reads them at log steps).
         `phase`: called with "forward" and "backward" after each micro-batch's forward and
         backward, "loss_reduce" after the multi-process loss mean and "optimizer" after the
         update: the lab's step split times this very step through it (None in training)."""
@@ -192,7 +235,7 @@ class Trainer:
             info = s.step()
             self.task.after_step(self.step)
             mark("optimizer")
-        return total.item(), info
+        return total, info
 
     def describe_run(self) -> str:
         cfg, s = self.cfg, self.strategy
@@ -228,43 +271,48 @@ class Trainer:
                 t_last = time.perf_counter()
                 continue
             loss, info = self.train_step(batch)
-            if not math.isfinite(loss):
-                where = f"; last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
-                    "; no checkpoint was written before it"
-                raise TrainingError(f"loss is {loss} at step {self.step + 1} (epoch {epoch}): "
-                                    f"training stopped{where}")
             self.scheduler.step()
             self.step += 1
+            self.watch.see(self.step, loss)
+            log_now = self.step % cfg.run.log_every == 0 or self.step == self.total_steps
+            if log_now:  # the GPU catches up here (and only here) before the clock is read
+                synchronizer(s.device)()
             now = time.perf_counter()
-            self.account(now - t_last, t_data, n_local * s.world_size, loss, info)
+            self.account(now - t_last, t_data, n_local * s.world_size, loss, info, log_now)
             if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
                 self.save()
-            if cfg.train.time_limit_s and any_rank(self.strategy, self.train_time >= cfg.train.time_limit_s):
+            # several processes agree on stopping through a collective (a host sync): at log
+            # steps only; one process checks its own clock every step
+            if cfg.train.time_limit_s and (s.world_size == 1 or log_now) and \
+                    any_rank(self.strategy, self.train_time >= cfg.train.time_limit_s):
                 return "time limit"
             t_last = time.perf_counter()  # checkpoint I/O is not training time
         return "done"
 
-    def account(self, dt: float, t_data: float, images: int, loss: float, info: dict) -> None:
-        """Time and samples of a finished step (`images`: global); the train log record every
-        run.log_every steps; the progress line."""
+    def account(self, dt: float, t_data: float, images: int, loss, info: dict, log_now: bool = True) -> None:
+        """Time and samples of a finished step (`images`: global); at log steps (`log_now`) the
+        train log record, where the loss, gradient norm and skipped steps are read from the
+        device; the progress line."""
         self.train_time += dt
         self.images_seen += images
         if not self._first:  # throughput excludes each process's first step (compile, warm-up)
             self.steady = [self.steady[0] + dt, self.steady[1] + images]
         self._first = False
         w = self.window
-        w.add(dt, images, t_data)
-        if self.step % self.cfg.run.log_every == 0 or self.step == self.total_steps:
-            synchronizer(self.strategy.device)()  # (each step's loss.item() already waits for the GPU)
+        w.add(dt, images, t_data, info["skipped"])
+        if log_now:
+            self.check_finite()
             steps = w.images / images
+            loss = float(loss)
             self.log.log({"kind": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
                           "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                           "images_per_s": w.images / w.seconds, "step_time_s": w.seconds / max(1, steps),
                           "data_time_s": w.data_s / max(1, steps),
-                          "grad_norm": info["grad_norm"], "skipped": info["skipped"],
+                          "grad_norm": float(info["grad_norm"]), "skipped": int(w.skipped),
                           **self.task.logs(), **self.strategy.comm_stats(round(steps))})
             self.window = Window()
-        self.bar.update(self.step, f"loss {loss:.4f} | {self.images_seen / self.train_time:.0f} img/s")
+            self._bar_text = f"loss {loss:.4f} | {self.images_seen / self.train_time:.0f} img/s"
+        self.bar.update(self.step, self._bar_text)
 
     def end_of_epoch(self) -> None:
         """At an epoch's end: evaluate every run.eval_every epochs; checkpoint unless
@@ -288,7 +336,7 @@ class Trainer:
         self.bar = Progress(self.total_steps, cfg.run.progress if main else "off", start=self.step,
                             every=cfg.run.log_every)
         self.bar.message(self.describe_run())
-        self.window, self._first = Window(), True
+        self.window, self._first, self._bar_text = Window(), True, ""
         stop_reason = "done"
         try:
             while self.step < self.total_steps and stop_reason == "done":
@@ -296,6 +344,7 @@ class Trainer:
                 self.end_of_epoch()
         finally:
             self.bar.close()
+        self.check_finite()
         if self.last_eval is None or self.last_eval["step"] != self.step:
             self.log.log({"kind": "eval", **self.evaluate()}, prefix="eval")
         if self.last_ckpt is None or not self.last_ckpt.name.endswith(f"{self.step:08d}.pt"):

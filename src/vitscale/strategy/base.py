@@ -57,7 +57,8 @@ class Strategy(Protocol):
         """Backward of one micro-batch loss (scaled where a loss scaler is used)."""
 
     def step(self) -> dict:
-        """Clip, update, zero gradients; returns {'grad_norm': float, 'skipped': bool}."""
+        """Clip, update, zero gradients; returns {'grad_norm', 'skipped'}: floats / bools or
+        0-dim tensors left on the device (the loop reads them only at log steps: no host sync)."""
 
     def comm_window(self) -> ContextManager:
         """Context around a training step: the collectives issued inside are counted."""
@@ -68,10 +69,17 @@ class Strategy(Protocol):
     def eval_module(self) -> nn.Module:
         """The weights to evaluate (EMA ones when chosen)."""
 
+    def sync_buffers(self) -> None:
+        """Collective: the main process's buffers (BatchNorm statistics) in the model and the
+        evaluated weights of every rank, so that what each rank evaluates is what is saved."""
+
     # what the lab's step split needs to know: no_sync() keeps gradient communication out of
     # backward (DDP, FSDP2); parameters are all-gathered inside forward (FSDP2)
     no_sync_defers_comm: bool
     gathers_in_forward: bool
+    # every rank must take part in every forward (FSDP2, ZeRO-3 gather parameters there): a rank
+    # whose evaluation shard is shorter runs padding forwards (never on an empty batch)
+    forward_is_collective: bool
 
     def state_bytes(self) -> dict:
         """Bytes this rank holds: {'params', 'master_params', 'optimizer_state'} (local shards)."""

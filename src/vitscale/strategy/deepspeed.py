@@ -149,6 +149,7 @@ class DeepSpeedStrategy(Distributed):
         _, world, _ = env_world()
         self.ds_config = build_ds_config(train, optim, scfg, batch_size, world, device_type)
         self.stage = self.ds_config["zero_optimization"].get("stage", 0)
+        self.forward_is_collective = self.stage == 3  # ZeRO-3's hooks gather parameters in forward
         refused = [why for why, on in (
             ("train.precision=fp16 on CPU (fp16 matmul has no fast path there; use bf16)",
              train.precision == "fp16" and device_type != "cuda"),
@@ -265,7 +266,8 @@ class DeepSpeedStrategy(Distributed):
         self._micro = 0
         if norm is None:
             norm = self.engine.get_global_grad_norm()
-        return {"grad_norm": float(norm) if norm is not None else 0.0,
+        # the norm stays as the engine gives it (a tensor is read at the loop's log steps)
+        return {"grad_norm": norm if norm is not None else 0.0,
                 "skipped": self.engine.skipped_steps != skipped_before}
 
     def eval_module(self) -> nn.Module:

@@ -155,6 +155,20 @@ class Distributed(SingleDevice):
             commit_folder(tmp, path)
         return path
 
+    def sync_buffers(self) -> None:
+        """Collective: rank 0's buffers on every rank. Each rank's training forwards update its
+        BatchNorm running statistics from its own batches (DDP broadcasts rank 0's only at the
+        start of the next forward; FSDP2 and DeepSpeed never), so after the last step they differ,
+        and each rank would evaluate its test shard with other statistics than the ones saved
+        (rank 0's). A plain broadcast, outside the communication counts."""
+        modules = {id(m): m for m in (self.module, self.eval_module())}.values()
+        buffers = [b for m in modules for b in m.buffers()]
+        if not buffers or self.world_size == 1:
+            return
+        with COUNTER.paused(), torch.no_grad():
+            for b in buffers:
+                dist.broadcast(b.data, src=0)
+
     def comm_window(self):
         return COUNTER.window()
 

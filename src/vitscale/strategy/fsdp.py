@@ -47,7 +47,7 @@ def mp_policy(precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
 
 class FSDPStrategy(Distributed):
     name = "fsdp"
-    no_sync_defers_comm = gathers_in_forward = True
+    no_sync_defers_comm = gathers_in_forward = forward_is_collective = True
 
     def __init__(self, train, optim, scfg, device_type):
         unsupported = [name for name, on in (("train.ema_decay", train.ema_decay > 0),
@@ -101,7 +101,7 @@ class FSDPStrategy(Distributed):
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm), "skipped": False}
+        return {"grad_norm": norm.detach(), "skipped": False}  # read at log steps (no host sync)
 
     def eval_module(self) -> nn.Module:
         return self.module

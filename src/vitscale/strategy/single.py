@@ -38,6 +38,8 @@ class SingleDevice:  # implements base.Strategy
     no_sync_defers_comm = False
     # parameters are gathered inside forward (FSDP2): overlapped communication is not derivable
     gathers_in_forward = False
+    # every rank must run every forward (parameters gathered there: FSDP2, ZeRO-3)
+    forward_is_collective = False
 
     def __init__(self, train: TrainConfig, optim: OptimConfig, device: torch.device):
         self.cfg, self.optim_cfg, self.device = train, optim, device
@@ -144,7 +146,10 @@ class SingleDevice:  # implements base.Strategy
         self.scaler.scale(loss).backward()
 
     def step(self) -> dict:
-        """Unscale, clip, update, zero grads. Returns {'grad_norm': float, 'skipped': bool}."""
+        """Unscale, clip, update, zero grads. Returns {'grad_norm': 0-dim tensor, 'skipped': bool
+        or 0-dim bool tensor}, left on the device: the loop reads them at its log steps, so that
+        the step itself never waits for the GPU (fp16 with EMA is the exception: whether to
+        average the weights is decided on the host)."""
         if self.master is not None:
             for p, m in zip(self.model_params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()
@@ -154,17 +159,23 @@ class SingleDevice:  # implements base.Strategy
         self.scaler.unscale_(self.optimizer)
         clip = self.optim_cfg.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        # the scale as a device tensor (get_scale() would read it on the host): a skipped step
+        # (non-finite gradients) is one whose update cut the scale
+        scale = getattr(self.scaler, "_scale", None) if self.scaler.is_enabled() else None
+        scale_before = scale.clone() if scale is not None else None
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale_before
-        if self.master is not None and not skipped:
+        skipped = self.scaler._scale < scale_before if scale_before is not None else False
+        if self.master is not None:  # after a skipped step the masters are unchanged: same copy
             with torch.no_grad():
                 torch._foreach_copy_(self.model_params, self.master)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None and not skipped:
+        if self.ema is not None and not bool(skipped):
             self.ema.update_parameters(self.module)
-        return {"grad_norm": float(norm), "skipped": bool(skipped)}
+        return {"grad_norm": norm.detach(), "skipped": skipped}
+
+    def sync_buffers(self) -> None:
+        """One process: its buffers are the saved ones."""
 
     def eval_module(self) -> nn.Module:
         """The weights to evaluate: the EMA copy when EMA is on and chosen, else the model."""

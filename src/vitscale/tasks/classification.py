@@ -1,7 +1,6 @@
 """Image classification: cross entropy on (images, labels); accuracy over the test set."""
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import torch
@@ -159,9 +158,9 @@ class ClassificationTask(Task):
 
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate_all(self, s, data) -> dict:
-        """Accuracy and loss over the whole test set: each rank evaluates its disjoint shard with
-        the same number of forwards; the counts are summed exactly."""
-        batches = max(s.gather_objects(len(data.test)))
+        """Accuracy and loss over the whole test set: each rank evaluates its disjoint shard (with
+        the same number of forwards where forwards are collective); the counts are summed exactly."""
+        batches = max(s.gather_objects(len(data.test))) if s.forward_is_collective else 0
         r = self.evaluate(s.eval_module(), data.test, s.autocast, s.prepare, batches)
         correct, count, loss_sum = s.all_reduce_sum(torch.tensor(
             [r["correct"], r["count"], r["loss_sum"]], dtype=torch.float64, device=s.device)).tolist()
@@ -170,34 +169,42 @@ class ClassificationTask(Task):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, loader, autocast, prepare=lambda x: x, batches: int = 0) -> dict:
-        """Sums over this process's shard: {'correct', 'count', 'loss_sum'} (exact, no averaging).
-        `batches`: run at least this many forward passes, padding with empty batches (sharded
-        models need every rank in every forward)."""
+        """Sums over this process's shard: {'correct', 'count', 'loss_sum'} (exact, no averaging;
+        summed on the device, read once at the end).
+        `batches`: run at least this many forward passes (sharded models need every rank in every
+        forward): past the end of the shard, forwards of one sample whose outputs are dropped
+        (never an empty batch: flash attention on older torch refuses a batch of 0)."""
         was_training = model.training
         model.eval()
-        correct = count = 0
-        loss_sum = 0.0
-        seen = 0
-        for x, y in itertools.chain(loader.iterate(), _empty_batches(loader, batches)):
-            seen += 1
-            if seen > max(batches, len(loader)):
-                break
+        sums = None
+        n = 0
+        for n, (x, y) in enumerate(loader.iterate(), 1):
             x = prepare(x)
             with autocast():
                 logits = model(x).float()
                 if self.hflip_tta:
                     logits = logits + model(x.flip(-1)).float()
-            loss_sum += F.cross_entropy(logits if not self.hflip_tta else logits / 2, y, reduction="sum").item()
-            correct += (logits.argmax(-1) == y).sum().item()
-            count += y.numel()
+            part = torch.stack([(logits.argmax(-1) == y).sum().double(), torch.tensor(float(y.numel()), dtype=torch.float64, device=y.device),
+                                F.cross_entropy(logits if not self.hflip_tta else logits / 2, y, reduction="sum").double()])
+            sums = part if sums is None else sums + part
+        if n < batches:
+            padding_forwards(model, loader, autocast, prepare, batches - n, self.hflip_tta + 1)
         model.train(was_training)
-        return {"correct": correct, "count": count, "loss_sum": loss_sum}
+        correct, count, loss_sum = sums.tolist() if sums is not None else (0, 0, 0.0)
+        return {"correct": int(correct), "count": int(count), "loss_sum": loss_sum}
 
 
-def _empty_batches(loader, batches: int):
-    """Zero-size batches shaped like the loader's, for ranks whose shard has fewer batches."""
-    if batches <= len(loader):
+@torch.no_grad()
+def padding_forwards(model, loader, autocast, prepare, n: int, per_batch: int = 1) -> None:
+    """`n` x `per_batch` forwards of one real sample, outputs dropped: a rank whose evaluation shard
+    ended keeps the collective forwards of the others (FSDP2, ZeRO-3) company."""
+    if n <= 0:
         return
-    x, y = next(iter(loader.iterate()))
-    while True:
-        yield x[:0], y[:0]
+    first = next(iter(loader.iterate()), None)
+    if first is None:
+        raise UserError("the test set is too small to give every process a batch (use fewer processes "
+                        "or a larger test split)")
+    x = prepare(first[0][:1])
+    for _ in range(n * per_batch):
+        with autocast():
+            model(x)

@@ -10,7 +10,6 @@ Evaluation
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import fields, replace
 
 import torch
@@ -213,23 +212,27 @@ class ClipTask(Task):
     @torch.no_grad()
     def _encode(self, model, loader, autocast, prepare, batches: int, pairs: bool):
         """This rank's shard: (image features, text features or None, tokens or labels).
-        Every rank runs `batches` forwards (empty ones past the end of its shard): sharded
-        engines need every rank in every forward."""
-        img, txt, second, empty = [], [], [], None
-        it = itertools.chain(loader.iterate(), itertools.repeat(None))
-        for _, b in zip(range(max(batches, len(loader))), it):
-            if b is None:
-                if empty is None:
-                    raise DataError("the held-out set is too small to give every process a batch "
-                                    "(use fewer processes or a larger test split)")
-                b = empty
-            empty = tuple(t[:0] for t in b)
+        `batches`: run at least this many forwards (sharded engines need every rank in every
+        forward): past the end of the shard, forwards of one sample whose outputs are dropped
+        (never an empty batch: flash attention on older torch refuses a batch of 0)."""
+        img, txt, second, first = [], [], [], None
+        n = 0
+        for n, b in enumerate(loader.iterate(), 1):
+            first = first or b
             with autocast():
                 i, t, _ = model(prepare(b[0]), b[1] if pairs else None)
             img.append(i.float().cpu())
             if pairs:
                 txt.append(t.float().cpu())
             second.append(b[1].cpu())
+        if n < batches:
+            first = first or next(iter(loader.iterate()), None)
+            if first is None:
+                raise DataError("the held-out set is too small to give every process a batch "
+                                "(use fewer processes or a larger test split)")
+            for _ in range(batches - n):
+                with autocast():
+                    model(prepare(first[0][:1]), first[1][:1] if pairs else None)
         cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
         return cat(img), cat(txt), cat(second)
 
@@ -242,7 +245,8 @@ class ClipTask(Task):
         out = {}
         batches = max(s.gather_objects(len(data.test)))
         if batches:
-            parts = s.gather_objects(self._encode(model, data.test, s.autocast, s.prepare, batches, True))
+            pad = batches if s.forward_is_collective else 0
+            parts = s.gather_objects(self._encode(model, data.test, s.autocast, s.prepare, pad, True))
             parts = [p for p in parts if len(p[0])]
             img, txt = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
             width = max(p[2].shape[1] for p in parts)
@@ -263,13 +267,15 @@ class ClipTask(Task):
         with s.autocast():
             _, txt, _ = model(None, tokens)
         classes = F.normalize(txt.float().view(len(zs.class_names), len(templates), -1).mean(1), dim=-1)
-        batches = max(s.gather_objects(len(zs.loader)))
+        batches = max(s.gather_objects(len(zs.loader))) if s.forward_is_collective else 0
         img, _, labels = self._encode(model, zs.loader, s.autocast, s.prepare, batches, False)
         k = min(5, len(zs.class_names))
-        top = (img @ classes.cpu().T).topk(k, dim=1).indices              # [n, k]
-        hit = top == labels[:, None]
-        counts = torch.tensor([hit[:, 0].sum().item(), hit.any(1).sum().item(), len(labels)],
-                              dtype=torch.float64, device=s.device)
+        hits = [0, 0]
+        if len(labels):  # (a rank whose shard is empty ran no forward)
+            top = (img @ classes.cpu().T).topk(k, dim=1).indices              # [n, k]
+            hit = top == labels[:, None]
+            hits = [hit[:, 0].sum().item(), hit.any(1).sum().item()]
+        counts = torch.tensor([*hits, len(labels)], dtype=torch.float64, device=s.device)
         c1, c5, n = s.all_reduce_sum(counts).tolist()
         return {f"zeroshot_{name}_top1": c1 / max(1, n), f"zeroshot_{name}_top5": c5 / max(1, n),
                 f"zeroshot_{name}_count": int(n)}

@@ -1,0 +1,42 @@
+"""What a multi-process run reports is what it saves: the live end-of-run evaluation, `vitscale eval`
+of the final checkpoint and the evaluation of a run resumed from an earlier checkpoint agree, for
+every engine, on a model with BatchNorm (the conv stem), whose running statistics each rank
+updates from its own batches (2 gloo ranks)."""
+import json
+
+import pytest
+
+from vitscale.cli import main
+
+from helpers import interrupted_copy, torchrun
+
+BN = ["model.stem=conv", "data.train_size=96", "run.log_every=1"]
+
+
+def last_eval(run_dir) -> dict:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["kind"] == "eval"][-1]
+
+
+@pytest.mark.parametrize("engine,resume", [("ddp", True), ("fsdp", False), ("deepspeed", True)])
+def test_live_checkpoint_and_resumed_evaluations_agree(tmp_path, capsys, engine, resume):
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
+    extra = [f"strategy.name={engine}", *BN] + (["strategy.zero_stage=2"] if engine == "deepspeed" else [])
+    full = tmp_path / "full"
+    p = torchrun(full, extra, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    live = last_eval(full)
+    capsys.readouterr()
+    assert main(["eval", str(full), "--json"]) == 0
+    saved = json.loads(capsys.readouterr().out)
+    assert saved["test_count"] == live["test_count"] == 32
+    assert saved["test_accuracy"] == live["test_accuracy"]
+    assert abs(saved["test_loss"] - live["test_loss"]) <= 1e-5, (saved["test_loss"], live["test_loss"])
+    if resume:  # from the end of epoch 1 (6 steps of 16): the same last evaluation
+        part = interrupted_copy(full, tmp_path / "part", 6)
+        p = torchrun(part, extra, resume=part, timeout=400)
+        assert p.returncode == 0, p.stderr[-3000:]
+        again = last_eval(part)
+        assert again["step"] == live["step"] == 12 and again["test_accuracy"] == live["test_accuracy"]
+        assert abs(again["test_loss"] - live["test_loss"]) <= 1e-5, (again["test_loss"], live["test_loss"])
