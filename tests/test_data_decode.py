@@ -196,8 +196,8 @@ def test_corrupt_and_truncated_jpegs_raise(tmp_path):
                 decode(blob, 32, 3, True, decoder=d)
     (tmp_path / "t.jpg").write_bytes(bad["truncated"])
     ds = FolderDataset(np.array([str(tmp_path / "t.jpg")]), np.array([0]), 32, True, "simplejpeg")
-    x, y, path, err = ds[(0, 5)]
-    assert x is None and path.endswith("t.jpg") and "truncated" in err
+    x, y, i, path, err = ds[(0, 5)]
+    assert x is None and i == 0 and path.endswith("t.jpg") and "truncated" in err
 
 
 def test_decompression_bomb_refused(monkeypatch):

@@ -45,7 +45,7 @@ def test_folder_loads_and_skips_bad_files(tmp_path, caplog):
     n_seen = sum(len(y) for _, y in out)
     used = set(b.train.indices(0).tolist())
     bad = {i for i, p in enumerate(b.train.dataset.paths) if "truncated" in p or "not_an_image" in p}
-    assert b.train.skipped == len(bad & used) and n_seen == 12 - b.train.skipped
+    assert b.train.skipped == len(bad & used) and n_seen == 12        # full batches: substitutes
     assert caplog.text.count("skipped unreadable image") == b.train.skipped
     for x, y in out:
         assert x.dtype == torch.float32 and x.shape[1:] == (3, 16, 16) and len(x) == len(y)
@@ -56,8 +56,8 @@ def test_bad_files_counted_over_full_epoch(tmp_path):
     make_tree(tmp_path)
     b = build_data(cfg(tmp_path, drop_last=False), device="cpu", seed=0)
     n = sum(len(y) for _, y in b.train.iterate(0))
-    assert b.train.skipped == 2 and n == 12
-    assert sum(len(y) for _, y in b.train.iterate(1)) == 12 and b.train.skipped == 4
+    assert b.train.skipped == 2 and n == 14                            # each replaced, counted once
+    assert sum(len(y) for _, y in b.train.iterate(1)) == 14 and b.train.skipped == 4
 
 
 def test_eval_transform_centre_crop_and_labels(tmp_path):
@@ -139,9 +139,10 @@ def test_alternative_eval_split_name(tmp_path):
 
 
 def test_collate_drops_failures_even_a_whole_batch():
+    """What the evaluation batches do (training batches are filled before collation)."""
     ok = torch.full((3, 8, 8), 7, dtype=torch.uint8)
-    x, y, keep, fails = folder.collate([(None, 0, "a.jpg", "OSError: x"), (ok, 1, "b.png", "")], size=8)
-    assert x.shape == (1, 3, 8, 8) and y.tolist() == [1] and keep.tolist() == [1]
+    x, y, i, keep, fails = folder.collate([(None, 0, 4, "a.jpg", "OSError: x"), (ok, 1, 5, "b.png", "")], size=8)
+    assert x.shape == (1, 3, 8, 8) and y.tolist() == [1] and i.tolist() == [5] and keep.tolist() == [1]
     assert fails == [("a.jpg", "OSError: x")]
-    x, y, keep, fails = folder.collate([(None, 0, "a.jpg", "e")], size=8)
-    assert x.shape == (0, 3, 8, 8) and x.dtype == torch.uint8 and len(y) == 0 and len(fails) == 1
+    x, y, i, keep, fails = folder.collate([(None, 0, 4, "a.jpg", "e")], size=8)
+    assert x.shape == (0, 3, 8, 8) and x.dtype == torch.uint8 and len(y) == len(i) == 0 and len(fails) == 1

@@ -3,8 +3,10 @@
 Decoding and the per-image crop run in DataLoader worker processes (jpeg.py, data.decoder: Pillow,
 or simplejpeg, which decodes a JPEG at the DCT scale its crop needs); each image's random crop comes
 from a seed derived from (seed, epoch, position in the epoch), so batches do not depend on the
-number of workers. Unreadable images are dropped by the collate function and counted in
-`loader.skipped`; normalization and mixing happen on the device.
+number of workers. An unreadable training image is replaced before batching by a substitute
+drawn from (its position's seed, attempt), so every rank's batch stays full (the CLIP losses gather
+equal-sized batches across ranks); it is counted in `loader.skipped`. An unreadable evaluation image
+is dropped from its batch. Normalization and mixing happen on the device.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ log = logging.getLogger("vitscale.data")
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 EVAL_SPLITS = ("val", "validation", "test")
 MEAN, STD = NORMALIZATIONS["imagenet"]
+MAX_DRAWS = 64      # substitute candidates drawn for one unreadable training sample (per pass)
 
 
 def _images_in(folder: Path) -> list[str]:
@@ -76,8 +79,63 @@ def scan(root: Path):
     return classes, out[0], out[1]
 
 
-class FolderDataset(torch.utils.data.Dataset):
-    """Keys are (file index, sample seed); items are (image or None, label, path, error)."""
+class Batch(list):
+    """A local batch's items, and the (name, error) of the unreadable samples that substitutes
+    replaced in it (`failures`, in slot order)."""
+
+    def __init__(self, items=()):
+        super().__init__(items)
+        self.failures: list = []
+
+
+def failures_of(items) -> list:
+    """(name, error) of every unreadable sample of a batch: dropped ones and replaced ones."""
+    return [(it[3], it[4]) for it in items if it[0] is None] + list(getattr(items, "failures", ()))
+
+
+class FillsBatches:
+    """Full training batches from a map-style dataset whose keys are (index, sample seed) and whose
+    items are (image or None, second, index, name, error).
+
+    `__getitems__` (what the DataLoader calls with a local batch's keys, in whichever worker)
+    replaces each unreadable training sample (sample seed >= 0; evaluation keys carry -1 and are
+    never replaced) by a readable substitute before collation: candidate a is
+    derive_seed("substitute", sample seed, a) mod N, first skipping the indices already in the
+    local batch, then allowing them. The substitute is decoded with the slot's seed (its crop and
+    flip), and carries its own label/caption and index (FastCLIP's per-sample state is the
+    substitute's). Batches stay a function of the keys, so of (seed, epoch, b, world size) for any
+    number of workers; the failure is counted once, at the bad sample's own slot (a failing
+    candidate is logged at debug level only: it is counted at its own slot)."""
+
+    def __getitems__(self, keys):
+        items = Batch(self[k] for k in keys)
+        avoid = {int(k[0]) for k in keys}
+        for j, (i, sample_seed) in enumerate(keys):
+            if items[j][0] is None and sample_seed >= 0:
+                items.failures.append((items[j][3], items[j][4]))
+                items[j] = self.substitute(int(i), sample_seed, avoid)
+                avoid.add(int(items[j][2]))
+        return items
+
+    def substitute(self, i: int, sample_seed: int, avoid: set):
+        n, tried = len(self), {i}
+        for outside in (True, False):          # outside the local batch first
+            for a in range(MAX_DRAWS):
+                c = derive_seed("substitute", sample_seed, a) % n
+                if c in tried or (outside and c in avoid):
+                    continue
+                tried.add(c)
+                item = self[(c, sample_seed)]
+                if item[0] is not None:
+                    return item
+                log.debug("substitute candidate %s is unreadable too (%s)", item[3], item[4])
+        raise DataError(f"data: no readable substitute for unreadable sample {i} among {len(tried) - 1} "
+                        f"candidate(s): is most of the training data unreadable?")
+
+
+class FolderDataset(FillsBatches, torch.utils.data.Dataset):
+    """Keys are (file index, sample seed); items are (image or None, label, index, path, error)."""
+    pairs = False
 
     def __init__(self, paths: np.ndarray, labels: np.ndarray, size: int, hflip: bool, decoder: str = "auto"):
         self.paths, self.labels, self.size, self.hflip = paths, labels, size, hflip
@@ -97,17 +155,18 @@ class FolderDataset(torch.utils.data.Dataset):
         try:
             src, name = self.source(i)
             return (decode(src, self.size, sample_seed, self.hflip, self.decoder), int(self.labels[i]),
-                    name, "")
+                    int(i), name, "")
         except Exception as e:  # unreadable, truncated, not an image, decompression bomb ...
-            return None, int(self.labels[i]), name, f"{type(e).__name__}: {e}"
+            return None, int(self.labels[i]), int(i), name, f"{type(e).__name__}: {e}"
 
 
 def collate(items, size: int):
-    """Drop failed samples -> x uint8 [b,3,S,S], y int64 [b], kept positions [b], failures."""
+    """Drop failed samples -> x uint8 [b,3,S,S], y int64 [b], index [b], kept positions [b], failures."""
     keep = [j for j, it in enumerate(items) if it[0] is not None]
     x = torch.stack([items[j][0] for j in keep]) if keep else torch.empty(0, 3, size, size, dtype=torch.uint8)
     y = torch.tensor([items[j][1] for j in keep], dtype=torch.long)
-    return x, y, torch.tensor(keep, dtype=torch.long), [(it[2], it[3]) for it in items if it[0] is None]
+    index = torch.tensor([items[j][2] for j in keep], dtype=torch.long)
+    return x, y, index, torch.tensor(keep, dtype=torch.long), failures_of(items)
 
 
 class _Batches:
@@ -152,8 +211,8 @@ def _dataloader(dataset, batches, cfg, device, collate_fn):
 
 
 class _FolderLoader:
-    """Decoding workers over a dataset whose collate gives (tensors..., kept positions, failures):
-    folder.py's (x, y), pair_files.py's (x, tokens, index)."""
+    """Decoding workers over a dataset whose collate gives (x, second, index, kept positions,
+    failures): folder.py's second = labels, pair_files.py's = tokens."""
 
     def _start(self, dataset, keys_for, num_batches, cfg, device, collate_fn):
         self.dataset, self.device, self.skipped = dataset, torch.device(device), 0
@@ -161,7 +220,7 @@ class _FolderLoader:
         self._loader = _dataloader(dataset, self._sampler, cfg, self.device, collate_fn)
 
     def _batches(self, epoch: int, start: int):
-        """Yields (b, x uint8 [b,3,S,S] on device, the other tensors on device..., kept positions
+        """Yields (b, x uint8 [b,3,S,S] on device, second, index [b] on device, kept positions
         [b]), logging skips."""
         self._sampler.epoch, self._sampler.start = epoch, start
         for b, (*tensors, keep, failures) in enumerate(self._loader, start):
@@ -206,7 +265,7 @@ class FolderTrainLoader(_FolderLoader):
 
     def emit(self, x, rest, params):
         """The training batch from the decoded images and the collate's other tensors."""
-        y, = rest
+        y, _ = rest
         return self.augment(x, y, params)
 
 
@@ -225,8 +284,9 @@ class FolderEvalLoader(_FolderLoader):
         return torch.arange(self.lo, self.hi)
 
     def iterate(self):
-        for _, x, *rest, _ in self._batches(0, 0):
-            yield (self.norm(x), *rest)
+        """(x, labels) or, for pairs, (x, tokens, index)."""
+        for _, x, second, index, _ in self._batches(0, 0):
+            yield (self.norm(x), second, index) if self.dataset.pairs else (self.norm(x), second)
 
 
 def build(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> DataBundle:

@@ -15,7 +15,9 @@ shards on a local or network file system, not streamed from object storage.
 
 Held-out pairs: data.test_root (another CSV / shard set), else the samples whose crc32(key)
 falls below data.test_fraction (key = the image path as written in the CSV, or the sample KEY),
-the same split on every machine. Unreadable images are dropped from their batch and counted.
+the same split on every machine. An unreadable training image is replaced by a substitute before
+batching (folder.FillsBatches: every rank's batch stays full) and counted; an unreadable held-out
+image is dropped from its batch and counted.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ import torch
 
 from ..errors import DataError
 from .fetch import cached_json, file_tag
-from .folder import FolderDataset, FolderEvalLoader, FolderTrainLoader, decode, resolve_decoder
+from .folder import (FillsBatches, FolderDataset, FolderEvalLoader, FolderTrainLoader, decode, failures_of,
+                     resolve_decoder)
 from .sampler import EpochPlan, generator
 from .transforms import NORMALIZATIONS, BatchAugment
 
@@ -184,7 +187,7 @@ def read_member(rec: Records, i: int):
 
 class ShardImages(FolderDataset):
     """Labelled samples (KEY.jpg + KEY.cls) in local tar shards, read by seeking; items as
-    FolderDataset's (image, label, name, error)."""
+    FolderDataset's (image, label, index, name, error)."""
 
     def __init__(self, rec: Records, size: int, hflip: bool, decoder: str):
         from .stream import label_of
@@ -230,8 +233,10 @@ def labelled_bundle(cfg, *, device, seed: int, rank: int, world_size: int):
         train_size=len(train), test_size=len(test), mean=mean, std=std)
 
 
-class PairDataset(torch.utils.data.Dataset):
-    """Keys (index, sample seed) -> (image uint8 [3,S,S] or None, tokens [L], index, source, error)."""
+class PairDataset(FillsBatches, torch.utils.data.Dataset):
+    """Keys (index, sample seed) -> (image uint8 [3,S,S] or None, tokens [L], index, source, error);
+    a local batch of training keys comes back full (FillsBatches)."""
+    pairs = True
 
     def __init__(self, rec: Records, size: int, hflip: bool, context_length: int, decoder: str = "auto"):
         self.rec, self.size, self.hflip, self.context_length = rec, size, hflip, context_length
@@ -264,7 +269,7 @@ def collate(items, size: int):
     x = torch.stack([items[j][0] for j in keep]) if keep else torch.empty(0, 3, size, size, dtype=torch.uint8)
     tok = torch.stack([items[j][1] for j in keep]) if keep else torch.empty(0, L, dtype=torch.long)
     idx = torch.tensor([items[j][2] for j in keep], dtype=torch.long)
-    return x, tok, idx, torch.tensor(keep, dtype=torch.long), [(it[3], it[4]) for it in items if it[0] is None]
+    return x, tok, idx, torch.tensor(keep, dtype=torch.long), failures_of(items)
 
 
 class PairFileTrainLoader(FolderTrainLoader):
@@ -309,16 +314,13 @@ class FolderPairs:
         inner = self.inner
         if start_batch < 0:
             raise DataError(f"data: start_batch must be >= 0, got {start_batch}")
-        for b, x, y, keep in inner._batches(epoch if self.train else 0, start_batch if self.train else 0):
-            keep_d = keep.to(x.device)
-            if self.train:
+        for b, x, y, idx, keep in inner._batches(epoch if self.train else 0, start_batch if self.train else 0):
+            if self.train:      # idx: each sample's own index (a substitute's is its own)
                 g = inner.plan.global_batch(epoch, b)
                 lo, hi = inner.plan.local_range(len(g))
-                idx = g[lo:hi].to(x.device)[keep_d]
                 params = inner.augment.draw(generator("aug", inner.seed, epoch, b), len(g))
                 x, _ = inner.augment(x, y, params.take(slice(lo, hi)).take(keep))
             else:
-                idx = inner.lo + b * inner.batch_size + keep_d
                 x = inner.norm(x)
             yield x, self.class_tokens[y], idx
 
