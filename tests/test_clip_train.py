@@ -137,10 +137,12 @@ def test_two_ranks_match_single_process(tmp_path, loss, extra, tol):
     assert abs(s2["test_i2t_r1"] - s1["test_i2t_r1"]) <= 1 / 32
 
 
-def _pairs_csv(root, n=40, bad=()):
-    """n image-caption pairs (12x14 JPEGs) in root/pairs.csv; the images named in `bad` truncated
-    (unreadable); root/held.csv: 8 other readable pairs for evaluation."""
+def _pairs(root, n=40, bad=(), shards=0):
+    """n image-caption pairs (12x14 JPEGs; the indices in `bad` truncated, unreadable) and 8 other
+    readable ones for evaluation: root/pairs.csv and root/held.csv, or with `shards`, that many
+    equal .tar shards in root/train (sample k is the k-th) and 2 in root/held."""
     import io
+    import tarfile
 
     import numpy as np
     from PIL import Image
@@ -155,33 +157,57 @@ def _pairs_csv(root, n=40, bad=()):
         rows["pairs.csv" if i < n else "held.csv"].append(f"img/{i}.jpg,a picture number {i}")
     for name, lines in rows.items():
         (root / name).write_text("\n".join(lines) + "\n")
-    return root / "pairs.csv", root / "held.csv"
+    if not shards:
+        return root / "pairs.csv", root / "held.csv"
+    for split, ks in (("train", np.array_split(range(n), shards)), ("held", np.array_split(range(n, n + 8), 2))):
+        (root / split).mkdir()
+        for s, part in enumerate(ks):
+            with tarfile.open(root / split / f"{s:05d}.tar", "w") as tf:
+                for k in part.tolist():
+                    for name, blob in ((f"{k:05d}.jpg", (root / "img" / f"{k}.jpg").read_bytes()),
+                                       (f"{k:05d}.txt", f"a picture number {k}".encode())):
+                        ti = tarfile.TarInfo(name)
+                        ti.size = len(blob)
+                        tf.addfile(ti, io.BytesIO(blob))
+    return root / "train", root / "held"
 
 
-def test_two_ranks_get_full_batches_despite_a_corrupt_image(tmp_path):
-    """Issue 25 item 8: a corrupt JPEG in a CSV of pairs, 2 gloo ranks, FastCLIP (per-sample state by
-    index). Each rank's local batch stays full (a substitute takes the bad sample's place before
-    batching): the loss's feature gathers see equal sizes (gloo refuses unequal ones, as it did
-    before the fix: "Received data size doesn't match expected size"), rank 0 counts full global
-    batches, the run finishes, and the bad sample is skipped and counted once per epoch by the rank
-    whose slice holds it."""
+@pytest.mark.parametrize("source", ["csv", "stream"])
+def test_two_ranks_get_full_batches_despite_a_corrupt_image(tmp_path, source):
+    """Issue 25 item 8: a corrupt JPEG among image-caption pairs (a CSV, or streamed shards), 2 gloo
+    ranks, FastCLIP (per-sample state by index). Each rank's local batch stays full (a substitute
+    takes the bad sample's place before batching): the loss's feature gathers see equal sizes
+    (gloo refuses unequal ones, as it did before the fix: "Received data size doesn't match
+    expected size"), rank 0 counts full global batches, the run finishes, and the bad sample is
+    skipped and counted once per epoch by the rank whose share holds it."""
     from vitscale.data.sampler import EpochPlan
+    from vitscale.data.stream import ShardSet, StreamPlan
     n, batch, epochs = 40, 8, 2
-    plan = [EpochPlan(n, batch, seed=0, drop_last=True, rank=r, world_size=2) for r in (0, 1)]
-    bad = int(plan[1].indices(0)[0])                   # in rank 1's slice of the first step
-    train_csv, held_csv = _pairs_csv(tmp_path / "data", n, bad=(bad,))
-    base = ["run.threads=1", f"train.epochs={epochs}", "clip.loss=fastclip_v3", "strategy.name=ddp",
-            "data.name=csv", f"data.root={train_csv}", f"data.test_root={held_csv}", "data.image_size=8",
-            f"data.batch_size={batch}", "data.eval_batch_size=8", "data.num_workers=0"]
+    if source == "csv":
+        plan = [EpochPlan(n, batch, seed=0, drop_last=True, rank=r, world_size=2) for r in (0, 1)]
+        bad = int(plan[1].indices(0)[0])               # in rank 1's slice of the first step
+        holds = lambda r, e: bad in plan[r].indices(e).tolist()  # noqa: E731
+        data = ["data.name=csv"]
+    else:                                              # 4 shards of 10: every sample once an epoch
+        shards = ShardSet([str(s) for s in range(4)], [10] * 4, "txt")
+        plan = [StreamPlan(shards, batch, seed=0, rank=r, world_size=2, streams=1) for r in (0, 1)]
+        bad = 10 * plan[1].stream_shards(0, 0)[0] + 3  # in a shard rank 1 reads in epoch 0
+        holds = lambda r, e: bad // 10 in plan[r].stream_shards(e, 0)  # noqa: E731
+        data = ["data.name=webdataset", "data.reader=stream", "data.shuffle_buffer=4"]
+    train, held = _pairs(tmp_path / "data", n, bad=(bad,), shards=4 if source == "stream" else 0)
+    base = ["run.threads=1", f"train.epochs={epochs}", "clip.loss=fastclip_v3", "strategy.name=ddp", *data,
+            f"data.root={train}", f"data.test_root={held}", "data.image_size=8", f"data.batch_size={batch}",
+            "data.eval_batch_size=8", "data.num_workers=0"]
     out = tmp_path / "two"
     p = torchrun(out, [], config=CLIP, base=base, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     steps = epochs * (n // batch)
     assert s["steps"] == steps and s["images_seen"] == steps * batch and s["test_pairs"] == 8
-    # the count each rank reports: its own loader's, once per epoch its slice holds the bad sample
-    ranks = [r for e in range(epochs) for r in (0, 1) if bad in plan[r].indices(e).tolist()]
+    # the count each rank reports: its own loader's, once per epoch its share holds the bad sample
+    ranks = [r for e in range(epochs) for r in (0, 1) if holds(r, e)]
     want = sorted(ranks[:k + 1].count(r) for k, r in enumerate(ranks))
-    warned = [ln for ln in p.stderr.splitlines() if "skipped unreadable image" in ln]
-    assert all(f"img/{bad}.jpg" in ln for ln in warned), p.stderr[-3000:]
+    warned = [ln for ln in p.stderr.splitlines() if "skipped" in ln and "so far" in ln]
+    name = f"img/{bad}.jpg" if source == "csv" else f"{bad:05d}"
+    assert len(warned) == len(ranks) and all(name in ln for ln in warned), p.stderr[-3000:]
     assert sorted(int(ln.split("; ")[-1].split()[0]) for ln in warned) == want, warned

@@ -30,8 +30,10 @@ count, and index = the samples of the earlier shards (sorted list) + the positio
 the index the seek reader gives. A map of keys would cost memory per sample; counts cost one
 number per shard.
 
-Bad input never stops a run: an undecodable image is dropped from its batch and counted, a
-sample without its caption/label is skipped and counted, a truncated or vanished shard ends that
+Bad input never stops a run: an undecodable training image is replaced in its batch by a sample of
+the stream's previous batch (stream_loader.py; batches stay full on every rank) and counted, an
+undecodable held-out image is dropped and counted, a sample without its caption/label is skipped
+before batching and counted, a truncated or vanished shard ends that
 shard for this pass (one warning, counted); a stream none of whose shards can be read is a
 one-line error.
 """

@@ -5,7 +5,9 @@
     StreamEvalLoader.iterate()                    -> the same over this rank's held-out shards
 
 Decoding runs in DataLoader worker processes (one per stream); each worker yields whole
-collated batches with what went wrong on the way, logged and counted here.
+collated batches with what went wrong on the way, logged and counted here. A training batch is
+always full: an undecodable image is replaced before collation by a sample of the stream's
+previous batch (`StreamTrainDataset`), so every rank gives the CLIP losses' gathers equal sizes.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from ..errors import DataError
 from ..strategy.devices import pin_batches
 from .sampler import derive_seed, generator
-from .folder import decode, resolve_decoder
+from .folder import Batch, decode, failures_of, resolve_decoder
 from .stream import ShardErrors, ShardSet, StreamPlan, label_of, set_samples, stream_samples
 from .tokenizer import get_tokenizer
 
@@ -50,13 +52,20 @@ def collate(items, size: int, pairs: bool):
     else:
         second = torch.tensor([items[j][1] for j in keep], dtype=torch.long)
     index = torch.tensor([items[j][2] for j in keep], dtype=torch.long)
-    failures = [(it[3], it[4]) for it in items if it[0] is None]
-    return x, second, index, torch.tensor(keep, dtype=torch.long), failures
+    return x, second, index, torch.tensor(keep, dtype=torch.long), failures_of(items)
 
 
 class StreamTrainDataset(torch.utils.data.IterableDataset):
     """This rank's training batches; DataLoader worker w serves stream (start + w) % V, so the
-    round-robin order of the workers is the batch order b = start, start + 1, ..."""
+    round-robin order of the workers is the batch order b = start, start + 1, ...
+
+    Every batch takes exactly its `bl` samples from the stream, and an undecodable one is replaced
+    in its slot (the slot's crop seed; the substitute's own caption/label and index) by the first
+    decodable sample of: the stream's previous batch from the same slot on, then the other good
+    samples of this batch (only a stream's first batch of an epoch has no previous batch). Refilling
+    from the next samples instead would make the samples consumed before batch b depend on which
+    images decode, so a resume could not skip them without decoding; the previous batch's samples
+    are read by the replay anyway."""
 
     def __init__(self, plan: StreamPlan, decode: _Decode, buffer: int):
         self.plan, self.decode, self.buffer = plan, decode, buffer
@@ -72,19 +81,39 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
         k0 = max(0, -(-(self.start - v) // V))               # first batch of stream v at or after start
         errors, bad = ShardErrors(), []
         samples = stream_samples(plan, epoch, v, self.buffer, errors, bad)
+        prev: list = []                                      # the previous batch's raw samples
         try:
-            for _ in range(k0 * bl):                         # replay without decoding (exact resume)
-                next(samples)
+            for _ in range(k0):                              # replay without decoding (exact resume)
+                prev = [next(samples) for _ in range(bl)]
             for k in range(k0, plan.batches_of(v)):
                 b = k * V + v
                 first = b * plan.batch_size + plan.lo            # position in the epoch
-                items = [self.decode(next(samples), derive_seed("img", plan.seed, epoch, first + j))
-                         for j in range(bl)]
+                raw = [next(samples) for _ in range(bl)]
+                seeds = [derive_seed("img", plan.seed, epoch, first + j) for j in range(bl)]
+                items = Batch(self.decode(s, seed) for s, seed in zip(raw, seeds))
+                ok = [it[0] is not None for it in items]
+                for j in [j for j in range(bl) if not ok[j]]:
+                    items.failures.append((items[j][3], items[j][4]))
+                    items[j] = self._substitute(j, seeds[j], prev, raw, ok)
+                prev = raw
                 events = errors.events + bad
                 errors.events, bad[:] = [], []
                 yield (*collate(items, self.decode.size, self.decode.pairs), events)
         except DataError as e:
             yield ("error", str(e))
+
+    def _substitute(self, j: int, seed: int, prev: list, raw: list, ok: list):
+        """Slot j's replacement (class docstring), decoded with the slot's seed."""
+        n = len(raw)
+        candidates = [prev[(j + a) % len(prev)] for a in range(len(prev))] + \
+                     [raw[(j + a) % n] for a in range(1, n) if ok[(j + a) % n]]
+        for sample in candidates:
+            item = self.decode(sample, seed)
+            if item[0] is not None:
+                return item
+            log.debug("substitute candidate %s is unreadable too (%s)", item[3], item[4])
+        raise DataError(f"webdataset: no readable image among the {len(candidates) + 1} sample(s) of a batch and "
+                        f"the one before it: is most of the data unreadable?")
 
 
 class StreamEvalDataset(torch.utils.data.IterableDataset):
