@@ -207,17 +207,19 @@ def test_stream_substitute_comes_from_the_previous_batch(tmp_path):
         d.close()
 
 
-def test_unreadable_everything_is_a_one_line_error(tmp_path):
-    c = cfg(name="csv", root=str(_csv(tmp_path, 8, bad=range(8))), batch_size=4)
-    b = build_image_text(c, device="cpu", seed=0, context_length=L)
-    with pytest.raises(DataError, match="no readable substitute"):
-        next(iter(b.train.iterate(0)))
+@pytest.mark.parametrize("workers", [0, 1])
+def test_unreadable_everything_is_a_one_line_error(tmp_path, workers):
+    """No substitute to be found: a one-line DataError from the main process, not a worker's traceback."""
+    c = cfg(name="csv", root=str(_csv(tmp_path, 8, bad=range(8))), batch_size=4, num_workers=workers)
     root, held = _shards(tmp_path / "s", 2, 4, bad=range(8)), _shards(tmp_path / "h", 2, 2)
-    s = build_image_text(cfg(name="webdataset", reader="stream", root=str(root), test_root=str(held), batch_size=4),
-                         device="cpu", seed=0, context_length=L)
-    with pytest.raises(DataError, match="no readable image"):
-        next(iter(s.train.iterate(0)))
-    s.close()
+    s = cfg(name="webdataset", reader="stream", root=str(root), test_root=str(held), batch_size=4,
+            num_workers=workers)
+    for conf, what in ((c, "data: no readable substitute for"), (s, "webdataset: no readable image among")):
+        b = build_image_text(conf, device="cpu", seed=0, context_length=L)
+        with pytest.raises(DataError) as e:
+            next(iter(b.train.iterate(0)))
+        assert str(e.value).startswith(what) and "\n" not in str(e.value), str(e.value)
+        b.close()
 
 
 def test_evaluation_still_drops_unreadable_images(tmp_path, caplog):

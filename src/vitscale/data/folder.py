@@ -112,8 +112,13 @@ class FillsBatches:
         avoid = {int(k[0]) for k in keys}
         for j, (i, sample_seed) in enumerate(keys):
             if items[j][0] is None and sample_seed >= 0:
-                items.failures.append((items[j][3], items[j][4]))
-                items[j] = self.substitute(int(i), sample_seed, avoid)
+                bad = items[j]
+                try:
+                    items[j] = self.substitute(int(i), sample_seed, avoid)
+                except DataError as e:      # raised by the loader in the main process: one line,
+                    items.failures.append((None, str(e)))   # not a worker's traceback
+                    continue
+                items.failures.append((bad[3], bad[4]))
                 avoid.add(int(items[j][2]))
         return items
 
@@ -225,6 +230,8 @@ class _FolderLoader:
         self._sampler.epoch, self._sampler.start = epoch, start
         for b, (*tensors, keep, failures) in enumerate(self._loader, start):
             for path, err in failures:
+                if path is None:                     # no substitute (FillsBatches)
+                    raise DataError(err)
                 self.skipped += 1
                 log.warning("skipped unreadable image %s (%s); %d skipped so far", path, err, self.skipped)
             yield (b, *(t.to(self.device, non_blocking=True) for t in tensors), keep)
