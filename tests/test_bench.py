@@ -249,3 +249,66 @@ def test_lab_compiles_each_shape_statically():
         static_compiles()
         assert graphs_for_three_shapes() == 3 and dynamo.recompile_limit >= 64
     torch._dynamo.reset()
+
+
+# -- each configuration under its own process-wide settings (issue 25, item 2) ----------------------
+FP32_PRECISION_SETTINGS = [("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"), ("cuda", "all"),
+                           ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn"), ("mkldnn", "all"),
+                           ("generic", "all")]
+
+
+@pytest.fixture
+def cuda_flags_on_cpu(monkeypatch):
+    """Strategies built here set the TF32 / cuDNN flags a GPU run sets (they are Python-side
+    settings, harmless on a CPU build); the process's flags exactly as before afterwards."""
+    from vitscale.strategy import devices, single
+    cuda_flags = functools.partial(devices.backend_flags, "cuda")
+    monkeypatch.setattr(single, "backend_flags", lambda device_type, tf32, bench: cuda_flags(tf32, bench))
+    monkeypatch.setattr(devices, "backend_flags", lambda device_type, tf32, bench: cuda_flags(tf32, bench))
+    getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+    new = {k: getter(*k) for k in FP32_PRECISION_SETTINGS} if getter else {}
+    legacy = (torch._C._get_float32_matmul_precision(), torch._C._get_cudnn_allow_tf32(),
+              torch.backends.cudnn.benchmark)
+    yield
+    torch.set_float32_matmul_precision(legacy[0])
+    torch._C._set_cudnn_allow_tf32(legacy[1])
+    for k, v in new.items():
+        torch._C._set_fp32_precision_setter(*k, v)
+    torch.backends.cudnn.benchmark = legacy[2]
+
+
+def flags_seen_by_steps(monkeypatch) -> list:
+    """(the config's train.tf32, cudnn_benchmark, whether the process ran TF32 matmuls / convs and
+    cuDNN autotuning, torch threads) at every training step."""
+    seen = []
+    step = Trainer.train_step
+
+    def recording(self, batch, *a, **k):
+        seen.append(((self.cfg.train.tf32, self.cfg.train.cudnn_benchmark, self.cfg.run.threads),
+                     (torch.backends.cuda.matmul.fp32_precision == "tf32",
+                      torch.backends.cudnn.conv.fp32_precision == "tf32", torch.backends.cudnn.benchmark,
+                      torch.get_num_threads())))
+        return step(self, batch, *a, **k)
+    monkeypatch.setattr(Trainer, "train_step", recording)
+    return seen
+
+
+def test_side_by_side_runs_each_configuration_under_its_own_flags(monkeypatch, cuda_flags_on_cpu):
+    """Each strategy sets the process-wide TF32 / cuDNN flags (and Trainer the thread count) when
+    built; the benches are built first and timed together, so every one used to run under the
+    last one's settings: the ladder's fp32 IEEE baseline ran in TF32. Now each bench's warm-up
+    and rounds run under its own, and the process's are back as they were afterwards."""
+    from vitscale.lab.harness import measure_configs
+    from vitscale.strategy import devices
+    seen = flags_seen_by_steps(monkeypatch)
+    before = devices.current_backend_flags(), torch.get_num_threads()
+    cfgs = [load_config(TINY, ["train.tf32=false", "train.cudnn_benchmark=false", "run.threads=1"]),
+            load_config(TINY, ["train.tf32=true", "train.cudnn_benchmark=true", "run.threads=2"]),
+            load_config(TINY, ["train.tf32=false", "train.cudnn_benchmark=true", "run.threads=1"])]
+    results = measure_configs(cfgs, steps=1, rounds=2, warmup=1)
+    assert all("images_per_s" in r for r in results)
+    assert len(seen) == 3 * (1 + 2)  # every bench: 1 warm-up step + 2 rounds of 1 step
+    for (tf32, bench, threads), (matmul, conv, autotune, n) in seen:
+        assert (matmul, conv, autotune, n) == (tf32, tf32, bench, threads)
+    assert (devices.current_backend_flags(), torch.get_num_threads()) == before
+    assert devices.readers_agree()

@@ -327,11 +327,19 @@ def test_side_by_side_drops_a_configuration_that_runs_out_of_gpu_memory():
     from vitscale.lab.harness import side_by_side
     from vitscale.strategy import SingleDevice
 
+    import contextlib
+
     class FakeBench:
         s = SingleDevice(TrainConfig(), OptimConfig(), torch.device("cpu"))
 
         def __init__(self, oom_at):
-            self.calls, self.oom_at = 0, oom_at
+            self.calls, self.oom_at, self.closed = 0, oom_at, False
+
+        def settings(self):
+            return contextlib.nullcontext()
+
+        def close(self):  # a bench that ran out of memory is closed before the cache is emptied
+            self.closed = True
 
         def steps(self, n):
             self.calls += 1
@@ -339,7 +347,9 @@ def test_side_by_side_drops_a_configuration_that_runs_out_of_gpu_memory():
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             return (0.1 * n, 0.01 * n)
 
-    out = side_by_side([FakeBench(0), FakeBench(1), FakeBench(3)], steps=2, rounds=3, warmup=1)
+    benches = [FakeBench(0), FakeBench(1), FakeBench(3)]
+    out = side_by_side(benches, steps=2, rounds=3, warmup=1)
     assert out[0] == [pytest.approx((0.2, 0.02))] * 3
     assert out[1] is None  # out of memory in its warm-up
     assert out[2] is None  # out of memory in the second round
+    assert [b.closed for b in benches] == [False, True, True]

@@ -1,5 +1,6 @@
 """vitscale ladder and tune: rung construction, a tiny ladder end to end, tune's search logic with a
 fake measure function, tune end to end with a fake harness, one-line errors. No timing is asserted."""
+import contextlib
 import json
 
 import pytest
@@ -86,11 +87,15 @@ def test_tiny_ladder_end_to_end(capsys, tmp_path):
     rows = {row["rung"].split(" (")[0]: row for row in r["rungs"]}
     assert rows["baseline"]["speedup_vs_baseline"] == 1.0
     measured = [row for row in r["rungs"] if not row["skipped"]]
-    assert len(measured) == 7
-    for row in measured:
+    assert len(measured) == 7 and r["complete"]
+    for prev, row in zip([None] + measured, measured):
         assert row["images_per_s"] > 0
-        assert row["speedup_vs_baseline"] == pytest.approx(row["images_per_s"] / measured[0]["images_per_s"])
+        # against the baseline's median round in the rung's own rounds (each rung is timed beside it)
+        assert row["speedup_vs_baseline"] == pytest.approx(row["images_per_s"] / row["baseline_images_per_s"])
+        assert row["speedup_vs_previous"] == pytest.approx(
+            row["speedup_vs_baseline"] / prev["speedup_vs_baseline"] if prev else 1.0)
         assert row["speedup_vs_baseline_paired"] > 0
+    assert measured[0]["baseline_images_per_s"] == measured[0]["images_per_s"]
     assert measured[0]["speedup_vs_baseline_paired"] == 1.0
     assert measured[0]["speedup_vs_previous_paired"] == 1.0 and all(
         row["speedup_vs_previous_paired"] > 0 for row in measured)
@@ -100,6 +105,116 @@ def test_tiny_ladder_end_to_end(capsys, tmp_path):
     assert all(0 <= row["accuracy"]["test_accuracy"] <= 1 and row["accuracy"]["steps"] == 2
                for row in measured if "accuracy" in row)
     assert "| rung |" in (out / "ladder.md").read_text()
+
+
+def test_ladder_times_each_rung_under_its_own_tf32_flags(monkeypatch, tmp_path, capsys):
+    """Issue 25, item 2: the rungs were all built (each strategy setting the process-wide TF32
+    flags) and then timed together, so the "fp32 IEEE, TF32 off" baseline ran in TF32 like the
+    rungs built after it. Driven on a CPU: the strategies set the flags a GPU run sets, and the
+    tf32 rung is measured here."""
+    from vitscale.lab import ladder as lab_ladder
+    from vitscale.loop import Trainer
+    from vitscale.strategy import devices, single
+    monkeypatch.setattr(lab_ladder, "CUDA_ONLY", ("cudagraphs",))
+    cuda_flags = lambda device_type, tf32, bench: {"matmul_tf32": tf32, "conv_tf32": tf32,  # noqa: E731
+                                                    "cudnn_benchmark": bench}
+    monkeypatch.setattr(single, "backend_flags", cuda_flags)
+    monkeypatch.setattr(devices, "backend_flags", cuda_flags)
+    seen, step = [], Trainer.train_step
+
+    def recording(self, batch, *a, **k):
+        seen.append((self.cfg.train.tf32, torch.backends.cuda.matmul.fp32_precision == "tf32",
+                     torch.backends.cudnn.conv.fp32_precision == "tf32"))
+        return step(self, batch, *a, **k)
+    monkeypatch.setattr(Trainer, "train_step", recording)
+    legacy = (torch._C._get_float32_matmul_precision(), torch._C._get_cudnn_allow_tf32())
+    new = {k: torch._C._get_fp32_precision_getter(*k) for k in [("cuda", "matmul"), ("cuda", "conv"),
+                                                                ("cuda", "rnn"), ("mkldnn", "matmul")]}
+    try:
+        rc = main(["ladder", TINY, "--set", "run.threads=1", "--steps", "1", "--trials", "2", "--warmup", "1",
+                   "--train-steps", "0", "--skip", "foreach,fused,pool,sdpa,compile,batch", "--json",
+                   "--out", str(tmp_path)])
+    finally:
+        torch.set_float32_matmul_precision(legacy[0])
+        torch._C._set_cudnn_allow_tf32(legacy[1])
+        for k, v in new.items():
+            torch._C._set_fp32_precision_setter(*k, v)
+    assert rc == 0
+    rows = [row for row in json.loads(capsys.readouterr().out)["rungs"] if not row["skipped"]]
+    assert [row["rung"].split(" (")[0] for row in rows] == ["baseline", "+ TF32 matmuls and convolutions",
+                                                            "+ mixed precision"]
+    assert {tf32 for tf32, _, _ in seen} == {False, True}
+    assert all(matmul == conv == tf32 for tf32, matmul, conv in seen), seen
+
+
+def test_ladder_frees_each_rung_and_writes_its_row_at_once(monkeypatch, tmp_path, capsys):
+    """Issue 25, item 9: at most two rungs' benches alive at a time (the baseline and the rung
+    timed beside it), and each row on disk as soon as its rung is measured: the run stopped
+    (Ctrl-C, a time limit) while building the third rung keeps the baseline's row and two rungs'."""
+    import gc
+    import weakref
+    alive, most = weakref.WeakSet(), []
+
+    class CountingBench(lab_harness.Bench):
+        def __init__(self, *a, **k):
+            if len(most) == 3:  # the baseline and two rungs were built (and measured): stop here
+                raise KeyboardInterrupt
+            super().__init__(*a, **k)
+            alive.add(self)
+            gc.collect()
+            most.append(len(alive))
+    monkeypatch.setattr(lab_harness, "Bench", CountingBench)
+    out = tmp_path / "ladder"
+    rc = main(["ladder", TINY, "--set", "run.threads=1", "--steps", "1", "--trials", "2", "--warmup", "1",
+               "--train-steps", "1", "--skip", "compile", "--out", str(out)])
+    assert rc == 130
+    assert most == [1, 2, 2]
+    r = json.loads((out / "ladder.json").read_text())
+    measured = [row["rung"].split(" (")[0] for row in r["rungs"] if not row["skipped"]]
+    assert measured == ["baseline", "+ mixed precision", "+ multi-tensor optimizer"]
+    assert not r["complete"] and "accuracy" in r["rungs"][0]  # the baseline's training, written too
+    md = (out / "ladder.md").read_text()
+    assert "+ multi-tensor optimizer" in md and "+ fused optimizer" not in md and "incomplete" in md
+
+
+def test_measure_against_first_when_memory_runs_out(monkeypatch):
+    """A rung that does not fit is reported and the next one built; a baseline that runs out of
+    memory next to a rung is closed (then the memory freed), the rung reported without a
+    round-by-round ratio, and the baseline built again for the next rung."""
+    import types
+    built, emitted = [], []
+
+    class FakeBench:
+        def __init__(self, name):
+            self.name, self.closed, self.global_batch = name, False, 8
+            self.cfg = types.SimpleNamespace(train=types.SimpleNamespace(compile=False))
+            self.trainer = types.SimpleNamespace(flops_per_image=1.0)
+            self.s = types.SimpleNamespace(world_size=1, device=torch.device("cpu"))
+            built.append(self)
+
+        def settings(self):
+            return contextlib.nullcontext()
+
+        def steps(self, n):
+            if self.name == "base" and any(b.name == "big" and not b.closed for b in built):
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return ({"base": 0.4, "big": 0.1, "ok": 0.2}[self.name] * n, 0.0)
+
+        def close(self):
+            self.closed = True
+
+    def fake_build(cfg, synthetic=False):
+        return (None, "out of memory") if cfg == "huge" else (FakeBench(cfg), None)
+    monkeypatch.setattr(lab_harness, "build_bench", fake_build)
+    res = lab_harness.measure_against_first(["base", "huge", "big", "ok"], steps=1, rounds=3, warmup=1,
+                                            on_result=lambda i, r: emitted.append(i))
+    assert emitted == [1, 2, 0, 3]  # the baseline's own row comes from the first pair it completed
+    assert res[1] == {"error": "out of memory"}
+    assert res[2]["images_per_s"] == pytest.approx(80.0) and res[2]["paired_vs_first"] is None
+    assert res[2]["reference_images_per_s"] is None
+    assert res[0]["images_per_s"] == pytest.approx(20.0) and res[0]["paired_vs_first"] == 1.0
+    assert res[3]["paired_vs_first"] == pytest.approx(2.0) and res[3]["reference_images_per_s"] == pytest.approx(20.0)
+    assert [b.name for b in built] == ["base", "big", "base", "ok"] and all(b.closed for b in built)
 
 
 # -- tune: the search -----------------------------------------------------------------------------

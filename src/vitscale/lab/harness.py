@@ -4,12 +4,18 @@
 batches from the loader (or one fixed batch), with synchronized timers; `split()` is a separate,
 instrumented pass (syncs between phases) that divides a step into forward / backward /
 communication / optimizer. `side_by_side()` times several Benches in interleaved rounds so that
-machine noise hits every configuration alike.
+machine noise hits every configuration alike; each Bench's steps run under its own process-wide
+settings (TF32 / cuDNN flags, torch threads), which building a later Bench would otherwise
+overwrite. `measure_configs()` (tune) builds a few Benches and times them together;
+`measure_against_first()` (the ladder) keeps only the first (the baseline) resident and builds,
+times and frees every other configuration one at a time, each paired with the baseline.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import gc
 import os
 import platform
 import resource
@@ -22,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..strategy import devices
 from ..strategy.devices import synchronizer
 
 perf = time.perf_counter
@@ -134,6 +141,26 @@ class Bench:
         self.trainer, self.s = trainer, trainer.strategy
         self.sync = synchronizer(self.s.device)  # the GPU's clock is read only after its queue drains
         self._epoch, self._it = 0, iter(())
+        # the process-wide settings this configuration's strategy applied when it was built (TF32,
+        # cuDNN autotuning: {} on a CPU) and its thread count; a Bench built later overwrites them,
+        # so `settings()` puts them back around each of this Bench's timed rounds
+        train = self.cfg.train
+        self.flags = devices.backend_flags(self.s.device.type, train.tf32, train.cudnn_benchmark)
+        self.threads = torch.get_num_threads()
+
+    @contextlib.contextmanager
+    def settings(self):
+        """This Bench's process-wide settings for a block (its warm-up, each timed round), the
+        ones before restored after."""
+        threads = torch.get_num_threads()
+        if threads != self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            with devices.backend_flags_applied(self.flags):
+                yield
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
     @property
     def global_batch(self) -> int:
@@ -219,11 +246,55 @@ class Bench:
         s.optimizer.zero_grad(set_to_none=True)
         return seconds
 
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "trainer", None) is None
+
     def close(self) -> None:
+        """Drop the trainer (and close its data, remove its run folder if this Bench built it);
+        a second call does nothing."""
+        if self.closed:
+            return
         if self.tmp is not None:  # a Bench that built its trainer
             self.trainer.data.close()
             self.tmp.cleanup()
-        del self.trainer, self.s, self.fixed
+        self.trainer = self.s = self.fixed = None
+
+
+@contextlib.contextmanager
+def settings_kept():
+    """The process-wide settings that building Benches changes (TF32 / cuDNN flags, torch threads)
+    put back as they were when the block ends (writing only what differs: nothing on a CPU)."""
+    flags, threads = devices.current_backend_flags(), torch.get_num_threads()
+    try:
+        yield
+    finally:
+        devices.apply_backend_flags(flags)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def free_memory() -> None:
+    """Collect what was just dropped (a closed Bench's trainer, reference cycles, the frames of an
+    out-of-memory error's traceback) and hand CUDA's cached blocks back. Called after the
+    `except` block: inside it, the traceback still holds the failed step's tensors."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def build_bench(cfg, synthetic: bool = False) -> tuple:
+    """(Bench, None), or (None, why) where building it ran out of memory or the configuration
+    cannot run here (e.g. a batch larger than the training set)."""
+    why = None
+    try:
+        return Bench(cfg, synthetic), None
+    except torch.OutOfMemoryError:
+        why = "out of memory"
+    except UserError as e:
+        return None, str(e)
+    free_memory()  # the half-built trainer is garbage only now, outside the except block
+    return None, why
 
 
 def gather_max(s, times: list) -> list:
@@ -232,32 +303,47 @@ def gather_max(s, times: list) -> list:
     return [max(vals) for vals in zip(*per_rank)]
 
 
+def run_steps(b: Bench, n: int):
+    """`b.steps(n)` under b's own settings (`Bench.settings`), or None where it ran out of
+    memory: then b is closed and the memory freed."""
+    oom = False
+    try:
+        with b.settings():
+            return b.steps(n)
+    except torch.OutOfMemoryError:
+        oom = True
+    if oom:  # outside the except block (its traceback holds the step's tensors)
+        b.close()
+        free_memory()
+    return None
+
+
 def side_by_side(benches: list[Bench], steps: int, rounds: int, warmup: int, label=None) -> list:
-    """Interleaved rounds: round r runs `steps` steps of bench 0, 1, ..., n-1. Returns per bench
-    the per-round (wall s, data s) (max across ranks), or None where a bench ran out of memory."""
+    """Interleaved rounds: round r runs `steps` steps of bench 0, 1, ..., n-1, each bench (its
+    warm-up too) under its own process-wide settings. Returns per bench the per-round (wall s,
+    data s) (max across ranks), or None where a bench ran out of memory (that bench is closed)."""
     out: list = [[] for _ in benches]
     for i, b in enumerate(benches):
         if warmup and b is not None:
             t0 = perf()
-            try:
-                b.steps(warmup)
-            except torch.OutOfMemoryError:
+            if run_steps(b, warmup) is None:
                 out[i] = None
-                torch.cuda.empty_cache()
             if label:
                 log(f"  warm-up {label(i)}: {warmup} steps in {perf() - t0:.1f}s")
     for r in range(rounds):
         for i, b in enumerate(benches):
             if b is None or out[i] is None:
                 continue
-            try:
-                out[i].append(b.steps(steps))
-            except torch.OutOfMemoryError:
+            t = run_steps(b, steps)
+            if t is None:
                 out[i] = None
-                torch.cuda.empty_cache()
-    s = next(b.s for b in benches if b is not None)
+            else:
+                out[i].append(t)
     flat = [x for o in out if o for x in o]
-    flat = gather_max(s, [v for x in flat for v in x])
+    # max across ranks through the process group itself: a strategy held here would keep the model
+    # of a bench closed for running out of memory alive
+    from ..strategy.dist import gather_objects
+    flat = [max(vals) for vals in zip(*gather_objects([v for x in flat for v in x]))]
     it = iter(zip(flat[::2], flat[1::2]))
     return [None if o is None else [next(it) for _ in o] for o in out]
 
@@ -299,6 +385,7 @@ def faster_in_most_rounds(ratios: list | None, share: float = 2 / 3) -> bool:
     return bool(ratios) and rounds_won(ratios) > share * len(ratios)
 
 
+@settings_kept()
 def measure_configs(cfgs: list, steps: int, rounds: int, warmup: int, synthetic: bool = False,
                     names: list | None = None) -> list:
     """Build one Bench per config, time them side by side, free them. Per config a dict
@@ -306,32 +393,105 @@ def measure_configs(cfgs: list, steps: int, rounds: int, warmup: int, synthetic:
     names = names or [str(i) for i in range(len(cfgs))]
     benches, results = [], []
     for cfg in cfgs:
-        try:
-            benches.append(Bench(cfg, synthetic))
-            results.append({})
-        except torch.OutOfMemoryError:
-            benches.append(None)
-            results.append({"error": "out of memory"})
-            torch.cuda.empty_cache()
-        except UserError as e:  # e.g. a batch larger than the training set
-            benches.append(None)
-            results.append({"error": str(e)})
+        b, why = build_bench(cfg, synthetic)
+        benches.append(b)
+        results.append({} if b is not None else {"error": why})
+    if not any(benches):
+        return results
     times = side_by_side(benches, steps, rounds, warmup, label=lambda i: names[i])
-    per_round = paired_rounds(times, [b.global_batch if b is not None else 1 for b in benches])
+    batches = [b.global_batch if b is not None else 1 for b in benches]
+    per_round = paired_rounds(times, batches)
     for i, (b, t) in enumerate(zip(benches, times)):
         if b is None:
             continue
         if t is None:
             results[i] = {"error": "out of memory"}
         else:
-            ratios = per_round[i]
-            results[i] = {**rate(t, steps, b.global_batch), "paired_rounds": ratios,
-                          "paired_vs_first": statistics.median(ratios) if ratios else None,
-                          "flops_per_image": b.trainer.flops_per_image,
-                          "world_size": b.s.world_size, "device": b.s.device}
+            results[i] = result_of(b, t, steps, per_round[i])
         b.close()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    del benches, b
+    free_memory()
+    return results
+
+
+def result_of(b: Bench, times: list, steps: int, ratios: list | None) -> dict:
+    """A measured configuration: its rate over its rounds and its round-by-round ratios to the first."""
+    return {**rate(times, steps, b.global_batch), "paired_rounds": ratios,
+            "paired_vs_first": statistics.median(ratios) if ratios else None,
+            "flops_per_image": b.trainer.flops_per_image, "world_size": b.s.world_size, "device": b.s.device}
+
+
+@settings_kept()
+def measure_against_first(cfgs: list, steps: int, rounds: int, warmup: int, synthetic: bool = False,
+                          names: list | None = None, on_result=None) -> list:
+    """`measure_configs` for a long list compared with its first (the ladder: every rung against
+    the baseline), with at most two configurations resident: the first (the reference) is built
+    once and stays; every other one is built, warmed up and timed in interleaved rounds with the
+    reference (round r: the reference's steps, then its steps, each under its own settings), then
+    freed before the next is built. Why pairs rather than one configuration at a time: each ratio
+    to the reference stays round by round (the reference and the configuration ran back to back,
+    so a drift of the machine's speed cancels), as when all were timed together; what changes is
+    that configurations k and k+1 were no longer timed in the same rounds, so a comparison between
+    them goes through the reference (the ladder's "vs previous, round by round" is the ratio of
+    their per-round ratios to it). The cost: the reference is warmed up and timed once per pair.
+
+    Returns per config the dict of `measure_configs` (for the reference: from its first pair);
+    the others also carry `reference_images_per_s`, the reference's rate in their own pair.
+    `on_result(i, result)` is called as soon as config i's result is known (after its bench was
+    freed), the reference's before the first other's."""
+    names = names or [str(i) for i in range(len(cfgs))]
+    results: list = [None] * len(cfgs)
+
+    def emit(i: int, r: dict) -> None:
+        if results[i] is None:
+            results[i] = r
+            if on_result is not None:
+                on_result(i, r)
+
+    ref, ref_i = None, None
+    for i, cfg in enumerate(cfgs):
+        ref, why = build_bench(cfg, synthetic)
+        if ref is not None:
+            ref_i = i
+            break
+        emit(i, {"error": why})
+    if ref is None:
+        return results
+    if ref_i == len(cfgs) - 1:  # nothing to pair it with: timed alone
+        t = side_by_side([ref], steps, rounds, warmup, label=lambda k: names[ref_i])[0]
+        emit(ref_i, {"error": "out of memory"} if t is None else result_of(ref, t, steps, [1.0] * len(t)))
+    for j in range(ref_i + 1, len(cfgs)):
+        if ref is None or ref.closed:  # it ran out of memory next to an earlier configuration: again
+            ref, _ = build_bench(cfgs[ref_i], synthetic)
+        b, why = build_bench(cfgs[j], synthetic)
+        if b is None:
+            emit(j, {"error": why})
+            continue
+        pair = [b] if ref is None else [ref, b]
+        times = side_by_side(pair, steps, rounds, warmup, label=lambda k, j=j: names[j if pair[k] is b else ref_i])
+        t_ref, t_b = (None, *times) if ref is None else times
+        ref_r = None if t_ref is None else result_of(ref, t_ref, steps, [1.0] * len(t_ref))
+        if t_b is None:
+            r = {"error": "out of memory"}
+        else:
+            ratios = None if t_ref is None else paired_rounds([t_ref, t_b], [ref.global_batch, b.global_batch])[1]
+            r = {**result_of(b, t_b, steps, ratios), "reference_images_per_s": ref_r and ref_r["images_per_s"]}
+        # freed before anything else runs (the caller may train a model next)
+        compiled = b.cfg.train.compile
+        b.close()
+        del b, pair
+        if compiled and (ref is None or ref.closed or not ref.cfg.train.compile):
+            import torch._dynamo
+            torch._dynamo.reset()  # its compiled graphs and CUDA-graph pools (nothing else alive uses them)
+        free_memory()
+        if ref_r is not None:
+            emit(ref_i, ref_r)
+        emit(j, r)
+    emit(ref_i, {"error": "out of memory"})  # where it never completed a pair
+    if ref is not None:
+        ref.close()
+    del ref
+    free_memory()
     return results
 
 

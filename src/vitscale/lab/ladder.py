@@ -1,9 +1,13 @@
 """Ablation ladder: from a plain fp32 baseline, add one speed-up at a time (cumulative) and measure
-every rung side by side in one run: one Trainer per rung in this process, timed in interleaved
-rounds (round r runs N steps of rung 0, 1, ..., n-1), so machine noise hits all rungs alike.
-Rungs that change numerics (precision, head, attention kernel, batch) can also be trained for the
-same number of steps from the same seed and tested (--train-steps). A rung may be slower than the
-one before it: the ladder reports what it measures.
+every rung against the baseline in one run: the baseline's Trainer stays in this process, and each
+rung's Trainer is built, timed in interleaved rounds with it (round r runs N steps of the
+baseline, then N of the rung, each under its own TF32 / cuDNN flags), and freed before the next
+rung is built, so at most two rungs are resident (ViT-B/16 rungs with their optimizer state and
+CUDA-graph pools would not all fit) and machine noise hits the rung and the baseline alike. Each
+rung's row is written (ladder.json, ladder.md) as soon as it is measured, so a time limit loses
+nothing. Rungs that change numerics (precision, head, attention kernel, batch) can also be trained
+for the same number of steps from the same seed and tested (--train-steps). A rung may be slower
+than the one before it: the ladder reports what it measures.
 
 examples:
   vitscale ladder --out runs/ladder                # the default recipe
@@ -115,10 +119,15 @@ def vs_previous_paired(rounds: list | None, prev_rounds: list | None) -> float |
 
 
 def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, synthetic: bool = False,
-           skip: tuple = ()) -> dict:
+           skip: tuple = (), on_update=None) -> dict:
+    """Measure the rungs (`harness.measure_against_first`: the baseline resident, one rung at a
+    time beside it) and return the result; `on_update(result so far)` is called after every row
+    (a rung measured, skipped or failed, or its accuracy added), rows in rung order, the result
+    marked "complete": false until the last one."""
     import torch
 
-    from .harness import hardware_info, log, measure_configs, versions, with_overrides
+    from . import harness
+    from .harness import hardware_info, log, versions, with_overrides
     from ..strategy.dist import env_world
     world = env_world()[1]
     rungs = build_rungs(cfg, world, skip)
@@ -126,40 +135,87 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
     for r in rungs:
         log(f"rung {r.name}: " + (f"skipped ({r.skip})" if r.skip else
                                   " ".join(f"{k}={v}" for k, v in r.overrides.items())))
-    t0 = time.perf_counter()
-    results = measure_configs([with_overrides(cfg, r.overrides) for r in live], steps, rounds, warmup,
-                              synthetic, names=[r.name for r in live])
-    log(f"timed {len(live)} rungs side by side: {rounds} rounds x {steps} steps in {time.perf_counter() - t0:.0f}s")
-    res = dict(zip((r.name for r in live), results))
-    rows, base, prev, prev_rounds = [], None, None, None
-    for r in rungs:
-        row = {"rung": r.name, "overrides": r.delta, "skipped": r.skip, "note": r.note}
-        m = res.get(r.name)
-        if m and "error" in m:
-            row["skipped"] = m["error"]
-        elif m:
-            ips = m["images_per_s"]
-            base = base or ips
-            row.update(images_per_s=ips, step_time_s=m["step_time_s"], speedup_vs_baseline=ips / base,
-                       speedup_vs_previous=ips / prev if prev else 1.0,
-                       # the median over rounds of the per-round ratio (drift between rounds cancels)
-                       speedup_vs_baseline_paired=m.get("paired_vs_first"),
-                       speedup_vs_previous_paired=vs_previous_paired(m.get("paired_rounds"), prev_rounds))
-            prev, prev_rounds = ips, m.get("paired_rounds")
-            if train_steps and r.numerics:
-                log(f"training {r.name} for {train_steps} steps")
-                row["accuracy"] = accuracy(with_overrides(cfg, r.overrides), train_steps)
-        rows.append(row)
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu")
-    return {"rungs": rows, "steps": steps, "rounds": rounds, "warmup": warmup, "train_steps": train_steps,
-            "synthetic": synthetic, "world_size": world, "batch_size": cfg.data.batch_size,
-            "hardware": hardware_info(device), "versions": versions(), "config": cfg.to_dict(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    out = {"rungs": [], "steps": steps, "rounds": rounds, "warmup": warmup, "train_steps": train_steps,
+           "synthetic": synthetic, "world_size": world, "batch_size": cfg.data.batch_size,
+           "hardware": hardware_info(device), "versions": versions(), "config": cfg.to_dict(),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "complete": False}
+    rows: dict = {}  # rung index -> row, filled as rungs are measured
+    state = {"prev": None, "prev_rounds": None}  # the last measured rung's speedups over the baseline
+
+    def update() -> None:
+        # the rows known so far, in rung order, up to the first rung not yet measured
+        out["rungs"] = []
+        for i in range(len(rungs)):
+            if i not in rows:
+                break
+            out["rungs"].append(rows[i])
+        if on_update is not None:
+            on_update(out)
+
+    index = {id(r): i for i, r in enumerate(rungs)}
+    for i, r in enumerate(rungs):  # the skipped ones before the first measured rung
+        if r.skip is None:
+            break
+        rows[i] = {"rung": r.name, "overrides": r.delta, "skipped": r.skip, "note": r.note}
+
+    def measured(k: int, m: dict) -> None:
+        r = live[k]
+        i = index[id(r)]
+        row = {"rung": r.name, "overrides": r.delta, "skipped": r.skip, "note": r.note}
+        if "error" in m:
+            row["skipped"] = m["error"]
+        else:
+            ips = m["images_per_s"]
+            # vs the baseline's median round in this rung's own rounds (the rung was timed beside it),
+            # as when all rungs ran in the same rounds; the baseline's own row: 1.0
+            base = m["reference_images_per_s"] if "reference_images_per_s" in m else ips
+            vs_base = ips / base if base else None
+            first, prev_vs, prev_rounds = state["prev"] is None, state["prev"], state["prev_rounds"]
+            row.update(images_per_s=ips, step_time_s=m["step_time_s"], baseline_images_per_s=base,
+                       speedup_vs_baseline=vs_base,
+                       # each rung against the baseline of its own rounds, so the two ratios share no drift
+                       speedup_vs_previous=1.0 if first else (vs_base / prev_vs if vs_base and prev_vs else None),
+                       # the median over rounds of the per-round ratio to the baseline, timed in the
+                       # same rounds (drift between rounds cancels)
+                       speedup_vs_baseline_paired=m.get("paired_vs_first"),
+                       speedup_vs_previous_paired=1.0 if first else
+                       vs_previous_paired(m.get("paired_rounds"), prev_rounds) if prev_rounds else None)
+            state["prev"], state["prev_rounds"] = vs_base or 0.0, m.get("paired_rounds")
+        rows[i] = row
+        for later in rungs[i + 1:]:  # the skipped rungs up to the next measured one
+            if later.skip is None:
+                break
+            rows[index[id(later)]] = {"rung": later.name, "overrides": later.delta, "skipped": later.skip,
+                                      "note": later.note}
+        update()
+        if train_steps and r.numerics and "error" not in m:
+            log(f"training {r.name} for {train_steps} steps")
+            row["accuracy"] = accuracy(with_overrides(cfg, r.overrides), train_steps)
+            update()
+
+    t0 = time.perf_counter()
+    update()
+    harness.measure_against_first([with_overrides(cfg, r.overrides) for r in live], steps, rounds, warmup,
+                                  synthetic, names=[r.name for r in live], on_result=measured)
+    log(f"timed {len(live)} rungs, each beside the baseline: {rounds} rounds x {steps} steps in "
+        f"{time.perf_counter() - t0:.0f}s")
+    for i, r in enumerate(rungs):  # where nothing was measured at all
+        rows.setdefault(i, {"rung": r.name, "overrides": r.delta, "skipped": r.skip or "not measured",
+                            "note": r.note})
+    out["complete"] = True
+    update()
+    return out
 
 
 def slower_than_previous(row: dict) -> bool:
     """By the round-by-round ratio where there is one (older results: the ratio of median rounds)."""
-    return (row.get("speedup_vs_previous_paired") or row["speedup_vs_previous"]) < 0.98
+    v = row.get("speedup_vs_previous_paired") or row["speedup_vs_previous"]
+    return v is not None and v < 0.98
+
+
+def ratio(v: float | None) -> str:
+    return f"{v:.2f}x" if v else ""
 
 
 def table(r: dict) -> str:
@@ -178,9 +234,11 @@ def table(r: dict) -> str:
         acc_s = f"{100 * acc[metric]:.2f}%" if acc else "(same numerics)" if r["train_steps"] else ""
         slower = " (slower)" if slower_than_previous(row) else ""
         lines.append(f"| {row['rung']}{' — ' + row['note'] if row['note'] else ''} | {row['images_per_s']:.1f} | "
-                     f"{1e3 * row['step_time_s']['median']:.1f} | {row['speedup_vs_baseline']:.2f}x | "
-                     f"{f'{paired:.2f}x' if paired else ''} | {row['speedup_vs_previous']:.2f}x{slower} | "
-                     f"{f'{paired_prev:.2f}x' if paired_prev else ''} | {acc_s} |")
+                     f"{1e3 * row['step_time_s']['median']:.1f} | {ratio(row['speedup_vs_baseline'])} | "
+                     f"{ratio(paired)} | {ratio(row['speedup_vs_previous'])}{slower} | "
+                     f"{ratio(paired_prev)} | {acc_s} |")
+    if not r.get("complete", True):
+        lines.append("\n(incomplete: the rungs below the last row were not measured yet)")
     return "\n".join(lines)
 
 
@@ -190,7 +248,7 @@ def plot(r: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     rows = [x for x in r["rungs"] if not x.get("skipped")]
     names = [x["rung"].split(" (")[0] if x["rung"].startswith("baseline") else x["rung"] for x in rows]
-    sp = [x["speedup_vs_baseline"] for x in rows]
+    sp = [x["speedup_vs_baseline"] or 0.0 for x in rows]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
     colors = ["tab:red" if i and slower_than_previous(x) else "tab:blue" for i, x in enumerate(rows)]
     ax.barh(range(len(rows)), sp, color=colors)
@@ -213,8 +271,10 @@ def markdown(r: dict, command: str) -> str:
     h = r["hardware"]
     return (f"# Ablation ladder\n\n`{command}`\n\n{r['date']}; {h['name']} ({h['cores']} cores, {h['threads']} "
             f"torch threads), {h['device']}, {r['world_size']} process(es), torch {r['versions']['torch']}; "
-            f"global batch {r['batch_size']}; {r['rounds']} interleaved rounds x {r['steps']} steps per rung after "
-            f"{r['warmup']} warm-up steps; images/s from the median round"
+            f"global batch {r['batch_size']}; each rung timed beside the baseline (built, timed and freed one "
+            f"at a time): {r['rounds']} interleaved rounds x {r['steps']} steps per rung after "
+            f"{r['warmup']} warm-up steps; images/s from the median round; the round-by-round columns are "
+            f"ratios to the baseline's steps in the same rounds"
             f"{'; one fixed batch' if r['synthetic'] else ''}."
             + (f" Test accuracy after {r['train_steps']} training steps from the same seed (rungs that change "
                "numerics; the lr schedule of a run that long: the recipe's warm-up, then its decay over the "
@@ -238,6 +298,19 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="runs/ladder", help="folder for ladder.md, ladder.png, ladder.json")
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one rename: a run stopped mid-write leaves the previous version."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_rows(out: Path, r: dict, command: str) -> None:
+    """ladder.json and ladder.md with the rows measured so far (called after every row)."""
+    write_atomic(out / "ladder.json", json.dumps(r, indent=2, default=str) + "\n")
+    write_atomic(out / "ladder.md", markdown(r, command))
+
+
 def run(args) -> int:
     import shlex
 
@@ -250,11 +323,8 @@ def run(args) -> int:
     if bad:
         raise UserError(f"--skip: unknown rung {', '.join(bad)} (rungs: {', '.join(KEYS)})")
     cfg = lab_config(args.config, args.overrides)
-    r = ladder(cfg, args.steps, args.trials, args.warmup, args.train_steps, args.synthetic, skip)
-    if os.environ.get("RANK", "0") != "0":
-        return 0
+    main = os.environ.get("RANK", "0") == "0"
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["vitscale ladder", *([args.config] if args.config else []),
                         *(f"--set {shlex.quote(o)}" for o in args.overrides),
                         f"--steps {args.steps} --trials {args.trials} --warmup {args.warmup} "
@@ -262,8 +332,12 @@ def run(args) -> int:
                         *([f"--skip {args.skip}"] if args.skip else []), f"--out {shlex.quote(args.out)}"])
     if os.environ.get("WORLD_SIZE", "1") != "1":
         command = f"torchrun --nproc-per-node {os.environ['WORLD_SIZE']} -m {command}"
-    (out / "ladder.json").write_text(json.dumps(r, indent=2, default=str) + "\n")
-    (out / "ladder.md").write_text(markdown(r, command))
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    r = ladder(cfg, args.steps, args.trials, args.warmup, args.train_steps, args.synthetic, skip,
+               on_update=(lambda partial: write_rows(out, partial, command)) if main else None)
+    if not main:
+        return 0
     plot(r, out / "ladder.png")
     print(json.dumps(r, indent=2, default=str) if args.json
           else f"{table(r)}\nwrote {out}/ladder.md, ladder.png, ladder.json")
