@@ -1,34 +1,106 @@
 #!/usr/bin/env bash
-# The GPU measurements docs/performance.md lists under "Not measured here", in one command for a
-# lent or rented CUDA machine with no network: run from the repository root (vitscale itself is
-# taken from src/). It checks first that what its parts import is there (torch, numpy, rich,
-# safetensors; pytest for tests, matplotlib and tensorboard for the ladder) and names what is
-# missing in one line; ftfy, deepspeed and open_clip are not needed (a bare GPU image lacks them).
+# The GPU measurements docs/performance.md lists under "Not measured here", for a lent or rented CUDA
+# machine with no network, on the torch installed there (never reinstalled; the project's
+# constraints pin another version): run from the repository root. vitscale itself is taken from src/
+# (PYTHONPATH); the packages the image lacks come as wheels in .whl/ (scripts/gpu_wheels.sh fills it
+# here), installed with pip --no-index --no-deps into /tmp/site and put on PYTHONPATH.
 #
-#   bash scripts/gpu_session.sh OUT_DIR [all|tests|bench|ladder|tune]
+#   bash scripts/gpu_session.sh OUT_DIR [PARTS]   PARTS: all (default), or a comma list of
+#                                                 tests, bench, ladder, tune, deepspeed, run in that order
 #
-# Writes into OUT_DIR (8 files, what the device tool brings back): log.txt (the machine and
-# versions, then everything printed, the ladder's table too), tests.txt, bench_b16.json,
-# bench_default.json, bench_default_graphs.json (CUDA graphs), ladder/ladder.{json,png} and
-# tuned_b16.toml. Each step has its own time limit and the script goes on when one fails; each
-# step's exit status is in log.txt. The limits add up to 24 minutes; docs/gpu.md estimates each
-# part's time on one H100 (a device-tool call may run 10 minutes: run the parts in 3 calls,
-# "tests" + "bench", then "ladder", then "tune"). Knobs (environment):
+# First, every time: the carried wheels installed; the machine and every package's version ("missing"
+# where absent) into log.txt; what the parts import checked (missing ones named in one line); then
+# the GPU check (scripts/gpu_checks.py gpu): a CUDA GPU, vitscale's TF32 flags readable through both
+# torch.get_float32_matmul_precision() and matmul.fp32_precision, and a torch.compile'd matmul on the
+# GPU. If it fails the script stops there, with one line on stderr and a non-zero status (2: no GPU,
+# 3: the check failed). Then the parts; each step has a time limit (timeout -k: killed, children
+# too, KILL_AFTER seconds after the TERM), the script goes on when one fails, and each step's exit
+# status is in log.txt.
+#
+# Writes into OUT_DIR (at most 8 files, what the device tool brings back): log.txt (the machine,
+# versions and checks, then everything printed, the ladder's table too), tests.txt, bench_b16.json,
+# bench_default.json, bench_default_graphs.json (CUDA graphs), ladder/ladder.{json,png},
+# tuned_b16.toml. Scratch runs go to a temporary folder. docs/gpu.md gives each part's time on one
+# H100 and the device-tool calls for a 30-minute budget. Knobs (environment):
 #   CFG=configs/vit_b16_imagenet.toml  BATCH=256  LAB_ARGS="--steps 10 --trials 3"  TUNE_BUDGET=240
-#   ALLOW_CPU=1 (run without a GPU: for the smoke test)  PYTHON=python3
-#   SKIP_STEPS="bench_default_graphs ..." (steps to leave out, by the names log.txt gives them)
+#   WHEELS=.whl  SITE=/tmp/site  PYTHON=python3  KILL_AFTER=15
+#   ALLOW_CPU=1 (run without a GPU: for the smoke tests; the GPU check then checks the flags only)
+#   SKIP_STEPS="bench_default_graphs ..." (steps to leave out, by the names log.txt gives them;
+#   the wheels, versions and GPU check steps always run)
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu_session.sh OUT_DIR [all|tests|bench|ladder|tune]}
-part=${2:-all}
-case $part in all|tests|bench|ladder|tune) ;; *) echo "gpu_session.sh: unknown part '$part' (all, tests, bench, ladder or tune)" >&2; exit 2;; esac
+usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed]"
+out=${1:?$usage}
+parts=${2:-all}
+[ "$parts" = all ] && parts=tests,deepspeed,bench,ladder,tune
+for p in ${parts//,/ }; do
+  case $p in tests|bench|ladder|tune|deepspeed) ;;
+    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed)" >&2; exit 2;;
+  esac
+done
 py=${PYTHON:-python3}
 cfg=${CFG:-configs/vit_b16_imagenet.toml}
+wheels=${WHEELS:-.whl}
+site=${SITE:-/tmp/site}
+grace=${KILL_AFTER:-15}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if [ -z "${ALLOW_CPU:-}" ] && ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu_session.sh: no CUDA GPU visible to $py (set ALLOW_CPU=1 to run anyway)" >&2; exit 2
+want() { [[ ",$parts," == *",$1,"* ]]; }
+read -r -a lab <<< "${LAB_ARGS:-}"
+model=(--synthetic --set "data.batch_size=${BATCH:-256}" --set data.num_workers=0)
+
+mkdir -p "$out" || exit 2
+log="$out/log.txt"
+: > "$log"
+stop() {  # stop CODE MESSAGE: one line on stderr (and in log.txt), then exit
+  echo "== stopped: $2" >> "$log"
+  echo "gpu_session.sh: $2" >&2
+  exit "$1"
+}
+rc=0
+run_step() {  # run_step NAME SECONDS CMD...: run under timeout -k, log, set rc
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date -u +%H:%M:%S) UTC, limit ${limit} s): $*" | tee -a "$log"
+  timeout -k "$grace" "$limit" "$@" >> "$log" 2>&1
+  rc=$?
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "== $name timed out after $limit s" | tee -a "$log"
+  echo "== $name exit $rc" | tee -a "$log"
+}
+step() {  # step NAME SECONDS CMD...: as run_step, but not when NAME is in SKIP_STEPS
+  if [[ " ${SKIP_STEPS:-} " == *" $1 "* ]]; then echo "== $1 skipped (SKIP_STEPS)" | tee -a "$log"; rc=0; return 1; fi
+  run_step "$@"
+}
+verdict() {  # the last "NAME: PASS|FAIL|SKIP ..." line scripts/gpu_checks.py wrote for NAME
+  local v
+  v=$(grep -E "^$1: (PASS|FAIL|SKIP)" "$log" | tail -1)
+  echo "${v:-$1: FAIL: no verdict (exit $rc)}"
+}
+reason() { local v; v=$(verdict "$1"); echo "${v#"$1: FAIL: "}"; }  # the verdict without "NAME: FAIL: "
+
+# -- the wheels the image lacks (never torch: the image's own is used as it is) -----------------
+shopt -s nullglob
+carried=("$wheels"/*.whl)
+shopt -u nullglob
+if [ ${#carried[@]} -gt 0 ]; then
+  for w in "${carried[@]}"; do
+    case ${w##*/} in torch-*|torch_*|torchvision-*|torchaudio-*|triton-*|nvidia_*|nvidia-*)
+      stop 2 "$w: a torch/CUDA wheel in $wheels; the GPU image's own torch is used as it is (remove it)";;
+    esac
+  done
+  run_step wheels 180 "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target "$site" "${carried[@]}"
+  [ $rc -eq 0 ] || stop 2 "the ${#carried[@]} wheels in $wheels did not install into $site (exit $rc; see $log)"
+  export PYTHONPATH="$PWD/src:$site${PYTHONPATH#"$PWD/src"}" VITSCALE_SITE="$site"
+else
+  echo "== wheels: none in $wheels/ (bash scripts/gpu_wheels.sh fills it; the packages it holds are reported missing)" | tee -a "$log"
 fi
+
+# -- the machine and the versions ---------------------------------------------------------------
+{ date -u; if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1 | head -20; else echo "nvidia-smi: not found"; fi; } >> "$log"
+run_step versions 120 "$py" scripts/gpu_checks.py versions
+[ $rc -eq 0 ] || stop 2 "stopped at the versions step: $(reason versions) [see $log]"
+
 need="torch numpy rich safetensors"
-case $part in all) need="$need pytest matplotlib tensorboard";; tests) need="$need pytest";; ladder) need="$need matplotlib tensorboard";; esac
+want tests && need="$need pytest"
+want ladder && need="$need matplotlib tensorboard"
 missing=$("$py" -c "
 import sys
 missing = []
@@ -38,28 +110,34 @@ for name in sys.argv[1:]:
     except Exception:
         missing.append(name)
 print(' '.join(missing))" $need 2>/dev/null) || missing="python ($py does not run)"
-if [ -n "$missing" ]; then
-  echo "gpu_session.sh: missing Python package(s) for part '$part': $missing (carry them as wheels: see /work/.library/device/README.md or pip install)" >&2; exit 2
-fi
-mkdir -p "$out"
-read -r -a lab <<< "${LAB_ARGS:-}"
-model=(--synthetic --set "data.batch_size=${BATCH:-256}" --set data.num_workers=0)
+[ -z "$missing" ] || stop 2 "missing Python package(s) for part(s) '$parts': $missing (carry them as wheels: scripts/gpu_wheels.sh, docs/gpu.md)"
 
-step() {  # step NAME SECONDS CMD...: run, log, keep going (not when NAME is in SKIP_STEPS)
-  local name=$1 limit=$2; shift 2
-  if [[ " ${SKIP_STEPS:-} " == *" $name "* ]]; then echo "== $name skipped (SKIP_STEPS)" | tee -a "$out/log.txt"; return; fi
-  echo "== $name ($(date -u +%H:%M:%S) UTC): $*" | tee -a "$out/log.txt"
-  timeout "$limit" "$@" >> "$out/log.txt" 2>&1
-  local rc=$?
-  echo "== $name exit $rc" | tee -a "$out/log.txt"
-}
-want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
+# -- the gate: a GPU, the TF32 flags both ways, a compiled matmul ---------------------------------
+run_step gpu_check 180 "$py" scripts/gpu_checks.py gpu
+case $rc in
+  0) ;;
+  2) stop 2 "stopped at the GPU check: $(reason gpu_check) [versions in $log]";;
+  *) stop 3 "stopped at the GPU check: $(reason gpu_check) [details in $log]";;
+esac
 
-{ date -u; nvidia-smi 2>&1 | head -20
-  "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
-} > "$out/log.txt" 2>&1
+# -- the parts ----------------------------------------------------------------------------------
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/gpu_session.XXXXXX")
 if want tests; then
-  step tests 240 bash -c "'$py' -m pytest -q -rs tests/test_gpu.py tests/test_attention_kernel.py > '$out/tests.txt' 2>&1"
+  step tests 240 bash -c "'$py' -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py tests/test_attention_kernel.py > '$out/tests.txt' 2>&1"
+  step autotune 150 "$py" scripts/gpu_checks.py autotune
+fi
+if want deepspeed; then
+  # DeepSpeedCPUAdam (strategy.offload_optimizer on CUDA) is compiled on first use: build it, then a
+  # tiny ZeRO-2 run with the optimizer offloaded, which steps it
+  if step cpu_adam 240 "$py" scripts/gpu_checks.py cpu_adam; then
+    case $(verdict cpu_adam) in
+      "cpu_adam: PASS"*)
+        step deepspeed_offload 120 "$py" -m vitscale train configs/tests/tiny.toml --out "$scratch/ds_offload" \
+          --set strategy.name=deepspeed --set strategy.zero_stage=2 --set strategy.offload_optimizer=true \
+          --set train.precision=bf16 --set train.epochs=1;;
+      *) echo "== deepspeed_offload skipped: $(verdict cpu_adam)" | tee -a "$log";;
+    esac
+  fi
 fi
 if want bench; then
   step bench_b16 180 "$py" -m vitscale bench "$cfg" "${model[@]}" "${lab[@]}" --json --out "$out/bench_b16.json"
@@ -70,10 +148,11 @@ if want bench; then
 fi
 if want ladder; then
   step ladder 540 "$py" -m vitscale ladder "$cfg" "${model[@]}" "${lab[@]}" --train-steps 0 --out "$out/ladder"
-  [ -f "$out/ladder/ladder.md" ] && { cat "$out/ladder/ladder.md" >> "$out/log.txt"; rm "$out/ladder/ladder.md"; }
+  [ -f "$out/ladder/ladder.md" ] && { cat "$out/ladder/ladder.md" >> "$log"; rm "$out/ladder/ladder.md"; }
 fi
 if want tune; then
   step tune 330 "$py" -m vitscale tune "$cfg" "${model[@]}" "${lab[@]}" --allow-precision bf16 \
     --budget-s "${TUNE_BUDGET:-240}" --out "$out/tuned_b16.toml"
 fi
-grep "^== .* exit" "$out/log.txt"
+rm -rf "$scratch"
+grep -E "^== .* (exit|skipped)|^[a-z_]+: (PASS|FAIL|SKIP)" "$log"

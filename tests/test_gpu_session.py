@@ -1,66 +1,166 @@
-"""scripts/gpu_session.sh, the one-command GPU measurement run: refuses without a GPU in one line,
-names missing packages in one line, and (ALLOW_CPU=1, tiny recipe) writes the files it promises
-with only the GPU image's packages (ftfy, deepspeed and open_clip made unimportable by
-tests/gpu_image/sitecustomize.py). The GPU numbers themselves come from running it on a GPU
-machine (docs/performance.md)."""
+"""scripts/gpu_session.sh, the one-command GPU measurement run, on a simulation of the GPU image
+(tests/gpu_image/sitecustomize.py: the packages the image lacks made unimportable, torch.__version__
+read as the image's 2.11.0+cu130): it records the versions, reaches its GPU check and stops there
+in one line without a GPU; names missing packages in one line; installs carried wheels into a
+target folder (never torch); and (ALLOW_CPU=1, tiny recipe) writes the files it promises. The GPU
+numbers themselves come from running it on a GPU machine (docs/gpu.md)."""
 import json
 import os
 import subprocess
 import sys
+import zipfile
 
 from pathlib import Path
 
 import pytest
 
 SCRIPT = "scripts/gpu_session.sh"
-GPU_IMAGE = str(Path(__file__).parent / "gpu_image")  # its sitecustomize blocks VITSCALE_BLOCK_IMPORTS
-NOT_ON_THE_GPU_IMAGE = "ftfy deepspeed open_clip"
+GPU_IMAGE = str(Path(__file__).parent / "gpu_image")  # its sitecustomize simulates the image
+# what the GPU image lacks (scripts/gpu_wheels.sh carries them); open_clip: its vocabulary file
+NOT_ON_THE_GPU_IMAGE = "deepspeed webdataset braceexpand simplejpeg open_clip ftfy wcwidth hjson pydantic"
+IMAGE_TORCH = "2.11.0+cu130"
+NO_GPU = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the stop on a machine without a GPU")
 
 
-def run(out, *args, block=NOT_ON_THE_GPU_IMAGE, **env):
-    e = {k: v for k, v in os.environ.items() if k != "ALLOW_CPU"}
-    e.update(PYTHON=sys.executable, PYTHONPATH=GPU_IMAGE, VITSCALE_BLOCK_IMPORTS=block, **env)
+def run(out, *args, block=NOT_ON_THE_GPU_IMAGE, wheels=None, **env):
+    e = {k: v for k, v in os.environ.items() if k not in ("ALLOW_CPU", "SKIP_STEPS")}
+    wheels = wheels or out.parent / "no_wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    e.update({"PYTHON": sys.executable, "PYTHONPATH": GPU_IMAGE, "VITSCALE_BLOCK_IMPORTS": block,
+              "VITSCALE_FAKE_TORCH_VERSION": IMAGE_TORCH, "WHEELS": str(wheels), "SITE": str(out.parent / "site"), **env})
     return subprocess.run(["bash", SCRIPT, str(out), *args], capture_output=True, text=True, env=e, timeout=600)
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-def test_refuses_without_a_gpu_in_one_line(tmp_path):
-    p = run(tmp_path / "o")
-    assert p.returncode == 2 and "no CUDA GPU" in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "o").exists()
+def one_line(p) -> str:
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+@NO_GPU
+def test_dry_run_on_the_image_records_versions_and_stops_at_the_gpu_check(tmp_path):
+    """The issue's done-when: the image's packages and torch, no GPU: the versions are in log.txt,
+    then the GPU check stops the script in one line, before any part."""
+    out = tmp_path / "o"
+    p = run(out, "tests,bench")
+    assert p.returncode == 2
+    assert one_line(p).startswith("gpu_session.sh: stopped at the GPU check: no CUDA GPU visible to")
+    log = (out / "log.txt").read_text()
+    assert f"torch {IMAGE_TORCH} " in log and f"this run uses torch {IMAGE_TORCH} as installed" in log
+    for name in NOT_ON_THE_GPU_IMAGE.split():
+        if name != "open_clip":
+            assert any(line.split()[:2] == [name, "missing"] for line in log.splitlines()), name
+    assert any(line.split()[:3] == ["CLIP", "vocab", "missing"] for line in log.splitlines())
+    assert "versions: PASS" in log and "== gpu_check exit 2" in log
+    assert "== tests" not in log and "== bench" not in log
+    assert sorted(f.name for f in out.iterdir()) == ["log.txt"]
 
 
 def test_unknown_part_one_line(tmp_path):
-    p = run(tmp_path / "o", "ladders")
-    assert p.returncode == 2 and "unknown part 'ladders'" in p.stderr and len(p.stderr.strip().splitlines()) == 1
-
-
-def test_missing_package_named_in_one_line(tmp_path):
-    p = run(tmp_path / "o", "ladder", ALLOW_CPU="1", block=f"{NOT_ON_THE_GPU_IMAGE} matplotlib")
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
-    assert "missing Python package(s) for part 'ladder': matplotlib" in p.stderr
+    p = run(tmp_path / "o", "tests,ladders")
+    assert p.returncode == 2 and "unknown part 'ladders'" in one_line(p)
     assert not (tmp_path / "o").exists()
 
 
-def test_the_blocker_simulates_the_gpu_image():
-    e = {**os.environ, "PYTHONPATH": GPU_IMAGE, "VITSCALE_BLOCK_IMPORTS": NOT_ON_THE_GPU_IMAGE}
-    code = "import importlib, sys\nfor n in ('ftfy', 'deepspeed'):\n    try:\n        importlib.import_module(n)\n" \
-           "        sys.exit(n + ' imported')\n    except ImportError:\n        pass\nimport torch"
+def test_missing_package_named_in_one_line(tmp_path):
+    out = tmp_path / "o"
+    p = run(out, "ladder", ALLOW_CPU="1", block=f"{NOT_ON_THE_GPU_IMAGE} matplotlib")
+    assert p.returncode == 2
+    assert "missing Python package(s) for part(s) 'ladder': matplotlib" in one_line(p)
+    log = (out / "log.txt").read_text()
+    assert "versions: PASS" in log and "== gpu_check" not in log
+
+
+def test_the_simulation_of_the_gpu_image():
+    e = {**os.environ, "PYTHONPATH": GPU_IMAGE, "VITSCALE_BLOCK_IMPORTS": NOT_ON_THE_GPU_IMAGE,
+         "VITSCALE_FAKE_TORCH_VERSION": IMAGE_TORCH}
+    code = ("import importlib, importlib.util, sys\n"
+            "for n in ('ftfy', 'deepspeed', 'webdataset', 'simplejpeg'):\n"
+            "    try:\n        importlib.import_module(n)\n        sys.exit(n + ' imported')\n"
+            "    except ImportError:\n        pass\n"
+            "try:\n    importlib.util.find_spec('open_clip')\n    sys.exit('open_clip found')\n"
+            "except ImportError:\n    pass\n"
+            "import torch\nassert torch.__version__ == '2.11.0+cu130' and torch.__version__ < (2, 12), torch.__version__\n"
+            "import numpy, rich, safetensors, regex, yaml")
     p = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
 
 
-def test_bench_part_writes_its_files(tmp_path):
-    """On the GPU image's packages: both benches of the default recipe and the b16 one (the CUDA
-    graphs bench is left out here: it compiles, ~1 min on 2 CPU cores)."""
+def wheel(folder: Path, name: str, version: str, files: dict) -> Path:
+    """A minimal wheel: enough for pip install --no-deps --target."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for f, text in files.items():
+            z.writestr(f, text)
+    return path
+
+
+@NO_GPU
+def test_carried_wheels_go_to_a_target_folder_on_the_path(tmp_path):
+    """The wheels are installed with pip --no-index --no-deps into SITE, which the steps import
+    from: here a stand-in ftfy, reported as carried."""
     out = tmp_path / "o"
-    p = run(out, "bench", ALLOW_CPU="1", CFG="configs/tests/tiny.toml", BATCH="16",
+    wheel(tmp_path / "whl", "ftfy", "0.0.1", {"ftfy/__init__.py": "__version__ = '0.0.1'\n"})
+    p = run(out, "bench", wheels=tmp_path / "whl", block=NOT_ON_THE_GPU_IMAGE.replace("ftfy ", ""))
+    assert p.returncode == 2 and "stopped at the GPU check" in one_line(p)
+    log = (out / "log.txt").read_text()
+    assert "== wheels exit 0" in log and "--no-index --no-deps" in log
+    assert (tmp_path / "site" / "ftfy" / "__init__.py").is_file()
+    assert any(line.split() == ["ftfy", "0.0.1", "(carried)"] for line in log.splitlines())
+
+
+def test_a_torch_wheel_is_refused(tmp_path):
+    (tmp_path / "whl").mkdir()
+    (tmp_path / "whl" / "torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    p = run(tmp_path / "o", "bench", wheels=tmp_path / "whl")
+    assert p.returncode == 2 and "the GPU image's own torch is used as it is" in one_line(p)
+    assert not (tmp_path / "site").exists()
+
+
+def test_a_failing_tf32_check_stops_the_script(tmp_path):
+    """The GPU check applies vitscale's TF32 flags and reads them both ways: with the flags set
+    through the new API alone (vitscale before issue 25's fix), the legacy reader raises and the
+    script stops there in one line with status 3."""
+    real = sys.executable
+    wrapper = tmp_path / "python"
+    patch = ("import sys, torch; sys.path.insert(0, 'scripts'); import gpu_checks; from vitscale.strategy import devices\n"
+             "def old(flags):\n"
+             "    torch.backends.cuda.matmul.fp32_precision = 'tf32' if flags['matmul_tf32'] else 'ieee'\n"
+             "    torch.backends.cudnn.conv.fp32_precision = 'tf32' if flags['conv_tf32'] else 'ieee'\n"
+             "devices.apply_backend_flags = old\n"
+             "sys.exit(gpu_checks.main(['gpu']))")
+    wrapper.write_text(f'#!/usr/bin/env bash\nif [ "$1 $2" = "scripts/gpu_checks.py gpu" ]; then exec {real} -c "{patch}"; fi\n'
+                       f'exec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    out = tmp_path / "o"
+    p = run(out, "bench", ALLOW_CPU="1", PYTHON=str(wrapper))
+    assert p.returncode == 3
+    assert one_line(p).startswith("gpu_session.sh: stopped at the GPU check: TF32 flags: "
+                                  "torch.get_float32_matmul_precision() raised RuntimeError")
+    log = (out / "log.txt").read_text()
+    assert "== gpu_check exit 1" in log and "== bench" not in log
+
+
+def test_bench_and_deepspeed_parts_on_the_image(tmp_path):
+    """On the GPU image's packages and torch version: the GPU check passes its CPU part, DeepSpeed's
+    steps are skipped with the reason, both benches of the default recipe and the b16 one write
+    their files (the CUDA graphs bench is left out here: it compiles, ~1 min on 2 CPU cores)."""
+    out = tmp_path / "o"
+    p = run(out, "deepspeed,bench", ALLOW_CPU="1", CFG="configs/tests/tiny.toml", BATCH="16",
             LAB_ARGS="--steps 2 --trials 1 --warmup 1 --set run.threads=1", SKIP_STEPS="bench_default_graphs")
     assert p.returncode == 0, p.stderr
     log = (out / "log.txt").read_text()
-    assert "torch 2." in log  # the versions line that opens the log
+    assert f"torch {IMAGE_TORCH} " in log  # the versions that open the log
+    assert "gpu_check: PASS (TF32 flags readable both ways; compiled matmul skipped: no GPU" in log
+    assert "cpu_adam: SKIP: DeepSpeed is not importable" in log and "== deepspeed_offload skipped: cpu_adam: SKIP" in log
     assert "== bench_b16 exit 0" in log and "== bench_default exit 0" in log
     assert "== bench_default_graphs skipped" in log
     b16, default = (json.loads((out / f).read_text()) for f in ("bench_b16.json", "bench_default.json"))
     assert b16["synthetic"] and b16["batch_size"] == 16 and b16["images_per_s"] > 0
     assert default["config"]["data"]["name"] == "synthetic" and default["config"]["model"]["dim"] == 192
+    assert sorted(f.name for f in out.iterdir()) == ["bench_b16.json", "bench_default.json", "log.txt"]
