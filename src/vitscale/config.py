@@ -186,7 +186,8 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     epochs: float = num(10.0, min=0.0)
-    time_limit_s: float = num(0.0, min=0.0, doc="stop training after this many seconds (0 = off)")
+    time_limit_s: float = num(0.0, min=0.0, doc="stop training after this many seconds (0 = off; with "
+                              "several processes checked at log steps)")
     precision: str = choice("fp32", "fp32", "bf16", "fp16", "pure_bf16", "pure_fp16")
     master_weights: bool = True     # pure_* modes: keep an fp32 master copy for the optimizer
     loss_scale: float = num(65536.0, min=1.0, doc="initial dynamic loss scale (fp16)")
