@@ -180,13 +180,14 @@ def test_ladder_frees_each_rung_and_writes_its_row_at_once(monkeypatch, tmp_path
 def test_measure_against_first_when_memory_runs_out(monkeypatch):
     """A rung that does not fit is reported and the next one built; a baseline that runs out of
     memory next to a rung is closed (then the memory freed), the rung reported without a
-    round-by-round ratio, and the baseline built again for the next rung."""
+    round-by-round ratio, and the baseline built again for the next rung. Once measured in full,
+    the baseline runs `reference_steps` per round (after a 1-step warm-up); ratios are per image."""
     import types
     built, emitted = [], []
 
     class FakeBench:
         def __init__(self, name):
-            self.name, self.closed, self.global_batch = name, False, 8
+            self.name, self.closed, self.global_batch, self.calls = name, False, 8, []
             self.cfg = types.SimpleNamespace(train=types.SimpleNamespace(compile=False))
             self.trainer = types.SimpleNamespace(flops_per_image=1.0)
             self.s = types.SimpleNamespace(world_size=1, device=torch.device("cpu"))
@@ -196,9 +197,10 @@ def test_measure_against_first_when_memory_runs_out(monkeypatch):
             return contextlib.nullcontext()
 
         def steps(self, n):
+            self.calls.append(n)
             if self.name == "base" and any(b.name == "big" and not b.closed for b in built):
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-            return ({"base": 0.4, "big": 0.1, "ok": 0.2}[self.name] * n, 0.0)
+            return ({"base": 0.4, "big": 0.1, "ok": 0.2, "ok2": 0.1}[self.name] * n, 0.0)
 
         def close(self):
             self.closed = True
@@ -206,15 +208,18 @@ def test_measure_against_first_when_memory_runs_out(monkeypatch):
     def fake_build(cfg, synthetic=False):
         return (None, "out of memory") if cfg == "huge" else (FakeBench(cfg), None)
     monkeypatch.setattr(lab_harness, "build_bench", fake_build)
-    res = lab_harness.measure_against_first(["base", "huge", "big", "ok"], steps=1, rounds=3, warmup=1,
-                                            on_result=lambda i, r: emitted.append(i))
-    assert emitted == [1, 2, 0, 3]  # the baseline's own row comes from the first pair it completed
+    res = lab_harness.measure_against_first(["base", "huge", "big", "ok", "ok2"], steps=3, rounds=3, warmup=2,
+                                            on_result=lambda i, r: emitted.append(i), reference_steps=1)
+    assert emitted == [1, 2, 0, 3, 4]  # the baseline's own row comes from the first pair it completed
     assert res[1] == {"error": "out of memory"}
     assert res[2]["images_per_s"] == pytest.approx(80.0) and res[2]["paired_vs_first"] is None
     assert res[2]["reference_images_per_s"] is None
     assert res[0]["images_per_s"] == pytest.approx(20.0) and res[0]["paired_vs_first"] == 1.0
     assert res[3]["paired_vs_first"] == pytest.approx(2.0) and res[3]["reference_images_per_s"] == pytest.approx(20.0)
-    assert [b.name for b in built] == ["base", "big", "base", "ok"] and all(b.closed for b in built)
+    assert res[4]["paired_vs_first"] == pytest.approx(4.0) and res[4]["reference_images_per_s"] == pytest.approx(20.0)
+    assert [b.name for b in built] == ["base", "big", "base", "ok", "ok2"] and all(b.closed for b in built)
+    # the rebuilt baseline: in full beside "ok" (warm-up 2, 3 rounds of 3), then 1 + 3 x 1 beside "ok2"
+    assert built[2].calls == [2, 3, 3, 3, 1, 1, 1, 1] and built[3].calls == built[4].calls == [2, 3, 3, 3]
 
 
 # -- tune: the search -----------------------------------------------------------------------------

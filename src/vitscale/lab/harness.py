@@ -318,23 +318,26 @@ def run_steps(b: Bench, n: int):
     return None
 
 
-def side_by_side(benches: list[Bench], steps: int, rounds: int, warmup: int, label=None) -> list:
+def side_by_side(benches: list[Bench], steps: int | list, rounds: int, warmup: int | list, label=None) -> list:
     """Interleaved rounds: round r runs `steps` steps of bench 0, 1, ..., n-1, each bench (its
-    warm-up too) under its own process-wide settings. Returns per bench the per-round (wall s,
-    data s) (max across ranks), or None where a bench ran out of memory (that bench is closed)."""
+    warm-up too) under its own process-wide settings; `steps` and `warmup` either for all or one
+    per bench. Returns per bench the per-round (wall s, data s) (max across ranks), or None where
+    a bench ran out of memory (that bench is closed)."""
     out: list = [[] for _ in benches]
+    steps = steps if isinstance(steps, list) else [steps] * len(benches)
+    warmup = warmup if isinstance(warmup, list) else [warmup] * len(benches)
     for i, b in enumerate(benches):
-        if warmup and b is not None:
+        if warmup[i] and b is not None:
             t0 = perf()
-            if run_steps(b, warmup) is None:
+            if run_steps(b, warmup[i]) is None:
                 out[i] = None
             if label:
-                log(f"  warm-up {label(i)}: {warmup} steps in {perf() - t0:.1f}s")
+                log(f"  warm-up {label(i)}: {warmup[i]} steps in {perf() - t0:.1f}s")
     for r in range(rounds):
         for i, b in enumerate(benches):
             if b is None or out[i] is None:
                 continue
-            t = run_steps(b, steps)
+            t = run_steps(b, steps[i])
             if t is None:
                 out[i] = None
             else:
@@ -423,7 +426,7 @@ def result_of(b: Bench, times: list, steps: int, ratios: list | None) -> dict:
 
 @settings_kept()
 def measure_against_first(cfgs: list, steps: int, rounds: int, warmup: int, synthetic: bool = False,
-                          names: list | None = None, on_result=None) -> list:
+                          names: list | None = None, on_result=None, reference_steps: int | None = None) -> list:
     """`measure_configs` for a long list compared with its first (the ladder: every rung against
     the baseline), with at most two configurations resident: the first (the reference) is built
     once and stays; every other one is built, warmed up and timed in interleaved rounds with the
@@ -433,7 +436,11 @@ def measure_against_first(cfgs: list, steps: int, rounds: int, warmup: int, synt
     so a drift of the machine's speed cancels), as when all were timed together; what changes is
     that configurations k and k+1 were no longer timed in the same rounds, so a comparison between
     them goes through the reference (the ladder's "vs previous, round by round" is the ratio of
-    their per-round ratios to it). The cost: the reference is warmed up and timed once per pair.
+    their per-round ratios to it). The cost: the reference runs in every pair; to keep that small
+    (the ladder's baseline, fp32 IEEE, is its slowest rung), once the reference was measured in
+    full (`steps` per round, its own result) it runs `reference_steps` per round (default `steps`)
+    after a 1-step warm-up in the later pairs: enough to carry the round's drift, the ratios taken
+    per image.
 
     Returns per config the dict of `measure_configs` (for the reference: from its first pair);
     the others also carry `reference_images_per_s`, the reference's rate in their own pair.
@@ -460,21 +467,29 @@ def measure_against_first(cfgs: list, steps: int, rounds: int, warmup: int, synt
     if ref_i == len(cfgs) - 1:  # nothing to pair it with: timed alone
         t = side_by_side([ref], steps, rounds, warmup, label=lambda k: names[ref_i])[0]
         emit(ref_i, {"error": "out of memory"} if t is None else result_of(ref, t, steps, [1.0] * len(t)))
+    fresh = True  # the reference has not run a pair since it was built
     for j in range(ref_i + 1, len(cfgs)):
         if ref is None or ref.closed:  # it ran out of memory next to an earlier configuration: again
             ref, _ = build_bench(cfgs[ref_i], synthetic)
+            fresh = True
         b, why = build_bench(cfgs[j], synthetic)
         if b is None:
             emit(j, {"error": why})
             continue
+        full = results[ref_i] is None  # the reference's own result is still to be measured
+        ref_steps = steps if full else (reference_steps or steps)
         pair = [b] if ref is None else [ref, b]
-        times = side_by_side(pair, steps, rounds, warmup, label=lambda k, j=j: names[j if pair[k] is b else ref_i])
+        times = side_by_side(pair, [ref_steps, steps][-len(pair):], rounds,
+                             [warmup if fresh else min(warmup, 1), warmup][-len(pair):],
+                             label=lambda k, j=j: names[j if pair[k] is b else ref_i])
+        fresh = False
         t_ref, t_b = (None, *times) if ref is None else times
-        ref_r = None if t_ref is None else result_of(ref, t_ref, steps, [1.0] * len(t_ref))
+        ref_r = None if t_ref is None else result_of(ref, t_ref, ref_steps, [1.0] * len(t_ref))
         if t_b is None:
             r = {"error": "out of memory"}
-        else:
-            ratios = None if t_ref is None else paired_rounds([t_ref, t_b], [ref.global_batch, b.global_batch])[1]
+        else:  # per image: the two may run different numbers of steps per round
+            ratios = None if t_ref is None else paired_rounds(
+                [t_ref, t_b], [ref.global_batch * ref_steps, b.global_batch * steps])[1]
             r = {**result_of(b, t_b, steps, ratios), "reference_images_per_s": ref_r and ref_r["images_per_s"]}
         # freed before anything else runs (the caller may train a model next)
         compiled = b.cfg.train.compile
@@ -484,7 +499,7 @@ def measure_against_first(cfgs: list, steps: int, rounds: int, warmup: int, synt
             import torch._dynamo
             torch._dynamo.reset()  # its compiled graphs and CUDA-graph pools (nothing else alive uses them)
         free_memory()
-        if ref_r is not None:
+        if ref_r is not None and full:
             emit(ref_i, ref_r)
         emit(j, r)
     emit(ref_i, {"error": "out of memory"})  # where it never completed a pair

@@ -196,8 +196,11 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
 
     t0 = time.perf_counter()
     update()
+    # the baseline (fp32 IEEE: the slowest rung) runs a third of the steps per round as the drift
+    # reference beside the rungs after the first (harness.measure_against_first)
     harness.measure_against_first([with_overrides(cfg, r.overrides) for r in live], steps, rounds, warmup,
-                                  synthetic, names=[r.name for r in live], on_result=measured)
+                                  synthetic, names=[r.name for r in live], on_result=measured,
+                                  reference_steps=max(1, steps // 3))
     log(f"timed {len(live)} rungs, each beside the baseline: {rounds} rounds x {steps} steps in "
         f"{time.perf_counter() - t0:.0f}s")
     for i, r in enumerate(rungs):  # where nothing was measured at all
