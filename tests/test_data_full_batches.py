@@ -214,7 +214,7 @@ def test_unreadable_everything_is_a_one_line_error(tmp_path, workers):
     root, held = _shards(tmp_path / "s", 2, 4, bad=range(8)), _shards(tmp_path / "h", 2, 2)
     s = cfg(name="webdataset", reader="stream", root=str(root), test_root=str(held), batch_size=4,
             num_workers=workers)
-    for conf, what in ((c, "data: no readable substitute for"), (s, "webdataset: no readable image among")):
+    for conf, what in ((c, "data: no readable substitute for"), (s, "webdataset: no readable image in a batch")):
         b = build_image_text(conf, device="cpu", seed=0, context_length=L)
         with pytest.raises(DataError) as e:
             next(iter(b.train.iterate(0)))

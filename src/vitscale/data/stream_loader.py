@@ -112,8 +112,8 @@ class StreamTrainDataset(torch.utils.data.IterableDataset):
             if item[0] is not None:
                 return item
             log.debug("substitute candidate %s is unreadable too (%s)", item[3], item[4])
-        raise DataError(f"webdataset: no readable image among the {len(candidates) + 1} sample(s) of a batch and "
-                        f"the one before it: is most of the data unreadable?")
+        raise DataError(f"webdataset: no readable image in a batch of {n} sample(s) or the one before it to "
+                        f"replace an undecodable one: is most of the data unreadable?")
 
 
 class StreamEvalDataset(torch.utils.data.IterableDataset):
