@@ -136,9 +136,15 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
         log(f"rung {r.name}: " + (f"skipped ({r.skip})" if r.skip else
                                   " ".join(f"{k}={v}" for k, v in r.overrides.items())))
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu")
-    out = {"rungs": [], "steps": steps, "rounds": rounds, "warmup": warmup, "train_steps": train_steps,
+    # the baseline (fp32 IEEE: the slowest rung) runs a third of the steps per round as the drift
+    # reference beside the rungs after the first (harness.measure_against_first)
+    reference_steps = max(1, steps // 3)
+    out = {"rungs": [], "steps": steps, "rounds": rounds, "warmup": warmup, "reference_steps": reference_steps,
+           "train_steps": train_steps,
            "synthetic": synthetic, "world_size": world, "batch_size": cfg.data.batch_size,
-           "hardware": hardware_info(device), "versions": versions(), "config": cfg.to_dict(),
+           # the threads the rungs run with (their Trainers set run.threads; the process's are restored after)
+           "hardware": {**hardware_info(device), "threads": cfg.run.threads or torch.get_num_threads()},
+           "versions": versions(), "config": cfg.to_dict(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "complete": False}
     rows: dict = {}  # rung index -> row, filled as rungs are measured
     state = {"prev": None, "prev_rounds": None}  # the last measured rung's speedups over the baseline
@@ -196,11 +202,9 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
 
     t0 = time.perf_counter()
     update()
-    # the baseline (fp32 IEEE: the slowest rung) runs a third of the steps per round as the drift
-    # reference beside the rungs after the first (harness.measure_against_first)
     harness.measure_against_first([with_overrides(cfg, r.overrides) for r in live], steps, rounds, warmup,
                                   synthetic, names=[r.name for r in live], on_result=measured,
-                                  reference_steps=max(1, steps // 3))
+                                  reference_steps=reference_steps)
     log(f"timed {len(live)} rungs, each beside the baseline: {rounds} rounds x {steps} steps in "
         f"{time.perf_counter() - t0:.0f}s")
     for i, r in enumerate(rungs):  # where nothing was measured at all
@@ -274,10 +278,12 @@ def markdown(r: dict, command: str) -> str:
     h = r["hardware"]
     return (f"# Ablation ladder\n\n`{command}`\n\n{r['date']}; {h['name']} ({h['cores']} cores, {h['threads']} "
             f"torch threads), {h['device']}, {r['world_size']} process(es), torch {r['versions']['torch']}; "
-            f"global batch {r['batch_size']}; each rung timed beside the baseline (built, timed and freed one "
-            f"at a time): {r['rounds']} interleaved rounds x {r['steps']} steps per rung after "
-            f"{r['warmup']} warm-up steps; images/s from the median round; the round-by-round columns are "
-            f"ratios to the baseline's steps in the same rounds"
+            f"global batch {r['batch_size']}; each rung built, timed beside the baseline and freed, one at a "
+            f"time: {r['rounds']} interleaved rounds x {r['steps']} steps per rung after {r['warmup']} warm-up "
+            f"steps (the baseline: in full beside the first rung, then {r.get('reference_steps', r['steps'])} "
+            f"step(s) per round as the reference); images/s from the median round; \"vs baseline\": against "
+            f"the baseline's median round in the rung's own rounds; the round-by-round columns: per-round "
+            f"ratios to the baseline, per image"
             f"{'; one fixed batch' if r['synthetic'] else ''}."
             + (f" Test accuracy after {r['train_steps']} training steps from the same seed (rungs that change "
                "numerics; the lr schedule of a run that long: the recipe's warm-up, then its decay over the "
