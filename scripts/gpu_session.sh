@@ -85,7 +85,7 @@ if [ ${#carried[@]} -gt 0 ]; then
       stop 2 "$w: a torch/CUDA wheel in $wheels; the GPU image's own torch is used as it is (remove it)";;
     esac
   done
-  run_step wheels 180 "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+  run_step wheels 120 "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target "$site" "${carried[@]}"
   [ $rc -eq 0 ] || stop 2 "the ${#carried[@]} wheels in $wheels did not install into $site (exit $rc; see $log)"
   export PYTHONPATH="$PWD/src:$site${PYTHONPATH#"$PWD/src"}" VITSCALE_SITE="$site"
@@ -95,7 +95,7 @@ fi
 
 # -- the machine and the versions ---------------------------------------------------------------
 { date -u; if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1 | head -20; else echo "nvidia-smi: not found"; fi; } >> "$log"
-run_step versions 120 "$py" scripts/gpu_checks.py versions
+run_step versions 90 "$py" scripts/gpu_checks.py versions
 [ $rc -eq 0 ] || stop 2 "stopped at the versions step: $(reason versions) [see $log]"
 
 need="torch numpy rich safetensors"
@@ -113,7 +113,7 @@ print(' '.join(missing))" $need 2>/dev/null) || missing="python ($py does not ru
 [ -z "$missing" ] || stop 2 "missing Python package(s) for part(s) '$parts': $missing (carry them as wheels: scripts/gpu_wheels.sh, docs/gpu.md)"
 
 # -- the gate: a GPU, the TF32 flags both ways, a compiled matmul ---------------------------------
-run_step gpu_check 180 "$py" scripts/gpu_checks.py gpu
+run_step gpu_check 150 "$py" scripts/gpu_checks.py gpu
 case $rc in
   0) ;;
   2) stop 2 "stopped at the GPU check: $(reason gpu_check) [versions in $log]";;
@@ -147,7 +147,7 @@ if want bench; then
     --set train.compile_mode=reduce-overhead --json --out "$out/bench_default_graphs.json"
 fi
 if want ladder; then
-  step ladder 540 "$py" -m vitscale ladder "$cfg" "${model[@]}" "${lab[@]}" --train-steps 0 --out "$out/ladder"
+  step ladder 480 "$py" -m vitscale ladder "$cfg" "${model[@]}" "${lab[@]}" --train-steps 0 --out "$out/ladder"
   [ -f "$out/ladder/ladder.md" ] && { cat "$out/ladder/ladder.md" >> "$log"; rm "$out/ladder/ladder.md"; }
 fi
 if want tune; then
