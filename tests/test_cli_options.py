@@ -134,7 +134,7 @@ def test_image_folder_with_odd_modes_and_broken_files(tmp_path, capsys, caplog, 
         ["d_not_an_image.png", "h_truncated.jpg"]
     assert "empty class folder" in caplog.text
     s = summary(out)
-    assert s["steps"] == 2 and s["images_seen"] == 12                    # batches of 7, bad ones dropped
+    assert s["steps"] == 2 and s["images_seen"] == 14                    # batches of 7, bad ones replaced
     assert last_state(out)["spec"]["num_classes"] == 2
     rc, stdout, err = run(capsys, "eval", str(out), "--json")
     assert rc == 0, err
@@ -156,12 +156,12 @@ def test_image_folder_warnings_reach_stderr_as_warnings(tmp_path):
     assert "test accuracy" in p.stdout
 
 
-def test_image_folder_batch_of_only_unreadable_images_is_skipped(tmp_path, capsys):
+def test_image_folder_batch_of_one_unreadable_image_gets_a_readable_substitute(tmp_path, capsys):
     root = make_tree(tmp_path / "tree")
     out = tmp_path / "run"
     rc, _, err = train(capsys, out, *_folder_args(root, 0), "data.batch_size=1", "data.drop_last=true")
     assert rc == 0, err
-    assert summary(out)["images_seen"] == 12
+    assert summary(out)["images_seen"] == summary(out)["steps"] == 14  # every step a full batch
 
 
 @pytest.mark.parametrize("layout", ["no_class_folders", "class_folder_without_images"])

@@ -40,3 +40,15 @@ def test_live_checkpoint_and_resumed_evaluations_agree(tmp_path, capsys, engine,
         again = last_eval(part)
         assert again["step"] == live["step"] == 12 and again["test_accuracy"] == live["test_accuracy"]
         assert abs(again["test_loss"] - live["test_loss"]) <= 1e-5, (again["test_loss"], live["test_loss"])
+
+
+def test_an_epoch_ending_in_fewer_samples_than_processes_skips_that_step_on_every_rank(tmp_path):
+    """data.drop_last=false, 65 samples in batches of 16 on 2 ranks: the 5th batch holds 1 sample,
+    so rank 1's share is empty; both ranks skip it (decided without a collective) and go on."""
+    out = tmp_path / "r"
+    p = torchrun(out, ["strategy.name=ddp", "data.train_size=65", "data.drop_last=false", "train.epochs=2",
+                     "run.progress=plain"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"] == 10 and s["images_seen"] == 2 * 64
+    assert p.stderr.count("fewer samples than processes; step skipped on every rank") == 2

@@ -119,6 +119,8 @@ class Trainer:
         self.params = count_params(model)
         self.strategy.setup(model)
         self.steps_per_epoch = len(self.data.train)
+        remainder = self.data.train_size % cfg.data.batch_size
+        self.empty_last_share = not cfg.data.drop_last and 0 < remainder < s.world_size
         if self.steps_per_epoch == 0:
             raise DataError(f"data.batch_size ({cfg.data.batch_size}) gives no full batch per epoch")
         total = math.ceil(cfg.train.epochs * self.steps_per_epoch)
@@ -263,13 +265,18 @@ class Trainer:
                 break
             n_local = batch[0].shape[0]
             t_data = time.perf_counter() - t_last
-            # every image of a batch was unreadable (folder data): all ranks skip together
-            if any_rank(self.strategy, n_local == 0):
-                self.bar.message(f"step {self.step + 1}: no readable image in the batch; step skipped")
+            # data.drop_last=false: the epoch's last global batch is partial, and where it has
+            # fewer samples than processes some rank's share is empty: every rank skips that step,
+            # decided from the sizes alone (no collective, no host sync)
+            if self.empty_last_share and self.step % self.steps_per_epoch == self.steps_per_epoch - 1:
+                self.bar.message(f"step {self.step + 1}: the epoch's last batch has fewer samples than "
+                                 "processes; step skipped on every rank")
                 self.scheduler.step()
                 self.step += 1
                 t_last = time.perf_counter()
                 continue
+            if n_local == 0:  # the loaders replace unreadable samples (data/): never an empty batch
+                raise DataError(f"step {self.step + 1}: the loader gave an empty batch")
             loss, info = self.train_step(batch)
             self.scheduler.step()
             self.step += 1
