@@ -89,18 +89,20 @@ def versions() -> int:
     out(f"python {platform.python_version()} ({sys.executable})")
     try:
         import torch
-    except Exception as e:  # noqa: BLE001
-        out(f"versions: FAIL: {sys.executable} cannot import torch ({type(e).__name__}: {e})")
-        return 1
-    cuda = torch.cuda.is_available()
-    gpu = f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}, " \
-          f"{torch.cuda.device_count()} visible)" if cuda else "no GPU visible"
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    out(f"torch {torch.__version__} cuda {torch.version.cuda} cudnn {cudnn} | {gpu} | at {Path(torch.__file__).parent}")
-    pins = ROOT / "constraints.txt"
-    pin = next((ln.strip() for ln in pins.read_text().splitlines() if ln.startswith("torch")), None) if pins.is_file() else None
-    if pin:
-        out(f"constraints.txt pins {pin}; this run uses torch {torch.__version__} as installed (never reinstalled here)")
+    except Exception as e:  # noqa: BLE001 (the packages are still listed, then FAIL)
+        torch, no_torch = None, f"{sys.executable} cannot import torch ({type(e).__name__}: {e})"
+        out(f"torch: {no_torch}")
+    if torch is not None:
+        cuda = torch.cuda.is_available()
+        gpu = f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}, " \
+              f"{torch.cuda.device_count()} visible)" if cuda else "no GPU visible"
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        out(f"torch {torch.__version__} cuda {torch.version.cuda} cudnn {cudnn} | {gpu} | at {Path(torch.__file__).parent}")
+        pins = ROOT / "constraints.txt"
+        pin = next((ln.strip() for ln in pins.read_text().splitlines() if ln.startswith("torch")), None) \
+            if pins.is_file() else None
+        if pin:
+            out(f"constraints.txt pins {pin}; this run uses torch {torch.__version__} as installed (never reinstalled here)")
     width = max(len(n) for n, _ in PACKAGES)
     for name, dist in PACKAGES:
         out(f"  {name:<{width}} {package(name, dist)}")
@@ -112,6 +114,9 @@ def versions() -> int:
     out(f"  {'CLIP vocab':<{width}} {vocab}")
     for k, v in tools().items():
         out(f"  {k:<{width}} {v}")
+    if torch is None:
+        out(f"versions: FAIL: {no_torch}")
+        return 1
     out(f"versions: PASS (torch {torch.__version__}, {gpu})")
     return 0
 
