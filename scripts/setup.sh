@@ -28,4 +28,16 @@ DS_BUILD_OPS=0 .venv/bin/pip install -q -c constraints.txt -e ".[dev,deepspeed]"
 # CLIP's BPE vocabulary file (bpe_simple_vocab_16e6.txt.gz) ships in open-clip-torch; vitscale only
 # reads that file, so no deps (they would pull torchvision)
 .venv/bin/pip install -q --no-deps -c constraints.txt open-clip-torch
+# --with-peers (CI): timm and OpenCLIP for the parity tests and the zoo sweeps, which compare vitscale
+# against them (vitscale itself never imports them). PyPI's torchvision is CUDA-only; the stub in
+# ../shared/tools/tv_cpu_stub makes it (and so timm and open_clip) import on this CPU torch.
+if [ "${1:-}" = "--with-peers" ]; then
+  .venv/bin/pip install -q -c constraints.txt torchvision==0.28.0 timm==1.0.31 open-clip-torch==3.3.0
+  stub=../shared/tools/tv_cpu_stub/install_tv_cpu_stub.sh
+  if [ -f "$stub" ]; then
+    bash "$stub" .venv
+  else
+    echo "setup.sh: $stub not found: torchvision, timm and open_clip will not import; their tests skip" >&2
+  fi
+fi
 .venv/bin/python -c "import torch, vitscale, deepspeed; print('vitscale ready, torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
