@@ -168,7 +168,14 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
-ACTIVATIONS = {"gelu": nn.GELU, "quick_gelu": QuickGELU}
+class GELUTanh(nn.GELU):
+    """GELU with the tanh approximation (timm's gelu_tanh: the SigLIP models)."""
+
+    def __init__(self):
+        super().__init__(approximate="tanh")
+
+
+ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": GELUTanh, "quick_gelu": QuickGELU}
 
 
 def activation(name: str) -> nn.Module:

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import did_you_mean
-from .layers import Block, ConvStem, PatchEmbed
+from .layers import Block, ConvStem, PatchEmbed, drop_path
 
 
 @dataclass(frozen=True)
@@ -31,19 +31,43 @@ class ViTSpec:
                                    # global_pool="avg"); False: LayerNorm of every token, then mean
     no_embed_class: bool = False   # position embeddings for the patches only, added before the class
                                    # token is prepended (timm's no_embed_class, e.g. DeiT III)
+    # more of timm's variants (interop/timm_vit.py); the defaults are vitscale's ViT, so a spec saved
+    # before they existed loads as the same model
+    class_token: bool | None = None  # a class token; None: exactly when head="token". head="pool"
+                                     # with a class token averages the patch tokens only (timm's
+                                     # class_token=True, global_pool="avg")
+    reg_tokens: int = 0            # register tokens after the class token (timm's reg_tokens)
+    layer_scale: float = 0.0       # per-channel scales of each residual branch, initialized to this
+                                   # value (timm's init_values, blocks.N.ls1/ls2.gamma); 0 = none
+    qkv_bias: bool = True          # the attention's qkv projection has a bias
+    pre_norm: bool = False         # a LayerNorm before the blocks, and no patch-embedding bias (timm's
+                                   # pre_norm, CLIP's image towers)
+    final_norm: bool = True        # False: no LayerNorm after the blocks (neither norm nor fc_norm)
+    norm_eps: float = 1e-6         # every LayerNorm's eps (timm's CLIP models: 1e-5)
+    act: str = "gelu"              # the MLP activation: gelu | gelu_tanh | quick_gelu
 
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
 
     @property
+    def has_class_token(self) -> bool:
+        return self.head == "token" if self.class_token is None else self.class_token
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Tokens before the patches: the class token and the register tokens."""
+        return int(self.has_class_token) + self.reg_tokens
+
+    @property
     def num_tokens(self) -> int:
-        """The sequence length the blocks see (patches, plus the class token)."""
-        return self.num_patches + (1 if self.head == "token" else 0)
+        """The sequence length the blocks see (patches, plus the class and register tokens)."""
+        return self.num_patches + self.num_prefix_tokens
 
     @property
     def pos_tokens(self) -> int:
-        """Rows of the position embedding (the class token's row left out with no_embed_class)."""
+        """Rows of the position embedding (the class and register tokens' rows left out with
+        no_embed_class)."""
         return self.num_patches if self.no_embed_class else self.num_tokens
 
 
@@ -69,26 +93,61 @@ def model_names() -> list[str]:
     return sorted(REGISTRY)
 
 
+class LayerScale(nn.Module):
+    """x * gamma, one learned scale per channel (timm's LayerScale: blocks.N.ls1/ls2.gamma)."""
+
+    def __init__(self, dim: int, init: float = 1e-5):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class LayerScaleBlock(Block):
+    """Block with layer scale (CaiT, DeiT III, DINOv2; timm's init_values):
+    x + ls1(attn(norm1(x))), then x + ls2(mlp(norm2(x)))."""
+
+    def __init__(self, dim: int, *args, **kwargs):
+        super().__init__(dim, *args, **kwargs)
+        self.ls1 = LayerScale(dim)
+        self.ls2 = LayerScale(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + drop_path(self.ls1(self.attn(self.norm1(x))), self.drop_path, self.training)
+        return x + drop_path(self.ls2(self.mlp(self.norm2(x))), self.drop_path, self.training)
+
+
 class VisionTransformer(nn.Module):
     """Pre-norm ViT. Shapes: image [B, C, H, W] -> tokens [B, T, D] -> logits [B, num_classes]."""
 
     def __init__(self, spec: ViTSpec):
         super().__init__()
+        if spec.head == "token" and not spec.has_class_token:
+            raise ValueError("head='token' needs the class token (class_token=True)")
         self.spec = spec
         D = spec.dim
         stem = ConvStem if spec.stem == "conv" else PatchEmbed
         self.patch_embed = stem(spec.image_size, spec.patch_size, spec.in_chans, D)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if spec.head == "token" else None
+        if spec.pre_norm and isinstance(self.patch_embed, PatchEmbed):  # timm: bias=not pre_norm
+            self.patch_embed.proj.register_parameter("bias", None)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if spec.has_class_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, spec.reg_tokens, D)) if spec.reg_tokens else None
         self.pos_embed = nn.Parameter(torch.zeros(1, spec.pos_tokens, D))
-        self.norm_pre = nn.Identity()  # a LayerNorm before the blocks in CLIP's image tower (ln_pre)
+        # a LayerNorm before the blocks: timm's pre_norm, and CLIP's image tower (ln_pre)
+        self.norm_pre = nn.LayerNorm(D, eps=spec.norm_eps) if spec.pre_norm else nn.Identity()
         dpr = [spec.drop_path * i / max(1, spec.depth - 1) for i in range(spec.depth)]  # rises with depth
+        block = LayerScaleBlock if spec.layer_scale else Block
         self.blocks = nn.ModuleList(
-            Block(D, spec.heads, spec.mlp_ratio, fused_attn=spec.attention == "sdpa",
-                  drop_path=dpr[i], dropout=spec.dropout)
+            block(D, spec.heads, spec.mlp_ratio, fused_attn=spec.attention == "sdpa",
+                  drop_path=dpr[i], dropout=spec.dropout, eps=spec.norm_eps, act=spec.act)
             for i in range(spec.depth))
+        if not spec.qkv_bias:
+            for blk in self.blocks:
+                blk.attn.qkv.register_parameter("bias", None)
         # fc_norm: the LayerNorm moves after the pooling (timm's keys: no `norm`, a `fc_norm`)
-        self.norm = nn.Identity() if spec.fc_norm else nn.LayerNorm(D, eps=1e-6)
-        self.fc_norm = nn.LayerNorm(D, eps=1e-6) if spec.fc_norm else None
+        self.norm = nn.LayerNorm(D, eps=spec.norm_eps) if spec.final_norm and not spec.fc_norm else nn.Identity()
+        self.fc_norm = nn.LayerNorm(D, eps=spec.norm_eps) if spec.final_norm and spec.fc_norm else None
         self.head = nn.Linear(D, spec.num_classes)
         self.grad_checkpointing = False
         self.reset_parameters()
@@ -98,30 +157,37 @@ class VisionTransformer(nn.Module):
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
+        if self.reg_token is not None:
+            nn.init.normal_(self.reg_token, std=1e-6)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+            elif isinstance(m, LayerScale):
+                nn.init.constant_(m.gamma, self.spec.layer_scale)
         if isinstance(self.patch_embed, PatchEmbed):
             w = self.patch_embed.proj.weight  # like a Linear over the flattened patch
             nn.init.trunc_normal_(w.view(w.shape[0], -1), std=0.02)
-            nn.init.zeros_(self.patch_embed.proj.bias)
+            if self.patch_embed.proj.bias is not None:
+                nn.init.zeros_(self.patch_embed.proj.bias)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token"}
+        return {"pos_embed", "cls_token"} | ({"reg_token"} if self.reg_token is not None else set())
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)  # [B, N, D]
         if self.spec.no_embed_class:
             x = x + self.pos_embed
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # [B, N+1, D]
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        if prefix:
+            x = torch.cat([*prefix, x], dim=1)  # [B, prefix + N, D]
         if not self.spec.no_embed_class:
             x = x + self.pos_embed
         x = self.norm_pre(x)
@@ -133,7 +199,11 @@ class VisionTransformer(nn.Module):
         return self.norm(x)  # [B, T, D]
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = x[:, 0] if self.cls_token is not None else x.mean(dim=1)  # [B, D]
+        if self.spec.head == "token":
+            x = x[:, 0]  # [B, D]
+        else:  # the mean of the patch tokens (timm: the class and register tokens left out)
+            prefix = self.spec.num_prefix_tokens
+            x = (x[:, prefix:] if prefix else x).mean(dim=1)
         if self.fc_norm is not None:
             x = self.fc_norm(x)
         return x if pre_logits else self.head(x)
