@@ -52,3 +52,13 @@ def test_an_epoch_ending_in_fewer_samples_than_processes_skips_that_step_on_ever
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 10 and s["images_seen"] == 2 * 64
     assert p.stderr.count("fewer samples than processes; step skipped on every rank") == 2
+
+
+def test_single_strategy_under_a_launcher_is_refused_in_one_line(tmp_path):
+    """torchrun with the default strategy.name=single used to start N independent runs writing the
+    same run folder (every metric line twice)."""
+    p = torchrun(tmp_path / "r", [])
+    assert p.returncode != 0
+    lines = [x for x in p.stderr.splitlines() if "strategy.name=single under a launcher" in x]
+    assert len(lines) == 2  # one line per rank (torchrun adds its own report after them)
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()

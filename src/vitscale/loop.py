@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -14,12 +15,12 @@ import torch
 from .checkpoint import (list_checkpoints, load_checkpoint, resolve_checkpoint, rng_state, save_checkpoint,
                          set_rng_state)
 from .config import Config, micro_batch
-from .errors import DataError, TrainingError, UserError
+from .errors import ConfigError, DataError, TrainingError, UserError
 from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops
 from .models import count_params
 from .optim import build_scheduler, scaled_lr
 from .strategy import build_strategy
-from .strategy.devices import synchronizer, tf32_active
+from .strategy.devices import launch_env, synchronizer, tf32_active
 from .strategy.resume import check_resume, engine_folder
 from .tasks import build_task
 
@@ -99,6 +100,11 @@ class Trainer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
+        launch = launch_env(os.environ)
+        if cfg.strategy.name == "single" and launch.world_size > 1:  # N copies into one run folder
+            raise ConfigError(f"config: strategy.name=single under a launcher that started {launch.world_size} "
+                              "processes: each would train alone into the same run folder; use "
+                              "strategy.name=ddp, fsdp or deepspeed (or launch one process)")
         self.lr = scaled_lr(cfg.optim, cfg.data.batch_size)
         # the strategy builds its optimizer at the lr for this global batch; the saved config
         # keeps what the user wrote (lr, lr_scaling, lr_ref_batch)
