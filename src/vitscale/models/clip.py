@@ -6,8 +6,9 @@
     features L2-normalized. `logit_scale` has shape [1], not [] (FSDP2 cannot shard a 0-d tensor).
 
 OpenCLIP's ViT CLIP computes the same function with the options that interop/open_clip.py sets
-(all off by default): ClipSpec.ln_pre / patch_bias / proj_bias / vision_norm_eps / vision_act for
-the image tower, TextSpec.norm_eps / act for the text tower.
+(all off by default): ClipSpec.ln_pre / patch_bias / proj_bias / vision_norm_eps / vision_act /
+vision_pool / vision_norm_after_pool for the image tower, TextSpec.norm_eps / act / causal / pool /
+eos_id for the text tower.
 """
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ class ClipSpec:
     proj_bias: bool = True         # the projection (the ViT's head) has a bias (OpenCLIP's proj has none)
     vision_norm_eps: float = 1e-6  # every LayerNorm of the image tower (OpenCLIP: torch's 1e-5)
     vision_act: str = "gelu"       # its MLP activation: "gelu" | "quick_gelu" (OpenAI's models)
+    vision_pool: str = "token"     # the image feature: "token" (the class token's) | "avg" (the mean of the
+                                   # patch tokens, the class token left out: OpenCLIP's pool_type="avg")
+    vision_norm_after_pool: bool = False  # the final LayerNorm after pooling (OpenCLIP's final_ln_after_pool;
+                                          # its parameters are then visual.fc_norm, not visual.norm)
 
 
 # name -> (vision ViTSpec, text (dim, depth, heads), embed_dim)
@@ -78,7 +83,14 @@ class ImageTower(VisionTransformer):
     `norm_pre` (timm's name for OpenCLIP's ln_pre) normalizes the tokens before the first block."""
 
     def __init__(self, spec: ClipSpec):
-        super().__init__(replace(spec.vision, num_classes=spec.embed_dim))
+        if spec.vision_pool not in ("token", "avg"):
+            raise ValueError(f"unknown vision_pool '{spec.vision_pool}' (expected token or avg)")
+        if spec.vision_pool == "avg" and spec.vision.head != "token":
+            raise ValueError("vision_pool='avg' leaves out a class token: it needs head='token'")
+        # vision_norm_after_pool: vitscale's ViT with fc_norm (no `norm`, a LayerNorm after pooling)
+        super().__init__(replace(spec.vision, num_classes=spec.embed_dim,
+                                 fc_norm=spec.vision.fc_norm or spec.vision_norm_after_pool))
+        self.clip_pool = spec.vision_pool
         if spec.ln_pre:
             self.norm_pre = nn.LayerNorm(spec.vision.dim, eps=spec.vision_norm_eps)
         if not spec.patch_bias:
@@ -93,6 +105,14 @@ class ImageTower(VisionTransformer):
         if spec.vision_act != "gelu":
             for blk in self.blocks:
                 blk.mlp.act = activation(spec.vision_act)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.clip_pool == "token":
+            return super().forward_head(x, pre_logits)
+        x = x[:, 1:].mean(dim=1)  # the patch tokens' mean, the class token left out  [B, D]
+        if self.fc_norm is not None:
+            x = self.fc_norm(x)
+        return x if pre_logits else self.head(x)
 
 
 class CLIP(nn.Module):

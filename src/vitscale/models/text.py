@@ -4,6 +4,8 @@ Shapes: tokens int64 [B, L] -> token embeddings [B, L, W] -> blocks (causal) -> 
 the feature at each row's end-of-text position [B, W] -> projection [B, E].
 As in CLIP/OpenCLIP, the end-of-text token has the largest id (49407), so its position is
 `tokens.argmax(-1)`; padding (id 0) comes after it and is never attended to by it.
+OpenCLIP's other text towers (interop/open_clip.py) set `pool` ("eos": the first `eos_id` token,
+"last", "first") and `causal=False` (bidirectional attention, e.g. CLIPA's).
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ class TextSpec:
     # OpenCLIP's (interop/open_clip.py): its LayerNorms use torch's default eps, its OpenAI models QuickGELU
     norm_eps: float = 1e-6        # every LayerNorm (blocks and ln_final)
     act: str = "gelu"             # MLP activation: "gelu" | "quick_gelu"
+    causal: bool = True           # False: every token attends to every token (OpenCLIP's no_causal_mask)
+    pool: str = "argmax"          # the pooled token: "argmax" (the largest id: CLIP's end of text) |
+                                  # "eos" (the first `eos_id`) | "last" | "first" (OpenCLIP's pool_type)
+    eos_id: int = 0               # pool="eos" only
 
 
 class TextTransformer(nn.Module):
@@ -39,7 +45,7 @@ class TextTransformer(nn.Module):
         self.token_embedding = nn.Embedding(spec.vocab_size, W)
         self.positional_embedding = nn.Parameter(torch.zeros(spec.context_length, W))
         self.blocks = nn.ModuleList(
-            Block(W, spec.heads, spec.mlp_ratio, fused_attn=spec.attention == "sdpa", causal=True,
+            Block(W, spec.heads, spec.mlp_ratio, fused_attn=spec.attention == "sdpa", causal=spec.causal,
                   eps=spec.norm_eps, act=spec.act)
             for _ in range(spec.depth))
         self.ln_final = nn.LayerNorm(W, eps=spec.norm_eps)
@@ -77,8 +83,18 @@ class TextTransformer(nn.Module):
             else:
                 x = blk(x)
         x = self.ln_final(x)
-        x = x[torch.arange(x.shape[0], device=x.device), tokens.argmax(dim=-1)]  # [B, W] at end-of-text
-        return self.proj(x)  # [B, E]
+        return self.proj(x[torch.arange(x.shape[0], device=x.device), self.pooled_position(tokens)])  # [B, E]
+
+    def pooled_position(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B] the position whose feature is the caption's (OpenCLIP's text_global_pool)."""
+        pool = self.spec.pool
+        if pool == "argmax":
+            return tokens.argmax(dim=-1)  # end of text
+        if pool == "eos":
+            return (tokens == self.spec.eos_id).int().argmax(dim=-1)
+        if pool in ("last", "first"):
+            return torch.full(tokens.shape[:1], tokens.shape[1] - 1 if pool == "last" else 0, device=tokens.device)
+        raise ValueError(f"unknown text pool '{pool}' (expected argmax, eos, last or first)")
 
 
 def text_forward_macs(spec: TextSpec, length: int | None = None) -> int:
