@@ -171,6 +171,10 @@ def cmd_export(args) -> int:
     from .evaluate import export_checkpoint
     path = export_checkpoint(args.checkpoint, args.out, use_ema=not args.no_ema, fmt=args.format)
     print(f"wrote {path}")
+    if args.format == "open_clip":
+        from .interop.open_clip import CONFIG_FILE, load_call
+        print(f"wrote {path.parent / CONFIG_FILE}")
+        print(load_call(path))
     if args.format == "timm":
         from safetensors import safe_open
         with safe_open(str(path), "pt") as f:

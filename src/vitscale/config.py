@@ -106,8 +106,13 @@ class ModelConfig:
                             "(auto: when its class count matches the data's) or start a new one")
     init_act: str = choice("auto", "auto", "gelu", "quick_gelu", doc="CLIP model.init: the MLP activation "
                            "the weights were trained with (not stored in them): OpenAI's CLIP weights and "
-                           "OpenCLIP's -quickgelu models use QuickGELU; auto = QuickGELU when the file name "
-                           "says quickgelu or openai")
+                           "OpenCLIP's -quickgelu models use QuickGELU; auto = the OpenCLIP configuration's "
+                           "(model.init_open_clip), else QuickGELU when the file name says quickgelu or openai")
+    init_open_clip: str = field(default="", metadata={"doc": "CLIP model.init: the OpenCLIP configuration of "
+                                "the weights (what they do not hold: head counts, activation, pooling, causal "
+                                "mask): an OpenCLIP model name (e.g. ViT-H-14, ViT-B-32-quickgelu) or an "
+                                "open_clip_config.json; \"\" = the open_clip_config.json beside the weights "
+                                "file, else OpenCLIP's defaults, announced in a warning"})
     freeze: str = choice("none", "none", "embed", "backbone", doc="parameters that do not train: embed = the "
                          "patch and position embeddings (and model.freeze_blocks blocks); backbone = all but "
                          "the head (linear probing)")
@@ -430,10 +435,15 @@ def check(cfg: Config) -> None:
                           "torch's loss scaler cannot unscale fp16 gradients, and fp16 optimizer state "
                           "underflows AdamW's eps (1e-8 is 0 in fp16); keep master_weights=true or use pure_bf16")
     if cfg.model.init and cfg.model.arch.startswith("clip"):
-        from .interop.open_clip import looks_like_open_clip
-        if not looks_like_open_clip(cfg.model.init):
-            raise ConfigError(f"config: model.init={cfg.model.init} holds no OpenCLIP ViT CLIP weights (visual.conv1, "
-                              "token_embedding); CLIP models cannot be initialized from ViT classifier weights")
+        from .errors import UserError
+        from .interop.open_clip import check_init
+        try:  # the file's configuration and keys: the real cause, in one line
+            check_init(cfg.model.init, cfg.model.init_open_clip)
+        except UserError as e:
+            raise ConfigError(f"config: {e}") from None
+    elif cfg.model.init_open_clip:
+        raise ConfigError("config: model.init_open_clip describes CLIP weights given with model.init "
+                          f"(model.arch={cfg.model.arch}{'' if cfg.model.init else ', no model.init'})")
     if cfg.model.heads and cfg.model.dim and cfg.model.dim % cfg.model.heads:
         raise ConfigError(f"config: model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
 

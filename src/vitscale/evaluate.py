@@ -77,6 +77,9 @@ def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vi
                               f"{fmt}'s layout is for {what}")
         model = _rebuild(build_task(cfg, kind), state, weights)
         meta = {"format": fmt, "step": str(state["step"])}
+        if fmt == "open_clip":  # the weights and open_clip_config.json (model and preprocess config), in a folder
+            from .interop.open_clip import export_run
+            return export_run(model, cfg, out, meta, run_dir=path.parent.parent)
         if fmt == "timm":
             meta["timm_kwargs"] = json.dumps(timm_kwargs(model.spec))
         return export_safetensors(convert(model), out, meta)

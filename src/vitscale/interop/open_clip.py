@@ -12,45 +12,74 @@ the options below; the keys map one to one, transposing the two bare projection 
       .attn.in_proj_weight/bias (q, k, v)         .attn.qkv.weight/bias
       .attn.out_proj                              .attn.proj
       .mlp.c_fc / .mlp.c_proj                     .mlp.fc1 / .mlp.fc2
-    visual.ln_post                              visual.norm
+    visual.ln_post                              visual.norm (visual.fc_norm with final_ln_after_pool)
     visual.proj [W, E]                          visual.head.weight [E, W]        (proj_bias=False)
     token_embedding, positional_embedding,      text.token_embedding, text.positional_embedding,
     transformer.resblocks.i.*, ln_final         text.blocks.i.*, text.ln_final
     text_projection [W, E]                      text.proj.weight [E, W]
     logit_scale []                              logit_scale [1]
 
-OpenCLIP's LayerNorms use torch's eps 1e-5 (vitscale's 1e-6: vision_norm_eps / TextSpec.norm_eps)
-and its text features are taken at the argmax token, as vitscale's are. What the weights do not
-hold: the activation (QuickGELU for OpenAI's models and the "-quickgelu" configurations, else
-GELU: `quick_gelu`) and the head counts (OpenCLIP's rule for its ViT configurations: width // 64 in
-both towers, unless given). CustomTextCLIP's layout (the text tower under `text.`) is read too.
-Variants vitscale does not implement (attentional pooling, layer scale, q/k norm, SigLIP's
-logit_bias, timm or ResNet image towers, Hugging Face text towers) are refused with the keys that
-show them. Nothing here imports open_clip.
+What the weights do not hold comes from OpenCLIP's configuration of the model: the
+`open_clip_config.json` that OpenCLIP's hub folders keep beside the weights ({"model_cfg": ...,
+"preprocess_cfg": ...}), or an OpenCLIP model name (open_clip_configs.py: OpenCLIP's own table),
+or explicit arguments:
+- the head counts (vision_cfg.width // head_width; text_cfg.heads): ViT-H-14, ViT-g-14 and
+  ViT-bigG-14 have head widths 80, 88 and 104, not 64;
+- the activation (quick_gelu: OpenAI's models and the "-quickgelu" configurations);
+- the image feature (pool_type "tok" | "avg", final_ln_after_pool: CLIPA's average pool), the text
+  feature (pool_type "argmax" | "eos" + eos_id | "last" | "first") and the causal mask
+  (no_causal_mask: CLIPA's bidirectional text tower); the LayerNorm eps (norm_kwargs).
+Without any of them, OpenCLIP's defaults (head width 64, GELU, class token, causal text pooled at
+the end-of-text token) are taken and said in one warning line, naming the keys that change them;
+for an image width where OpenCLIP's own configurations use other head counts the weights are
+refused instead. A configuration that disagrees with the weights' shapes is refused.
+Variants vitscale does not implement (timm, ResNet or Hugging Face towers, CoCa, attentional
+pooling, layer scale, q/k norm, SigLIP's logit_bias, ...) are refused in one line naming the
+configuration key or the weights' keys that show them. Nothing here imports open_clip.
 """
 from __future__ import annotations
 
+import json
+import logging
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from ..errors import UserError
+from ..errors import UserError, did_you_mean
 from .files import first_keys, refuse_unsupported
 from ..models.clip import CLIP, ClipSpec
 from ..models.text import TextSpec
 from ..models.vit import ViTSpec
 
+log = logging.getLogger("vitscale")
+
 BLOCK_MAP = (("ln_1", "norm1"), ("attn.in_proj_weight", "attn.qkv.weight"), ("attn.in_proj_bias", "attn.qkv.bias"),
              ("attn.out_proj", "attn.proj"), ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"))
-UNSUPPORTED = {"attn_pool": "attentional pooling (CoCa)", ".ls_1.": "layer scale", ".ls_2.": "layer scale",
+UNSUPPORTED = {"visual.trunk.": "a timm image tower", "visual.layer1.": "a ResNet image tower",
+               "text.transformer.embeddings": "a Hugging Face text tower", "text_decoder.": "CoCa's text decoder",
+               "attn_pool": "attentional pooling (CoCa)", ".ls_1.": "layer scale", ".ls_2.": "layer scale",
                ".ln_q.": "q/k normalization", ".ln_k.": "q/k normalization", "logit_bias": "SigLIP's logit_bias",
-               "visual.trunk.": "a timm image tower", "visual.layer1.": "a ResNet image tower",
-               "text.transformer.embeddings": "a Hugging Face text tower", "cls_emb": "a text class token",
-               ".ln_attn.": "scaled attention norms", ".ln_inner.": "scaled attention norms"}
+               "cls_emb": "a text class token", ".ln_attn.": "scaled attention norms",
+               ".ln_inner.": "scaled attention norms", "text_projection.bias": "a text projection with a bias",
+               "logit_scale_attn": "scaled cosine attention", ".head_scale": "per-head attention scales"}
 OPENAI_EXTRAS = ("input_resolution", "context_length", "vocab_size")  # in OpenAI's original files
+CONFIG_FILE = "open_clip_config.json"
+# what open_clip's `local-dir:` loader picks from a folder first (factory._find_checkpoint_in_dir)
+LOCAL_DIR_PREFERRED = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
+                       "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth", "model.safetensors",
+                       "pytorch_model.bin", "pytorch_model.pth", "model.pth")
 
+# OpenCLIP's model_cfg keys that change the function to one vitscale does not compute: (key, what it is)
+REFUSED_MODEL = (("multimodal_cfg", "CoCa's text decoder"), ("init_logit_bias", "SigLIP's logit_bias"))
+REFUSED_TOWER = (("ls_init_value", "layer scale"), ("qk_norm", "q/k normalization"),
+                 ("scaled_cosine_attn", "scaled cosine attention"), ("scale_heads", "per-head attention scales"),
+                 ("scale_attn_inner", "scaled attention norms"), ("scale_attn", "scaled attention norms"),
+                 ("scale_fc", "a LayerNorm inside the MLP"), ("attentional_pool", "attentional pooling (CoCa)"),
+                 ("output_tokens", "token outputs (CoCa)"), ("embed_cls", "a text class token"),
+                 ("proj_bias", "a text projection with a bias"))
 
 
 def _normalize(sd: dict) -> dict:
@@ -70,15 +99,158 @@ def _depth(sd: dict, prefix: str) -> int:
 def _shape(sd: dict, key: str, ndim: int) -> tuple:
     if key not in sd:
         raise UserError(f"OpenCLIP: missing key {key}")
-    if sd[key].ndim != ndim:
+    if len(sd[key].shape) != ndim:
         raise UserError(f"OpenCLIP: {key} has shape {tuple(sd[key].shape)}; expected {ndim} dimensions")
     return tuple(sd[key].shape)
 
 
-def open_clip_spec(sd: dict, *, quick_gelu: bool = False, vision_heads: int = 0, text_heads: int = 0) -> ClipSpec:
-    """The ClipSpec that computes what OpenCLIP's CLIP with these weights computes (`quick_gelu`:
-    the "-quickgelu" configurations and OpenAI's weights; heads: width // 64 unless given)."""
+def _ratio(hidden: int, dim: int) -> float:
+    """The MLP ratio r with int(dim * r) == hidden (both libraries size the MLP so; hidden / dim
+    alone can land a float just below, e.g. ViT-bigG-14's 8192 / 1664)."""
+    r = hidden / dim
+    while int(dim * r) < hidden:
+        r = math.nextafter(r, math.inf)
+    return r
+
+
+# -- OpenCLIP's configuration: where it comes from, what it says ------------------------------------
+def read_config(config, weights=None) -> tuple[dict | None, dict, str]:
+    """(model_cfg, preprocess_cfg, where it came from) for `config`: an OpenCLIP model name (OpenCLIP's
+    own table), a path to an open_clip_config.json or its folder, a dict (open_clip_config.json's
+    content, or a model_cfg), or None/"": the open_clip_config.json beside `weights`, if there is one."""
+    if isinstance(config, dict):
+        if "model_cfg" in config:
+            return config["model_cfg"], dict(config.get("preprocess_cfg") or {}), "the given open_clip config"
+        return config, {}, "the given OpenCLIP model_cfg"
+    if not config:
+        beside = Path(weights).parent / CONFIG_FILE if weights else None
+        if beside is None or not beside.is_file():
+            return None, {}, ""
+        config = beside
+    path = Path(config)
+    if isinstance(config, Path) or path.suffix == ".json" or path.is_dir() or path.is_file():
+        path = path / CONFIG_FILE if path.is_dir() else path
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"OpenCLIP: {path}: not a readable open_clip_config.json ({e})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("model_cfg", data), dict):
+            raise UserError(f"OpenCLIP: {path}: not an open_clip_config.json (no model_cfg)")
+        mc = data.get("model_cfg", data)
+        if not all(k in mc for k in ("embed_dim", "vision_cfg", "text_cfg")):
+            raise UserError(f"OpenCLIP: {path}: its model_cfg lacks embed_dim / vision_cfg / text_cfg")
+        return mc, dict(data.get("preprocess_cfg") or {}), str(path)
+    from .open_clip_configs import CONFIGS, OPEN_CLIP_VERSION
+    name = str(config).replace("/", "-")
+    if name not in CONFIGS:
+        raise UserError(f"OpenCLIP: no model configuration '{config}' in OpenCLIP {OPEN_CLIP_VERSION}"
+                        f"{did_you_mean(name, CONFIGS)} (or give a path to an open_clip_config.json)")
+    return CONFIGS[name], {}, f"OpenCLIP's {name}"
+
+
+def _refuse_config(mc: dict, where: str) -> None:
+    """One line for the first thing the configuration says that vitscale's CLIP does not compute
+    (the kind of tower first: that is what a reader needs to hear)."""
+    v, t = mc.get("vision_cfg") or {}, mc.get("text_cfg") or {}
+
+    def no(what: str, key: str, value) -> None:
+        raise UserError(f"OpenCLIP: {where}: {what} ({key}={value!r}) is not implemented by vitscale's CLIP")
+    if v.get("timm_model_name"):
+        no("a timm image tower", "vision_cfg.timm_model_name", v["timm_model_name"])
+    if isinstance(v.get("layers"), (list, tuple)):
+        no("a ResNet image tower", "vision_cfg.layers", v["layers"])
+    if t.get("hf_model_name"):
+        no("a Hugging Face text tower", "text_cfg.hf_model_name", t["hf_model_name"])
+    for key, what in REFUSED_MODEL:
+        if mc.get(key) is not None:
+            no(what, key, mc[key])
+    for tower, cfg in (("vision_cfg", v), ("text_cfg", t)):
+        for key, what in REFUSED_TOWER:
+            if cfg.get(key):
+                no(what, f"{tower}.{key}", cfg[key])
+        if cfg.get("block_type") not in (None, "default"):
+            no("OpenCLIP's custom attention block", f"{tower}.block_type", cfg["block_type"])
+        if cfg.get("act_kwargs"):
+            no("an activation with arguments", f"{tower}.act_kwargs", cfg["act_kwargs"])
+        if set(cfg.get("norm_kwargs") or {}) - {"eps"}:
+            no("a LayerNorm with these arguments", f"{tower}.norm_kwargs", cfg["norm_kwargs"])
+    if v.get("pool_type", "tok") not in ("tok", "avg"):
+        no("image token outputs", "vision_cfg.pool_type", v["pool_type"])
+    if v.get("pos_embed_type", "learnable") not in ("learnable", "sin_cos_2d"):
+        no("this position embedding", "vision_cfg.pos_embed_type", v["pos_embed_type"])
+    for key in ("image_size", "patch_size"):
+        if isinstance(v.get(key), (list, tuple)) and len(set(v[key])) > 1:
+            no("a non-square image or patch", f"vision_cfg.{key}", v[key])
+    if t.get("pool_type", "argmax") not in ("argmax", "eos", "last", "first"):
+        no("text token outputs", "text_cfg.pool_type", t["pool_type"])
+    if t.get("proj_type", "linear") != "linear":
+        no("a text tower without a linear projection", "text_cfg.proj_type", t["proj_type"])
+
+
+def _square(x) -> int:
+    return x[0] if isinstance(x, (list, tuple)) else x
+
+
+def _from_config(mc: dict) -> dict:
+    """What an OpenCLIP model_cfg says the function is: the open values and the shapes it implies."""
+    v, t = mc["vision_cfg"], mc["text_cfg"]
+    width, twidth = v.get("width", 768), t.get("width", 512)
+    head_width = v.get("head_width", 64)
+    return dict(
+        quick_gelu=bool(mc.get("quick_gelu", False)), vision_heads=width // head_width, text_heads=t.get("heads", 8),
+        vision_pool="avg" if v.get("pool_type", "tok") == "avg" else "token",
+        vision_norm_after_pool=bool(v.get("final_ln_after_pool", False)) and v.get("pool_type", "tok") == "avg",
+        vision_eps=float((v.get("norm_kwargs") or {}).get("eps", 1e-5)),
+        text_eps=float((t.get("norm_kwargs") or {}).get("eps", 1e-5)),
+        causal=not t.get("no_causal_mask", False), text_pool=t.get("pool_type", "argmax"),
+        eos_id=int(t.get("eos_id", 2)) if t.get("pool_type") == "eos" else 0,
+        shapes={"embed_dim": mc["embed_dim"], "image width": width, "image layers": v.get("layers", 12),
+                "patch size": _square(v.get("patch_size", 16)), "image size": _square(v.get("image_size", 224)),
+                "image MLP width": int(width * v.get("mlp_ratio", 4.0)), "ln_pre": not v.get("no_ln_pre", False),
+                "text width": twidth, "text layers": t.get("layers", 12),
+                "text MLP width": int(twidth * t.get("mlp_ratio", 4.0)),
+                "context length": t.get("context_length", 77), "vocabulary": t.get("vocab_size", 49408)},
+        width_ok=width % head_width == 0)
+
+
+def _wide_head_refusal(what: str, width: int, heads_key: str) -> None:
+    """No configuration: refuse where OpenCLIP's own configurations of this width do not use head
+    width 64 (ViT-H/g/bigG/e: 80/88/104/112), rather than split the heads wrongly."""
+    from .open_clip_configs import CONFIGS
+    odd = {}
+    for name, mc in CONFIGS.items():
+        v, t = mc["vision_cfg"], mc["text_cfg"]
+        if v.get("timm_model_name") or isinstance(v.get("layers"), (list, tuple)):
+            continue
+        if what == "image" and v.get("width", 768) == width:
+            heads = width // v.get("head_width", 64)
+        elif what == "text" and not t.get("hf_model_name") and t.get("width", 512) == width:
+            heads = t.get("heads", 8)
+        else:
+            continue
+        if heads != max(1, width // 64):
+            odd.setdefault(heads, []).append(name)
+    if odd:
+        heads, names = next(iter(odd.items()))
+        raise UserError(f"OpenCLIP: the weights' {what} tower is {width} wide; OpenCLIP's configurations of that "
+                        f"width ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) have {heads} heads "
+                        f"(head width {width // heads}), not width // 64 = {width // 64}: the head count is not in "
+                        f"the weights: name the configuration or give it ({heads_key})")
+
+
+# -- the spec --------------------------------------------------------------------------------------
+def _resolve(sd: dict, config, *, quick_gelu: bool | None, vision_heads: int, text_heads: int,
+             weights=None, keys: dict | None = None, act_note: str = "") -> tuple[ClipSpec, list[str], dict | None, str]:
+    """(spec, the defaults taken [empty when a configuration said everything], model_cfg or None, where
+    it came from). `keys`: how the caller spells its arguments in messages ({"config", "vision_heads",
+    "text_heads", "quick_gelu"}); `act_note`: where a `quick_gelu` given without a configuration came
+    from (default: the caller)."""
+    keys = {"config": "config=NAME or an open_clip_config.json", "vision_heads": "vision_heads=",
+            "text_heads": "text_heads=", "quick_gelu": "quick_gelu="} | (keys or {})
     sd = _normalize(sd)
+    mc, _, where = read_config(config, weights)
+    if mc is not None:
+        _refuse_config(mc, where)
     refuse_unsupported(sd, UNSUPPORTED, "OpenCLIP", "vitscale's CLIP")
     if "visual.conv1.weight" not in sd or "token_embedding.weight" not in sd:
         raise UserError("OpenCLIP: not an OpenCLIP ViT CLIP state dict (no visual.conv1.weight / "
@@ -101,17 +273,77 @@ def open_clip_spec(sd: dict, *, quick_gelu: bool = False, vision_heads: int = 0,
     vdepth, tdepth = _depth(sd, "visual.transformer.resblocks."), _depth(sd, "transformer.resblocks.")
     vhidden = _shape(sd, "visual.transformer.resblocks.0.mlp.c_fc.weight", 2)[0]
     thidden = _shape(sd, "transformer.resblocks.0.mlp.c_fc.weight", 2)[0]
-    vision_heads, text_heads = vision_heads or max(1, dim // 64), text_heads or max(1, width // 64)
+    ln_pre = "visual.ln_pre.weight" in sd
+    assumed: list[str] = []
+    if mc is not None:
+        said = _from_config(mc)
+        have = {"embed_dim": embed_dim, "image width": dim, "image layers": vdepth, "patch size": patch,
+                "image size": grid * patch, "image MLP width": vhidden, "ln_pre": ln_pre, "text width": width,
+                "text layers": tdepth, "text MLP width": thidden, "context length": context, "vocabulary": vocab}
+        wrong = [f"{k} {said['shapes'][k]} (the weights: {have[k]})" for k in have if said["shapes"][k] != have[k]]
+        if wrong:
+            raise UserError(f"OpenCLIP: {where} does not describe these weights: {', '.join(wrong[:3])}"
+                            f"{' ...' if len(wrong) > 3 else ''}")
+        if not said["width_ok"]:
+            raise UserError(f"OpenCLIP: {where}: image width {dim} is not a multiple of vision_cfg.head_width")
+        for arg, given, want in (("vision_heads", vision_heads or None, said["vision_heads"]),
+                                 ("text_heads", text_heads or None, said["text_heads"]),
+                                 ("quick_gelu", quick_gelu, said["quick_gelu"])):
+            if given is not None and given != want:
+                shown = {True: "quick_gelu", False: "gelu"}.get(given, given) if arg == "quick_gelu" else given
+                raise UserError(f"OpenCLIP: {keys[arg]}{shown} disagrees with {where}, which says {arg} {want}")
+        act = "quick_gelu" if said["quick_gelu"] else "gelu"
+        vision_heads, text_heads = said["vision_heads"], said["text_heads"]
+        pools = dict(vision_pool=said["vision_pool"], vision_norm_after_pool=said["vision_norm_after_pool"])
+        text_opts = dict(causal=said["causal"], pool=said["text_pool"], eos_id=said["eos_id"])
+        eps = (said["vision_eps"], said["text_eps"])
+    else:
+        if not vision_heads:
+            _wide_head_refusal("image", dim, keys["config"] + ", or " + keys["vision_heads"])
+        if not text_heads:
+            _wide_head_refusal("text", width, keys["config"] + ", or " + keys["text_heads"])
+        vh, th = vision_heads or max(1, dim // 64), text_heads or max(1, width // 64)
+        assumed = [f"image heads {vh} ({'given' if vision_heads else f'width {dim} / head width 64'})",
+                   f"text heads {th} ({'given' if text_heads else f'width {width} / 64'})",
+                   f"{'QuickGELU' if quick_gelu else 'GELU'}"
+                   f"{f' ({act_note})' if act_note else ' (given)' if quick_gelu is not None else ''}",
+                   "the class token's image feature", "a causal text tower read at the end-of-text token"]
+        if not ln_pre:
+            assumed[-1] += " (weights without ln_pre may be CLIPA's, which average-pool and read text bidirectionally)"
+        vision_heads, text_heads, act = vh, th, "quick_gelu" if quick_gelu else "gelu"
+        pools, text_opts, eps = {}, {}, (1e-5, 1e-5)
     for what, w, h in (("image", dim, vision_heads), ("text", width, text_heads)):
         if w % h:
             raise UserError(f"OpenCLIP: {what} width {w} is not divisible by {h} heads")
-    act = "quick_gelu" if quick_gelu else "gelu"
     vision = ViTSpec(image_size=grid * patch, patch_size=patch, in_chans=in_chans, num_classes=embed_dim, dim=dim,
-                     depth=vdepth, heads=vision_heads, mlp_ratio=vhidden / dim, head="token")
+                     depth=vdepth, heads=vision_heads, mlp_ratio=_ratio(vhidden, dim), head="token")
     text = TextSpec(vocab_size=vocab, context_length=context, dim=width, depth=tdepth, heads=text_heads,
-                    mlp_ratio=thidden / width, embed_dim=embed_dim, norm_eps=1e-5, act=act)
-    return ClipSpec(vision=vision, text=text, embed_dim=embed_dim, ln_pre="visual.ln_pre.weight" in sd,
-                    patch_bias=False, proj_bias=False, vision_norm_eps=1e-5, vision_act=act)
+                    mlp_ratio=_ratio(thidden, width), embed_dim=embed_dim, norm_eps=eps[1], act=act, **text_opts)
+    spec = ClipSpec(vision=vision, text=text, embed_dim=embed_dim, ln_pre=ln_pre, patch_bias=False, proj_bias=False,
+                    vision_norm_eps=eps[0], vision_act=act, **pools)
+    return spec, assumed, mc, where
+
+
+def _announce(prefix: str, assumed: list[str], keys: str) -> None:
+    if assumed:
+        log.warning(f"{prefix}: OpenCLIP's defaults taken for what the weights do not hold: {', '.join(assumed)} "
+                    f"(set {keys})")
+
+
+PY_KEYS = "config=NAME or an open_clip_config.json, or vision_heads= / text_heads= / quick_gelu="
+
+
+def open_clip_spec(sd: dict, config=None, *, quick_gelu: bool | None = None, vision_heads: int = 0,
+                   text_heads: int = 0) -> ClipSpec:
+    """The ClipSpec that computes what OpenCLIP's model with these weights computes. `config`: an
+    OpenCLIP model name, an open_clip_config.json (path, folder or dict) or a model_cfg dict; without
+    one, OpenCLIP's defaults for what the weights leave open, announced in one warning line (and
+    refused where OpenCLIP's configurations of that width use other head counts). `quick_gelu`,
+    `vision_heads`, `text_heads`: explicit values (they must agree with a configuration)."""
+    spec, assumed, _, _ = _resolve(sd, config, quick_gelu=quick_gelu, vision_heads=vision_heads,
+                                   text_heads=text_heads)
+    _announce("OpenCLIP", assumed, PY_KEYS)
+    return spec
 
 
 def _key_map(spec: ClipSpec) -> dict[str, str]:
@@ -120,8 +352,9 @@ def _key_map(spec: ClipSpec) -> dict[str, str]:
          "visual.positional_embedding": "visual.pos_embed", "visual.proj": "visual.head.weight",
          "token_embedding.weight": "text.token_embedding.weight", "positional_embedding": "text.positional_embedding",
          "text_projection": "text.proj.weight", "logit_scale": "logit_scale"}
+    post = "visual.fc_norm" if spec.vision_norm_after_pool else "visual.norm"
     for p in ("weight", "bias"):
-        m[f"visual.ln_post.{p}"] = f"visual.norm.{p}"
+        m[f"visual.ln_post.{p}"] = f"{post}.{p}"
         m[f"ln_final.{p}"] = f"text.ln_final.{p}"
         if spec.ln_pre:
             m[f"visual.ln_pre.{p}"] = f"visual.norm_pre.{p}"
@@ -136,28 +369,72 @@ def _key_map(spec: ClipSpec) -> dict[str, str]:
     return m
 
 
-def _is_open_clip_layout(spec: ClipSpec) -> bool:
+def _layout_problem(spec: ClipSpec) -> str:
+    """'' when OpenCLIP's CLIP computes the spec's function, else what it lacks."""
     v = spec.vision
-    return (not spec.patch_bias and not spec.proj_bias and v.head == "token" and v.stem == "patch"
-            and not v.no_embed_class and not v.fc_norm and spec.vision_norm_eps == spec.text.norm_eps
-            and spec.vision_act == spec.text.act)
+    if spec.patch_bias or spec.proj_bias or v.stem != "patch" or v.head != "token" or v.no_embed_class or v.fc_norm:
+        return ("the model lacks OpenCLIP's layout (it needs patch_bias=False, proj_bias=False, the patch stem and a "
+                "class token); start from OpenCLIP weights (from_open_clip) to export to OpenCLIP")
+    if spec.vision_act != spec.text.act or spec.vision_act not in ("gelu", "quick_gelu"):
+        return (f"the towers' activations ({spec.vision_act}, {spec.text.act}) are not one GELU or QuickGELU for both, "
+                "as OpenCLIP's quick_gelu sets them")
+    if v.in_chans != 3:
+        return (f"the model takes {v.in_chans}-channel images; OpenCLIP's image tower takes RGB "
+                "(visual.conv1 has 3 input channels)")
+    return ""
 
 
 RESHAPED = ("visual.class_embedding", "visual.positional_embedding", "logit_scale")  # [W] / [N+1, W] / []
 
 
-def from_open_clip(sd: dict, *, quick_gelu: bool = False, vision_heads: int = 0, text_heads: int = 0,
-                   attention: str = "sdpa") -> CLIP:
+def from_open_clip(sd: dict, config=None, *, quick_gelu: bool | None = None, vision_heads: int = 0,
+                   text_heads: int = 0, attention: str = "sdpa") -> CLIP:
     """vitscale's CLIP holding an OpenCLIP ViT CLIP state dict's weights (the same function, in
-    fp32). `attention` ("sdpa" | "explicit", both towers) changes no weights."""
+    fp32); `config` etc.: as open_clip_spec. `attention` ("sdpa" | "explicit", both towers) changes
+    no weights."""
     sd = _normalize(sd)
-    spec = open_clip_spec(sd, quick_gelu=quick_gelu, vision_heads=vision_heads, text_heads=text_heads)
+    spec = open_clip_spec(sd, config, quick_gelu=quick_gelu, vision_heads=vision_heads, text_heads=text_heads)
+    return _build(sd, spec, attention)
+
+
+def _build(sd: dict, spec: ClipSpec, attention: str = "sdpa") -> CLIP:
     spec = replace(spec, vision=replace(spec.vision, attention=attention),
                    text=replace(spec.text, attention=attention))
     with torch.device("meta"):  # no initialization: every parameter comes from the weights
         model = CLIP(spec)
     model.load_state_dict(_convert(sd, spec, model.state_dict()), strict=True, assign=True)
     return model
+
+
+def load_open_clip(path, config=None, *, quick_gelu: bool | None = None, vision_heads: int = 0,
+                   text_heads: int = 0, attention: str = "sdpa") -> CLIP:
+    """vitscale's CLIP from an OpenCLIP weights file as published: its configuration from `config`
+    (a model name, an open_clip_config.json) or else the open_clip_config.json beside the file
+    (OpenCLIP's hub folders keep one), else OpenCLIP's defaults, announced. The configuration is
+    read, and checked against the file's keys and shapes, before the weights."""
+    from .files import read_state_dict
+    try:
+        spec, assumed, _, _ = _resolve(_header(path), config, quick_gelu=quick_gelu, vision_heads=vision_heads,
+                                       text_heads=text_heads, weights=path)
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    _announce(f"OpenCLIP: {path}", assumed, PY_KEYS)
+    return _build(_normalize(read_state_dict(path)), spec, attention)
+
+
+def _header(path) -> dict:
+    """{key: an object with .shape} from a weights file: a safetensors header alone (meta tensors),
+    other formats loaded."""
+    from .files import read_state_dict
+    path = Path(path)
+    if path.suffix == ".safetensors" and path.is_file():
+        from safetensors import safe_open
+        try:
+            with safe_open(str(path), "pt") as f:
+                return {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+        except Exception:  # unreadable: read_state_dict says so in one line
+            pass
+    return read_state_dict(path)
 
 
 def _convert(sd: dict, spec: ClipSpec, ours: dict) -> dict[str, torch.Tensor]:
@@ -183,16 +460,16 @@ def _convert(sd: dict, spec: ClipSpec, ours: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+# -- export ----------------------------------------------------------------------------------------
 def to_open_clip(model: CLIP) -> dict[str, torch.Tensor]:
-    """The state dict OpenCLIP's CLIP of the same configuration loads with strict=True (fp32, CPU):
-    e.g. `open_clip.create_model("ViT-B-32")` for a model from `from_open_clip` of its weights."""
+    """The state dict OpenCLIP's CLIP of the same configuration (open_clip_config(model.spec)) loads
+    with strict=True (fp32, CPU)."""
     spec = getattr(model, "spec", None)
     if not isinstance(spec, ClipSpec):
         raise UserError("export to OpenCLIP: not a vitscale CLIP model")
-    if not _is_open_clip_layout(spec):
-        raise UserError("export to OpenCLIP: the model lacks OpenCLIP's layout (it needs patch_bias=False, "
-                        "proj_bias=False, the patch stem, a class token, and one LayerNorm eps and activation for "
-                        "both towers); start from OpenCLIP weights (from_open_clip) to export to OpenCLIP")
+    problem = _layout_problem(spec)
+    if problem:
+        raise UserError(f"export to OpenCLIP: {problem}")
     ours = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     out = {}
     for theirs, name in _key_map(spec).items():
@@ -209,52 +486,214 @@ def to_open_clip(model: CLIP) -> dict[str, torch.Tensor]:
     return out
 
 
+def open_clip_config(spec: ClipSpec, preprocess: dict | None = None) -> dict:
+    """open_clip_config.json for the spec: {"model_cfg": what OpenCLIP's CLIP(**model_cfg) needs to
+    compute the spec's function, "preprocess_cfg": `preprocess`}."""
+    problem = _layout_problem(spec)
+    if problem:
+        raise UserError(f"export to OpenCLIP: {problem}")
+    v, t = spec.vision, spec.text
+    vision = {"image_size": v.image_size, "patch_size": v.patch_size, "width": v.dim, "layers": v.depth,
+              "head_width": v.dim // v.heads, "mlp_ratio": v.mlp_ratio}
+    if not spec.ln_pre:
+        vision["no_ln_pre"] = True
+    if spec.vision_pool == "avg":
+        vision["pool_type"] = "avg"
+    if spec.vision_norm_after_pool:
+        vision["final_ln_after_pool"] = True
+    text = {"context_length": t.context_length, "vocab_size": t.vocab_size, "width": t.dim, "heads": t.heads,
+            "layers": t.depth, "mlp_ratio": t.mlp_ratio}
+    if not t.causal:
+        text["no_causal_mask"] = True
+    if t.pool != "argmax":
+        text["pool_type"] = t.pool
+    if t.pool == "eos":
+        text["eos_id"] = t.eos_id
+    for cfg, eps in ((vision, spec.vision_norm_eps), (text, t.norm_eps)):
+        if eps != 1e-5:  # OpenCLIP's LayerNorm: torch's default
+            cfg["norm_kwargs"] = {"eps": eps}
+    model_cfg = {"embed_dim": spec.embed_dim, "quick_gelu": spec.vision_act == "quick_gelu",
+                 "vision_cfg": vision, "text_cfg": text}
+    return {"model_cfg": model_cfg, "preprocess_cfg": dict(preprocess or {})}
+
+
+def save_open_clip(model: CLIP, out, preprocess: dict | None = None, metadata: dict | None = None) -> Path:
+    """OpenCLIP's layout on disk: the weights (safetensors) and open_clip_config.json beside them.
+    `out`: a folder (the weights go to FOLDER/open_clip_model.safetensors, the name open_clip's
+    `local-dir:` loader takes first) or a .safetensors file (open_clip_config.json in its folder).
+    Refuses to overwrite an open_clip_config.json that describes another model. Returns the weights'
+    path (load_call(path) is the call that loads them)."""
+    from ..checkpoint import export_safetensors
+    from .files import SUFFIXES
+    sd = to_open_clip(model)
+    config = open_clip_config(model.spec, preprocess)
+    out = Path(out)
+    if out.suffix in SUFFIXES and out.suffix != ".safetensors":
+        raise UserError(f"export --format open_clip: --out {out}: give a folder or a .safetensors file")
+    weights = out if out.suffix == ".safetensors" else out / LOCAL_DIR_PREFERRED[0]
+    cfg_path = weights.parent / CONFIG_FILE
+    if cfg_path.is_file():
+        try:
+            same = json.loads(cfg_path.read_text()) == json.loads(json.dumps(config))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            same = False
+        if not same:
+            raise UserError(f"export --format open_clip: {cfg_path} already describes another model; export into a "
+                            "folder of its own (--out DIR)")
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    path = export_safetensors(sd, weights, metadata or {"format": "open_clip"})
+    cfg_path.write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def local_dir_choice(folder) -> Path | None:
+    """The weights file open_clip's `local-dir:FOLDER` loads (factory._find_checkpoint_in_dir)."""
+    folder = Path(folder)
+    found = sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin"), *folder.glob("*.pth")])
+    found.sort(key=lambda p: p.suffix == ".safetensors", reverse=True)
+    preferred = [p for p in found if p.name in LOCAL_DIR_PREFERRED]
+    if preferred:
+        return min(preferred, key=lambda p: LOCAL_DIR_PREFERRED.index(p.name))
+    return found[0] if found else None
+
+
+def load_call(path) -> str:
+    """The Python that loads an exported file in OpenCLIP as the trained function, with its preprocessing
+    and tokenizer (image size, mean/std, context length from open_clip_config.json)."""
+    path = Path(path).resolve()
+    folder = path.parent
+    call = (f'model, _, preprocess = open_clip.create_model_and_transforms("local-dir:{folder}"); '
+            f'tokenizer = open_clip.get_tokenizer("local-dir:{folder}")')
+    chosen = local_dir_choice(folder)
+    if chosen is not None and chosen.resolve() != path:
+        return (f"open_clip's local-dir: loader would read {chosen.name} from {folder}, not {path.name}: put "
+                f"{path.name} and {CONFIG_FILE} in a folder of their own (or export with --out DIR), then load it: "
+                + call.replace(str(folder), "DIR"))
+    return f"load it in OpenCLIP: {call}"
+
+
+def run_preprocess(cfg, image_size: int) -> dict:
+    """OpenCLIP's preprocess_cfg for what a vitscale run fed its model at evaluation: the data's
+    mean/std, resize and interpolation (`cfg`: the run's Config)."""
+    from ..data.transforms import NORMALIZATIONS, normalization
+    d = cfg.data
+    if d.name in ("openclipart", "csv", "webdataset"):
+        mean, std = NORMALIZATIONS["clip"]  # the image-text loaders' (data.pair_files, data.openclipart)
+    elif d.name == "synthetic":
+        from ..data.synthetic import make
+        s = make(replace(d, train_size=min(d.train_size, 1024), test_size=1), cfg.run.seed)
+        mean, std = normalization(d.normalize, s.mean, s.std)
+    elif d.name == "fashion_mnist":
+        from ..data.fashion_mnist import MEAN, STD
+        mean, std = normalization(d.normalize, MEAN, STD)
+    elif d.name in ("cifar10", "cifar100"):
+        from ..data.cifar import SPECS
+        mean, std = normalization(d.normalize, *SPECS[d.name][-2:])
+    else:  # folder
+        mean, std = normalization(d.normalize, *NORMALIZATIONS["imagenet"])
+    # openclipart: the longer side fitted, white padding, bicubic (data.openclipart.load_image);
+    # files and folders: the shorter side, a central crop, bilinear (data.jpeg: vitscale crops the central
+    # 87.5%, OpenCLIP's "shortest" the central 100%); tensor datasets: bilinear to the size
+    mode, interp = {"openclipart": ("longest", "bicubic")}.get(d.name, ("shortest", "bilinear"))
+    out = {"size": image_size, "mode": "RGB", "mean": list(mean), "std": list(std), "interpolation": interp,
+           "resize_mode": mode}
+    if d.name == "openclipart":
+        out["fill_color"] = 255
+    return out
+
+
+# -- model.init ------------------------------------------------------------------------------------
+INIT_KEYS = {"config": "model.init_open_clip=NAME or CONFIG.json", "vision_heads": "model.heads=",
+             "text_heads": "model.text_heads=", "quick_gelu": "model.init_act="}
+INIT_HINT = "model.init_open_clip=NAME or CONFIG.json, or model.heads / model.text_heads / model.init_act"
+
+
 def looks_like_open_clip(path) -> bool:
     """Whether a weights file has OpenCLIP's ViT CLIP keys (read from a safetensors header alone;
     other formats are loaded). An absent or unreadable file answers True: reading it reports that."""
-    from pathlib import Path
-    from .files import read_state_dict
-    path = Path(path)
     try:
-        if path.suffix == ".safetensors":
-            from safetensors import safe_open
-            with safe_open(str(path), "pt") as f:
-                keys = set(f.keys())
-        else:
-            keys = set(read_state_dict(path))
+        keys = set(_header(path))
     except Exception:
         return True
     keys = {k[len("text."):] if k.startswith("text.") else k for k in keys}
     return "visual.conv1.weight" in keys and "token_embedding.weight" in keys
 
 
+def _refuse_tokenizer(mc: dict, where: str) -> None:
+    """A run tokenizes its captions with CLIP's BPE: weights trained on another tokenizer's ids cannot start it."""
+    t = mc.get("text_cfg") or {}
+    for key in ("hf_tokenizer_name", "tokenizer_mode"):
+        if t.get(key):
+            raise UserError(f"OpenCLIP: {where}: the weights were trained with another tokenizer (text_cfg.{key}="
+                            f"{t[key]!r}); vitscale tokenizes captions with CLIP's BPE")
+
+
+def check_init(path, open_clip: str = "") -> None:
+    """config's check of a CLIP model.init: a one-line UserError with the real cause where the file (with
+    its configuration) cannot start vitscale's CLIP; reads the configuration and the file's keys only."""
+    if not Path(path).is_file():
+        return  # the run reports a missing file when it reads it
+    try:
+        sd = _header(path)
+        mc, _, where = read_config(open_clip, path)
+    except UserError as e:
+        raise UserError(f"model.init={path}: {e}") from None
+    if mc is not None:
+        try:
+            _refuse_config(mc, where)
+            _refuse_tokenizer(mc, where)
+        except UserError as e:
+            raise UserError(f"model.init={path}: {e}") from None
+    keys = {k[len("text."):] if k.startswith("text.") else k for k in sd}
+    if "pos_embed" in keys and "patch_embed.proj.weight" in keys and "visual.conv1.weight" not in keys:
+        raise UserError(f"model.init={path} holds ViT classifier weights (pos_embed, patch_embed); CLIP models cannot "
+                        "be initialized from ViT classifier weights, only from OpenCLIP CLIP weights")
+    try:
+        refuse_unsupported(sd, UNSUPPORTED, "OpenCLIP", "vitscale's CLIP")
+    except UserError as e:
+        raise UserError(f"model.init={path}: {e}") from None
+    if "visual.conv1.weight" not in keys or "token_embedding.weight" not in keys:
+        raise UserError(f"model.init={path} holds no OpenCLIP CLIP weights (no visual.conv1.weight / "
+                        f"token_embedding.weight; its keys begin {first_keys(sd, 3)})")
+
+
 def uses_quick_gelu(path) -> bool:
-    """The activation is not in the weights: files whose name says "quickgelu" or "openai" (OpenCLIP's
-    configurations and pretrained tags for OpenAI's weights, e.g. timm/vit_base_patch32_clip_224.openai)
-    are read with QuickGELU, others with GELU."""
-    from pathlib import Path
+    """The activation is not in the weights: without a configuration, files whose name says "quickgelu"
+    or "openai" (OpenCLIP's configurations and pretrained tags for OpenAI's weights, e.g.
+    timm/vit_base_patch32_clip_224.openai) are read with QuickGELU, others with GELU (announced)."""
     name = str(Path(path)).lower()
     return "quickgelu" in name or "quick_gelu" in name or "openai" in name
 
 
 def init_weights(path, *, image_size: int, in_chans: int, context_length: int, vocab_size: int,
                  vision_heads: int = 0, text_heads: int = 0, attention: str = "sdpa", drop_path: float = 0.0,
-                 dropout: float = 0.0, quick_gelu: bool | None = None) -> tuple[ClipSpec, dict]:
+                 dropout: float = 0.0, quick_gelu: bool | None = None, open_clip: str = "") -> tuple[ClipSpec, dict]:
     """`model.init` for CLIP: (spec, state dict for it) from an OpenCLIP ViT CLIP file, the architecture
-    from the weights and the geometry from the run: the image position embeddings resampled to the
-    data's patch grid (finetune.resample_pos_embed), RGB patch filters summed for grey images, the
-    text position embeddings cut to `context_length` (exact: causal attention never looks past a
-    caption's last token). `quick_gelu` None: from the file name (uses_quick_gelu)."""
+    from the weights and their configuration (`open_clip`: model.init_open_clip, a model name or an
+    open_clip_config.json; "": the open_clip_config.json beside the file; else OpenCLIP's defaults,
+    announced), the geometry from the run: the image position embeddings resampled to the data's patch
+    grid (finetune.resample_pos_embed), RGB patch filters summed for grey images, the text position
+    embeddings cut to `context_length` (exact: causal attention never looks past a caption's last
+    token). `quick_gelu` None: from the configuration, else from the file name (uses_quick_gelu)."""
     from .files import read_state_dict
     from .finetune import adapt_in_chans, resample_pos_embed
-    sd = _normalize(read_state_dict(path))
-    quick_gelu = uses_quick_gelu(path) if quick_gelu is None else quick_gelu
     try:
-        src = open_clip_spec(sd, quick_gelu=quick_gelu, vision_heads=vision_heads, text_heads=text_heads)
+        mc, _, _ = read_config(open_clip, path)
+        note = ""
+        if quick_gelu is None and mc is None:  # the file name's word (announced)
+            quick_gelu = uses_quick_gelu(path)
+            note = f"the file name {'says' if quick_gelu else 'does not say'} quickgelu or openai"
+        src, assumed, mc, where = _resolve(_header(path), open_clip, quick_gelu=quick_gelu, vision_heads=vision_heads,
+                                           text_heads=text_heads, weights=path, keys=INIT_KEYS, act_note=note)
+        if mc is not None:
+            _refuse_tokenizer(mc, where)
+        sd = _normalize(read_state_dict(path))
         with torch.device("meta"):
             state = _convert(sd, src, CLIP(src).state_dict())
     except UserError as e:
-        raise UserError(f"model.init: {path}: {e}") from None
+        raise UserError(f"model.init: {path}: {str(e).removeprefix('OpenCLIP: ')}") from None
+    _announce(f"model.init: {path}" + (" (no open_clip_config.json beside it)" if mc is None else ""), assumed,
+              INIT_HINT)
     v, t = src.vision, src.text
     if image_size % v.patch_size:
         raise UserError(f"model.init: image size {image_size} is not divisible by the weights' patch size "
@@ -262,6 +701,9 @@ def init_weights(path, *, image_size: int, in_chans: int, context_length: int, v
     if context_length > t.context_length:
         raise UserError(f"model.init: model.context_length={context_length} is longer than the weights' "
                         f"{t.context_length} positions")
+    if context_length < t.context_length and not t.causal:
+        raise UserError(f"model.init: model.context_length={context_length} is shorter than the weights' "
+                        f"{t.context_length}: their text tower is bidirectional, so cutting it changes every feature")
     if vocab_size != t.vocab_size:
         raise UserError(f"model.init: the weights' vocabulary has {t.vocab_size} tokens, the tokenizer "
                         f"{vocab_size}")
@@ -272,3 +714,12 @@ def init_weights(path, *, image_size: int, in_chans: int, context_length: int, v
     state["visual.patch_embed.proj.weight"] = adapt_in_chans(state["visual.patch_embed.proj.weight"], in_chans)
     state["text.positional_embedding"] = state["text.positional_embedding"][:context_length].contiguous()
     return spec, state
+
+
+def export_run(model: CLIP, cfg, out, metadata: dict, run_dir) -> Path:
+    """`vitscale export RUN --format open_clip`: save_open_clip with the run's preprocessing; the
+    default `out` (RUN/model_open_clip.safetensors) becomes the folder RUN/open_clip."""
+    out = Path(out)
+    if out == Path(run_dir) / "model_open_clip.safetensors":
+        out = Path(run_dir) / "open_clip"
+    return save_open_clip(model, out, run_preprocess(cfg, model.spec.vision.image_size), metadata)

@@ -84,13 +84,14 @@ class ClipTask(Task):
 
     def build_spec(self, image_size: int, channels: int, num_classes: int = 0) -> ClipSpec:
         cfg, m = self.cfg, self.cfg.model
-        if m.init:  # an OpenCLIP ViT CLIP file: the architecture from the weights, the geometry from the run
+        if m.init:  # an OpenCLIP ViT CLIP file: the architecture from the weights and their OpenCLIP
+            # configuration (model.init_open_clip, or the open_clip_config.json beside them), the geometry from the run
             from ..data.tokenizer import VOCAB_SIZE
             from ..interop.open_clip import init_weights
             spec, self.init_state = init_weights(
                 m.init, image_size=image_size, in_chans=channels, context_length=m.context_length,
                 vocab_size=VOCAB_SIZE, vision_heads=m.heads, text_heads=m.text_heads, attention=m.attention,
-                drop_path=m.drop_path, dropout=m.dropout,
+                drop_path=m.drop_path, dropout=m.dropout, open_clip=m.init_open_clip,
                 quick_gelu=None if m.init_act == "auto" else m.init_act == "quick_gelu")
             return replace(spec, init_tau=cfg.clip.tau_init or 0.07)  # logit_scale itself comes from the file
         try:
