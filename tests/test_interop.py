@@ -62,7 +62,15 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
         (lambda: read_state_dict(tmp_path / "notes.pt"), "not a torch state dict file"),
         (lambda: read_state_dict(tmp_path / "obj.pt"), "does not hold a state dict"),
         (lambda: from_timm({"foo.weight": torch.zeros(1)}), "not a timm VisionTransformer state dict"),
-        (lambda: from_timm({**sd, "blocks.0.ls1.gamma": torch.ones(32)}), "layer scale"),
+        (lambda: from_timm({**sd, "dist_token": torch.ones(1, 1, 32)}), "a distillation token"),
+        (lambda: from_timm({**sd, "blocks.0.0.norm1.weight": torch.ones(32)}), "blocks in groups"),
+        (lambda: from_timm({**sd, "blocks.0.ls1.gamma": torch.ones(32)}, heads=2),
+         "missing keys blocks.0.ls2.gamma"),
+        (lambda: from_timm(sd, arch="vit_bse_patch16_224"), "did you mean 'vit_base_patch16_224'"),
+        (lambda: from_timm(sd, arch="vit_base_patch16_224"), "the architecture has width"),
+        (lambda: from_timm(sd, config={"architecture": "resnet50"}), "not one of timm"),
+        (lambda: from_timm(sd, heads=4, config={"architecture": "vit_tiny_patch16_224", "model_args": dict(
+            embed_dim=32, depth=2, num_heads=2, patch_size=8)}), "model.heads=4, but the"),
         (lambda: from_timm({**sd, "extra.weight": torch.ones(1)}, heads=2), "unknown keys extra.weight"),
         (lambda: from_timm({k: v for k, v in sd.items() if k != "blocks.1.norm1.bias"}, heads=2),
          "missing keys blocks.1.norm1.bias"),
@@ -193,45 +201,95 @@ def test_train_from_a_timm_file(tmp_path, capsys):
         load_config("clip_openclipart", [f"model.init={path}"])
 
 
-def test_export_a_run_in_timms_layout(tmp_path, capsys):
-    """`vitscale export RUN --format timm`: a file timm loads (where timm imports: the same logits),
-    and that model.init / from_timm read back into the same function."""
+@pytest.mark.parametrize("head", ["token", "pool", "pool_fc_norm"])
+def test_export_a_run_in_timms_layout(tmp_path, capsys, head):
+    """`vitscale export RUN --format timm`: a hub folder (model.safetensors and config.json) and the
+    printed timm call, which (where timm imports) builds the trained function, bit for bit, with the
+    run's image size, channels and mean/std as its preprocessing config; model.init and from_timm read
+    the folder back into the same function, with nothing assumed. A pooled head without fc_norm is
+    timm's global_pool='avg', fc_norm=False."""
     import json
-
-    from safetensors import safe_open
 
     from vitscale.cli import main
     from vitscale.evaluate import _load, _weights
+    from vitscale.interop import read_hub_config
+    from vitscale.interop.finetune import init_weights, weights_normalization
     from vitscale.tasks import build_task
     run = tmp_path / "run"
+    sets = {"token": [], "pool": ["model.head=pool"], "pool_fc_norm": ["model.head=pool"]}[head]
     assert main(["train", "configs/tests/tiny.toml", "--out", str(run), "--set", "train.epochs=1",
-                 "--set", "run.threads=1"]) == 0
-    out = tmp_path / "vit_timm.safetensors"
-    assert main(["export", str(run), "--format", "timm", "--out", str(out)]) == 0
-    assert "timm.create_model(" in capsys.readouterr().out
+                 "--set", "run.threads=1", *[a for kv in sets for a in ("--set", kv)]]) == 0
     state, cfg, _ = _load(run)
+    if head == "pool_fc_norm":  # vitscale's recipes have no fc_norm switch: the spec's option, saved
+        from vitscale.checkpoint import resolve_checkpoint
+        ckpt = resolve_checkpoint(run)
+        st = torch.load(ckpt, weights_only=False)
+        st["spec"]["fc_norm"] = True
+        sd = st["strategy"]["model"]
+        sd["fc_norm.weight"], sd["fc_norm.bias"] = sd.pop("norm.weight"), sd.pop("norm.bias")
+        torch.save(st, ckpt)
+        state, cfg, _ = _load(run)
+    capsys.readouterr()
+    assert main(["export", str(run), "--format", "timm"]) == 0
+    printed = capsys.readouterr().out
+    out = run / "timm" / "model.safetensors"
+    assert f"wrote {out}" in printed and f"wrote {run / 'timm' / 'config.json'}" in printed
+    call = printed.split("load it: ", 1)[1].strip()
+    assert call == f"timm.create_model('local-dir:{run / 'timm'}', pretrained=True)"
+    hub = read_hub_config(out)
     task = build_task(cfg, "vit")
     ours = task.build_model(task.spec_from_dict(state["spec"])).eval()
     ours.load_state_dict(_weights(state, False))
-    with safe_open(str(out), "pt") as f:
-        kw = json.loads(f.metadata()["timm_kwargs"])
-    assert kw == dict(img_size=8, patch_size=4, in_chans=1, num_classes=4, embed_dim=32, depth=2, num_heads=2,
-                      mlp_ratio=2.0)
+    mean, std = state["task"]["normalization"]["mean"], state["task"]["normalization"]["std"]
+    assert hub["pretrained_cfg"]["input_size"] == [1, 8, 8]
+    assert (hub["pretrained_cfg"]["mean"], hub["pretrained_cfg"]["std"]) == (mean, std)
+    assert hub["architecture"] == "vit_base_patch16_224" and hub["model_args"] == {
+        "img_size": 8, "patch_size": 4, "in_chans": 1, "num_classes": 4, "embed_dim": 32, "depth": 2,
+        "num_heads": 2, "mlp_ratio": 2.0, **{"token": {}, "pool": dict(class_token=False, global_pool="avg", fc_norm=False),
+                                             "pool_fc_norm": dict(class_token=False, global_pool="avg")}[head]}
     x = torch.randn(3, 1, 8, 8)
-    back = from_timm(read_state_dict(out), heads=2).eval()
     with torch.no_grad():
+        import logging
+        logging.getLogger("vitscale.interop").addHandler(h := logging.Handler())
+        h.emit = lambda r: pytest.fail(f"assumed something: {r.getMessage()}")
+        try:
+            back = from_timm(read_state_dict(out), config=hub).eval()
+            spec, sd = init_weights(str(run / "timm"), image_size=8, in_chans=1, num_classes=4)
+        finally:
+            logging.getLogger("vitscale.interop").removeHandler(h)
+        assert back.spec == ours.spec
         assert torch.equal(back(x), ours(x))
+        assert spec == back.spec and all(torch.equal(sd[k], v) for k, v in back.state_dict().items())
         if HAVE_TIMM:
-            import timm
-            t = timm.create_model("vit_base_patch16_224", pretrained=True,
-                                  pretrained_cfg_overlay=dict(file=str(out), num_classes=4), **kw).eval()
-            torch.testing.assert_close(t(x), ours(x), rtol=1e-5, atol=1e-5)
-    # a layout timm has no model for: one line
-    pool = tmp_path / "pool"
-    assert main(["train", "configs/tests/tiny.toml", "--out", str(pool), "--set", "train.epochs=1",
-                 "--set", "model.head=pool", "--set", "run.threads=1"]) == 0
-    assert main(["export", str(pool), "--format", "timm", "--out", str(tmp_path / "p.safetensors")]) == 2
-    assert "head=pool without fc_norm" in capsys.readouterr().err
+            import timm  # noqa: F401
+            from timm.data import resolve_data_config
+            for text in (call, printed_overlay_call(tmp_path, run, capsys)):
+                t = eval(text).eval()
+                assert torch.equal(t(x), ours(x)), text
+                data = resolve_data_config(model=t)
+                assert data["input_size"] == (1, 8, 8) and list(data["mean"]) == mean and list(data["std"]) == std
+    assert weights_normalization(str(out)) == "imagenet"  # Fashion-MNIST's mean/std: no data.normalize choice
+
+
+def printed_overlay_call(tmp_path, run, capsys):
+    """The call printed for an export whose file timm's local-dir load would not pick (another name)."""
+    from vitscale.cli import main
+    capsys.readouterr()
+    assert main(["export", str(run), "--format", "timm", "--out", str(tmp_path / "vit_timm.safetensors")]) == 0
+    call = capsys.readouterr().out.split("load it: ", 1)[1].strip()
+    assert call.startswith("timm.create_model('vit_base_patch16_224', pretrained=True, pretrained_cfg_overlay=dict(")
+    return call
+
+
+def test_export_refusals_are_one_line(tmp_path, capsys):
+    from vitscale.cli import main
+    conv = tmp_path / "conv"
+    assert main(["train", "configs/tests/tiny.toml", "--out", str(conv), "--set", "train.epochs=1",
+                 "--set", "model.stem=conv", "--set", "run.threads=1"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(conv), "--format", "timm"]) == 2
+    err = capsys.readouterr().err
+    assert "model.stem=conv has no timm ViT counterpart" in err and err.count("\n") == 1
 
 
 def test_layer_wise_lr_decay_groups():
@@ -317,3 +375,130 @@ def test_init_from_a_vitscale_export_with_its_own_stem_and_head(tmp_path, capsys
                  "--set", "data.image_size=16", "--set", "data.channels=3", "--set", "data.num_classes=6",
                  "--set", "train.epochs=1", "--set", "run.threads=1"]) == 0
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
+# -- what the weights leave open: config.json, an architecture name, or an announced default ----------
+FIXTURE_ARGS = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+FIXTURE_VARIANT_ARGS = {"token": {}, "avg": dict(class_token=False, global_pool="avg"),
+                        "noembed": dict(no_embed_class=True)}
+
+
+def hub_folder(tmp_path, name="token", folder="", **extra):
+    """The fixture's weights as a timm hub folder: model.safetensors and config.json (timm's layout)."""
+    import json
+    folder = tmp_path / (folder or f"hub_{name}")
+    folder.mkdir(exist_ok=True)
+    write_state_dict(fixture(name)[2], folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({
+        "architecture": "vit_tiny_patch16_224", "num_classes": 5,
+        "model_args": {**FIXTURE_ARGS, **FIXTURE_VARIANT_ARGS[name], **extra},
+        "pretrained_cfg": {"input_size": [3, 32, 32], "mean": [0.5] * 3, "std": [0.5] * 3, "num_classes": 5}}))
+    return folder
+
+
+@pytest.mark.parametrize("name", ["token", "avg", "noembed"])
+def test_a_hub_folder_gives_timms_function_with_nothing_assumed(tmp_path, caplog, name):
+    from vitscale.interop import read_hub_config
+    from vitscale.interop.finetune import init_weights
+    from vitscale.models.vit import VisionTransformer
+    x, logits, sd = fixture(name)
+    folder = hub_folder(tmp_path, name)
+    with caplog.at_level("WARNING", logger="vitscale.interop"):
+        model = from_timm(sd, config=read_hub_config(folder / "model.safetensors")).eval()
+        spec, state = init_weights(str(folder), image_size=32, in_chans=3, num_classes=5)  # the folder itself
+    assert caplog.records == []
+    assert model.spec.heads == 2 and spec == model.spec
+    ours = VisionTransformer(spec).eval()
+    ours.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), logits, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ours(x), model(x))
+    # what the config says is what is computed: another activation gives another function
+    quick = hub_folder(tmp_path, name, folder="quick", act_layer="quick_gelu")
+    other = from_timm(sd, config=read_hub_config(quick / "config.json")).eval()
+    assert other.spec.act == "quick_gelu"
+    with torch.no_grad():
+        assert (other(x) - logits).abs().max() > 1e-4
+
+
+def test_without_config_or_name_the_assumptions_are_announced_in_one_line(tmp_path, caplog):
+    from vitscale.interop.finetune import init_weights, weights_normalization
+    path = weights_file(tmp_path)
+    with caplog.at_level("WARNING", logger="vitscale.interop"):
+        init_weights(path, image_size=32, in_chans=3, num_classes=5)
+    (rec,) = caplog.records
+    text = rec.getMessage()
+    assert "\n" not in text and text.startswith(f"model.init: {path}: no config.json")
+    for words in ("1 attention heads (model.heads)", "exact GELU", "LayerNorm eps 1e-6", "class token",
+                  "model.init_arch"):
+        assert words in text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vitscale.interop"):
+        assert weights_normalization(path) == "imagenet"
+    (rec,) = caplog.records
+    assert "ImageNet's mean and std" in rec.getMessage() and "data.normalize" in rec.getMessage()
+
+
+def test_an_architecture_name_says_what_the_weights_leave_open(tmp_path, caplog):
+    """model.init_arch: timm's entry point arguments from timm_archs.py (here a real size: the
+    width 768 at 16 heads of vit_base_patch16_gap_224, which width // 64 would get wrong)."""
+    from vitscale.interop.finetune import weights_normalization
+    from vitscale.interop.timm_vit import timm_vit_spec
+    from vitscale.models.vit import VisionTransformer, ViTSpec
+    src = ViTSpec(image_size=32, patch_size=16, dim=768, depth=12, heads=16, num_classes=10, head="pool")
+    with torch.device("meta"):
+        sd = VisionTransformer(src).state_dict()
+    with caplog.at_level("WARNING", logger="vitscale.interop"):
+        spec = timm_vit_spec(sd, arch="vit_base_patch16_gap_224")
+    assert caplog.records == [] and spec == src
+    spec = timm_vit_spec(sd)  # from the keys alone: 12 heads, announced
+    assert spec.heads == 12 and "12 attention heads (model.heads)" in caplog.records[-1].getMessage()
+    with pytest.raises(UserError, match="model.heads=12, but the architecture has 16 heads"):
+        timm_vit_spec(sd, heads=12, arch="vit_base_patch16_gap_224")
+    # the architecture's pretrained config gives the normalization: its tag's mean/std
+    path = weights_file(tmp_path)
+    assert weights_normalization(path, "vit_base_patch16_clip_224.openai") == "clip"
+    assert weights_normalization(path, "deit_small_patch16_224") == "imagenet"
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vitscale.interop"):
+        assert weights_normalization(path, "vit_base_patch16_224.augreg2_in21k_ft_in1k") == "imagenet"
+    assert "mean (0.5, 0.5, 0.5)" in caplog.records[0].getMessage()
+
+
+def test_init_arch_is_checked_with_the_config(tmp_path):
+    from vitscale.config import load_config
+    from vitscale.errors import ConfigError
+    path = weights_file(tmp_path)
+    with pytest.raises(ConfigError, match="did you mean 'vit_base_patch16_224'"):
+        load_config("configs/tests/tiny.toml", [f"model.init={path}", "model.init_arch=vit_bse_patch16_224"])
+    with pytest.raises(ConfigError, match="no pretrained tag 'nope'"):
+        load_config("configs/tests/tiny.toml", [f"model.init={path}", "model.init_arch=vit_base_patch16_224.nope"])
+    with pytest.raises(ConfigError, match="given with model.init"):
+        load_config("configs/tests/tiny.toml", ["model.init_arch=vit_base_patch16_224"])
+    cfg = load_config("configs/tests/tiny.toml", [f"model.init={path}", "model.init_arch=deit_tiny_patch16_224"])
+    assert cfg.model.init_arch == "deit_tiny_patch16_224"
+
+
+def test_vitspec_options_and_old_specs():
+    """The options timm's variants need, without timm: a class token with the patch tokens' average
+    (the class and register tokens left out), and a spec saved before the options existed."""
+    from dataclasses import asdict
+
+    from vitscale.models.vit import VisionTransformer, ViTSpec
+    torch.manual_seed(0)
+    spec = ViTSpec(image_size=16, patch_size=8, dim=16, depth=1, heads=2, num_classes=3, head="pool",
+                   class_token=True, reg_tokens=2, fc_norm=True, layer_scale=0.5, qkv_bias=False, pre_norm=True,
+                   norm_eps=1e-5, act="gelu_tanh")
+    m = VisionTransformer(spec).eval()
+    assert spec.num_tokens == 4 + 3 and m.pos_embed.shape == (1, 7, 16) and m.patch_embed.proj.bias is None
+    assert m.blocks[0].attn.qkv.bias is None and torch.equal(m.blocks[0].ls1.gamma, torch.full((16,), 0.5))
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        tokens = m.forward_features(x)
+        torch.testing.assert_close(m(x), m.head(m.fc_norm(tokens[:, 3:].mean(1))))
+    with pytest.raises(ValueError, match="needs the class token"):
+        VisionTransformer(ViTSpec(head="token", class_token=False))
+    old = {k: v for k, v in asdict(ViTSpec(head="pool", fc_norm=True)).items()
+           if k not in ("class_token", "reg_tokens", "layer_scale", "qkv_bias", "pre_norm", "final_norm",
+                        "norm_eps", "act")}
+    assert ViTSpec(**old) == ViTSpec(head="pool", fc_norm=True) and not ViTSpec(**old).has_class_token

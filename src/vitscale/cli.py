@@ -69,9 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--out", help="output file (default: RUN/model.safetensors)")
     x.add_argument("--no-ema", action="store_true", help="export the raw weights even when EMA is on")
     x.add_argument("--format", choices=("vitscale", "timm", "open_clip"), default="vitscale",
-                   help="key layout: vitscale's (default), timm's VisionTransformer (timm.create_model "
-                        "arguments in the file's metadata and printed) or OpenCLIP's CLIP (a model with "
-                        "OpenCLIP's layout: one started from an OpenCLIP file)")
+                   help="key layout: vitscale's (default), timm's VisionTransformer (a hub folder: "
+                        "model.safetensors and config.json, with the timm.create_model call printed) or "
+                        "OpenCLIP's CLIP (a model with OpenCLIP's layout: one started from an OpenCLIP file)")
 
     d = sub.add_parser("data", help="dataset utilities")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="ACTION")
@@ -175,13 +175,10 @@ def cmd_export(args) -> int:
         from .interop.open_clip import CONFIG_FILE, load_call
         print(f"wrote {path.parent / CONFIG_FILE}")
         print(load_call(path))
-    if args.format == "timm":
-        from safetensors import safe_open
-        with safe_open(str(path), "pt") as f:
-            kw = json.loads(f.metadata()["timm_kwargs"])
-        args_text = ", ".join(f"{k}={v!r}" for k, v in kw.items())
-        print(f'load it: timm.create_model("vit_base_patch16_224", pretrained=True, pretrained_cfg_overlay='
-              f'dict(file="{path}", num_classes={kw["num_classes"]}), {args_text})')
+    if args.format == "timm":  # the call that builds the trained function, with its preprocessing config
+        from .interop.timm_vit import hub_config_path, read_hub_config, timm_load_call
+        print(f"wrote {hub_config_path(path)}")
+        print(f"load it: {timm_load_call(read_hub_config(path), path)}")
     return 0
 
 

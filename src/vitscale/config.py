@@ -99,11 +99,17 @@ class DataConfig:
 class ModelConfig:
     arch: str = "vit_tiny"          # registry name, see `vitscale.models.registry`
     init: str = field(default="", metadata={"doc": "start from these weights: a timm ViT state dict "
-                      "(.safetensors/.bin/.pt/.pth) or a `vitscale export` file; the architecture is read "
-                      "from them (arch/dim/depth/patch_size/head are then ignored), the image size, "
-                      "channels and classes come from the data"})
+                      "(.safetensors/.bin/.pt/.pth, with timm's config.json beside it when it came from the "
+                      "hub), a hub folder, or a `vitscale export` file; the architecture is read from them "
+                      "(arch/dim/depth/patch_size/head are then ignored), the image size, channels and "
+                      "classes come from the data"})
     init_head: str = choice("auto", "auto", "keep", "reset", doc="model.init: keep the weights' classifier "
                             "(auto: when its class count matches the data's) or start a new one")
+    init_arch: str = field(default="", metadata={"doc": "model.init of timm ViT weights without timm's "
+                           "config.json beside them: their timm architecture name (e.g. vit_base_patch16_224, "
+                           "optionally with its pretrained tag, .augreg_in21k), which says what the weights do "
+                           "not hold (heads, activation, pooling, norms, mean/std); \"\" = the config.json, else "
+                           "timm's defaults, announced in a warning"})
     init_act: str = choice("auto", "auto", "gelu", "quick_gelu", doc="CLIP model.init: the MLP activation "
                            "the weights were trained with (not stored in them): OpenAI's CLIP weights and "
                            "OpenCLIP's -quickgelu models use QuickGELU; auto = the OpenCLIP configuration's "
@@ -418,6 +424,17 @@ def micro_batch(batch_size: int, world_size: int = 1, accum_steps: int = 1, erro
 def check(cfg: Config) -> None:
     """Cross-field checks that one key alone cannot express."""
     micro_batch(cfg.data.batch_size, 1, cfg.train.accum_steps)
+    if cfg.model.init_arch:
+        if not cfg.model.init or cfg.model.arch.startswith("clip"):
+            raise ConfigError("config: model.init_arch names the timm architecture of ViT classifier weights "
+                              "given with model.init (a ViT model.arch)")
+        from .errors import UserError
+        from .interop.timm_vit import arch_entry, arch_pretrained_cfg
+        try:
+            arch_entry(cfg.model.init_arch)
+            arch_pretrained_cfg(cfg.model.init_arch)
+        except UserError as e:
+            raise ConfigError(f"config: {e}") from None
     if cfg.train.compile_mode != "default" and not cfg.train.compile:
         raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} needs train.compile=true")
     if cfg.train.compile_mode in ("reduce-overhead", "max-autotune"):  # the modes with CUDA graphs

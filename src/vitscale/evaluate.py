@@ -60,15 +60,46 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     return {**result, "step": state["step"], "checkpoint": str(path), "task": task.kind}
 
 
+DEFAULT_OUT = {"vitscale": "model.safetensors", "timm": "timm/model.safetensors"}  # under the run folder
+
+
+def run_normalization(state: dict, cfg: Config) -> tuple[list, list]:
+    """The mean and std the run's images were normalized with: recorded in the checkpoint (the
+    classification task's state), else (older checkpoints) from its data, built as evaluation does."""
+    rec = (state.get("task") or {}).get("normalization")
+    if rec:
+        return list(rec["mean"]), list(rec["std"])
+    cfg.strategy.name = "single"
+    data = build_task(cfg, state.get("kind", "vit")).build_data(build_strategy(cfg))
+    data.close()
+    return list(data.mean), list(data.std)
+
+
+def _export_timm(model, state: dict, cfg: Config, out: Path, meta: dict) -> Path:
+    """timm's hub folder layout: the weights (model.safetensors when `out` is a folder) and, beside
+    them, config.json: the architecture and model_args that rebuild the trained function, and the
+    run's input size, mean/std, interpolation and crop as its pretrained config."""
+    from .interop.timm_vit import hub_config_path, timm_hub_config, to_timm
+    if out.is_dir() or not out.suffix:
+        out = out / "model.safetensors"
+    mean, std = run_normalization(state, cfg)
+    jpeg = cfg.data.name in ("folder", "webdataset")  # their evaluation crops the centre 87.5% (data/jpeg.py)
+    hub = timm_hub_config(model.spec, mean=mean, std=std, interpolation="bilinear", crop_pct=0.875 if jpeg else 1.0)
+    meta["timm_config"] = json.dumps(hub)
+    path = export_safetensors(to_timm(model), out, meta)
+    hub_config_path(path).write_text(json.dumps(hub, indent=2) + "\n")
+    return path
+
+
 def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vitscale") -> Path:
     """The checkpoint's weights as safetensors: vitscale's keys and spec (`fmt="vitscale"`),
-    timm's VisionTransformer layout (`fmt="timm"`, with the timm.create_model arguments in the
-    file's metadata) or OpenCLIP's CLIP layout (`fmt="open_clip"`)."""
+    timm's VisionTransformer layout (`fmt="timm"`: with timm's hub-style config.json beside it, also
+    in the file's metadata) or OpenCLIP's CLIP layout (`fmt="open_clip"`)."""
     state, cfg, path = _load(checkpoint)
     weights = {k: v.float() for k, v in _weights(state, use_ema).items()}
-    out = Path(out) if out else path.parent.parent / ("model.safetensors" if fmt == "vitscale" else f"model_{fmt}.safetensors")
+    out = Path(out) if out else path.parent.parent / DEFAULT_OUT.get(fmt, f"model_{fmt}.safetensors")
     if fmt != "vitscale":  # another library's layout: rebuild the model, let interop convert it
-        from .interop import timm_kwargs, to_timm
+        from .interop import to_timm
         from .interop.open_clip import to_open_clip
         kind, convert, what = {"timm": ("vit", to_timm, "ViT classifiers"),
                                "open_clip": ("clip", to_open_clip, "CLIP models")}[fmt]
@@ -80,8 +111,8 @@ def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vi
         if fmt == "open_clip":  # the weights and open_clip_config.json (model and preprocess config), in a folder
             from .interop.open_clip import export_run
             return export_run(model, cfg, out, meta, run_dir=path.parent.parent)
-        if fmt == "timm":
-            meta["timm_kwargs"] = json.dumps(timm_kwargs(model.spec))
+        if fmt == "timm":  # the weights and timm's hub-style config.json beside them
+            return _export_timm(model, state, cfg, out, meta)
         return export_safetensors(convert(model), out, meta)
     meta = {"format": f"vitscale-{state.get('kind', 'vit')}", "spec": json.dumps(state["spec"]), "config": json.dumps(cfg.to_dict()),
             "step": str(state["step"])}

@@ -10,8 +10,10 @@ them when it loads a checkpoint into another geometry:
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,9 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..models.vit import VisionTransformer, ViTSpec
 from .files import read_state_dict
-from .timm_vit import timm_vit_spec
+from .timm_vit import read_hub_config, timm_source, timm_vit_spec, weights_in_folder
+
+log = logging.getLogger("vitscale.interop")
 
 
 def resample_pos_embed(pos: torch.Tensor, grid: int, prefix: int) -> torch.Tensor:
@@ -50,17 +54,38 @@ def adapt_in_chans(w: torch.Tensor, in_chans: int) -> torch.Tensor:
                     "channels (adapted: 3 -> 1 and 1 -> N)")
 
 
-def vitscale_export_spec(path) -> ViTSpec | None:
-    """The spec a `vitscale export` file's metadata holds (None for other files: timm's layout is
-    then read from the keys)."""
+def weights_file(path) -> Path:
+    """model.init's weights file: the file given, or the one timm reads from a hub folder."""
+    path = Path(path)
+    return weights_in_folder(path) if path.is_dir() else path
+
+
+def _metadata(path) -> dict:
+    """A safetensors file's metadata ({} for other files, and for unreadable ones: read_state_dict
+    reports those in one line)."""
     if not str(path).endswith(".safetensors"):
-        return None
+        return {}
     from safetensors import safe_open
     try:
         with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-    except Exception:  # read_state_dict reports an unreadable file in one line
-        return None
+            return f.metadata() or {}
+    except Exception:
+        return {}
+
+
+def weights_config(path) -> dict | None:
+    """timm's hub config for a weights file: the config.json beside it, else the one a `vitscale
+    export --format timm` file carries in its metadata."""
+    config = read_hub_config(path)
+    if config is None and "timm_config" in (meta := _metadata(path)):
+        config = json.loads(meta["timm_config"])
+    return config
+
+
+def vitscale_export_spec(path) -> ViTSpec | None:
+    """The spec a `vitscale export` file's metadata holds (None for other files: timm's layout is
+    then read from the keys)."""
+    meta = _metadata(path)
     if meta.get("format", "").startswith("vitscale") and meta.get("format") != "vitscale-vit":
         raise UserError(f"model.init: {path} holds a {meta['format'][len('vitscale-'):]} model; model.init "
                         "starts ViT classifiers")
@@ -68,14 +93,21 @@ def vitscale_export_spec(path) -> ViTSpec | None:
 
 
 def init_weights(path: str, *, image_size: int, in_chans: int, num_classes: int, heads: int = 0,
-                 head_policy: str = "auto", **overrides) -> tuple[ViTSpec, dict]:
+                 head_policy: str = "auto", arch: str = "", **overrides) -> tuple[ViTSpec, dict]:
     """(spec, state dict for it) from a `vitscale export` file (its spec in the metadata: any
-    stem and head) or a timm ViT file (the spec read from the keys), for this run's image size,
-    channels and classes. The head is dropped from the state dict when it is re-initialized."""
-    sd = read_state_dict(path)
-    src = vitscale_export_spec(path)
+    stem and head) or a timm ViT file or hub folder (the spec from the config.json beside the
+    weights, or `arch`, timm's architecture name; else from the keys, with timm's defaults
+    announced), for this run's image size, channels and classes. The head is dropped from the
+    state dict when it is re-initialized."""
+    file = weights_file(path)
+    sd = read_state_dict(file)
+    src = vitscale_export_spec(file)
+    if src is not None and arch:
+        raise UserError(f"model.init_arch={arch}: {path} is a vitscale export, which carries its own "
+                        "architecture (leave model.init_arch empty)")
     try:
-        src = src or timm_vit_spec(sd, heads, num_classes)
+        src = src or timm_vit_spec(sd, heads, num_classes, config=weights_config(file), arch=arch,
+                                   announce=f"model.init: {path}")
     except UserError as e:
         raise UserError(f"model.init: {path}: {str(e)}") from None
     if image_size % src.patch_size:
@@ -90,7 +122,7 @@ def init_weights(path: str, *, image_size: int, in_chans: int, num_classes: int,
                 ([f"missing keys {', '.join(sorted(missing)[:4])}"] if missing else [])
         raise UserError(f"model.init: {path}: {'; '.join(parts)}")
     out = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
-    prefix = 1 if spec.head == "token" and not spec.no_embed_class else 0
+    prefix = 0 if spec.no_embed_class else spec.num_prefix_tokens  # the class and register tokens' rows
     out["pos_embed"] = resample_pos_embed(out["pos_embed"], image_size // spec.patch_size, prefix)
     first = "patch_embed.proj.weight" if spec.stem == "patch" else "patch_embed.proj.0.weight"
     out[first] = adapt_in_chans(out[first], in_chans)
@@ -105,17 +137,30 @@ def init_weights(path: str, *, image_size: int, in_chans: int, num_classes: int,
     return spec, out
 
 
-def weights_normalization(path: str) -> str:
+def weights_normalization(path: str, arch: str = "") -> str:
     """data.normalize for data.normalize=auto with model.init: a `vitscale export` file says it was
-    trained on its own data's normalization ("dataset": the new data keeps its own); anything else
-    (timm's files) was trained with ImageNet's mean/std."""
-    if str(path).endswith(".safetensors"):
-        from safetensors import safe_open
-        try:
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata() or {}
-        except Exception:  # unreadable: init_weights says so in one line
-            return "imagenet"
-        if meta.get("format", "").startswith("vitscale"):
+    trained on its own data's normalization ("dataset": the new data keeps its own); timm's weights
+    say theirs in their pretrained config (config.json, or timm's for the architecture name):
+    ImageNet's or CLIP's mean/std are taken; any other, or none recorded, means ImageNet's, announced
+    in one line."""
+    from ..data.transforms import NORMALIZATIONS
+    try:
+        file = weights_file(path)
+        if _metadata(file).get("format", "").startswith("vitscale"):
             return "dataset"
+        _, _, source, pcfg = timm_source(weights_config(file), arch)
+    except (UserError, ValueError):  # init_weights reports a bad file or name in one line
+        return "imagenet"
+    if not source:
+        log.warning("model.init: %s: the images are normalized with ImageNet's mean and std, which the weights "
+                    "do not record (no config.json beside them, no model.init_arch); data.normalize sets another",
+                    path)
+        return "imagenet"
+    mean, std = pcfg.get("mean"), pcfg.get("std")
+    for name, (m, s) in NORMALIZATIONS.items():
+        if mean and std and len(mean) == len(m) and all(abs(a - b) < 1e-4 for a, b in zip([*mean, *std], [*m, *s])):
+            return name
+    log.warning("model.init: %s: the weights were trained with mean %s and std %s (%s), which data.normalize does "
+                "not offer; the images are normalized with ImageNet's (data.normalize sets another)",
+                path, tuple(mean or ()), tuple(std or ()), source)
     return "imagenet"

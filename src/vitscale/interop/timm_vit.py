@@ -1,49 +1,248 @@
 """timm's VisionTransformer weights <-> vitscale's ViT.
 
-vitscale's ViT uses timm's parameter names (cls_token, pos_embed, patch_embed.proj, blocks.N.
-{norm1, attn.qkv, attn.proj, norm2, mlp.fc1, mlp.fc2}, norm, head), its LayerNorm eps (1e-6) and
-its attention, so a state dict maps one to one. Where timm's variants compute another function,
-the spec takes the matching option, read from the keys and shapes:
-- average-pool models (`class_token=False, global_pool="avg"`): no cls_token, `fc_norm` instead of
-  `norm` -> head="pool", fc_norm=True;
-- `no_embed_class` (DeiT III style): the position embedding has no row for the class token ->
-  no_embed_class=True.
-The head count is not in the weights: it is timm's for the standard widths (tiny 3, small 6,
-base 12, large 16, huge 16), else dim / 64, unless given.
-Variants vitscale does not implement (register tokens, layer scale, q/k norm, a pre-norm) are
-refused with the keys that show them.
+vitscale's ViT uses timm's parameter names (cls_token, reg_token, pos_embed, patch_embed.proj,
+norm_pre, blocks.N.{norm1, attn.qkv, attn.proj, ls1, norm2, mlp.fc1, mlp.fc2, ls2}, norm, fc_norm,
+head) and its attention, so a state dict maps one to one. What the weights do not hold (the head
+count, the activation, the LayerNorm eps, and whether a class token is read or the patch tokens
+averaged) comes from what travels with published weights, in this order:
+- the hub-style `config.json` next to the weights file (timm's hub folders: "architecture",
+  "model_args", "pretrained_cfg");
+- a timm architecture name (`model.init_arch`, `arch=`), read from timm_archs.py: the arguments each
+  of timm's `vision_transformer` / `deit` entry points gives the model, generated from timm's source;
+- else the keys, with timm's defaults for the rest, announced in one line (logger
+  "vitscale.interop") naming each assumption and the key that changes it.
+timm's arguments map to ViTSpec options: class_token and global_pool ("token" / "avg", fc_norm),
+reg_tokens, init_values (layer scale), qkv_bias, no_embed_class, pre_norm (and no patch bias),
+final_norm, norm_layer's eps, act_layer (gelu, gelu_tanh, quick_gelu). The other variants are
+refused in one line naming what they are (distillation token, attention pooling, parallel blocks,
+gated MLPs, RMSNorm, q/k norm, ...).
+
+Export (`to_timm`, `timm_hub_config`) writes the same keys and a hub-style config.json whose
+architecture and model_args rebuild exactly the function, with the run's input size, mean/std and
+interpolation as its pretrained config. Nothing here imports timm.
 """
 from __future__ import annotations
 
+import json
+import logging
 import math
 import re
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-from .files import first_keys, refuse_unsupported
+from ..errors import UserError, did_you_mean
 from ..models.vit import VisionTransformer, ViTSpec
+from .files import first_keys, refuse_unsupported
 
-HEADS_BY_DIM = {96: 3, 128: 4, 192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
-BLOCK_KEYS = ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2")
-UNSUPPORTED = {"reg_token": "register tokens", ".ls1.": "layer scale", ".ls2.": "layer scale",
-               "q_norm": "q/k normalization", "k_norm": "q/k normalization", "norm_pre": "a pre-norm",
-               "patch_embed.norm": "a patch-embedding norm"}
+log = logging.getLogger("vitscale.interop")
+
+HEADS_BY_DIM = {96: 3, 128: 4, 192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}  # timm's tiny..huge
+IMPLEMENTED = "is not implemented by vitscale's ViT"
+# what the keys show, for a file that comes without config.json or architecture name
+UNSUPPORTED = {
+    "dist_token": "a distillation token (DeiT's distilled models: dist_token and a second head, head_dist)",
+    "head_dist": "a distillation token (DeiT's distilled models: dist_token and a second head, head_dist)",
+    "attn_pool": "attention pooling (global_pool='map', SigLIP's MAP head)",
+    ".attns.": "parallel blocks (ParallelThingsBlock: attention and MLP branches side by side, the _18x2 models)",
+    ".in_proj.": "parallel attention and MLP (ParallelScalingBlock)",
+    ".attn_out_proj.": "parallel attention and MLP (ParallelScalingBlock)",
+    "lambda_q1": "differential attention (attn_layer='diff')",
+    "mlp.fc1_g": "a gated MLP (SwiGLU / GluMlp)",
+    "q_norm": "q/k normalization (qk_norm=True)",
+    "k_norm": "q/k normalization (qk_norm=True)",
+    "attn.norm.": "norms inside attention and MLP (scale_attn_norm / scale_mlp_norm, BEiT-3)",
+    "mlp.norm.": "norms inside attention and MLP (scale_attn_norm / scale_mlp_norm, BEiT-3)",
+    "patch_embed.norm": "a patch-embedding norm (embed_norm_layer)",
+}
+# timm's VisionTransformer arguments and their defaults (timm 1.0.31)
+ARG_DEFAULTS = dict(
+    img_size=224, patch_size=16, in_chans=3, num_classes=1000, global_pool="token", embed_dim=768, depth=12,
+    num_heads=12, mlp_ratio=4.0, qkv_bias=True, qk_norm=False, scale_attn_norm=False, scale_mlp_norm=False,
+    proj_bias=True, init_values=None, class_token=True, pos_embed="learn", no_embed_class=False, reg_tokens=0,
+    pre_norm=False, final_norm=True, fc_norm=None, pool_include_prefix=False, dynamic_img_size=False,
+    dynamic_img_pad=False, embed_layer=None, embed_norm_layer=None, norm_layer=None, act_layer=None,
+    block_fn=None, mlp_layer=None, attn_layer=None)
+# arguments that change nothing in the function the weights compute at their own image size
+NEUTRAL = {"drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate",
+           "weight_init", "fix_init", "dynamic_img_size", "dynamic_img_pad", "out_indices", "pretrained_strict",
+           "device", "dtype"}
+ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "GELU": "gelu",
+        "GELUTanh": "gelu_tanh", "QuickGELU": "quick_gelu"}
+# what the export's model_args always give (the rest only where it differs from timm's default)
+CORE_ARGS = ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio")
+EXPORT_ARGS = CORE_ARGS + ("qkv_bias", "class_token", "global_pool", "fc_norm", "no_embed_class", "reg_tokens",
+                           "init_values", "pre_norm", "final_norm", "act_layer")
+HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")  # timm's preferred names
 
 
-
-def expected_keys(spec: ViTSpec) -> set[str]:
-    keys = {"pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias", "head.weight", "head.bias"}
-    keys |= {"cls_token"} if spec.head == "token" else set()
-    keys |= {f"{'fc_norm' if spec.fc_norm else 'norm'}.{p}" for p in ("weight", "bias")}
-    keys |= {f"blocks.{i}.{k}.{p}" for i in range(spec.depth) for k in BLOCK_KEYS for p in ("weight", "bias")}
-    return keys
+# -- what travels with the weights -----------------------------------------------------------------
+def hub_config_path(weights: str | Path) -> Path:
+    """Where timm's hub-style config.json for a weights file (or a hub folder) lies."""
+    p = Path(weights)
+    return (p if p.is_dir() else p.parent) / "config.json"
 
 
-def timm_vit_spec(sd: dict, heads: int = 0, num_classes: int = 0) -> ViTSpec:
-    """The ViTSpec that computes what timm's model with these weights computes. `num_classes`:
-    for a checkpoint without a classifier (timm's num_classes=0); a head it has wins."""
-    refuse_unsupported(sd, UNSUPPORTED, "timm ViT", "vitscale's ViT")
+def read_hub_config(weights: str | Path) -> dict | None:
+    """The config.json next to a weights file (timm's hub folders), None when there is none; a file
+    that is not such a config is a one-line error."""
+    path = hub_config_path(weights)
+    if not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(cfg, dict) or "architecture" not in cfg:
+        raise UserError(f"{path}: not timm's hub config (no \"architecture\"); move it away or give "
+                        "model.init_arch")
+    return cfg
+
+
+def weights_in_folder(folder: str | Path) -> Path:
+    """The weights file timm's `local-dir:` load reads in a hub folder (its preferred names first)."""
+    folder = Path(folder)
+    for name in HF_WEIGHTS:
+        if (folder / name).is_file():
+            return folder / name
+    for ext in (".safetensors", ".pth", ".pth.tar", ".bin"):
+        found = sorted(folder.glob(f"*{ext}"))
+        if found:
+            return found[0]
+    raise UserError(f"{folder}: no weights file (model.safetensors, pytorch_model.bin, ...) in this folder")
+
+
+def split_arch(name: str) -> tuple[str, str]:
+    """"vit_base_patch16_224.augreg_in21k" -> ("vit_base_patch16_224", "augreg_in21k")."""
+    base, _, tag = name.partition(".")
+    return base, tag
+
+
+def arch_entry(name: str, where: str = "model.init_arch") -> tuple[str, bool, dict]:
+    """(module, distilled, entry point arguments) of a timm ViT architecture name (a tag allowed)."""
+    from .timm_archs import ARCHS, TIMM_VERSION
+    base, _ = split_arch(name)
+    if base not in ARCHS:
+        raise UserError(f"{where}: '{name}' is not one of timm {TIMM_VERSION}'s vision_transformer / deit "
+                        f"architectures{did_you_mean(base, ARCHS)}")
+    return ARCHS[base]
+
+
+def arch_pretrained_cfg(name: str) -> dict:
+    """The pretrained config timm has for an architecture name's tag (its default tag without one)."""
+    from .timm_archs import PRETRAINED
+    base, tag = split_arch(name)
+    tags = PRETRAINED.get(base, [])
+    if tag and tag not in dict(tags):
+        raise UserError(f"model.init_arch: {base} has no pretrained tag '{tag}'{did_you_mean(tag, dict(tags))}")
+    return dict(tags).get(tag) if tag else (tags[0][1] if tags else {})
+
+
+def timm_source(config: dict | None = None, arch: str = "") -> tuple[dict | None, bool, str, dict]:
+    """(model arguments, distilled, where they come from, pretrained config) from a hub config.json
+    and/or an architecture name; (None, False, "", {}) when neither is given."""
+    if config is None and not arch:
+        return None, False, "", {}
+    if config is None:
+        _, distilled, args = arch_entry(arch)
+        return dict(args), distilled, arch, arch_pretrained_cfg(arch)
+    name = str(config["architecture"])
+    if arch and split_arch(arch)[0] != split_arch(name)[0]:
+        raise UserError(f"model.init_arch={arch}, but the weights' config.json names {name}")
+    _, distilled, args = arch_entry(name, "config.json")
+    model_args = config.get("model_args") or {}
+    if not isinstance(model_args, dict):
+        raise UserError("config.json: model_args is not a mapping of timm arguments")
+    pcfg = config.get("pretrained_cfg", {k: v for k, v in config.items() if k != "architecture"})
+    if "num_classes" in config:
+        pcfg = {**pcfg, "num_classes": config["num_classes"]}
+    return {**args, **model_args}, distilled, f"{name} (config.json)", pcfg
+
+
+# -- reading timm's arguments ------------------------------------------------------------------------
+def _layer(v) -> tuple[str, dict]:
+    """("LayerNorm", {"eps": 1e-05}) from "timm.layers.norm.LayerNorm(eps=1e-05)" (timm_archs.py's
+    text for a partial), ("gelu_tanh", {}) from a plain name; ("", {}) for None."""
+    if v is None:
+        return "", {}
+    m = re.fullmatch(r"([\w.]+)\((.*)\)", str(v))
+    name, inner = (m.group(1), m.group(2)) if m else (str(v), "")
+    kwargs = {}
+    for part in filter(None, (p.strip() for p in inner.split(","))):
+        k, _, val = part.partition("=")
+        try:
+            kwargs[k.strip()] = float(val)
+        except ValueError:
+            kwargs[k.strip()] = val.strip()
+    return name, kwargs
+
+
+def _short(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def norm_eps(value) -> float | None:
+    """The LayerNorm eps a timm norm_layer argument means; None for another norm."""
+    name, kw = _layer(value)
+    if name and _short(name).lower() != "layernorm":
+        return None
+    default = 1e-5 if name.startswith("torch.") else 1e-6  # torch's nn.LayerNorm; timm's LayerNorm, "layernorm"
+    return float(kw.get("eps", default))
+
+
+def _refusal(label: str, what: str) -> UserError:
+    return UserError(f"timm ViT{label}: {what} {IMPLEMENTED}")
+
+
+def _check_args(a: dict, distilled: bool, label: str) -> None:
+    """One line naming the first thing in timm's arguments vitscale's ViT does not compute."""
+    if distilled:
+        raise _refusal(label, UNSUPPORTED["dist_token"])
+    unknown = sorted(set(a) - set(ARG_DEFAULTS) - NEUTRAL)
+    if unknown:
+        raise UserError(f"timm ViT{label}: the argument {unknown[0]}={a[unknown[0]]!r} is not known to vitscale")
+    blocks = {"ParallelThingsBlock": UNSUPPORTED[".attns."], "ParallelScalingBlock": UNSUPPORTED[".in_proj."],
+              "DiffParallelScalingBlock": "differential attention in parallel blocks (DiffParallelScalingBlock)",
+              "ResPostBlock": "post-norm blocks (ResPostBlock: the norm after each branch)"}
+    block = _short(_layer(a["block_fn"])[0])
+    if block not in ("", "Block"):
+        raise _refusal(label, blocks.get(block, f"the block type {block} (block_fn)"))
+    attn = _layer(a["attn_layer"])[0]
+    if _short(attn) not in ("", "Attention", "attention"):
+        raise _refusal(label, UNSUPPORTED["lambda_q1"] if attn == "diff" else f"the attention {attn!r} (attn_layer)")
+    mlp = _short(_layer(a["mlp_layer"])[0])
+    if mlp not in ("", "Mlp"):
+        raise _refusal(label, f"a gated MLP ({mlp})" if "Glu" in mlp or "GLU" in mlp else f"the MLP {mlp} (mlp_layer)")
+    if norm_eps(a["norm_layer"]) is None:
+        norm = _short(_layer(a["norm_layer"])[0])
+        raise _refusal(label, "RMSNorm (norm_layer=RmsNorm)" if "rms" in norm.lower() else f"the norm {norm} (norm_layer)")
+    if _short(_layer(a["embed_layer"])[0]) not in ("", "PatchEmbed"):
+        raise _refusal(label, f"the patch embedding {_short(_layer(a['embed_layer'])[0])} (embed_layer)")
+    if a["embed_norm_layer"] is not None:
+        raise _refusal(label, UNSUPPORTED["patch_embed.norm"])
+    if a["qk_norm"]:
+        raise _refusal(label, UNSUPPORTED["q_norm"])
+    if a["scale_attn_norm"] or a["scale_mlp_norm"]:
+        raise _refusal(label, UNSUPPORTED["attn.norm."])
+    if not a["proj_bias"]:
+        raise _refusal(label, "projections without a bias (proj_bias=False)")
+    pool = a["global_pool"]
+    if pool in ("map", "prr"):
+        raise _refusal(label, UNSUPPORTED["attn_pool"].replace("'map'", repr(pool)))
+    if pool not in ("token", "avg"):
+        raise _refusal(label, f"global_pool={pool!r} ({'no pooling' if not pool else 'max pooling'})")
+    if a["pool_include_prefix"] and pool == "avg":
+        raise _refusal(label, "an average that includes the class and register tokens (pool_include_prefix=True)")
+    if a["pos_embed"] != "learn":
+        raise _refusal(label, f"pos_embed={a['pos_embed']!r} (no learned position embedding)")
+    act = _short(_layer(a["act_layer"])[0]) or "gelu"
+    if act not in ACTS:
+        raise _refusal(label, f"the activation {act} (act_layer)")
+
+
+def _shape_facts(sd: dict) -> tuple[int, int, int, int]:
+    """(width, input channels, patch size, depth) from the keys; one line when they are not a ViT's."""
     if "patch_embed.proj.weight" not in sd or "pos_embed" not in sd:
         raise UserError("timm ViT: not a timm VisionTransformer state dict (no patch_embed.proj.weight / "
                         f"pos_embed; its keys begin {first_keys(sd, 3)})")
@@ -51,74 +250,223 @@ def timm_vit_spec(sd: dict, heads: int = 0, num_classes: int = 0) -> ViTSpec:
     if w.ndim != 4 or w.shape[-1] != w.shape[-2]:
         raise UserError(f"timm ViT: patch_embed.proj.weight has shape {tuple(w.shape)}; expected a square "
                         "[dim, channels, patch, patch] convolution")
-    dim, in_chans, patch = w.shape[0], w.shape[1], w.shape[-1]
-    depth = len({int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))})
-    if depth == 0 or f"blocks.{depth - 1}.mlp.fc1.weight" not in sd:
+    grouped = sorted(k for k in sd if re.match(r"blocks\.\d+\.\d+\.", k))
+    if grouped:
+        raise _refusal("", f"blocks in groups ({first_keys(grouped, 1)}: timm's ParallelThingsBlock / "
+                           "checkpoint_seq layouts)")
+    layers = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
+    if not layers or layers != set(range(len(layers))) or f"blocks.{len(layers) - 1}.mlp.fc1.weight" not in sd:
         raise UserError("timm ViT: the blocks are missing or not numbered 0..N-1")
-    token = "cls_token" in sd
+    return w.shape[0], w.shape[1], w.shape[-1], len(layers)
+
+
+def _grid(sd: dict, prefix_rows: int, what: str) -> int:
     rows = sd["pos_embed"].shape[1]
-    grid = math.isqrt(rows - 1) if token and math.isqrt(rows - 1) ** 2 == rows - 1 else math.isqrt(rows)
-    no_embed_class = token and grid * grid == rows
-    if grid * grid != rows - (1 if token and not no_embed_class else 0):
-        raise UserError(f"timm ViT: pos_embed has {rows} rows, which is no square patch grid "
-                        f"({'with' if token else 'without'} a class token)")
+    g = math.isqrt(max(0, rows - prefix_rows))
+    if rows < prefix_rows or g * g != rows - prefix_rows:
+        raise UserError(f"timm ViT: pos_embed has {rows} rows, which is no square patch grid ({what})")
+    return g
+
+
+def _mlp_ratio(dim: int, hidden: int, ratio: float | None = None) -> float:
+    """timm's mlp_ratio for `hidden` = int(dim * mlp_ratio) (the given one when it gives `hidden`)."""
+    if ratio is not None and int(dim * ratio) == hidden:
+        return float(ratio)
+    return hidden / dim if int(dim * (hidden / dim)) == hidden else (hidden + 0.5) / dim
+
+
+def _num_classes(sd: dict, num_classes: int) -> int:
     if "head.weight" in sd:
-        num_classes = sd["head.weight"].shape[0]
-    elif num_classes <= 0:
+        return sd["head.weight"].shape[0]
+    if num_classes <= 0:
         raise UserError("timm ViT: the checkpoint has no classifier head (timm's num_classes=0): "
                         "give the number of classes of the new head")
-    heads = heads or HEADS_BY_DIM.get(dim, max(1, dim // 64))
+    return num_classes
+
+
+def _spec_from_args(sd: dict, args: dict, distilled: bool, source: str, heads: int, num_classes: int) -> ViTSpec:
+    a = {**ARG_DEFAULTS, **args}
+    label = f" {source}"
+    _check_args(a, distilled, label)
+    dim, in_chans, patch, depth = _shape_facts(sd)
+    patch_arg = a["patch_size"] if isinstance(a["patch_size"], int) else tuple(a["patch_size"])
+    hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
+    for what, theirs, ours in (("width (embed_dim)", a["embed_dim"], dim), ("depth", a["depth"], depth),
+                               ("patch size", patch_arg, patch), ("MLP width", int(dim * a["mlp_ratio"]), hidden)):
+        if theirs != ours and not (isinstance(theirs, tuple) and set(theirs) == {ours}):
+            raise UserError(f"timm ViT{label}: the architecture has {what} {theirs}, the weights {ours}")
+    if heads and heads != a["num_heads"]:
+        raise UserError(f"timm ViT{label}: model.heads={heads}, but the architecture has {a['num_heads']} heads")
+    heads = a["num_heads"]
     if dim % heads:
         raise UserError(f"timm ViT: width {dim} is not divisible by {heads} heads")
-    return ViTSpec(image_size=grid * patch, patch_size=patch, in_chans=in_chans, num_classes=num_classes,
-                   dim=dim, depth=depth, heads=heads, mlp_ratio=sd["blocks.0.mlp.fc1.weight"].shape[0] / dim,
-                   head="token" if token else "pool", fc_norm="fc_norm.weight" in sd,
-                   no_embed_class=no_embed_class)
+    token, reg = bool(a["class_token"]), int(a["reg_tokens"] or 0)
+    head = "token" if a["global_pool"] == "token" else "pool"
+    fc_norm = a["global_pool"] == "avg" if a["fc_norm"] is None else bool(a["fc_norm"])
+    prefix_rows = 0 if a["no_embed_class"] else int(token) + reg
+    grid = _grid(sd, prefix_rows, f"{prefix_rows} rows for the class and register tokens")
+    return ViTSpec(image_size=grid * patch, patch_size=patch, in_chans=in_chans, num_classes=_num_classes(sd, num_classes),
+                   dim=dim, depth=depth, heads=heads, mlp_ratio=_mlp_ratio(dim, hidden, a["mlp_ratio"]), head=head,
+                   fc_norm=fc_norm and a["final_norm"], no_embed_class=bool(a["no_embed_class"]),
+                   class_token=None if token == (head == "token") else token, reg_tokens=reg,
+                   layer_scale=float(a["init_values"] or 0.0), qkv_bias=bool(a["qkv_bias"]),
+                   pre_norm=bool(a["pre_norm"]), final_norm=bool(a["final_norm"]), norm_eps=norm_eps(a["norm_layer"]),
+                   act=ACTS[_short(_layer(a["act_layer"])[0]) or "gelu"])
 
 
-def from_timm(sd: dict, heads: int = 0, num_classes: int = 0, **spec_overrides) -> VisionTransformer:
-    """vitscale's ViT holding a timm ViT state dict's weights (the same function, in fp32).
-    `spec_overrides` (e.g. attention="explicit", drop_path=0.1) change nothing in the weights."""
-    from dataclasses import replace
-    spec = replace(timm_vit_spec(sd, heads, num_classes), **spec_overrides)
-    want = expected_keys(spec)
-    have = set(sd)
-    unknown, missing = have - want, want - have - ({"head.weight", "head.bias"} if "head.weight" not in sd else set())
+def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> ViTSpec:
+    """The spec the keys show, timm's defaults for what they leave open, announced in one line."""
+    refuse_unsupported(sd, UNSUPPORTED, "timm ViT", "vitscale's ViT")
+    dim, in_chans, patch, depth = _shape_facts(sd)
+    token = "cls_token" in sd
+    reg = sd["reg_token"].shape[1] if "reg_token" in sd else 0
+    fc_norm = "fc_norm.weight" in sd
+    rows, prefix = sd["pos_embed"].shape[1], int(token) + reg
+    g = math.isqrt(max(0, rows - prefix))
+    no_embed_class = prefix > 0 and g * g != rows - prefix and math.isqrt(rows) ** 2 == rows
+    grid = _grid(sd, 0 if no_embed_class else prefix,
+                 f"with {'a class token' if token else 'no class token'} and {reg} register tokens")
+    head = "pool" if fc_norm or not token else "token"
+    assumed = []
+    if not heads:
+        heads = HEADS_BY_DIM.get(dim, max(1, dim // 64))
+        assumed.append(f"{heads} attention heads (model.heads)")
+    if dim % heads:
+        raise UserError(f"timm ViT: width {dim} is not divisible by {heads} heads")
+    assumed += ["exact GELU", "LayerNorm eps 1e-6"] + (["the class token's features, not the patch tokens' average"]
+                                                       if head == "token" else [])
+    log.warning("%s: no config.json beside the weights and no architecture name, so what the weights leave open "
+                "is assumed: %s (timm's defaults; set model.init_arch to the timm architecture, e.g. "
+                "vit_base_patch16_224, or put the hub's config.json next to the file)", announce, ", ".join(assumed))
+    hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
+    return ViTSpec(image_size=grid * patch, patch_size=patch, in_chans=in_chans, num_classes=_num_classes(sd, num_classes),
+                   dim=dim, depth=depth, heads=heads, mlp_ratio=_mlp_ratio(dim, hidden), head=head, fc_norm=fc_norm,
+                   no_embed_class=no_embed_class, class_token=None if token == (head == "token") else token,
+                   reg_tokens=reg, layer_scale=1e-5 if "blocks.0.ls1.gamma" in sd else 0.0,
+                   qkv_bias="blocks.0.attn.qkv.bias" in sd, pre_norm="norm_pre.weight" in sd,
+                   final_norm=fc_norm or "norm.weight" in sd)
+
+
+def check_keys(sd: dict, spec: ViTSpec, where: str = "timm ViT") -> None:
+    """One line for keys the spec's model lacks or needs (a missing head is allowed) and for shapes
+    that differ."""
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in VisionTransformer(spec).state_dict().items()}
+    unknown = set(sd) - set(want)
+    missing = set(want) - set(sd) - ({"head.weight", "head.bias"} if "head.weight" not in sd else set())
     if unknown or missing:
         parts = ([f"unknown keys {first_keys(unknown)}"] if unknown else []) + \
                 ([f"missing keys {first_keys(missing)}"] if missing else [])
-        raise UserError(f"timm ViT: {'; '.join(parts)}")
-    model = VisionTransformer(spec)
-    theirs = {k: v.float() for k, v in sd.items()}
-    for k, v in model.state_dict().items():
-        if k in theirs and theirs[k].shape != v.shape:
-            raise UserError(f"timm ViT: {k} has shape {tuple(theirs[k].shape)}, the model expects {tuple(v.shape)}")
-    model.load_state_dict(theirs, strict=False)  # strict on everything but a head the file lacks
+        raise UserError(f"{where}: {'; '.join(parts)}")
+    for k, shape in want.items():
+        if k in sd and tuple(sd[k].shape) != shape:
+            raise UserError(f"{where}: {k} has shape {tuple(sd[k].shape)}, the model expects {shape}")
+
+
+def timm_vit_spec(sd: dict, heads: int = 0, num_classes: int = 0, *, config: dict | None = None, arch: str = "",
+                  announce: str = "timm ViT") -> ViTSpec:
+    """The ViTSpec that computes what timm's model with these weights computes. What the weights
+    leave open comes from `config` (timm's hub config.json) or `arch` (a timm architecture name);
+    without either, from timm's defaults, announced in one line (prefixed with `announce`).
+    `heads`: model.heads (refused when it contradicts the architecture). `num_classes`: for a
+    checkpoint without a classifier (timm's num_classes=0); a head it has wins."""
+    args, distilled, source, _ = timm_source(config, arch)
+    if args is None:
+        spec = _spec_from_keys(sd, heads, num_classes, announce)
+    else:
+        spec = _spec_from_args(sd, args, distilled, source, heads, num_classes)
+    check_keys(sd, spec, "timm ViT" + (f" {source}" if source else ""))
+    return spec
+
+
+def from_timm(sd: dict, heads: int = 0, num_classes: int = 0, *, config: dict | None = None, arch: str = "",
+              **spec_overrides) -> VisionTransformer:
+    """vitscale's ViT holding a timm ViT state dict's weights (the same function, in fp32).
+    `config` / `arch`: see timm_vit_spec. `spec_overrides` (e.g. attention="explicit",
+    drop_path=0.1) change nothing in the weights."""
+    spec = replace(timm_vit_spec(sd, heads, num_classes, config=config, arch=arch), **spec_overrides)
+    theirs = {k: v.detach().to(torch.float32, copy=True) for k, v in sd.items()}
+    if "head.weight" not in sd:  # a new head: initialized as vitscale initializes one
+        model = VisionTransformer(spec)
+        model.load_state_dict(theirs, strict=False)
+        return model
+    with torch.device("meta"):  # every parameter comes from the file: no initialization to overwrite
+        model = VisionTransformer(spec)
+    model.load_state_dict(theirs, strict=True, assign=True)
     return model
 
 
-def timm_kwargs(spec: ViTSpec) -> dict:
-    """`timm.create_model("vit_base_patch16_224", **timm_kwargs(spec))` builds the model whose
-    weights `to_timm` writes (any of timm's vit_* names: these arguments set every size)."""
-    kw = dict(img_size=spec.image_size, patch_size=spec.patch_size, in_chans=spec.in_chans,
-              num_classes=spec.num_classes, embed_dim=spec.dim, depth=spec.depth, num_heads=spec.heads,
-              mlp_ratio=spec.mlp_ratio)
-    if spec.head == "pool":
-        kw.update(class_token=False, global_pool="avg")
-    if spec.no_embed_class:
-        kw["no_embed_class"] = True
-    return kw
+# -- export ----------------------------------------------------------------------------------------------
+def _check_exportable(spec: ViTSpec) -> None:
+    if spec.stem != "patch":
+        raise UserError("export to timm: model.stem=conv has no timm ViT counterpart (use the patch stem)")
+
+
+def timm_export_arch(spec: ViTSpec) -> str:
+    """A timm architecture whose entry point gives nothing that timm_kwargs does not override, except
+    its norm layer (whose eps no JSON argument can give): vit_base_patch16_224 for LayerNorm eps
+    1e-6, vit_base_patch16_clip_224 for 1e-5."""
+    from .timm_archs import ARCHS
+    _check_exportable(spec)
+    for name in ["vit_base_patch16_224", "vit_base_patch16_clip_224", *ARCHS]:
+        _, distilled, args = ARCHS[name]
+        if not distilled and set(args) <= set(EXPORT_ARGS) | {"norm_layer"} and norm_eps(args.get("norm_layer")) == spec.norm_eps:
+            return name
+    raise UserError(f"export to timm: no timm ViT architecture has LayerNorm eps {spec.norm_eps}")
+
+
+def timm_kwargs(spec: ViTSpec, arch: str = "vit_base_patch16_224") -> dict:
+    """The `model_args` with which `timm.create_model(arch, **model_args)` builds the function of
+    `spec` (arch from timm_export_arch): the sizes, plus every option that differs from timm's default
+    or that arch's entry point sets."""
+    from .timm_archs import ARCHS
+    _check_exportable(spec)
+    full = dict(img_size=spec.image_size, patch_size=spec.patch_size, in_chans=spec.in_chans,
+                num_classes=spec.num_classes, embed_dim=spec.dim, depth=spec.depth, num_heads=spec.heads,
+                mlp_ratio=spec.mlp_ratio, qkv_bias=spec.qkv_bias, class_token=spec.has_class_token,
+                global_pool="token" if spec.head == "token" else "avg", fc_norm=spec.fc_norm,
+                no_embed_class=spec.no_embed_class, reg_tokens=spec.reg_tokens,
+                init_values=spec.layer_scale or None, pre_norm=spec.pre_norm, final_norm=spec.final_norm,
+                act_layer=spec.act)
+    defaults = {**ARG_DEFAULTS, "fc_norm": full["global_pool"] == "avg", "act_layer": "gelu"}
+    set_by_arch = set(ARCHS.get(split_arch(arch)[0], ("", False, {}))[2])
+    return {k: v for k, v in full.items() if k in CORE_ARGS or k in set_by_arch or v != defaults[k]}
 
 
 def to_timm(model: VisionTransformer) -> dict[str, torch.Tensor]:
-    """The state dict timm's VisionTransformer of the same configuration loads (fp32, CPU):
-    `timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=..., num_classes=N),
-    num_classes=N, img_size=..., class_token=..., global_pool=..., no_embed_class=...)` (the overlay's
-    num_classes too: otherwise timm drops a head whose size differs from the named model's 1000)."""
-    spec = model.spec
-    if spec.stem != "patch":
-        raise UserError("export to timm: model.stem=conv has no timm ViT counterpart (use the patch stem)")
-    if spec.head == "pool" and not spec.fc_norm:
-        raise UserError("export to timm: head=pool without fc_norm (LayerNorm before the mean) has no timm "
-                        "counterpart; timm's average pool normalizes after the mean (model.fc_norm=true)")
+    """The state dict timm's VisionTransformer of the same configuration loads (fp32, CPU): the keys
+    are timm's already; see timm_hub_config for the model that takes them."""
+    _check_exportable(model.spec)
     return {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
+
+
+def timm_hub_config(spec: ViTSpec, *, mean, std, interpolation: str = "bilinear", crop_pct: float = 1.0) -> dict:
+    """timm's hub config.json for weights of `spec`: the architecture and model_args that rebuild its
+    function, and a pretrained config with its input size, mean/std, interpolation and crop, which
+    `timm.data.resolve_data_config` hands to a timm user."""
+    arch = timm_export_arch(spec)
+    kw = timm_kwargs(spec, arch)
+    size = [spec.in_chans, spec.image_size, spec.image_size]
+    return {"architecture": arch, "num_classes": spec.num_classes, "num_features": spec.dim,
+            "global_pool": "token" if spec.head == "token" else "avg", "model_args": kw,
+            "pretrained_cfg": {"input_size": size, "fixed_input_size": True, "interpolation": interpolation,
+                               "crop_pct": crop_pct, "crop_mode": "center", "mean": [float(m) for m in mean],
+                               "std": [float(s) for s in std], "num_classes": spec.num_classes,
+                               "first_conv": "patch_embed.proj", "classifier": "head"}}
+
+
+def timm_load_call(config: dict, weights: str | Path) -> str:
+    """The timm call that builds the model of `config` holding `weights` with its preprocessing
+    config: a `local-dir:` load where timm would read this very file from its folder, else the
+    architecture with pretrained_cfg_overlay and model_args."""
+    weights = Path(weights)
+    folder = weights.parent
+    if weights.name == HF_WEIGHTS[0] and hub_config_path(weights).is_file():
+        return f"timm.create_model({'local-dir:' + str(folder)!r}, pretrained=True)"
+    p = config["pretrained_cfg"]
+    overlay = (f'file={str(weights)!r}, num_classes={config["num_classes"]}, input_size={tuple(p["input_size"])}, '
+               f'mean={tuple(p["mean"])}, std={tuple(p["std"])}, interpolation={p["interpolation"]!r}, '
+               f'crop_pct={p["crop_pct"]}')
+    args = ", ".join(f"{k}={v!r}" for k, v in config["model_args"].items())
+    return (f'timm.create_model({config["architecture"]!r}, pretrained=True, '
+            f'pretrained_cfg_overlay=dict({overlay}), {args})')

@@ -48,8 +48,9 @@ class ClassificationTask(Task):
         dcfg = cfg.data
         if cfg.model.init and dcfg.normalize == "auto":  # the normalization the weights were trained with
             from ..interop.finetune import weights_normalization
-            dcfg = replace(dcfg, normalize=weights_normalization(cfg.model.init))
+            dcfg = replace(dcfg, normalize=weights_normalization(cfg.model.init, cfg.model.init_arch))
         data = build_data(dcfg, device=s.device, seed=cfg.run.seed, rank=s.rank, world_size=s.world_size)
+        self.normalization = {"mean": list(data.mean), "std": list(data.std)}  # for exports (timm's pretrained cfg)
         if cfg.model.num_classes and cfg.model.num_classes != data.num_classes:
             raise ConfigError(f"config: model.num_classes={cfg.model.num_classes} but the dataset has "
                               f"{data.num_classes} classes (set 0 to follow the data)")
@@ -76,7 +77,8 @@ class ClassificationTask(Task):
             from ..interop.finetune import init_weights
             spec, self.init_state = init_weights(m.init, image_size=image_size, in_chans=channels,
                                                  num_classes=num_classes, heads=m.heads, head_policy=m.init_head,
-                                                 attention=m.attention, drop_path=m.drop_path, dropout=m.dropout)
+                                                 arch=m.init_arch, attention=m.attention, drop_path=m.drop_path,
+                                                 dropout=m.dropout)
             return spec
         try:
             spec = resolve_spec(m.arch, image_size=image_size, in_chans=channels, num_classes=num_classes,
@@ -98,6 +100,10 @@ class ClassificationTask(Task):
         return ViTSpec(**d)
 
     init_state: dict | None = None  # adapted weights of model.init (build_spec reads them)
+    normalization: dict | None = None  # the images' mean and std (build_data): checkpoints keep it
+
+    def state_dict(self) -> dict:
+        return {"normalization": self.normalization} if self.normalization else {}
 
     def build_model(self, spec: ViTSpec) -> nn.Module:
         model = VisionTransformer(spec)
