@@ -12,7 +12,7 @@ folder. Each configuration must then be one of:
   bit-identical: to_open_clip gives back every tensor of the file, and open_clip's CLIP built from
   the exported open_clip_config.json computes bit-identical features with them;
 - refused in one line naming a real cause: one of the causes the configuration shows (a timm,
-  ResNet or Hugging Face tower, CoCa, layer scale, SigLIP's logit_bias, ...: `real_causes`, read
+  ResNet or Hugging Face tower, CoCa, SigLIP's logit_bias, ...: `real_causes`, read
   from the configuration by this test).
 A configuration whose text tower is a Hugging Face model cannot be built without `transformers`
 (and its hub configuration): its image tower's weights are saved with its open_clip_config.json.
@@ -65,9 +65,9 @@ def real_causes(c: dict) -> list[tuple[str, str]]:
         out.append(("CoCa", "CoCa"))
     if c.get("init_logit_bias") is not None:
         out.append(("SigLIP logit_bias", "logit_bias"))
+    if t.get("ls_init_value"):  # (the image tower's is vitscale's ViTSpec.layer_scale)
+        out.append(("text layer scale", "layer scale"))
     for cfg in (v, t):
-        if cfg.get("ls_init_value"):
-            out.append(("layer scale", "layer scale"))
         if cfg.get("attentional_pool"):
             out.append(("attentional pooling", "attentional pooling"))
         if cfg.get("output_tokens"):

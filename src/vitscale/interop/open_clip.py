@@ -60,8 +60,7 @@ BLOCK_MAP = (("ln_1", "norm1"), ("attn.in_proj_weight", "attn.qkv.weight"), ("at
              ("attn.out_proj", "attn.proj"), ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"))
 UNSUPPORTED = {"visual.trunk.": "a timm image tower", "visual.layer1.": "a ResNet image tower",
                "text.transformer.embeddings": "a Hugging Face text tower", "text_decoder.": "CoCa's text decoder",
-               "attn_pool": "attentional pooling (CoCa)", ".ls_1.": "layer scale", ".ls_2.": "layer scale",
-               ".ln_q.": "q/k normalization", ".ln_k.": "q/k normalization", "logit_bias": "SigLIP's logit_bias",
+               "attn_pool": "attentional pooling (CoCa)", ".ln_q.": "q/k normalization", ".ln_k.": "q/k normalization", "logit_bias": "SigLIP's logit_bias",
                "cls_emb": "a text class token", ".ln_attn.": "scaled attention norms",
                ".ln_inner.": "scaled attention norms", "text_projection.bias": "a text projection with a bias",
                "logit_scale_attn": "scaled cosine attention", ".head_scale": "per-head attention scales"}
@@ -74,7 +73,7 @@ LOCAL_DIR_PREFERRED = ("open_clip_model.safetensors", "open_clip_pytorch_model.s
 
 # OpenCLIP's model_cfg keys that change the function to one vitscale does not compute: (key, what it is)
 REFUSED_MODEL = (("multimodal_cfg", "CoCa's text decoder"), ("init_logit_bias", "SigLIP's logit_bias"))
-REFUSED_TOWER = (("ls_init_value", "layer scale"), ("qk_norm", "q/k normalization"),
+REFUSED_TOWER = (("qk_norm", "q/k normalization"),
                  ("scaled_cosine_attn", "scaled cosine attention"), ("scale_heads", "per-head attention scales"),
                  ("scale_attn_inner", "scaled attention norms"), ("scale_attn", "scaled attention norms"),
                  ("scale_fc", "a LayerNorm inside the MLP"), ("attentional_pool", "attentional pooling (CoCa)"),
@@ -164,6 +163,8 @@ def _refuse_config(mc: dict, where: str) -> None:
     for key, what in REFUSED_MODEL:
         if mc.get(key) is not None:
             no(what, key, mc[key])
+    if t.get("ls_init_value"):
+        no("layer scale in the text tower", "text_cfg.ls_init_value", t["ls_init_value"])
     for tower, cfg in (("vision_cfg", v), ("text_cfg", t)):
         for key, what in REFUSED_TOWER:
             if cfg.get(key):
@@ -187,6 +188,15 @@ def _refuse_config(mc: dict, where: str) -> None:
         no("a text tower without a linear projection", "text_cfg.proj_type", t["proj_type"])
 
 
+def _refuse_keys(sd: dict) -> None:
+    """One line for the first variant the (normalized) keys show that vitscale's CLIP does not compute."""
+    refuse_unsupported(sd, UNSUPPORTED, "OpenCLIP", "vitscale's CLIP")
+    text_ls = [k for k in sd if k.startswith("transformer.resblocks.") and ".ls_" in k]
+    if text_ls:
+        raise UserError(f"OpenCLIP: layer scale in the text tower ({first_keys(text_ls, 2)}) is not implemented by "
+                        "vitscale's CLIP")
+
+
 def _square(x) -> int:
     return x[0] if isinstance(x, (list, tuple)) else x
 
@@ -207,6 +217,7 @@ def _from_config(mc: dict) -> dict:
         shapes={"embed_dim": mc["embed_dim"], "image width": width, "image layers": v.get("layers", 12),
                 "patch size": _square(v.get("patch_size", 16)), "image size": _square(v.get("image_size", 224)),
                 "image MLP width": int(width * v.get("mlp_ratio", 4.0)), "ln_pre": not v.get("no_ln_pre", False),
+                "image layer scale": bool(v.get("ls_init_value")),
                 "text width": twidth, "text layers": t.get("layers", 12),
                 "text MLP width": int(twidth * t.get("mlp_ratio", 4.0)),
                 "context length": t.get("context_length", 77), "vocabulary": t.get("vocab_size", 49408)},
@@ -251,7 +262,7 @@ def _resolve(sd: dict, config, *, quick_gelu: bool | None, vision_heads: int, te
     mc, _, where = read_config(config, weights)
     if mc is not None:
         _refuse_config(mc, where)
-    refuse_unsupported(sd, UNSUPPORTED, "OpenCLIP", "vitscale's CLIP")
+    _refuse_keys(sd)
     if "visual.conv1.weight" not in sd or "token_embedding.weight" not in sd:
         raise UserError("OpenCLIP: not an OpenCLIP ViT CLIP state dict (no visual.conv1.weight / "
                         f"token_embedding.weight; its keys begin {first_keys(sd, 3)})")
@@ -274,11 +285,13 @@ def _resolve(sd: dict, config, *, quick_gelu: bool | None, vision_heads: int, te
     vhidden = _shape(sd, "visual.transformer.resblocks.0.mlp.c_fc.weight", 2)[0]
     thidden = _shape(sd, "transformer.resblocks.0.mlp.c_fc.weight", 2)[0]
     ln_pre = "visual.ln_pre.weight" in sd
+    layer_scale = "visual.transformer.resblocks.0.ls_1.gamma" in sd  # its value comes with the weights
     assumed: list[str] = []
     if mc is not None:
         said = _from_config(mc)
         have = {"embed_dim": embed_dim, "image width": dim, "image layers": vdepth, "patch size": patch,
-                "image size": grid * patch, "image MLP width": vhidden, "ln_pre": ln_pre, "text width": width,
+                "image size": grid * patch, "image MLP width": vhidden, "ln_pre": ln_pre,
+                "image layer scale": layer_scale, "text width": width,
                 "text layers": tdepth, "text MLP width": thidden, "context length": context, "vocabulary": vocab}
         wrong = [f"{k} {said['shapes'][k]} (the weights: {have[k]})" for k in have if said["shapes"][k] != have[k]]
         if wrong:
@@ -316,7 +329,9 @@ def _resolve(sd: dict, config, *, quick_gelu: bool | None, vision_heads: int, te
         if w % h:
             raise UserError(f"OpenCLIP: {what} width {w} is not divisible by {h} heads")
     vision = ViTSpec(image_size=grid * patch, patch_size=patch, in_chans=in_chans, num_classes=embed_dim, dim=dim,
-                     depth=vdepth, heads=vision_heads, mlp_ratio=_ratio(vhidden, dim), head="token")
+                     depth=vdepth, heads=vision_heads, mlp_ratio=_ratio(vhidden, dim), head="token",
+                     **({"layer_scale": float((mc or {}).get("vision_cfg", {}).get("ls_init_value") or 1e-5)}
+                        if layer_scale else {}))
     text = TextSpec(vocab_size=vocab, context_length=context, dim=width, depth=tdepth, heads=text_heads,
                     mlp_ratio=_ratio(thidden, width), embed_dim=embed_dim, norm_eps=eps[1], act=act, **text_opts)
     spec = ClipSpec(vision=vision, text=text, embed_dim=embed_dim, ln_pre=ln_pre, patch_bias=False, proj_bias=False,
@@ -361,6 +376,8 @@ def _key_map(spec: ClipSpec) -> dict[str, str]:
     for theirs, ours, depth in (("visual.transformer.resblocks", "visual.blocks", spec.vision.depth),
                                 ("transformer.resblocks", "text.blocks", spec.text.depth)):
         for i in range(depth):
+            if ours == "visual.blocks" and getattr(spec.vision, "layer_scale", 0):
+                m[f"{theirs}.{i}.ls_1.gamma"], m[f"{theirs}.{i}.ls_2.gamma"] = f"{ours}.{i}.ls1.gamma", f"{ours}.{i}.ls2.gamma"
             for a, b in BLOCK_MAP:
                 names = [(a, b)] if a.startswith("attn.in_proj") else [(f"{a}.weight", f"{b}.weight"),
                                                                         (f"{a}.bias", f"{b}.bias")]
@@ -372,7 +389,11 @@ def _key_map(spec: ClipSpec) -> dict[str, str]:
 def _layout_problem(spec: ClipSpec) -> str:
     """'' when OpenCLIP's CLIP computes the spec's function, else what it lacks."""
     v = spec.vision
-    if spec.patch_bias or spec.proj_bias or v.stem != "patch" or v.head != "token" or v.no_embed_class or v.fc_norm:
+    vit_variants = (getattr(v, "reg_tokens", 0) or not getattr(v, "qkv_bias", True) or getattr(v, "pre_norm", False)
+                    or not getattr(v, "final_norm", True) or getattr(v, "class_token", None) is False
+                    or getattr(v, "act", "gelu") != "gelu" or getattr(v, "norm_eps", 1e-6) != 1e-6)
+    if (spec.patch_bias or spec.proj_bias or v.stem != "patch" or v.head != "token" or v.no_embed_class or v.fc_norm
+            or vit_variants):
         return ("the model lacks OpenCLIP's layout (it needs patch_bias=False, proj_bias=False, the patch stem and a "
                 "class token); start from OpenCLIP weights (from_open_clip) to export to OpenCLIP")
     if spec.vision_act != spec.text.act or spec.vision_act not in ("gelu", "quick_gelu"):
@@ -497,6 +518,8 @@ def open_clip_config(spec: ClipSpec, preprocess: dict | None = None) -> dict:
               "head_width": v.dim // v.heads, "mlp_ratio": v.mlp_ratio}
     if not spec.ln_pre:
         vision["no_ln_pre"] = True
+    if getattr(v, "layer_scale", 0):
+        vision["ls_init_value"] = v.layer_scale  # (the scales themselves are in the weights)
     if spec.vision_pool == "avg":
         vision["pool_type"] = "avg"
     if spec.vision_norm_after_pool:
@@ -649,7 +672,7 @@ def check_init(path, open_clip: str = "") -> None:
         raise UserError(f"model.init={path} holds ViT classifier weights (pos_embed, patch_embed); CLIP models cannot "
                         "be initialized from ViT classifier weights, only from OpenCLIP CLIP weights")
     try:
-        refuse_unsupported(sd, UNSUPPORTED, "OpenCLIP", "vitscale's CLIP")
+        _refuse_keys(_normalize(sd))
     except UserError as e:
         raise UserError(f"model.init={path}: {e}") from None
     if "visual.conv1.weight" not in keys or "token_embedding.weight" not in keys:
