@@ -9,7 +9,9 @@ random weights on a 2x2 patch grid, is either
   timm's logits bit for bit; or
 - refused in one line that names the real cause (a keyword per kind below).
 
-Nothing may be silently different. Needs timm (skipped otherwise; CI installs it)."""
+Nothing may be silently different. The same weights without config.json or name (the keys alone)
+are exact, another function announced in one warning line naming the assumptions, or refused with
+the cause. Needs timm (skipped otherwise; CI installs it)."""
 import collections
 import time
 import zlib
@@ -83,8 +85,24 @@ def timm_model(name, extra):
     return m, 2 * patch
 
 
-def check_one(name, extra, tmp_path):
-    """'exact', or the refusal's message; raises AssertionError for a silently different model."""
+def keys_only(sd, x, ref, announced: list):
+    """The same weights without config.json or name: 'exact', 'announced' (another function, with the
+    one-line warning naming the assumptions), or the refusal's message."""
+    from vitscale.interop import from_timm
+    before = len(announced)
+    try:
+        ours = from_timm(sd).eval()
+    except UserError as e:
+        assert "\n" not in str(e)
+        return str(e)
+    assert len(announced) == before + 1 and "\n" not in announced[-1], announced[before:]
+    with torch.no_grad():
+        return "exact" if (ours(x) - ref).abs().max().item() <= 1e-5 else "announced"
+
+
+def check_one(name, extra, tmp_path, announced):
+    """('exact' or the refusal's message, keys_only's result); raises AssertionError for a silently
+    different model."""
     from vitscale.interop import from_timm, read_hub_config, timm_hub_config, to_timm
     theirs, size = timm_model(name, extra)
     folder = tmp_path / label(name, extra)
@@ -93,13 +111,15 @@ def check_one(name, extra, tmp_path):
     sd = theirs.state_dict()
     # small inputs: the first LayerNorms see a variance near their eps (1e-6 or 1e-5), which then matters
     x = 0.02 * torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = theirs(x)
+    keys = keys_only(sd, x, ref, announced)
     try:
         ours = from_timm(sd, config=read_hub_config(folder / "model.safetensors")).eval()
     except UserError as e:
         assert "\n" not in str(e)
-        return str(e)
+        return str(e), keys
     with torch.no_grad():
-        ref = theirs(x)
         diff = (ours(x) - ref).abs().max().item()
         assert diff <= 1e-5, f"{label(name, extra)}: silently different (logits differ by {diff:.3g})"
         # the export: timm's keys and values, and a config that builds the same function in timm
@@ -110,30 +130,41 @@ def check_one(name, extra, tmp_path):
             back = timm.create_model(cfg["architecture"], **cfg["model_args"])
         back.load_state_dict(out, strict=True, assign=True)
         assert torch.equal(back.eval()(x), ref), f"{label(name, extra)}: the export computes another function"
-    return "exact"
+    return "exact", keys
 
 
 def test_every_timm_vit_is_exact_or_refused_with_its_cause(tmp_path, capsys):
+    import logging
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is as fast, and a busy machine does not stall it
+    announced = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: announced.append(record.getMessage())
+    logging.getLogger("vitscale.interop").addHandler(handler)
     try:
         start = time.perf_counter()
-        results = {label(n, e): check_one(n, e, tmp_path) for n, e in configurations()}
+        both = {label(n, e): check_one(n, e, tmp_path, announced) for n, e in configurations()}
         seconds = time.perf_counter() - start
     finally:
         torch.set_num_threads(threads)
-    kinds = collections.Counter()
-    for name, r in results.items():
-        if r == "exact":
-            continue
+        logging.getLogger("vitscale.interop").removeHandler(handler)
+    results = {n: r for n, (r, _) in both.items()}
+
+    def cause(name, r):
         kind = next((k for k, word in CAUSES.items() if word in r), None)
         assert kind is not None, f"{name}: refused without a known cause: {r}"
-        kinds[kind] += 1
+        return kind
+    kinds = collections.Counter(cause(n, r) for n, r in results.items() if r != "exact")
+    for name, (_, k) in both.items():  # refusals from the keys alone name the causes too
+        if k not in ("exact", "announced"):
+            cause(name, k)
     exact = sum(r == "exact" for r in results.values())
+    keys = collections.Counter(k if k in ("exact", "announced") else "refused" for _, k in both.values())
     with capsys.disabled():
         print(f"\ntimm {timm.__version__} zoo sweep: {len(results)} configurations, {exact} exact, "
               f"{len(results) - exact} refused ({', '.join(f'{k} {n}' for k, n in kinds.most_common())}), "
-              f"0 silently different, {seconds:.0f} s")
+              f"0 silently different, {seconds:.0f} s; without config.json: {keys['exact']} exact, "
+              f"{keys['announced']} other functions announced, {keys['refused']} refused")
     assert [n for n in MUST_BE_EXACT if results[n] != "exact"] == []
     for name, word in MUST_BE_REFUSED.items():
         assert CAUSES[word] in results[name], results[name]

@@ -263,7 +263,7 @@ def _shape_facts(sd: dict) -> tuple[int, int, int, int]:
 def _grid(sd: dict, prefix_rows: int, what: str) -> int:
     rows = sd["pos_embed"].shape[1]
     g = math.isqrt(max(0, rows - prefix_rows))
-    if rows < prefix_rows or g * g != rows - prefix_rows:
+    if rows <= prefix_rows or g * g != rows - prefix_rows:
         raise UserError(f"timm ViT: pos_embed has {rows} rows, which is no square patch grid ({what})")
     return g
 
@@ -318,23 +318,31 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
     """The spec the keys show, timm's defaults for what they leave open, announced in one line."""
     refuse_unsupported(sd, UNSUPPORTED, "timm ViT", "vitscale's ViT")
     dim, in_chans, patch, depth = _shape_facts(sd)
+    if "blocks.0.norm1.weight" in sd and "blocks.0.norm1.bias" not in sd:
+        raise _refusal("", "RMSNorm (blocks.0.norm1 has a weight and no bias)")
+    fc1, fc2 = sd["blocks.0.mlp.fc1.weight"], sd.get("blocks.0.mlp.fc2.weight")
+    if fc2 is not None and fc1.shape[0] == 2 * fc2.shape[1]:
+        raise _refusal("", f"a gated MLP (GluMlp: blocks.0.mlp.fc1 gives {fc1.shape[0]} features, fc2 takes "
+                           f"{fc2.shape[1]})")
     token = "cls_token" in sd
     reg = sd["reg_token"].shape[1] if "reg_token" in sd else 0
     fc_norm = "fc_norm.weight" in sd
     rows, prefix = sd["pos_embed"].shape[1], int(token) + reg
-    g = math.isqrt(max(0, rows - prefix))
-    no_embed_class = prefix > 0 and g * g != rows - prefix and math.isqrt(rows) ** 2 == rows
+    square = lambda n: n > 0 and math.isqrt(n) ** 2 == n  # noqa: E731
+    no_embed_class = prefix > 0 and not square(rows - prefix) and square(rows)
     grid = _grid(sd, 0 if no_embed_class else prefix,
                  f"with {'a class token' if token else 'no class token'} and {reg} register tokens")
     head = "pool" if fc_norm or not token else "token"
     assumed = []
+    if prefix > 0 and square(rows - prefix) and square(rows):  # tiny grids only: 2x2 + 5 rows = 3x3
+        assumed.append(f"rows for the class and register tokens in pos_embed (a {grid}x{grid} grid)")
     if not heads:
         heads = HEADS_BY_DIM.get(dim, max(1, dim // 64))
         assumed.append(f"{heads} attention heads (model.heads)")
     if dim % heads:
         raise UserError(f"timm ViT: width {dim} is not divisible by {heads} heads")
     assumed += ["exact GELU", "LayerNorm eps 1e-6"] + (["the class token's features, not the patch tokens' average"]
-                                                       if head == "token" else [])
+                                                       if head == "token" else []) + ["pre-norm blocks"]
     log.warning("%s: no config.json beside the weights and no architecture name, so what the weights leave open "
                 "is assumed: %s (timm's defaults; set model.init_arch to the timm architecture, e.g. "
                 "vit_base_patch16_224, or put the hub's config.json next to the file)", announce, ", ".join(assumed))
