@@ -186,3 +186,36 @@ def test_the_architecture_table_is_timms():
     version, archs, cfgs = script.build_table()
     assert archs == timm_archs.ARCHS and cfgs == timm_archs.PRETRAINED
     assert Path(timm_archs.__file__).read_text() == script.render(version, archs, cfgs)
+
+
+@pytest.mark.parametrize("name", ["vit_base_patch16_clip_224", "vit_base_patch32_clip_quickgelu_224",
+                                  "deit3_small_patch16_224", "vit_small_patch14_reg4_dinov2",
+                                  "vit_base_patch16_siglip_gap_224", "eva_large_patch14_196",
+                                  "vit_base_patch16_radio_v3", "vit_medium_patch16_gap_256"])
+def test_exports_load_through_timms_own_loader(tmp_path, name):
+    """The sweep loads exports with load_state_dict; here timm's pretrained loader (its checkpoint
+    filter, strictness and pretrained config) reads a hub folder through both printed calls."""
+    import json
+
+    from timm.data import resolve_data_config
+
+    from vitscale.interop import from_timm, read_hub_config, timm_hub_config, timm_load_call, to_timm, write_state_dict
+    theirs, size = timm_model(name, {})
+    save_config_for_hf(theirs, tmp_path / "config.json")
+    ours = from_timm(theirs.state_dict(), config=read_hub_config(tmp_path / "config.json")).eval()
+    cfg = timm_hub_config(ours.spec, mean=(0.1, 0.2, 0.3), std=(0.4, 0.5, 0.6), crop_pct=0.875)
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    x = 0.02 * torch.randn(2, 3, size, size)
+    for file in ("model.safetensors", "other_name.safetensors"):
+        write_state_dict(to_timm(ours), folder / file)
+        call = timm_load_call(cfg, folder / file)
+        assert call.startswith("timm.create_model('local-dir:" if file == "model.safetensors"
+                               else f"timm.create_model('{cfg['architecture']}', pretrained=True, pretrained_cfg_overlay=")
+        back = eval(call).eval()
+        with torch.no_grad():
+            assert torch.equal(back(x), theirs(x)), call
+        data = resolve_data_config(model=back)
+        assert data["input_size"] == (3, size, size) and tuple(data["mean"]) == (0.1, 0.2, 0.3)
+        assert tuple(data["std"]) == (0.4, 0.5, 0.6) and data["crop_pct"] == 0.875
