@@ -195,6 +195,197 @@ def test_bad_inputs_are_one_line_errors():
         assert want in msg, msg
 
 
+
+# -- what the weights leave open: OpenCLIP's configuration, else announced defaults ----------------------
+TINY_CONFIG = {"model_cfg": {"embed_dim": 16, **TINY}}  # an open_clip_config.json's content
+
+
+def layout(model_cfg: dict) -> dict:
+    """OpenCLIP's CLIP keys and shapes (meta tensors: no memory) for a ViT model_cfg."""
+    v, t, E = model_cfg["vision_cfg"], model_cfg["text_cfg"], model_cfg["embed_dim"]
+    W, p, S, tw = v["width"], v["patch_size"], v["image_size"], t["width"]
+    e = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
+    sd = {"visual.conv1.weight": e(W, 3, p, p), "visual.class_embedding": e(W),
+          "visual.positional_embedding": e((S // p) ** 2 + 1, W), "visual.proj": e(W, E), "logit_scale": e(),
+          "token_embedding.weight": e(t.get("vocab_size", 49408), tw),
+          "positional_embedding": e(t.get("context_length", 77), tw), "text_projection": e(tw, E)}
+    norms = ["visual.ln_post", "ln_final"] + ([] if v.get("no_ln_pre") else ["visual.ln_pre"])
+    sd |= {f"{n}.{q}": e(W if n.startswith("visual") else tw) for n in norms for q in ("weight", "bias")}
+    for pre, w, n, ratio in (("visual.", W, v["layers"], v.get("mlp_ratio", 4.0)),
+                             ("", tw, t["layers"], t.get("mlp_ratio", 4.0))):
+        h = int(w * ratio)
+        for i in range(n):
+            b = f"{pre}transformer.resblocks.{i}."
+            sd |= {b + "ln_1.weight": e(w), b + "ln_1.bias": e(w), b + "ln_2.weight": e(w), b + "ln_2.bias": e(w),
+                   b + "attn.in_proj_weight": e(3 * w, w), b + "attn.in_proj_bias": e(3 * w),
+                   b + "attn.out_proj.weight": e(w, w), b + "attn.out_proj.bias": e(w),
+                   b + "mlp.c_fc.weight": e(h, w), b + "mlp.c_fc.bias": e(h), b + "mlp.c_proj.weight": e(w, h),
+                   b + "mlp.c_proj.bias": e(w)}
+    return sd
+
+
+def announcements(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "OpenCLIP's defaults" in r.getMessage()]
+
+
+def test_open_clip_config_says_what_the_weights_leave_open(tmp_path, caplog):
+    """Heads and activation from OpenCLIP's configuration (given, or the open_clip_config.json beside
+    the file): OpenCLIP's features with no argument and no warning; without one, one warning line."""
+    import json
+
+    from vitscale.interop.open_clip import load_open_clip
+    sd, x = fixture()
+    for act in ("gelu", "quick_gelu"):
+        config = {"model_cfg": {**TINY_CONFIG["model_cfg"], "quick_gelu": act == "quick_gelu"}}
+        caplog.clear()
+        model = from_open_clip(sd, config).eval()
+        assert (model.spec.vision.heads, model.spec.text.heads, model.spec.vision_act) == (2, 2, act)
+        assert_close(features(model, x["__images__"], x["__tokens__"], False)[1], x[f"__text_{act}__"])
+        folder = tmp_path / act
+        write_state_dict(sd, folder / "open_clip_pytorch_model.safetensors")
+        (folder / "open_clip_config.json").write_text(json.dumps(config))
+        model = load_open_clip(folder / "open_clip_pytorch_model.safetensors").eval()
+        img, txt = features(model, x["__images__"], x["__tokens__"], False)
+        assert_close(img, x[f"__image_{act}__"])
+        assert_close(txt, x[f"__text_{act}__"])
+        assert announcements(caplog) == []
+    # a bare file: OpenCLIP's defaults, said in one line with the arguments that change them
+    caplog.clear()
+    bare = load_open_clip(write_state_dict(sd, tmp_path / "bare.safetensors"))
+    (line,) = announcements(caplog)
+    assert "\n" not in line and "image heads 1 (width 32 / head width 64)" in line and "GELU" in line
+    assert "config=NAME or an open_clip_config.json" in line and bare.spec.vision.heads == 1
+    caplog.clear()
+    from_open_clip(sd, **HEADS)
+    (line,) = announcements(caplog)
+    assert "image heads 2 (given)" in line and "the class token's image feature" in line
+
+
+def test_a_configuration_that_does_not_fit_the_weights_is_refused(tmp_path):
+    import json
+
+    from vitscale.interop.open_clip import load_open_clip
+    sd, _ = fixture()
+    other = json.loads(json.dumps(TINY_CONFIG))
+    other["model_cfg"]["vision_cfg"]["patch_size"] = 16
+    quick = {"model_cfg": {**TINY_CONFIG["model_cfg"], "quick_gelu": True}}
+    cases = [
+        (lambda: from_open_clip(sd, other), "does not describe these weights: patch size 16 (the weights: 8)"),
+        (lambda: from_open_clip(sd, "ViT-B-32"), "the ViT-B-32 configuration does not describe these weights"),
+        (lambda: from_open_clip(sd, "ViT-B-31"), "no model configuration 'ViT-B-31' in OpenCLIP 3.3.0"),
+        (lambda: from_open_clip(sd, TINY_CONFIG, vision_heads=4), "vision_heads=4 disagrees with"),
+        (lambda: from_open_clip(sd, quick, quick_gelu=False), "quick_gelu=gelu disagrees with"),
+        (lambda: from_open_clip(sd, str(tmp_path / "missing.json")), "not a readable open_clip_config.json"),
+    ]
+    for fn, want in cases:
+        msg = one_line(fn)
+        assert want in msg, msg
+    (tmp_path / "open_clip_config.json").write_text("{not json")
+    path = write_state_dict(sd, tmp_path / "w.safetensors")
+    assert "open_clip_config.json: not a readable open_clip_config.json" in one_line(lambda: load_open_clip(path))
+
+
+def test_wide_towers_take_their_head_count_from_the_configuration(caplog):
+    """ViT-H-14, ViT-g-14, ViT-bigG-14 and ViT-e-14 have head widths 80, 88, 104 and 112: width // 64
+    would split them wrongly, so without a configuration they are refused; named, they are exact."""
+    from vitscale.interop.open_clip import open_clip_spec
+    from vitscale.interop.open_clip_configs import CONFIGS
+    for name, heads in (("ViT-H-14", 16), ("ViT-g-14", 16), ("ViT-bigG-14", 16), ("ViT-e-14", 16)):
+        mc = CONFIGS[name]
+        sd = layout(mc)
+        caplog.clear()
+        spec = open_clip_spec(sd, name)
+        v, t = spec.vision, spec.text
+        assert (v.heads, t.heads) == (heads, mc["text_cfg"]["heads"]) and announcements(caplog) == []
+        assert int(v.dim * v.mlp_ratio) == int(mc["vision_cfg"]["width"] * mc["vision_cfg"].get("mlp_ratio", 4.0))
+        msg = one_line(lambda: open_clip_spec(sd))
+        assert f"have {heads} heads (head width {v.dim // heads}), not width // 64 = {v.dim // 64}" in msg, msg
+        assert open_clip_spec(sd, vision_heads=heads).vision.heads == heads  # given: taken (and announced)
+
+
+def test_configurations_vitscale_does_not_compute_are_refused_with_their_cause():
+    """OpenCLIP's own configurations by name: the configuration key that shows the variant."""
+    from vitscale.interop.open_clip import open_clip_spec
+    sd = layout({"embed_dim": 512, **{k: v for k, v in TINY_CONFIG["model_cfg"].items() if k != "embed_dim"}})
+    for name, want in (("convnext_base", "a timm image tower (vision_cfg.timm_model_name='convnext_base')"),
+                       ("ViT-SO400M-14-SigLIP", "a timm image tower"), ("EVA02-B-16", "a timm image tower"),
+                       ("RN50", "a ResNet image tower (vision_cfg.layers=[3, 4, 6, 3])"),
+                       ("roberta-ViT-B-32", "a Hugging Face text tower (text_cfg.hf_model_name='roberta-base')"),
+                       ("coca_ViT-B-32", "CoCa's text decoder (multimodal_cfg)")):
+        msg = one_line(lambda: open_clip_spec(sd, name))
+        assert f"OpenCLIP: the {name} configuration: {want}" in msg and "is not implemented by vitscale's CLIP" in msg, msg
+
+
+def test_clip_model_init_config_check_names_the_real_cause(tmp_path):
+    """`vitscale train` with model.init of an OpenCLIP file vitscale cannot start from: one line, the cause."""
+    import json
+
+    from vitscale.config import load_config
+    from vitscale.errors import ConfigError
+    text = {k: v for k, v in fixture()[0].items() if not k.startswith("visual.")}
+    convnext = {**text, "visual.trunk.stem.0.weight": torch.zeros(8, 3, 4, 4), "visual.head.proj.weight": torch.zeros(4, 8)}
+    cases = [(write_state_dict(convnext, tmp_path / "convnext.safetensors"), "", "a timm image tower (visual.trunk.")]
+    siglip = tmp_path / "siglip"
+    write_state_dict(convnext, siglip / "open_clip_model.safetensors")
+    from vitscale.interop.open_clip_configs import CONFIGS
+    (siglip / "open_clip_config.json").write_text(json.dumps({"model_cfg": CONFIGS["ViT-B-16-SigLIP"]}))
+    cases.append((siglip / "open_clip_model.safetensors", "", "timm image tower (vision_cfg.timm_model_name="))
+    sd, _ = fixture()
+    clipa = tmp_path / "clipa"
+    write_state_dict(sd, clipa / "open_clip_model.safetensors")
+    cfg = json.loads(json.dumps(TINY_CONFIG))
+    cfg["model_cfg"]["text_cfg"]["hf_tokenizer_name"] = "bert-base-uncased"
+    (clipa / "open_clip_config.json").write_text(json.dumps(cfg))
+    cases.append((clipa / "open_clip_model.safetensors", "", "another tokenizer (text_cfg.hf_tokenizer_name="))
+    cases.append((write_state_dict(sd, tmp_path / "oc.safetensors"), "ViT-L-99", "no model configuration 'ViT-L-99'"))
+    for path, name, want in cases:
+        with pytest.raises(ConfigError) as e:
+            load_config("configs/tests/clip_tiny.toml", [f"model.init={path}", f"model.init_open_clip={name}"])
+        assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="model.init_open_clip describes CLIP weights"):
+        load_config("configs/tests/tiny.toml", ["model.init_open_clip=ViT-B-32"])
+
+
+def test_export_writes_open_clip_config_beside_the_weights(tmp_path, caplog):
+    import json
+
+    from vitscale.interop.open_clip import (load_call, load_open_clip, open_clip_config, run_preprocess,
+                                            save_open_clip)
+    sd, x = fixture()
+    model = from_open_clip(sd, TINY_CONFIG).eval()
+    cfg = open_clip_config(model.spec)["model_cfg"]
+    assert cfg == {"embed_dim": 16, "quick_gelu": False,
+                   "vision_cfg": {**TINY["vision_cfg"], "mlp_ratio": 4.0},
+                   "text_cfg": {**TINY["text_cfg"], "mlp_ratio": 4.0}}
+    pre = {"size": 32, "mean": [0.5] * 3, "std": [0.25] * 3}
+    path = save_open_clip(model, tmp_path / "out", pre)
+    assert path == tmp_path / "out" / "open_clip_model.safetensors"
+    saved = json.loads((tmp_path / "out" / "open_clip_config.json").read_text())
+    assert saved == {"model_cfg": cfg, "preprocess_cfg": pre}
+    caplog.clear()
+    again = load_open_clip(path).eval()  # the configuration beside it: no default taken
+    assert announcements(caplog) == []
+    for a, b in zip(features(again, x["__images__"], x["__tokens__"], False),
+                    features(model, x["__images__"], x["__tokens__"], False)):
+        assert torch.equal(a, b)
+    assert f'create_model_and_transforms("local-dir:{path.parent}")' in load_call(path)
+    assert save_open_clip(model, tmp_path / "out", pre) == path  # the same model again: fine
+    other = from_open_clip(sd, {"model_cfg": {**TINY_CONFIG["model_cfg"], "quick_gelu": True}})
+    assert "already describes another model" in one_line(lambda: save_open_clip(other, tmp_path / "out", pre))
+    # a file in a folder whose other weights open_clip's local-dir: loader would take first
+    write_state_dict({"a": torch.zeros(1)}, tmp_path / "mixed" / "model.safetensors")
+    path = save_open_clip(model, tmp_path / "mixed" / "clip.safetensors", pre)
+    assert "would read model.safetensors" in load_call(path) and "\n" not in load_call(path)
+    assert "give a folder or a .safetensors file" in one_line(lambda: save_open_clip(model, tmp_path / "m.bin"))
+    # the preprocessing a run's data had
+    from vitscale.config import load_config
+    for name, mode, interp in (("openclipart", "longest", "bicubic"), ("csv", "shortest", "bilinear")):
+        c = load_config("configs/tests/clip_tiny.toml", [f"data.name={name}", "data.channels=3"])
+        p = run_preprocess(c, 64)
+        assert (p["size"], p["resize_mode"], p["interpolation"]) == (64, mode, interp)
+        assert p["mean"] == [0.48145466, 0.4578275, 0.40821073]
+
+
 # -- against open_clip itself (where it imports) ------------------------------------------------------
 @needs_open_clip
 def test_shipped_fixture_is_what_open_clip_computes():
@@ -370,3 +561,60 @@ def test_open_clip_loads_an_exported_file_as_pretrained(tmp_path):
     a, b = features(fresh, images, tokens, True)
     p, q = features(theirs, images, tokens, True)
     assert torch.equal(a, p) and torch.equal(b, q)
+
+
+@needs_open_clip
+def test_an_exported_run_loads_in_open_clip_as_the_trained_function(tmp_path, capsys):
+    """`vitscale export RUN --format open_clip` of a run started from OpenCLIP weights (RGB, 16 px,
+    12-token captions): the printed call, run as printed, gives open_clip's model with the trained
+    image size and context length and the run's normalization, computing the run's features."""
+    import json
+
+    from vitscale.cli import main
+    from vitscale.data.tokenizer import tokenize
+    from vitscale.evaluate import _load, _rebuild, _weights
+    from vitscale.tasks import build_task
+    sd, _ = fixture()
+    vocab = torch.randn(49408, 32) * 0.02
+    vocab[:64] = sd["token_embedding.weight"].float()
+    weights = write_state_dict({**sd, "token_embedding.weight": vocab}, tmp_path / "hub" / "open_clip_model.safetensors")
+    config = {"model_cfg": {"embed_dim": 16, "vision_cfg": TINY["vision_cfg"],
+                            "text_cfg": {**TINY["text_cfg"], "vocab_size": 49408}}}
+    (tmp_path / "hub" / "open_clip_config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    args = ["--set", f"model.init={weights}", "--set", "data.channels=3", "--set", "data.image_size=16",
+            "--set", "model.context_length=12", "--set", "run.threads=1", "--set", "train.epochs=1"]
+    assert main(["train", "configs/tests/clip_tiny.toml", "--out", str(out), *args]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["export", str(out), "--format", "open_clip"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[0] == f"wrote {out / 'open_clip' / 'open_clip_model.safetensors'}"
+    assert printed[1] == f"wrote {out / 'open_clip' / 'open_clip_config.json'}"
+    prefix = "load it in OpenCLIP: "
+    assert printed[2].startswith(prefix), printed[2]
+    scope = {"open_clip": open_clip}
+    exec(printed[2][len(prefix):], scope)  # the call, literally
+    model, preprocess, tokenizer = scope["model"].eval(), scope["preprocess"], scope["tokenizer"]
+    state, cfg, _ = _load(out)
+    ours = _rebuild(build_task(cfg, "clip"), state, {k: v.float() for k, v in _weights(state, True).items()}).eval()
+    captions = ["a photo of class 1.", "hello world", ""]
+    tokens = tokenizer(captions)
+    assert tokens.shape == (3, 12) and torch.equal(tokens, tokenize(captions, 12))
+    images = torch.randn(3, 3, 16, 16)
+    (a, b), (p, q) = features(model, images, tokens, True), features(ours, images, tokens, False)
+    assert_close(a, p)
+    assert_close(b, q)
+    # the preprocessing: the trained size and the run's mean/std (the synthetic data's own)
+    from PIL import Image
+    from vitscale.data.synthetic import make
+    data = make(cfg.data, cfg.run.seed)
+    norm = [t for t in preprocess.transforms if type(t).__name__ == "Normalize"][0]
+    assert list(norm.mean) == list(data.mean) and list(norm.std) == list(data.std)
+    assert preprocess(Image.new("RGB", (40, 30))).shape == (3, 16, 16)
+    # a file next to other weights: the printed text says what local-dir: would read instead
+    assert main(["export", str(out), "--format", "open_clip", "--out", str(tmp_path / "hub" / "ft.safetensors")]) == 2
+    assert "already describes another model" in capsys.readouterr().err
+    (tmp_path / "flat").mkdir()
+    write_state_dict({"x": torch.zeros(1)}, tmp_path / "flat" / "model.safetensors")
+    assert main(["export", str(out), "--format", "open_clip", "--out", str(tmp_path / "flat" / "ft.safetensors")]) == 0
+    assert "loader would read model.safetensors" in capsys.readouterr().out

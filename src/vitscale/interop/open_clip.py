@@ -144,7 +144,7 @@ def read_config(config, weights=None) -> tuple[dict | None, dict, str]:
     if name not in CONFIGS:
         raise UserError(f"OpenCLIP: no model configuration '{config}' in OpenCLIP {OPEN_CLIP_VERSION}"
                         f"{did_you_mean(name, CONFIGS)} (or give a path to an open_clip_config.json)")
-    return CONFIGS[name], {}, f"OpenCLIP's {name}"
+    return CONFIGS[name], {}, f"the {name} configuration"
 
 
 def _refuse_config(mc: dict, where: str) -> None:
@@ -153,7 +153,8 @@ def _refuse_config(mc: dict, where: str) -> None:
     v, t = mc.get("vision_cfg") or {}, mc.get("text_cfg") or {}
 
     def no(what: str, key: str, value) -> None:
-        raise UserError(f"OpenCLIP: {where}: {what} ({key}={value!r}) is not implemented by vitscale's CLIP")
+        shown = key if isinstance(value, dict) and len(repr(value)) > 40 else f"{key}={value!r}"
+        raise UserError(f"OpenCLIP: {where}: {what} ({shown}) is not implemented by vitscale's CLIP")
     if v.get("timm_model_name"):
         no("a timm image tower", "vision_cfg.timm_model_name", v["timm_model_name"])
     if isinstance(v.get("layers"), (list, tuple)):
@@ -243,6 +244,7 @@ def _wide_head_refusal(what: str, width: int, heads_key: str) -> None:
             odd.setdefault(heads, []).append(name)
     if odd:
         heads, names = next(iter(odd.items()))
+        names.sort(key=lambda n: (not n.startswith("ViT-"), len(n), n))  # the plain configurations first
         raise UserError(f"OpenCLIP: the weights' {what} tower is {width} wide; OpenCLIP's configurations of that "
                         f"width ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) have {heads} heads "
                         f"(head width {width // heads}), not width // 64 = {width // 64}: the head count is not in "
