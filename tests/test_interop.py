@@ -459,6 +459,11 @@ def test_an_architecture_name_says_what_the_weights_leave_open(tmp_path, caplog)
     path = weights_file(tmp_path)
     assert weights_normalization(path, "vit_base_patch16_clip_224.openai") == "clip"
     assert weights_normalization(path, "deit_small_patch16_224") == "imagenet"
+    # an old name timm still accepts: its new name and tag (AugReg's in21k weights: mean 0.5, announced)
+    from vitscale.interop.timm_vit import split_arch
+    assert split_arch("vit_base_patch16_224_in21k") == ("vit_base_patch16_224", "augreg_in21k")
+    assert timm_vit_spec(sd, arch="vit_base_patch16_gap_224") == timm_vit_spec(sd, config={
+        "architecture": "vit_base_patch16_gap_224", "pretrained_cfg": {}})
     caplog.clear()
     with caplog.at_level("WARNING", logger="vitscale.interop"):
         assert weights_normalization(path, "vit_base_patch16_224.augreg2_in21k_ft_in1k") == "imagenet"

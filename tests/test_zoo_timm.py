@@ -183,9 +183,9 @@ def test_the_architecture_table_is_timms():
     spec = importlib.util.spec_from_file_location("timm_vit_table", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    version, archs, cfgs = script.build_table()
-    assert archs == timm_archs.ARCHS and cfgs == timm_archs.PRETRAINED
-    assert Path(timm_archs.__file__).read_text() == script.render(version, archs, cfgs)
+    version, archs, cfgs, deprecated = script.build_table()
+    assert archs == timm_archs.ARCHS and cfgs == timm_archs.PRETRAINED and deprecated == timm_archs.DEPRECATED
+    assert Path(timm_archs.__file__).read_text() == script.render(version, archs, cfgs, deprecated)
 
 
 @pytest.mark.parametrize("name", ["vit_base_patch16_clip_224", "vit_base_patch32_clip_quickgelu_224",

@@ -114,8 +114,13 @@ def weights_in_folder(folder: str | Path) -> Path:
 
 
 def split_arch(name: str) -> tuple[str, str]:
-    """"vit_base_patch16_224.augreg_in21k" -> ("vit_base_patch16_224", "augreg_in21k")."""
+    """"vit_base_patch16_224.augreg_in21k" -> ("vit_base_patch16_224", "augreg_in21k"); an old name
+    timm still accepts is its new name and tag ("vit_base_patch16_224_in21k" -> the same pair)."""
+    from .timm_archs import DEPRECATED
     base, _, tag = name.partition(".")
+    if base in DEPRECATED:
+        new_base, _, new_tag = DEPRECATED[base].partition(".")
+        return new_base, tag or new_tag
     return base, tag
 
 
