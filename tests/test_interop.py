@@ -507,3 +507,28 @@ def test_vitspec_options_and_old_specs():
            if k not in ("class_token", "reg_tokens", "layer_scale", "qkv_bias", "pre_norm", "final_norm",
                         "norm_eps", "act")}
     assert ViTSpec(**old) == ViTSpec(head="pool", fc_norm=True) and not ViTSpec(**old).has_class_token
+
+
+def test_register_tokens_keep_their_position_rows_at_another_geometry(tmp_path):
+    """A class token and register tokens whose position rows come first (timm's reg_tokens without
+    no_embed_class): resampled like timm's resample_abs_pos_embed(num_prefix_tokens=3)."""
+    import json
+
+    from vitscale.interop.finetune import init_weights
+    from vitscale.models.vit import VisionTransformer, ViTSpec
+    torch.manual_seed(0)
+    src = VisionTransformer(ViTSpec(image_size=32, patch_size=8, dim=32, depth=1, heads=4, num_classes=5,
+                                    reg_tokens=2, layer_scale=1e-5))
+    folder = tmp_path / "reg"
+    folder.mkdir()
+    write_state_dict(to_timm(src), folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({"architecture": "vit_small_patch16_224", "model_args": dict(
+        img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=4, reg_tokens=2, init_values=1e-5)}))
+    spec, state = init_weights(str(folder), image_size=48, in_chans=3, num_classes=5)
+    assert (spec.reg_tokens, spec.heads, spec.num_tokens) == (2, 4, 3 + 36) and spec.layer_scale == 1e-5
+    assert state["pos_embed"].shape == (1, 39, 32)
+    assert torch.equal(state["pos_embed"][:, :3], src.pos_embed.detach()[:, :3])
+    if HAVE_TIMM:
+        from timm.layers import resample_abs_pos_embed
+        torch.testing.assert_close(state["pos_embed"], resample_abs_pos_embed(src.pos_embed.detach(), [6, 6],
+                                                                              num_prefix_tokens=3))
