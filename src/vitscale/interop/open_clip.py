@@ -142,8 +142,9 @@ def read_config(config, weights=None) -> tuple[dict | None, dict, str]:
     from .open_clip_configs import CONFIGS, OPEN_CLIP_VERSION
     name = str(config).replace("/", "-")
     if name not in CONFIGS:
-        raise UserError(f"OpenCLIP: no model configuration '{config}' in OpenCLIP {OPEN_CLIP_VERSION}"
-                        f"{did_you_mean(name, CONFIGS)} (or give a path to an open_clip_config.json)")
+        hint = (" (vitscale reads no hub: give the open_clip_config.json of the downloaded folder)" if ":" in name
+                else f"{did_you_mean(name, CONFIGS)} (or give a path to an open_clip_config.json)")
+        raise UserError(f"OpenCLIP: no model configuration '{config}' in OpenCLIP {OPEN_CLIP_VERSION}{hint}")
     return CONFIGS[name], {}, f"the {name} configuration"
 
 
@@ -606,7 +607,7 @@ def run_preprocess(cfg, image_size: int) -> dict:
         mean, std = NORMALIZATIONS["clip"]  # the image-text loaders' (data.pair_files, data.openclipart)
     elif d.name == "synthetic":
         from ..data.synthetic import make
-        s = make(replace(d, train_size=min(d.train_size, 1024), test_size=1), cfg.run.seed)
+        s = make(replace(d, test_size=1), cfg.run.seed)  # (the training split's statistics)
         mean, std = normalization(d.normalize, s.mean, s.std)
     elif d.name == "fashion_mnist":
         from ..data.fashion_mnist import MEAN, STD
@@ -631,17 +632,6 @@ def run_preprocess(cfg, image_size: int) -> dict:
 INIT_KEYS = {"config": "model.init_open_clip=NAME or CONFIG.json", "vision_heads": "model.heads=",
              "text_heads": "model.text_heads=", "quick_gelu": "model.init_act="}
 INIT_HINT = "model.init_open_clip=NAME or CONFIG.json, or model.heads / model.text_heads / model.init_act"
-
-
-def looks_like_open_clip(path) -> bool:
-    """Whether a weights file has OpenCLIP's ViT CLIP keys (read from a safetensors header alone;
-    other formats are loaded). An absent or unreadable file answers True: reading it reports that."""
-    try:
-        keys = set(_header(path))
-    except Exception:
-        return True
-    keys = {k[len("text."):] if k.startswith("text.") else k for k in keys}
-    return "visual.conv1.weight" in keys and "token_embedding.weight" in keys
 
 
 def _refuse_tokenizer(mc: dict, where: str) -> None:
