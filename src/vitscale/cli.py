@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("export", help="export a checkpoint's model weights to safetensors")
     x.add_argument("checkpoint")
-    x.add_argument("--out", help="output file (default: RUN/model.safetensors)")
+    x.add_argument("--out", help="output file (default: RUN/model.safetensors); --format timm: a file, with "
+                   "config.json beside it, or a folder (default: RUN/timm)")
     x.add_argument("--no-ema", action="store_true", help="export the raw weights even when EMA is on")
     x.add_argument("--format", choices=("vitscale", "timm", "open_clip"), default="vitscale",
                    help="key layout: vitscale's (default), timm's VisionTransformer (a hub folder: "
