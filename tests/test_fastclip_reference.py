@@ -1,7 +1,8 @@
-"""FastCLIP parity with the authors' code: every case of ../shared/reference/fastclip_reference_cases.json
-(numbers produced by Optimization-AI/fast_clip's own loss and scheduler code; its README gives the
-conventions and the tolerances used here) is reproduced by vitscale's FastClipLoss in float32:
-one step from each step's `state_before`, and three steps chained from `initial_state`."""
+"""FastCLIP parity with the authors' code: every case of tests/fixtures/fastclip_reference_cases.json
+(a copy of ../shared/reference/'s; numbers produced by Optimization-AI/fast_clip's own loss and
+scheduler code; tests/fixtures/fastclip_reference_README.md gives the conventions and the
+tolerances used here) is reproduced by vitscale's FastClipLoss in float32: one step from each
+step's `state_before`, and three steps chained from `initial_state`."""
 import json
 import math
 from pathlib import Path
@@ -12,9 +13,11 @@ import torch
 from vitscale.losses import FastClipLoss
 from vitscale.optim import lr_factor
 
-REF = Path(__file__).resolve().parents[2] / "shared" / "reference" / "fastclip_reference_cases.json"
-pytestmark = pytest.mark.skipif(not REF.exists(), reason=f"reference fixtures not found at {REF}")
-CASES = json.loads(REF.read_text())["cases"] if REF.exists() else []
+# a copy of ../shared/reference/fastclip_reference_cases.json (and its README), so that the parity
+# test runs on any clone; test_fixture_copy_matches_shared keeps the copy current where shared/ is
+REF = Path(__file__).resolve().parent / "fixtures" / "fastclip_reference_cases.json"
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "reference" / "fastclip_reference_cases.json"
+CASES = json.loads(REF.read_text())["cases"]
 SCHEDULES = {"cosine": "model", "step_thresh": "threshold"}
 
 
@@ -161,3 +164,8 @@ def test_the_gamma_schedules_are_the_reference():
     for name, s in sched.items():
         for e, v in zip(s["epochs"], s["values"]):
             assert abs(gamma_at(e, s["gamma_schedule"], s["gamma"], s["gamma_decay_epochs"]) - v) <= 1e-12, (name, e)
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason=f"no shared reference folder at {SHARED} (the fixture copy is used)")
+def test_fixture_copy_matches_shared():
+    assert REF.read_bytes() == SHARED.read_bytes(), "tests/fixtures/fastclip_reference_cases.json is stale: copy it again"
