@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = handler(args)
     except UserError as e:
-        print(f"vitscale: error: {where}{e}", file=sys.stderr)
+        print(f"vitscale: error: {where}{one_line(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # unreadable/unwritable paths, full disk: one line, nothing half-written
         print(f"vitscale: error: {where}{e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
@@ -249,6 +249,17 @@ def main(argv: list[str] | None = None) -> int:
         # called without an active exception") after all work is written
         _exit_now(rc)
     return rc
+
+
+def one_line(e: UserError) -> str:
+    """The error's own message. One re-raised from a DataLoader worker carries torch's "Caught X in
+    DataLoader worker process N. Original Traceback ..." wrapper: its last line is the message."""
+    text = str(e)
+    if "Original Traceback" not in text:
+        return text
+    last = [x for x in text.strip().splitlines() if x.strip()][-1]
+    prefix = f"{type(e).__module__}.{type(e).__qualname__}: "
+    return (last[len(prefix):] if last.startswith(prefix) else last.split(": ", 1)[-1]) + " (in a data-loading worker)"
 
 
 def _exit_now(rc: int) -> None:

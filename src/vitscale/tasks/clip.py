@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import IMAGE_TEXT, build_image_text
-from ..data.tokenizer import tokenize
+from ..data.tokenizer import get_tokenizer, tokenize
 from ..errors import ConfigError, DataError
 from ..losses import build_clip_loss, resolve_clip
 from ..models import CLIP, ClipSpec, TextSpec, ViTSpec, clip_forward_flops, count_params, resolve_clip_spec
@@ -72,6 +72,7 @@ class ClipTask(Task):
         if cfg.data.name not in IMAGE_TEXT and not cfg.data.captions:
             raise ConfigError(f"config: a CLIP model needs image-text pairs: data.name=openclipart|csv|"
                               f"webdataset, or data.captions=true to caption {cfg.data.name}'s labels")
+        get_tokenizer()  # the vocabulary, read here: a missing file is one line before anything starts
         return build_image_text(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank,
                                 world_size=s.world_size, context_length=cfg.model.context_length)
 
