@@ -7,7 +7,7 @@ Sources (data.root, data.test_root): a folder of .tar / .tar.gz / .tgz shards, a
 s3:// (read through `aws s3 cp URL -`) or gs:// URLs, or a folder written by
 `vitscale data prepare` (its manifest.json names the splits and their sample counts).
 
-Per epoch e (plan.py's `StreamPlan`):
+Per epoch e (`StreamPlan` below):
 - the training shards are permuted by (seed, e); rank r takes every world_size-th of them and
   its streams (one per decoding worker, V = max(1, data.num_workers)) every V-th of those;
 - each stream reads its shards in order through webdataset's shuffle buffer (data.shuffle_buffer

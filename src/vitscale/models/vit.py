@@ -26,7 +26,7 @@ class ViTSpec:
     stem: str = "patch"        # "patch" (one stride-p conv, as in ViT) | "conv" (3x3 conv stages)
     drop_path: float = 0.0
     dropout: float = 0.0
-    # timm's variants, so that imported weights compute the same function (interop/timm.py):
+    # timm's variants, so that imported weights compute the same function (interop/timm_vit.py):
     fc_norm: bool = False          # pool head: mean of the un-normed tokens, then LayerNorm (timm's
                                    # global_pool="avg"); False: LayerNorm of every token, then mean
     no_embed_class: bool = False   # position embeddings for the patches only, added before the class
