@@ -78,6 +78,19 @@ def torchrun(out, extra, nproc=2, timeout=240, resume=None, config=TINY, base=BA
     return p
 
 
+def poison_loss(monkeypatch, call: int, factor: float) -> None:
+    """The classification loss of the `call`-th forward multiplied by `factor` (nan, inf)."""
+    from vitscale.tasks import ClassificationTask
+    calls = {"n": 0}
+    real = ClassificationTask.loss
+
+    def poisoned(self, logits, y):
+        calls["n"] += 1
+        loss = real(self, logits, y)
+        return loss * factor if calls["n"] == call else loss
+    monkeypatch.setattr(ClassificationTask, "loss", poisoned)
+
+
 def sets(items):
     return [a for item in items for a in ("--set", item)]
 

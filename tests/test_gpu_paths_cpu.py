@@ -213,15 +213,8 @@ def test_a_nan_loss_between_log_steps_is_found_before_the_next_checkpoint(tmp_pa
     its own step, before the checkpoint of step 4 is written."""
     from vitscale import checkpoint as ckpt
     from vitscale.cli import main
-    from vitscale.tasks import ClassificationTask
-    calls = {"n": 0}
-    real = ClassificationTask.loss
-
-    def poisoned(self, logits, y):
-        calls["n"] += 1
-        loss = real(self, logits, y)
-        return loss * float("inf") if calls["n"] == 3 else loss
-    monkeypatch.setattr(ClassificationTask, "loss", poisoned)
+    from helpers import poison_loss
+    poison_loss(monkeypatch, 3, float("inf"))
     out = tmp_path / "inf"
     rc = main(["train", "configs/tests/tiny.toml", "--out", str(out), "--set", "run.checkpoint_every=2",
                "--set", "run.log_every=1000"])

@@ -8,9 +8,8 @@ from safetensors.torch import load_file
 
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
-from vitscale.tasks import ClassificationTask
 
-from helpers import interrupted_copy
+from helpers import interrupted_copy, poison_loss
 
 TINY = "configs/tests/tiny.toml"
 
@@ -84,15 +83,7 @@ def test_resumed_run_ends_with_the_same_weights(tmp_path, capsys, extra):
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys, monkeypatch):
-    calls = {"n": 0}
-    real = ClassificationTask.loss
-
-    def poisoned(self, logits, y):
-        calls["n"] += 1
-        loss = real(self, logits, y)
-        return loss * float("nan") if calls["n"] == 6 else loss
-
-    monkeypatch.setattr(ClassificationTask, "loss", poisoned)
+    poison_loss(monkeypatch, 6, float("nan"))
     out = tmp_path / "nan"
     rc, _, err = run(capsys, "train", TINY, "--out", str(out), "--set", "run.checkpoint_every=2")
     assert rc == 2

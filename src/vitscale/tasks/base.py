@@ -14,7 +14,25 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..errors import DataError
 from ..models import count_params
+
+
+@torch.no_grad()
+def padding_forwards(loader, first: tuple | None, n: int, forward) -> None:
+    """`n` calls of `forward(batch)` on a one-sample batch of this rank's shard (`first`: a batch
+    already read, else the shard's first), outputs dropped: a rank whose evaluation shard ended keeps
+    the collective forwards of the others (FSDP2, ZeRO-3) company, never with an empty batch (flash
+    attention on older torch refuses a batch of 0)."""
+    if n <= 0:
+        return
+    first = first if first is not None else next(iter(loader.iterate()), None)
+    if first is None:
+        raise DataError("the test set is too small to give every process a batch (use fewer processes "
+                        "or a larger test split)")
+    one = tuple(t[:1] for t in first)
+    for _ in range(n):
+        forward(one)
 
 
 class Task:

@@ -11,7 +11,7 @@ from ..data import NATIVE_GEOMETRY, PAIRS_ONLY, build_data
 from ..errors import ConfigError, UserError
 from ..models import VisionTransformer, ViTSpec, resolve_spec, vit_forward_flops
 from ..optim import block_index
-from .base import Task
+from .base import Task, padding_forwards
 
 
 def freeze(model: nn.Module, what: str, blocks: int = 0) -> None:
@@ -182,35 +182,19 @@ class ClassificationTask(Task):
         (never an empty batch: flash attention on older torch refuses a batch of 0)."""
         was_training = model.training
         model.eval()
-        sums = None
-        n = 0
-        for n, (x, y) in enumerate(loader.iterate(), 1):
-            x = prepare(x)
+
+        def logits_of(x):
             with autocast():
                 logits = model(x).float()
-                if self.hflip_tta:
-                    logits = logits + model(x.flip(-1)).float()
-            part = torch.stack([(logits.argmax(-1) == y).sum().double(), torch.tensor(float(y.numel()), dtype=torch.float64, device=y.device),
+                return logits + model(x.flip(-1)).float() if self.hflip_tta else logits
+        sums, count, n = None, 0, 0
+        for n, (x, y) in enumerate(loader.iterate(), 1):
+            logits = logits_of(prepare(x))
+            part = torch.stack([(logits.argmax(-1) == y).sum().double(),
                                 F.cross_entropy(logits if not self.hflip_tta else logits / 2, y, reduction="sum").double()])
             sums = part if sums is None else sums + part
-        if n < batches:
-            padding_forwards(model, loader, autocast, prepare, batches - n, self.hflip_tta + 1)
+            count += y.numel()
+        padding_forwards(loader, None, batches - n, lambda b: logits_of(prepare(b[0])))
         model.train(was_training)
-        correct, count, loss_sum = sums.tolist() if sums is not None else (0, 0, 0.0)
-        return {"correct": int(correct), "count": int(count), "loss_sum": loss_sum}
-
-
-@torch.no_grad()
-def padding_forwards(model, loader, autocast, prepare, n: int, per_batch: int = 1) -> None:
-    """`n` x `per_batch` forwards of one real sample, outputs dropped: a rank whose evaluation shard
-    ended keeps the collective forwards of the others (FSDP2, ZeRO-3) company."""
-    if n <= 0:
-        return
-    first = next(iter(loader.iterate()), None)
-    if first is None:
-        raise UserError("the test set is too small to give every process a batch (use fewer processes "
-                        "or a larger test split)")
-    x = prepare(first[0][:1])
-    for _ in range(n * per_batch):
-        with autocast():
-            model(x)
+        correct, loss_sum = sums.tolist() if sums is not None else (0, 0.0)
+        return {"correct": int(correct), "count": count, "loss_sum": loss_sum}

@@ -21,7 +21,7 @@ from ..errors import ConfigError, DataError
 from ..losses import build_clip_loss, resolve_clip
 from ..models import CLIP, ClipSpec, TextSpec, ViTSpec, clip_forward_flops, count_params, resolve_clip_spec
 from ..optim import schedule
-from .base import Task
+from .base import Task, padding_forwards
 
 RECALL_K = (1, 5, 10)
 
@@ -217,24 +217,18 @@ class ClipTask(Task):
         `batches`: run at least this many forwards (sharded engines need every rank in every
         forward): past the end of the shard, forwards of one sample whose outputs are dropped
         (never an empty batch: flash attention on older torch refuses a batch of 0)."""
-        img, txt, second, first = [], [], [], None
-        n = 0
+        def encode(b):
+            with autocast():
+                return model(prepare(b[0]), b[1] if pairs else None)
+        img, txt, second, first, n = [], [], [], None, 0
         for n, b in enumerate(loader.iterate(), 1):
             first = first or b
-            with autocast():
-                i, t, _ = model(prepare(b[0]), b[1] if pairs else None)
+            i, t, _ = encode(b)
             img.append(i.float().cpu())
             if pairs:
                 txt.append(t.float().cpu())
             second.append(b[1].cpu())
-        if n < batches:
-            first = first or next(iter(loader.iterate()), None)
-            if first is None:
-                raise DataError("the held-out set is too small to give every process a batch "
-                                "(use fewer processes or a larger test split)")
-            for _ in range(batches - n):
-                with autocast():
-                    model(prepare(first[0][:1]), first[1][:1] if pairs else None)
+        padding_forwards(loader, first, batches - n, encode)
         cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
         return cat(img), cat(txt), cat(second)
 
