@@ -135,24 +135,18 @@ def gpu(allow_cpu: bool) -> int:
         devices.apply_backend_flags(devices.backend_flags("cuda", True, True))
     except Exception as e:  # noqa: BLE001
         fails.append(f"apply_backend_flags raised {type(e).__name__}: {e}")
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    # the readers torch.compile calls (inductor's autotuning keys, its conv templates) and the new ones
-    readers = [("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision)]
-    if hasattr(matmul, "fp32_precision"):
-        readers.append(("torch.backends.cuda.matmul.fp32_precision", lambda: matmul.fp32_precision))
-    if hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
-        readers.append(("torch.backends.cudnn.conv.fp32_precision", lambda: cudnn.conv.fp32_precision))
-    readers += [("torch.backends.cuda.matmul.allow_tf32", lambda: matmul.allow_tf32),
-                ("torch.backends.cudnn.allow_tf32", lambda: cudnn.allow_tf32)]
+    # every reader torch.compile calls (inductor's autotuning keys, its conv templates) and the new
+    # ones: devices.backend_readers, each value or the RuntimeError it raised
     read = {}
-    for label, reader in readers:
-        try:
-            read[label] = reader()
-            out(f"  {label} = {read[label]!r}")
-        except Exception as e:  # noqa: BLE001
-            fails.append(f"{label} raised {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    for name, value in devices.backend_readers().items():
+        label = f"torch.{name}()" if name.startswith("get_") else f"torch.backends.{name}"
+        if isinstance(value, str) and value.startswith("RuntimeError: "):
+            fails.append(f"{label} raised {value.splitlines()[0][:174]}")
             out(f"  {fails[-1]}")
-    prec, new = read.get("torch.get_float32_matmul_precision()"), read.get("torch.backends.cuda.matmul.fp32_precision")
+        else:
+            read[name] = value
+            out(f"  {label} = {value!r}")
+    prec, new = read.get("get_float32_matmul_precision"), read.get("cuda.matmul.fp32_precision")
     if prec is not None and prec == "highest":
         fails.append("train.tf32=true applied but get_float32_matmul_precision() says 'highest' (IEEE)")
     if new is not None and new != "tf32":

@@ -357,7 +357,6 @@ class Trainer:
                 self.end_of_epoch()
         finally:
             self.bar.close()
-        self.check_finite()
         if self.last_eval is None or self.last_eval["step"] != self.step:
             self.log.log({"kind": "eval", **self.evaluate()}, prefix="eval")
         if self.last_ckpt is None or not self.last_ckpt.name.endswith(f"{self.step:08d}.pt"):
