@@ -45,7 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vitscale", description="Train Vision Transformers fast.",
                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run_commands(sub)
+    _add_data_commands(sub)
+    _add_lab_commands(sub)
+    return p
 
+
+def _add_run_commands(sub) -> None:
+    """train, eval, info, config and export: the commands on a recipe or a checkpoint."""
     t = sub.add_parser("train", help="train a model (no CONFIG = the default Fashion-MNIST recipe)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_recipe_arguments(t)
@@ -74,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                         "model.safetensors and config.json, with the timm.create_model call printed) or "
                         "OpenCLIP's CLIP (a model with OpenCLIP's layout: one started from an OpenCLIP file)")
 
+
+def _add_data_commands(sub) -> None:
+    """data download and data prepare."""
     d = sub.add_parser("data", help="dataset utilities")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     dl = dsub.add_parser("download", help="fetch an official archive and check its md5")
@@ -99,12 +109,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="CSV: fraction held out as the val split, by crc32 of the image path as written "
                          "(data.test_fraction's split); 0 = no val split (default: 0.1)")
 
-    # the performance lab: each module declares its own arguments (HELP, add_arguments, run)
+
+def _add_lab_commands(sub) -> None:
+    """The performance lab: each module of LAB declares its own arguments (HELP, add_arguments, run)."""
     for name in LAB:
         mod = importlib.import_module(f".lab.{name}", __package__)
         mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=mod.__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter))
-    return p
 
 
 LAB = ("bench", "sweep", "ladder", "tune", "predict")
@@ -115,7 +126,7 @@ def cmd_train(args) -> int:
     from .strategy.resume import check_resume
     from .config import load_config, saved_config
     from .loop import train
-    from .tasks import describe_result
+    from .tasks import check_config, describe_result
     resume = args.resume
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not resume and args.out and restarts and list_checkpoints(args.out):
@@ -127,12 +138,12 @@ def cmd_train(args) -> int:
         raise UserError("train: give either a CONFIG or --resume DIR (the run's own config is used)")
     if resume:
         state = load_checkpoint(resume)
-        cfg = saved_config(state["config"], args.overrides, source=str(resume))
+        cfg = check_config(saved_config(state["config"], args.overrides, source=str(resume)))
         check_resume(state, resolve_checkpoint(resume), cfg.strategy.name)  # before an engine starts
         run_dir = Path(args.out) if args.out else (Path(resume) if Path(resume).is_dir()
                                                    else Path(resume).parent.parent)
     else:
-        cfg = load_config(args.config, args.overrides)
+        cfg = check_config(load_config(args.config, args.overrides))
         run_dir = Path(args.out) if args.out else None
     summary = train(cfg, run_dir, resume=resume)
     if summary["rank"] != 0:
@@ -156,15 +167,16 @@ def cmd_eval(args) -> int:
 
 def cmd_info(args) -> int:
     from .config import load_config
-    from .tasks import model_info, task_class
-    info = model_info(load_config(args.config, args.overrides))
+    from .tasks import check_config, model_info, task_class
+    info = model_info(check_config(load_config(args.config, args.overrides)))
     print(json.dumps(info) if args.json else task_class(info["kind"]).info_line(info))
     return 0
 
 
 def cmd_config(args) -> int:
     from .config import load_config
-    print(load_config(args.config, args.overrides).to_toml(), end="")
+    from .tasks import check_config
+    print(check_config(load_config(args.config, args.overrides)).to_toml(), end="")
     return 0
 
 
