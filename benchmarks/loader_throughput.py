@@ -217,7 +217,7 @@ def step_table(root: Path, args) -> None:
     import torch
 
     from vitscale.config import load_config
-    from vitscale.data.folder import build as build_folder
+    from vitscale.data import build_data as build_folder
     from vitscale.lab.bench import measure
     rates = {}
     print("\n## --step: the folder loader (decoder=auto, CPU normalization included) vs a training step here\n")

@@ -19,7 +19,7 @@ import torch
 
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
-from vitscale.data import fetch as dl
+from vitscale.data.offline import fetch as dl
 from vitscale.evaluate import evaluate_checkpoint
 from vitscale.optim import lr_factor
 

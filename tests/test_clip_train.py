@@ -181,7 +181,8 @@ def test_two_ranks_get_full_batches_despite_a_corrupt_image(tmp_path, source):
     expected size"), rank 0 counts full global batches, the run finishes, and the bad sample is
     skipped and counted once per epoch by the rank whose share holds it."""
     from vitscale.data.sampler import EpochPlan
-    from vitscale.data.stream import ShardSet, StreamPlan
+    from vitscale.data.loaders.stream_plan import StreamPlan
+    from vitscale.data.sources.shard_sets import ShardSet
     n, batch, epochs = 40, 8, 2
     if source == "csv":
         plan = [EpochPlan(n, batch, seed=0, drop_last=True, rank=r, world_size=2) for r in (0, 1)]

@@ -11,7 +11,8 @@ from PIL import Image
 
 from vitscale.config import DataConfig
 from vitscale.data import build_data, jpeg
-from vitscale.data.folder import FolderDataset, decode
+from vitscale.data.jpeg import decode
+from vitscale.data.loaders.worker_datasets import FolderDataset
 from vitscale.errors import DataError
 
 simplejpeg = pytest.importorskip("simplejpeg")

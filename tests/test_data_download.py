@@ -9,8 +9,9 @@ import threading
 
 import pytest
 
-from vitscale.data import cifar, fashion_mnist
-from vitscale.data import fetch as dl
+from vitscale.data import home
+from vitscale.data.offline import fetch as dl
+from vitscale.data.sources import cifar, fashion_mnist
 from vitscale.errors import DataError
 
 from helpers import write_cifar, write_fmnist
@@ -74,12 +75,12 @@ def test_download_md5_mismatch_removes_file(tmp_path, server, monkeypatch):
 def test_fashion_mnist_download_and_env_home(tmp_path, server, monkeypatch):
     www, url = server
     write_fmnist(www)
-    files = [(url + f, md5(www / f)) for f in dl.FMNIST_FILES]
+    files = [(url + f, md5(www / f)) for f in home.FMNIST_FILES]
     monkeypatch.setitem(dl.SOURCES, "fashion_mnist", ("fashion-mnist", files, False))
     monkeypatch.setenv("VITSCALE_DATA", str(tmp_path / "home"))
     dest = dl.download("fashion-mnist", progress=False)
     assert dest == tmp_path / "home" / "fashion-mnist"
-    assert dl.default_root("fashion_mnist") == dest                        # found there next time
+    assert home.default_root("fashion_mnist") == dest                        # found there next time
     assert len(fashion_mnist.load().train_y) == 12                         # root "" -> default_root
 
 
@@ -114,17 +115,17 @@ def test_unknown_name_and_default_roots(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="unknown dataset 'mnist'"):
         dl.download("mnist")
     monkeypatch.setenv("VITSCALE_DATA", str(tmp_path))
-    assert dl.default_root("cifar-10") == tmp_path / "cifar-10-batches-py"
-    assert dl.default_root("cifar100") == tmp_path / "cifar-100-python"
-    if dl.SYSTEM_FMNIST.is_dir():                                          # Debian package fallback
-        assert dl.default_root("fashion-mnist") == dl.SYSTEM_FMNIST
+    assert home.default_root("cifar-10") == tmp_path / "cifar-10-batches-py"
+    assert home.default_root("cifar100") == tmp_path / "cifar-100-python"
+    if home.SYSTEM_FMNIST.is_dir():                                          # Debian package fallback
+        assert home.default_root("fashion-mnist") == home.SYSTEM_FMNIST
 
 
-@pytest.mark.skipif(not (dl.SYSTEM_FMNIST / dl.FMNIST_FILES[0]).exists(), reason="no Debian copy")
+@pytest.mark.skipif(not (home.SYSTEM_FMNIST / home.FMNIST_FILES[0]).exists(), reason="no Debian copy")
 def test_debian_copies_are_the_official_files():
     """Debian strips the gzip header's name and mtime; same payload, so md5s differ by design."""
     official = dict((u.rsplit("/", 1)[1], m) for u, m in dl.SOURCES["fashion_mnist"][1])
-    f = dl.SYSTEM_FMNIST / "t10k-labels-idx1-ubyte.gz"
+    f = home.SYSTEM_FMNIST / "t10k-labels-idx1-ubyte.gz"
     assert md5(f) == dl.DEBIAN_MD5[f.name]
     data = f.read_bytes()
     original = b"\x1f\x8b\x08\x08" + (1504176627).to_bytes(4, "little") + b"\x00\x03" \

@@ -7,7 +7,9 @@ import torch
 from PIL import Image
 
 from vitscale.config import DataConfig
-from vitscale.data import build_data, folder
+from vitscale.data import build_data
+from vitscale.data.jpeg import to_rgb
+from vitscale.data.loaders.worker_datasets import collate
 from vitscale.errors import DataError
 
 from helpers import BLUE, RED, _noise, make_tree
@@ -21,14 +23,14 @@ def cfg(root, **kw):
 def test_to_rgb_modes():
     sixteen = Image.fromarray(np.array([[0, 257 * 100, 65535]], dtype=np.uint16))
     assert sixteen.mode == "I;16"
-    assert np.array(folder.to_rgb(sixteen))[0, :, 0].tolist() == [0, 100, 255]
+    assert np.array(to_rgb(sixteen))[0, :, 0].tolist() == [0, 100, 255]
     i32 = Image.fromarray(np.array([[65535, 257 * 7]], dtype=np.int32), "I")
-    assert np.array(folder.to_rgb(i32))[0, :, 1].tolist() == [255, 7]
+    assert np.array(to_rgb(i32))[0, :, 1].tolist() == [255, 7]
     cmyk = Image.new("CMYK", (2, 2), (0, 255, 255, 0))                    # pure red in CMYK
-    assert np.array(folder.to_rgb(cmyk))[0, 0].tolist() == [255, 0, 0]
+    assert np.array(to_rgb(cmyk))[0, 0].tolist() == [255, 0, 0]
     for img in (Image.new("L", (2, 2), 9), Image.new("1", (2, 2), 1), Image.new("LA", (2, 2), (5, 0)),
                 Image.new("P", (2, 2), 3), Image.new("RGBA", (2, 2), (1, 2, 3, 0))):
-        assert folder.to_rgb(img).mode == "RGB"
+        assert to_rgb(img).mode == "RGB"
 
 
 def test_folder_loads_and_skips_bad_files(tmp_path, caplog):
@@ -141,8 +143,8 @@ def test_alternative_eval_split_name(tmp_path):
 def test_collate_drops_failures_even_a_whole_batch():
     """What the evaluation batches do (training batches are filled before collation)."""
     ok = torch.full((3, 8, 8), 7, dtype=torch.uint8)
-    x, y, i, keep, fails = folder.collate([(None, 0, 4, "a.jpg", "OSError: x"), (ok, 1, 5, "b.png", "")], size=8)
+    x, y, i, keep, fails = collate([(None, 0, 4, "a.jpg", "OSError: x"), (ok, 1, 5, "b.png", "")], size=8, pairs=False)
     assert x.shape == (1, 3, 8, 8) and y.tolist() == [1] and i.tolist() == [5] and keep.tolist() == [1]
     assert fails == [("a.jpg", "OSError: x")]
-    x, y, i, keep, fails = folder.collate([(None, 0, 4, "a.jpg", "e")], size=8)
+    x, y, i, keep, fails = collate([(None, 0, 4, "a.jpg", "e")], size=8, pairs=False)
     assert x.shape == (0, 3, 8, 8) and x.dtype == torch.uint8 and len(y) == len(i) == 0 and len(fails) == 1

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from vitscale.config import DataConfig
-from vitscale.data import build_data, cifar, fashion_mnist
+from vitscale.data import build_data
+from vitscale.data.sources import cifar, fashion_mnist
 from vitscale.errors import DataError
 
 from helpers import write_idx, write_fmnist, _dump, write_cifar

@@ -12,7 +12,8 @@ from PIL import Image
 
 from vitscale.config import DataConfig
 from vitscale.data import build_image_text
-from vitscale.data import openclipart as oca
+from vitscale.data.build import openclipart_bundle
+from vitscale.data.sources import openclipart as oca
 from vitscale.errors import DataError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("open_clip") is None,
@@ -197,7 +198,7 @@ def test_classification_captions():
 @pytest.mark.skipif(not Path("/usr/share/openclipart/png").is_dir(), reason="openclipart-png not installed")
 def test_openclipart_subset():
     c = cfg(name="openclipart", image_size=32, test_fraction=0.3)
-    b = oca.build(c, device="cpu", seed=0, rank=0, world_size=1, context_length=L, limit=48)
+    b = openclipart_bundle(c, device="cpu", seed=0, rank=0, world_size=1, context_length=L, limit=48)
     assert b.train_size + b.test_size == 48 and b.channels == 3 and b.image_size == 32
     assert all(s.startswith("clip art of ") for s in b.captions_test)
     zs = b.zeroshot["openclipart"]

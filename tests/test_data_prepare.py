@@ -14,10 +14,11 @@ from PIL import Image
 
 from helpers import make_tree
 from vitscale.cli import _parser, main
-from vitscale.data import prepare as prep
-from vitscale.data import shard_writer
-from vitscale.data.folder import scan
-from vitscale.data.pair_files import held_out, read_csv
+from vitscale.data.offline import prepare as prep
+from vitscale.data.offline import shard_writer
+from vitscale.data.sources.csv import read_csv
+from vitscale.data.sources.folder import scan
+from vitscale.data.sources.held_out import held_out
 from vitscale.errors import DataError
 
 SIZE = 16

@@ -14,7 +14,10 @@ from PIL import Image
 
 from vitscale.config import DataConfig
 from vitscale.data import build_data, build_image_text
-from vitscale.data.stream import StreamPlan, is_remote, open_url, resolve_reader, shard_sets
+from vitscale.data.build import resolve_reader
+from vitscale.data.loaders.stream_plan import StreamPlan
+from vitscale.data.sources.shard_sets import shard_sets
+from vitscale.data.sources.shards import is_remote, open_url
 from vitscale.data.tokenizer import tokenize
 from vitscale.errors import DataError
 
@@ -246,7 +249,7 @@ def test_classification_trains_from_streamed_shards(shards, tmp_path):
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """A 3-class folder (8 train + 2 val images each) and a 24-pair CSV through `data prepare`."""
-    from vitscale.data.prepare import prepare
+    from vitscale.data.offline.prepare import prepare
     root = tmp_path_factory.mktemp("prep")
     rows = ["filepath,title"]
     for c in range(3):

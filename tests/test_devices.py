@@ -12,8 +12,9 @@ from vitscale.metrics import gpu_peak_flops, peak_flops
 from vitscale.models import vit
 from vitscale.strategy import SingleDevice, devices
 from vitscale.strategy.deepspeed import build_ds_config
+from vitscale.data.loaders.device import pin_batches, to_device
 from vitscale.strategy.devices import (Launch, backend_flags, backend_for, device_for, first_host, launch_env,
-                                       pin_batches, process_group_kwargs)
+                                       process_group_kwargs)
 
 TINY = "configs/tests/tiny.toml"
 
@@ -296,11 +297,11 @@ def test_pinned_host_batches(monkeypatch):
     pinned = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.shape) or self)
     t = torch.arange(6).view(2, 3)
-    assert torch.equal(devices.to_device(t, torch.device("cpu"), pin=True), t) and pinned == [(2, 3)]
-    devices.to_device(t, torch.device("cpu"), pin=False)
+    assert torch.equal(to_device(t, torch.device("cpu"), pin=True), t) and pinned == [(2, 3)]
+    to_device(t, torch.device("cpu"), pin=False)
     assert pinned == [(2, 3)]
     # the in-memory loaders decide it from where the data lives and where it goes
-    from vitscale.data.loaders import TensorEvalLoader, TensorTrainLoader
+    from vitscale.data.loaders.memory import TensorEvalLoader, TensorTrainLoader
     from vitscale.data.sampler import EpochPlan
     from vitscale.data.transforms import BatchAugment
     cfg = load_config(TINY).data

@@ -606,7 +606,7 @@ def test_an_exported_run_loads_in_open_clip_as_the_trained_function(tmp_path, ca
     assert_close(b, q)
     # the preprocessing: the trained size and the run's mean/std (the synthetic data's own)
     from PIL import Image
-    from vitscale.data.synthetic import make
+    from vitscale.data.sources.synthetic import make
     data = make(cfg.data, cfg.run.seed)
     norm = [t for t in preprocess.transforms if type(t).__name__ == "Normalize"][0]
     assert list(norm.mean) == list(data.mean) and list(norm.std) == list(data.std)

@@ -197,7 +197,7 @@ def cmd_export(args) -> int:
 
 def cmd_data(args) -> int:
     if args.data_command == "prepare":
-        from .data.prepare import prepare_shards
+        from .data.offline.prepare import prepare_shards
         try:
             done = prepare_shards(args.src, args.out, size=args.size, quality=args.quality,
                                   shard_size=args.shard_size, workers=args.workers, seed=args.seed,
@@ -209,7 +209,7 @@ def cmd_data(args) -> int:
             return 130
         print(f"prepared {done.summary()}")
         return 0
-    from .data import download
+    from .data.offline.fetch import download
     path = download(args.name, args.root)
     print(f"{args.name} ready in {path}")
     return 0

@@ -191,3 +191,8 @@ def get_tokenizer() -> SimpleTokenizer:
 def tokenize(texts, context_length: int = 77) -> torch.Tensor:
     """str or list[str] -> int64 [N, context_length] (see the module docstring)."""
     return get_tokenizer()(texts, context_length)
+
+
+def readable(name: str) -> str:
+    """A class or category name as caption text: 'old_house' -> 'old house'."""
+    return name.replace("_", " ").strip()

@@ -606,14 +606,14 @@ def run_preprocess(cfg, image_size: int) -> dict:
     if d.name in ("openclipart", "csv", "webdataset"):
         mean, std = NORMALIZATIONS["clip"]  # the image-text loaders' (data.pair_files, data.openclipart)
     elif d.name == "synthetic":
-        from ..data.synthetic import make
+        from ..data.sources.synthetic import make
         s = make(replace(d, test_size=1), cfg.run.seed)  # (the training split's statistics)
         mean, std = normalization(d.normalize, s.mean, s.std)
     elif d.name == "fashion_mnist":
-        from ..data.fashion_mnist import MEAN, STD
+        from ..data.sources.fashion_mnist import MEAN, STD
         mean, std = normalization(d.normalize, MEAN, STD)
     elif d.name in ("cifar10", "cifar100"):
-        from ..data.cifar import SPECS
+        from ..data.sources.cifar import SPECS
         mean, std = normalization(d.normalize, *SPECS[d.name][-2:])
     else:  # folder
         mean, std = normalization(d.normalize, *NORMALIZATIONS["imagenet"])

@@ -13,7 +13,6 @@ multi-node branches on a CPU machine; the strategies only apply what these retur
   `backend_flags_applied`: a block under given flags, restored after (the lab's timed rounds).
 - `compile_kwargs`: torch.compile's mode (CUDA graphs: "reduce-overhead").
 - `synchronizer`: what timers call before reading the clock (the GPU runs asynchronously).
-- `pin_batches`: whether host batches go through pinned memory (non-blocking copies).
 """
 from __future__ import annotations
 
@@ -238,16 +237,3 @@ def synchronizer(device: torch.device):
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
-
-
-def pin_batches(device_type: str, pin_memory: bool, on_device: bool) -> bool:
-    """Host batches are copied through pinned memory (so `non_blocking=True` really overlaps)
-    when they go to a GPU from host memory and data.pin_memory is on."""
-    return device_type == "cuda" and pin_memory and not on_device
-
-
-def to_device(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
-    """A host tensor on `device`: through pinned memory when `pin` (an asynchronous copy)."""
-    if pin and t.device.type == "cpu":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)

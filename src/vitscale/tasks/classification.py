@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data import NATIVE_GEOMETRY, PAIRS_ONLY, build_data
+from ..data import PAIRS_ONLY, build_data, synthetic_stand_in
+from ..data import geometry as data_geometry
 from ..errors import ConfigError, UserError
 from ..models import VisionTransformer, ViTSpec, resolve_spec, vit_forward_flops
 from ..optim import block_index
@@ -58,18 +59,8 @@ class ClassificationTask(Task):
         return data
 
     def geometry(self) -> tuple[int, int, int]:
-        d = self.cfg.data
-        if d.name in NATIVE_GEOMETRY:
-            size, ch, nc = NATIVE_GEOMETRY[d.name]
-        elif d.name in PAIRS_ONLY:
-            size, ch, nc = (64 if d.name == "openclipart" else 224), 3, 0
-        elif d.name == "synthetic":
-            size, ch, nc = 32, d.channels, d.num_classes
-        else:  # folder, webdataset: classes come from the folders / labels unless the model fixes them
-            size, ch, nc = 224, 3, self.cfg.model.num_classes
-            if not nc:  # count class folders
-                nc = build_data(d, device=torch.device("cpu"), seed=0).num_classes
-        return d.image_size or size, ch, self.cfg.model.num_classes or nc
+        """(image size, channels, classes): the data's (data/build.py), model.num_classes first."""
+        return data_geometry(self.cfg.data, self.cfg.model.num_classes)
 
     def build_spec(self, image_size: int, channels: int, num_classes: int) -> ViTSpec:
         m = self.cfg.model
@@ -132,16 +123,7 @@ class ClassificationTask(Task):
                 f"heads {info['heads']}, {info['num_classes']} classes, head={info['head']})")
 
     def synthetic_overrides(self) -> dict | None:
-        cfg, d = self.cfg, self.cfg.data
-        if d.name not in (*NATIVE_GEOMETRY, "folder"):
-            return None
-        if d.name == "folder" and not cfg.model.num_classes:
-            raise UserError("--synthetic with a folder dataset needs model.num_classes (the folder's class "
-                            "count), e.g. --set model.num_classes=1000")
-        size, channels, classes = self.geometry()
-        return {"data.name": "synthetic", "data.root": "", "data.test_root": "",
-                "data.image_size": size, "data.channels": channels, "data.num_classes": classes,
-                "data.train_size": d.batch_size, "data.test_size": min(d.eval_batch_size, 256)}
+        return synthetic_stand_in(self.cfg.data, self.cfg.model.num_classes)
 
     @staticmethod
     def describe_metrics(r: dict) -> str:

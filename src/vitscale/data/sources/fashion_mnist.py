@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DataError
-from .fetch import default_root
-from .loaders import TensorSplits
+from ...errors import DataError
+from ..home import default_root
+from ..types import TensorSplits
 
 CLASS_NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]

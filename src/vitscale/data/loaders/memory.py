@@ -1,49 +1,20 @@
-"""Loaders for datasets held whole in memory (Fashion-MNIST, CIFAR, synthetic).
+"""Loaders for datasets held whole in memory (Fashion-MNIST, CIFAR, synthetic; OpenClipArt and
+captioned in-memory sets as image-text pairs).
 
 The split is one uint8 tensor [N,C,H,W], on the training device when `data.on_device`
 (airbench style), else in host memory and moved per batch. Batches are gathered by index and
-augmented with `BatchAugment` on the device.
+augmented with `BatchAugment` on the device. Pairs hold tokens int64 [N,L] where labels would be;
+a pair batch is (images, tokens, dataset index).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..errors import DataError
-from ..strategy.devices import pin_batches, to_device
-from .sampler import EpochPlan, generator, shard_range
-from .transforms import BatchAugment, Normalizer, normalization, resize_u8
-
-
-@dataclass
-class DataBundle:
-    train: object          # TensorTrainLoader | FolderTrainLoader
-    test: object           # TensorEvalLoader | FolderEvalLoader
-    num_classes: int
-    channels: int
-    image_size: int        # the size the model sees
-    class_names: list
-    train_size: int
-    test_size: int
-    mean: tuple
-    std: tuple
-
-    def close(self):
-        """Stop decoding worker processes (folder data); a no-op for in-memory data."""
-        self.train.close()
-        self.test.close()
-
-
-@dataclass
-class TensorSplits:
-    train_x: torch.Tensor  # [N,C,H,W] uint8
-    train_y: torch.Tensor  # [N] int64
-    test_x: torch.Tensor   # [M,C,H,W] uint8
-    test_y: torch.Tensor   # [M] int64
-    class_names: list
-    mean: tuple
-    std: tuple
+from ...errors import DataError
+from ..sampler import EpochPlan, generator, shard_range
+from ..transforms import BatchAugment, Normalizer, normalization, resize_u8
+from ..types import DataBundle, TensorSplits, ZeroShotSet
+from .device import pin_batches, to_device
 
 
 class TensorTrainLoader:
@@ -137,3 +108,56 @@ def tensor_bundle(splits: TensorSplits, cfg, *, device, seed: int, rank: int = 0
         num_classes=num_classes, channels=train_x.shape[1], image_size=train_x.shape[-1],
         class_names=list(splits.class_names), train_size=len(train_x), test_size=len(test_x),
         mean=mean, std=std)
+
+
+class PairTrainLoader(TensorTrainLoader):
+    """In-memory pairs: x uint8 [N,C,H,W], y = tokens int64 [N,L] (same home), batches by
+    EpochPlan; a batch is (images, tokens, dataset index)."""
+
+    def batch(self, epoch: int, b: int):
+        g_idx = self.plan.global_batch(epoch, b)
+        lo, hi = self.plan.local_range(len(g_idx))
+        params = self.augment.draw(generator("aug", self.seed, epoch, b), len(g_idx))
+        idx = g_idx[lo:hi]
+        home = idx.to(self.x.device)
+        x, tokens = to_device(self.x[home], self.device, self.pin), to_device(self.y[home], self.device, self.pin)
+        index = idx.to(self.device, non_blocking=True)
+        x, index = self.augment(x, index, params.take(slice(lo, hi)))
+        return x, tokens, index
+
+
+class PairEvalLoader(TensorEvalLoader):
+    """In-memory held-out pairs (y = tokens), no augmentation; rank r gets a contiguous shard;
+    a batch is (images, tokens, index)."""
+
+    def iterate(self):
+        for (x, tokens), s in zip(super().iterate(), range(self.lo, self.hi, self.batch_size)):
+            yield x, tokens, torch.arange(s, s + len(x), device=self.device)
+
+
+def memory_bundle(cfg, *, train_x, train_tokens, test_x, test_tokens, captions_test, mean, std,
+                  zeroshot_sets, device, seed, rank, world_size) -> DataBundle:
+    """Pairs held whole in memory (on the device when data.on_device).
+
+    zeroshot_sets: name -> (class_names, templates, x uint8, labels int64) on CPU.
+    """
+    device = torch.device(device)
+    home = device if cfg.on_device else torch.device("cpu")
+    train_x, train_tokens = train_x.to(home), train_tokens.to(home)
+    test_x, test_tokens = test_x.to(home), test_tokens.to(home)
+    plan = EpochPlan(len(train_x), cfg.batch_size, seed=seed, drop_last=True, rank=rank,
+                     world_size=world_size)
+    augment = BatchAugment(cfg, mean=mean, std=std, num_classes=1)
+    zs = {}
+    for name, (classes, templates, x, y) in zeroshot_sets.items():
+        loader = TensorEvalLoader(x.to(home), y.to(home), cfg.eval_batch_size, augment.norm,
+                                  device=device, rank=rank, world_size=world_size, pin_memory=cfg.pin_memory)
+        zs[name] = ZeroShotSet(list(classes), list(templates), loader)
+    return DataBundle(
+        train=PairTrainLoader(train_x, train_tokens, plan, augment, seed=seed, device=device,
+                              pin_memory=cfg.pin_memory),
+        test=PairEvalLoader(test_x, test_tokens, cfg.eval_batch_size, augment.norm, device=device,
+                            rank=rank, world_size=world_size, pin_memory=cfg.pin_memory),
+        zeroshot=zs, train_size=len(train_x), test_size=len(test_x), channels=train_x.shape[1],
+        image_size=train_x.shape[-1], mean=tuple(mean), std=tuple(std),
+        captions_test=list(captions_test))

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import DataError
-from .fetch import default_root
-from .loaders import TensorSplits
+from ...errors import DataError
+from ..home import default_root
+from ..types import TensorSplits
 
 # name -> folder, train files, test files, meta file, label key, label-names key, mean, std
 SPECS = {

@@ -1,4 +1,5 @@
-"""Where datasets live, and fetching the official archives (md5-checked, atomic, safe extract)."""
+"""Fetching the official archives of the built-in sets (md5-checked, atomic, safe extract) into
+the folders home.py names."""
 from __future__ import annotations
 
 import hashlib
@@ -12,23 +13,21 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
-from ..errors import DataError
+from ...errors import DataError
+from ..home import FOLDERS, canonical, data_home
 
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/"
 FMNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
-SYSTEM_FMNIST = Path("/usr/share/datasets/fashion-mnist")   # Debian's dataset-fashion-mnist
-FMNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
-                "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 
 # name -> (dataset folder, [(url, md5)], extract?). The Fashion-MNIST md5s are the official ones
 # (as in torchvision); Debian's copies hold the same deflate streams with the gzip header's file
 # name and mtime stripped (checked byte for byte), so their md5s are accepted as present too.
 SOURCES = {
-    "cifar10": ("cifar-10-batches-py",
+    "cifar10": (FOLDERS["cifar10"],
                 [(CIFAR_URL + "cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a")], True),
-    "cifar100": ("cifar-100-python",
+    "cifar100": (FOLDERS["cifar100"],
                  [(CIFAR_URL + "cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85")], True),
-    "fashion_mnist": ("fashion-mnist", [
+    "fashion_mnist": (FOLDERS["fashion_mnist"], [
         (FMNIST_URL + "train-images-idx3-ubyte.gz", "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
         (FMNIST_URL + "train-labels-idx1-ubyte.gz", "25c81989df183df01b3e8a0aad5dffbe"),
         (FMNIST_URL + "t10k-images-idx3-ubyte.gz", "bef4ecab320f06d8554ea6380940ec79"),
@@ -40,55 +39,6 @@ DEBIAN_MD5 = {"train-images-idx3-ubyte.gz": "cf8536b0aa1a6ac5fa3f23001093305c",
               "t10k-labels-idx1-ubyte.gz": "0d30e22e447f3c33dab9ed536400ac01"}
 # the file whose presence marks an extracted archive as complete
 MARKER = {"cifar10": "batches.meta", "cifar100": "meta"}
-
-
-def canonical(name: str) -> str:
-    key = name.lower().replace("-", "_")
-    key = {"cifar_10": "cifar10", "cifar_100": "cifar100", "fmnist": "fashion_mnist"}.get(key, key)
-    if key not in SOURCES:
-        raise DataError(f"unknown dataset '{name}': choose one of cifar10, cifar100, fashion-mnist")
-    return key
-
-
-def data_home() -> Path:
-    """$VITSCALE_DATA, else ~/.cache/vitscale/data."""
-    return Path(os.environ.get("VITSCALE_DATA") or "~/.cache/vitscale/data").expanduser()
-
-
-def file_tag(path: str) -> str:
-    """What identifies a local file's content for a cache: absolute path, size, modification time."""
-    st = os.stat(path)
-    return f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
-
-
-def cached_json(kind: str, tag: str, compute):
-    """compute(), kept as JSON under data_home()/kind/, keyed by a hash of `tag` (written atomically;
-    a cache that cannot be written costs a warning, not the run)."""
-    import json
-    import logging
-    cache = data_home() / kind / f"{hashlib.blake2b(tag.encode(), digest_size=12).hexdigest()}.json"
-    try:
-        return json.loads(cache.read_text())
-    except (OSError, ValueError):
-        pass
-    value = compute()
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(value))
-        os.replace(tmp, cache)
-    except OSError as e:
-        logging.getLogger("vitscale.data").warning("could not cache %s in %s (%s)", kind, cache, e)
-    return value
-
-
-def default_root(name: str) -> Path:
-    """Where a dataset is looked for when `data.root` is empty."""
-    key = canonical(name)
-    home = data_home() / SOURCES[key][0]
-    if key == "fashion_mnist" and not (home / FMNIST_FILES[0]).exists() and SYSTEM_FMNIST.is_dir():
-        return SYSTEM_FMNIST
-    return home
 
 
 def md5sum(path: Path) -> str:

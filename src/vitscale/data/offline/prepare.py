@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DataError
+from ...errors import DataError
 from .shard_writer import TMP, Runner, ShardTask, check_chunk, ordered, write_shard
 
 log = logging.getLogger("vitscale.data")
@@ -75,7 +75,7 @@ def list_source(src: str, *, size, quality, shard_size, seed, image_key, caption
     args = {"source": str(p.resolve()), "size": size, "quality": quality, "shard_size": shard_size,
             "seed": seed}
     if p.is_dir():
-        from .folder import scan
+        from ..sources.folder import scan
         classes, (tr_p, tr_y), (ev_p, ev_y) = scan(p)
         root = str(p)
 
@@ -86,7 +86,8 @@ def list_source(src: str, *, size, quality, shard_size, seed, image_key, caption
                       0, {"kind": "classification", **args})
     if p.suffix.lower() not in CSV_SUFFIXES:
         raise DataError(f"prepare: {src} is neither a folder (ROOT/train/<class>/...) nor a .csv/.tsv file")
-    from .pair_files import held_out, read_csv
+    from ..sources.csv import read_csv
+    from ..sources.held_out import held_out
     rec = read_csv(str(p), image_key, caption_key)
     splits, no_caption = {"train": [], "val": []}, 0
     for path, key, caption in zip(rec.paths.tolist(), rec.keys.tolist(), rec.captions.tolist()):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .loaders import TensorSplits
-from .sampler import generator
+from ..sampler import generator
+from ..types import TensorSplits
 
 NOISE_STD = 40.0         # pixel noise (0..255 scale) on top of the class template
 

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..errors import DataError
-from .fetch import data_home
+from ...errors import DataError
+from ..home import data_home
 
 log = logging.getLogger("vitscale.data")
 ROOT = Path("/usr/share/openclipart")
@@ -195,10 +195,12 @@ def load(root: str = "", size: int = 64, *, limit: int | None = None) -> dict:
     return data
 
 
-def build(cfg, *, device, seed: int, rank: int, world_size: int, context_length: int, limit=None):
-    from .image_text import memory_bundle, readable
-    from .pair_files import CLIP_MEAN, CLIP_STD, held_out
-    from .tokenizer import tokenize
+def pairs(cfg, context_length: int, *, limit=None) -> dict:
+    """The decoded set as loaders/memory.py's memory_bundle arguments: held-out images by
+    crc32(relative path), the zero-shot set of the held-out images' categories (module docstring)."""
+    from .held_out import held_out
+    from ..tokenizer import readable, tokenize
+    from ..transforms import NORMALIZATIONS
     data = load(cfg.root, cfg.image_size or 64, limit=limit)
     test = torch.tensor([held_out(r, cfg.test_fraction) for r in data["rels"]], dtype=torch.bool)
     tokens = tokenize(data["captions"], context_length)
@@ -211,7 +213,6 @@ def build(cfg, *, device, seed: int, rank: int, world_size: int, context_length:
     zs_idx = [int(i) for i in test_idx if cats[int(i)] in label]
     zs_y = torch.tensor([label[cats[i]] for i in zs_idx], dtype=torch.long)
     zs = {"openclipart": ([readable(c) for c in classes], list(TEMPLATES), x[zs_idx], zs_y)}
-    return memory_bundle(cfg, train_x=x[~test], train_tokens=tokens[~test], test_x=x[test],
-                         test_tokens=tokens[test], captions_test=caps[test.numpy()].tolist(),
-                         mean=CLIP_MEAN, std=CLIP_STD, zeroshot_sets=zs, device=device, seed=seed,
-                         rank=rank, world_size=world_size)
+    mean, std = NORMALIZATIONS["clip"]
+    return dict(train_x=x[~test], train_tokens=tokens[~test], test_x=x[test], test_tokens=tokens[test],
+                captions_test=caps[test.numpy()].tolist(), mean=mean, std=std, zeroshot_sets=zs)

@@ -12,7 +12,7 @@ import warnings
 
 from PIL import Image
 
-from ..errors import DataError
+from ...errors import DataError
 
 TMP = ".tmp"               # a shard is written under NAME.tar.tmp and renamed when complete
 TAR_MTIME = 0              # fixed tar metadata: shard bytes do not depend on when they were written
@@ -32,7 +32,7 @@ def flatten(img: Image.Image) -> Image.Image:
     """-> RGB; transparent images (RGBA, LA, PA, P or L with a transparent colour) over white, as
     img2dataset does: a JPEG has no alpha, and dropping it leaves whatever colour the transparent
     pixels hold (black, for most of OpenClipArt's drawings)."""
-    from .folder import to_rgb
+    from ..jpeg import to_rgb
     if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
         rgba = img.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
@@ -58,7 +58,7 @@ def encode(path: str, size: int, quality: int) -> bytes:
 
 def readable(path: str) -> str:
     """'' when the image decodes (JPEG at 1/8 scale, enough to read every coefficient), else why not."""
-    from .folder import to_rgb
+    from ..jpeg import to_rgb
     try:
         with _open(path) as img:
             if img.format == "JPEG":

@@ -1,4 +1,4 @@
-"""Loaders over streamed webdataset shards (stream.py says which samples make which batch).
+"""Loaders over streamed webdataset shards (stream_plan.py says which samples make which batch).
 
     StreamTrainLoader.iterate(epoch, start_batch) -> (x float32 [B,3,S,S], labels [B])      classification
                                                   -> (x, tokens [B,L], index [B])           pairs (CLIP)
@@ -15,12 +15,15 @@ import logging
 
 import torch
 
-from ..errors import DataError
-from ..strategy.devices import pin_batches
-from .sampler import derive_seed, generator
-from .folder import Batch, decode, failures_of, resolve_decoder
-from .stream import ShardErrors, ShardSet, StreamPlan, label_of, set_samples, stream_samples
-from .tokenizer import get_tokenizer
+from ...errors import DataError
+from ..jpeg import decode, resolve_decoder
+from ..sampler import derive_seed, generator
+from ..sources.shard_sets import ShardErrors, ShardSet, set_samples
+from ..sources.shards import label_of
+from ..tokenizer import get_tokenizer
+from .device import pin_batches
+from .stream_plan import StreamPlan, stream_samples
+from .worker_datasets import Batch, collate
 
 log = logging.getLogger("vitscale.data")
 
@@ -40,19 +43,6 @@ class _Decode:
             return decode(img, self.size, sample_seed, self.hflip, decoder=self.decoder), second, index, key, ""
         except Exception as e:  # noqa: BLE001 - corrupt, truncated, not an image ...
             return None, second, index, f"{url}:{key}", f"{type(e).__name__}: {e}"
-
-
-def collate(items, size: int, pairs: bool):
-    """-> x uint8 [b,3,S,S], tokens [b,L] or labels [b], index [b], kept positions [b], failures."""
-    keep = [j for j, it in enumerate(items) if it[0] is not None]
-    x = torch.stack([items[j][0] for j in keep]) if keep else torch.empty(0, 3, size, size, dtype=torch.uint8)
-    if pairs:
-        L = items[0][1].shape[0] if items else 1
-        second = torch.stack([items[j][1] for j in keep]) if keep else torch.empty(0, L, dtype=torch.long)
-    else:
-        second = torch.tensor([items[j][1] for j in keep], dtype=torch.long)
-    index = torch.tensor([items[j][2] for j in keep], dtype=torch.long)
-    return x, second, index, torch.tensor(keep, dtype=torch.long), failures_of(items)
 
 
 class StreamTrainDataset(torch.utils.data.IterableDataset):
@@ -231,35 +221,3 @@ def loaders(cfg, train: ShardSet, test: ShardSet, augment, *, device, seed: int,
                                 _Decode(size, False, decoder, context_length, pairs))
     return (StreamTrainLoader(train_ds, augment, cfg, device=device),
             StreamEvalLoader(test_ds, cfg, augment.norm, device=device))
-
-
-def classification_bundle(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1):
-    """Labelled shards (KEY.jpg + KEY.cls): a DataBundle like folder data's."""
-    from .folder import MEAN, STD
-    from .loaders import DataBundle
-    from .stream import shard_sets
-    from .transforms import BatchAugment, normalization
-    train, test = shard_sets(cfg, "cls")
-    num_classes = max(train.num_classes, test.num_classes)
-    if num_classes < 2:
-        raise DataError(f"webdataset {cfg.root}: labels (.cls) span {num_classes} class(es); need at least 2")
-    names = train.classes or [str(i) for i in range(num_classes)]
-    mean, std = normalization(cfg.normalize, MEAN, STD)
-    augment = BatchAugment(cfg, mean=mean, std=std, num_classes=num_classes, crop_flip=False)
-    tr, te = loaders(cfg, train, test, augment, device=device, seed=seed, rank=rank, world_size=world_size)
-    return DataBundle(train=tr, test=te, num_classes=num_classes, channels=3, image_size=cfg.image_size or 224,
-                      class_names=names, train_size=len(train), test_size=len(test), mean=mean, std=std)
-
-
-def pairs_bundle(cfg, *, device, seed: int, rank: int, world_size: int, context_length: int):
-    """Image-text shards (KEY.jpg + KEY.txt): an ImageTextBundle (no zero-shot sets)."""
-    from .image_text import ImageTextBundle
-    from .stream import shard_sets
-    from .transforms import NORMALIZATIONS, BatchAugment
-    mean, std = NORMALIZATIONS["clip"]
-    train, test = shard_sets(cfg, "txt")
-    augment = BatchAugment(cfg, mean=mean, std=std, num_classes=1, crop_flip=False)
-    tr, te = loaders(cfg, train, test, augment, device=device, seed=seed, rank=rank, world_size=world_size,
-                     context_length=context_length)
-    return ImageTextBundle(train=tr, test=te, zeroshot={}, train_size=len(train), test_size=len(test), channels=3,
-                           image_size=cfg.image_size or 224, mean=mean, std=std, captions_test=[])
