@@ -104,9 +104,9 @@ def test_fastclip_gradient_matches_naive_estimator(variant):
     u_old = torch.rand(2, n_data, generator=g, dtype=torch.float64) * 3 + 0.5
     m.lu1.copy_(u_old[0].log()), m.lu2.copy_(u_old[1].log())
     if m.individual:
-        m.tau1.copy_(torch.rand(n_data, generator=g) * 0.1 + 0.02)
-        m.tau2.copy_(torch.rand(n_data, generator=g) * 0.1 + 0.02)
-        tau1, tau2 = m.tau1[index].double(), m.tau2[index].double()
+        m.temperatures.tau1.copy_(torch.rand(n_data, generator=g) * 0.1 + 0.02)
+        m.temperatures.tau2.copy_(torch.rand(n_data, generator=g) * 0.1 + 0.02)
+        tau1, tau2 = m.temperatures.tau1[index].double(), m.temperatures.tau2[index].double()
     else:
         tau1 = tau2 = torch.full((n,), m.temperature, dtype=torch.float64)
     before = m.state_dict()
@@ -134,8 +134,8 @@ def test_fastclip_gradient_matches_naive_estimator(variant):
         assert rel(p1, h1.clamp(-5, 5)) < 1e-5 and rel(p2, h2.clamp(-5, 5)) < 1e-5
         m.after_step()                                      # per-sample tau: only the batch's indices
         for k in ("tau1", "tau2", "m1", "v1"):
-            assert torch.equal(getattr(m, k)[untouched], before[k][untouched])
-            assert not torch.equal(getattr(m, k)[index], before[k][index])
+            assert torch.equal(getattr(m.temperatures, k)[untouched], before[k][untouched])
+            assert not torch.equal(getattr(m.temperatures, k)[index], before[k][index])
 
 
 def test_fastclip_params_gradient_through_linear_model():
@@ -260,27 +260,27 @@ def test_global_temperature_adam_on_logit_scale_clamp_and_lr_cut():
     m = make("fastclip_v3", tau_lr=1e-3, tau_lr_cut=3.0, tau_init=math.exp(-(th(0.03) - 1.5e-3)))
     m.multiply_tau = False  # feed d/dtheta directly (v3 scales its per-anchor sum by tau)
     adam_steps(m, [-1.0])                                   # tau > 0.03: full lr, theta rises by 1e-3
-    assert m.theta.item() == pytest.approx(th(0.03) - 0.5e-3, abs=1e-9)
-    assert m.tau_lr_at().item() == pytest.approx(1e-3)
+    assert m.temperatures.theta.item() == pytest.approx(th(0.03) - 0.5e-3, abs=1e-9)
+    assert m.temperatures.lr_at().item() == pytest.approx(1e-3)
     adam_steps(m, [-1.0])                                   # still the full lr; now tau < 0.03
-    assert m.theta.item() == pytest.approx(th(0.03) + 0.5e-3, abs=1e-9)
-    assert m.tau_lr_at().item() == pytest.approx(1e-3 / 3)
+    assert m.temperatures.theta.item() == pytest.approx(th(0.03) + 0.5e-3, abs=1e-9)
+    assert m.temperatures.lr_at().item() == pytest.approx(1e-3 / 3)
     adam_steps(m, [-1.0])                                   # the cut lr
-    assert m.theta.item() == pytest.approx(th(0.03) + 0.5e-3 + 1e-3 / 3, abs=1e-9)
-    m.theta.fill_(th(0.031))
-    assert m.tau_lr_at().item() == pytest.approx(1e-3)      # not latched: back to the full lr
-    m.theta.fill_(math.log(100.0) - 1e-4)
+    assert m.temperatures.theta.item() == pytest.approx(th(0.03) + 0.5e-3 + 1e-3 / 3, abs=1e-9)
+    m.temperatures.theta.fill_(th(0.031))
+    assert m.temperatures.lr_at().item() == pytest.approx(1e-3)      # not latched: back to the full lr
+    m.temperatures.theta.fill_(math.log(100.0) - 1e-4)
     adam_steps(m, [-5.0] * 3)
     assert m.temperature == pytest.approx(0.01)             # clamped at theta = ln 100
     m = make("fastclip_v3", tau_lr=1e-3, tau_init=0.9995)   # fresh Adam state
     m.multiply_tau = False
     adam_steps(m, [1e4])
-    assert m.theta.item() == 0.0 and m.temperature == 1.0   # clamped at theta = 0
+    assert m.temperatures.theta.item() == 0.0 and m.temperature == 1.0   # clamped at theta = 0
     v0 = make("fastclip_v0", tau_lr=1e-3, tau_init=0.07, tau_lr_schedule="model",
               lr_factor=lambda s: [0.5, 1.0, 0.25][s])      # v0: the model's schedule, no cut
-    assert [v0.tau_lr_at(s).item() for s in range(3)] == [5e-4, 1e-3, 2.5e-4]
+    assert [v0.temperatures.lr_at(s).item() for s in range(3)] == [5e-4, 1e-3, 2.5e-4]
     adam_steps(v0, [1.0, 1.0, 1.0], steps=[0, 1, 2])
-    assert v0.theta.item() == pytest.approx(th(0.07) - 5e-4 - 1e-3 - 2.5e-4, abs=1e-9)
+    assert v0.temperatures.theta.item() == pytest.approx(th(0.07) - 5e-4 - 1e-3 - 2.5e-4, abs=1e-9)
     v1 = make("fastclip_v1")                                # constant tau
     v1(*(f.float() for f in feats(4, 3)), None, torch.arange(4))
     assert v1.temperature_grad() is None
@@ -293,18 +293,19 @@ def test_per_sample_tau_adam_betas_zero_in_epoch_0_and_clamp():
     m.pending_grad = (torch.tensor([2, 5]), torch.tensor([1.0, -1.0], dtype=torch.float64),
                   torch.tensor([3.0, 0.0], dtype=torch.float64))
     m.after_step()                                          # epoch 0: betas 0, the step is lr * sign(h)
-    assert m.tau1[2].item() == pytest.approx(0.01) and m.tau1[5].item() == pytest.approx(0.05)
-    assert m.tau2[2].item() == pytest.approx(0.01) and m.tau2[5].item() == pytest.approx(0.03)  # zero gradient
-    assert m.m1[2].item() == 1.0 and m.v1[5].item() == 1.0  # m = h, v = h^2
+    t = m.temperatures
+    assert t.tau1[2].item() == pytest.approx(0.01) and t.tau1[5].item() == pytest.approx(0.05)
+    assert t.tau2[2].item() == pytest.approx(0.01) and t.tau2[5].item() == pytest.approx(0.03)  # zero gradient
+    assert t.m1[2].item() == 1.0 and t.v1[5].item() == 1.0  # m = h, v = h^2
     others = [i for i in range(10) if i not in (2, 5)]
-    assert (m.tau1[others] == 0.03).all() and (m.m1[others] == 0).all()
+    assert (t.tau1[others] == 0.03).all() and (t.m1[others] == 0).all()
     m.set_epoch(2)                                          # betas back; bias correction 1 - b^(epoch+1)
     m.pending_grad = (torch.tensor([5]), torch.tensor([2.0], dtype=torch.float64),
                   torch.tensor([0.0], dtype=torch.float64))
     m.after_step()
     mi, vi = 0.9 * -1.0 + 0.1 * 2.0, 0.999 * 1.0 + 0.001 * 4.0
     step = 0.02 * (mi / (1 - 0.9 ** 3)) / (math.sqrt(vi / (1 - 0.999 ** 3)) + 1e-8)
-    assert m.tau1[5].item() == pytest.approx(0.05 - step, rel=1e-6)
+    assert t.tau1[5].item() == pytest.approx(0.05 - step, rel=1e-6)
 
 
 @pytest.mark.parametrize("variant", ["fastclip_v2", "fastclip_v3", "sogclr"])

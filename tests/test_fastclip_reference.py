@@ -67,13 +67,13 @@ def load_state(m: FastClipLoss, st: dict) -> None:
             getattr(m, f"lu{side}").copy_(t64(st[f"u{side}"]).log())
         if m.individual:
             for k in ("tau1", "tau2", "m1", "m2", "v1", "v2", "bound1", "bound2"):
-                getattr(m, k).copy_(t64(st[k]))
+                getattr(m.temperatures, k).copy_(t64(st[k]))
         else:
-            m.theta.copy_(t64(st["logit_scale_param"]))
+            m.temperatures.theta.copy_(t64(st["logit_scale_param"]))
             if "adamw_step" in st:
-                m.theta_step.fill_(st["adamw_step"])
-                m.theta_m.copy_(t64(st["adamw_exp_avg"]))
-                m.theta_v.copy_(t64(st["adamw_exp_avg_sq"]))
+                m.temperatures.theta_step.fill_(st["adamw_step"])
+                m.temperatures.theta_m.copy_(t64(st["adamw_exp_avg"]))
+                m.temperatures.theta_v.copy_(t64(st["adamw_exp_avg_sq"]))
 
 
 def check_step(m: FastClipLoss, step: dict, what: str) -> None:
@@ -83,7 +83,7 @@ def check_step(m: FastClipLoss, step: dict, what: str) -> None:
     x1 = t64(step["image_features"]).float().requires_grad_(True)
     x2 = t64(step["text_features"]).float().requires_grad_(True)
     if m.learn_global:  # the lr the reference's scheduler set before this step's forward
-        close(m.tau_lr_at(step["global_step"]), step["lr_tau"], 1e-12, f"{what} lr_tau")
+        close(m.temperatures.lr_at(step["global_step"]), step["lr_tau"], 1e-12, f"{what} lr_tau")
     loss, logs = m(x1, x2, None, idx)
     loss.backward()
     out = step["outputs"]
@@ -104,24 +104,25 @@ def check_step(m: FastClipLoss, step: dict, what: str) -> None:
         close_abs(h2, out["grad_tau2_batch"], 5e-5, f"{what} h2")
         for side in (1, 2):  # the diagonal's z is 0 up to rounding: scaled by the largest bound
             ref = t64(out[f"bound{side}_batch"])
-            close_abs(getattr(m, f"bound{side}")[idx], ref.tolist(), 1e-5 * ref.abs().max().item() + 1e-6,
+            close_abs(getattr(m.temperatures, f"bound{side}")[idx], ref.tolist(), 1e-5 * ref.abs().max().item() + 1e-6,
                       f"{what} bound{side}")
     else:
         assert grad is None
     m.after_step(step.get("global_step"))
     after = step["state_after"]
     if m.learn_global:
-        close_abs(m.theta, out["logit_scale_param_after_clamp"], 2e-6, f"{what} theta")
+        close_abs(m.temperatures.theta, out["logit_scale_param_after_clamp"], 2e-6, f"{what} theta")
         hit = out["logit_scale_clamp_hit"]
-        assert (m.theta.item() in (0.0, math.log(100.0))) == bool(hit), f"{what}: clamp event differs"
-        close(m.tau, out["tau_after"], 1e-5, f"{what} tau")
-        assert m.theta_step.item() == after["adamw_step"]
+        assert (m.temperatures.theta.item() in (0.0, math.log(100.0))) == bool(hit), f"{what}: clamp event differs"
+        close(m.temperatures.tau, out["tau_after"], 1e-5, f"{what} tau")
+        assert m.temperatures.theta_step.item() == after["adamw_step"]
         for k, ref_k in (("theta_m", "adamw_exp_avg"), ("theta_v", "adamw_exp_avg_sq")):
             ref = t64(after[ref_k])
-            assert (getattr(m, k) - ref).abs().item() <= 1e-4 * ref.abs().item() + 1e-5 * ref.abs().item(), k
+            got = getattr(m.temperatures, k)
+            assert (got - ref).abs().item() <= 1e-4 * ref.abs().item() + 1e-5 * ref.abs().item(), k
     elif m.individual:
         for side in (1, 2):
-            tau = getattr(m, f"tau{side}")[idx]
+            tau = getattr(m.temperatures, f"tau{side}")[idx]
             close(tau, out[f"tau{side}_batch_after"], 1e-5, f"{what} tau{side}")
             clamped = set(out[f"tau{side}_clamped_indices"])
             for j, i in enumerate(step["indices"]):   # the clamp events are the reference's
@@ -129,17 +130,17 @@ def check_step(m: FastClipLoss, step: dict, what: str) -> None:
                 assert at_bound == (i in clamped) or (at_bound and (
                     abs(step["state_before"][f"tau{side}"][i] - tau[j].item()) < 1e-7)), f"{what} clamp {i}"
             for mom in ("m", "v"):
-                got, ref = getattr(m, f"{mom}{side}")[idx].double(), t64(out[f"{mom}{side}_batch_after"])
+                got, ref = getattr(m.temperatures, f"{mom}{side}")[idx].double(), t64(out[f"{mom}{side}_batch_after"])
                 err = (got - ref).abs().max().item()
                 assert err <= 1e-4 * ref.abs().max().item() + 1e-5 * ref.abs().max().item(), f"{what} {mom}{side}"
     else:
-        close(m.tau, after.get("tau", step["state_before"]["tau"]), 1e-7, f"{what} constant tau")
+        close(m.temperatures.tau, after.get("tau", step["state_before"]["tau"]), 1e-7, f"{what} constant tau")
     # every entry of the table, not only the batch's, is the reference's
     close_log_u(m.lu1, after["u1"], f"{what} u1 (all)")
     close_log_u(m.lu2, after["u2"], f"{what} u2 (all)")
     if m.individual:
-        close(m.tau1, after["tau1"], 1e-5, f"{what} tau1 (all)")
-        close(m.tau2, after["tau2"], 1e-5, f"{what} tau2 (all)")
+        close(m.temperatures.tau1, after["tau1"], 1e-5, f"{what} tau1 (all)")
+        close(m.temperatures.tau2, after["tau2"], 1e-5, f"{what} tau2 (all)")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])

@@ -1,7 +1,8 @@
 """CLIP losses: the OpenCLIP mini-batch InfoNCE loss, the gamma schedule and the collectives helpers.
 
-Collectives outside `strategy/` live only here and in `fastclip.py`; the process group is passed in
-(None = the default group when torch.distributed is initialized, else a single process).
+Collectives outside `strategy/` live only here, in `fastclip.py` and in `fastclip_state.py`; the
+process group is passed in (None = the default group when torch.distributed is initialized, else a
+single process).
 Communication is counted per worker in elements SENT under the ring model: an all_gather of a [b, d]
 tensor over K ranks sends (K-1)*b*d; the autograd all_gather's backward (a reduce-scatter, emulated by
 all_to_all on gloo) sends (K-1)*b*d as well.

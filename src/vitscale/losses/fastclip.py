@@ -17,16 +17,12 @@ What the reference optimizes (SOURCES.md section 3, ../shared/reference/README.m
   tau grad(V/2).
 - v2, iSogCLR: per-sample tau1_i, tau2_i enter only through the exponents; the loss is V and its
   feature gradient grad(V/2) (no tau_i weight).
-Global temperatures (v0, v3) are learned as theta = logit_scale = log(1/tau): one Adam (AdamW,
-weight decay 0) step per optimizer step on d(loss)/d(theta), then theta is clamped to [0, ln 100]:
+Global temperatures (v0, v3) are learned as theta = logit_scale = log(1/tau) by Adam
+(fastclip_temperature.GlobalTemperature, which also has the lr schedules) on d(loss)/d(theta):
   v0: d/dtheta = mean_i (a1_i + a2_i),  v3: d/dtheta = tau (mean_i (a1_i + a2_i) - rho - mean_i (log u1_i + log u2_i)/2)
-  with a_k,i = mean_{j != i} exp(z_k,ij) z_k,ij / (eps + u_k,i).  The lr of that step is
-  `tau_lr` times: v0 the model's lr schedule factor (warm-up + cosine, the reference's default),
-  v3 1/tau_lr_cut while 1/exp(theta) <= 0.03 (re-checked every step from the current theta, not
-  latched), v2/iSogCLR no factor.
-Per-sample temperatures (v2, iSogCLR): h_k,i = clamp(log(eps + u_k,i) + rho - a_k,i, -5, 5), an
-Adam-like step with betas (0, 0) during epoch 0 and the model optimizer's betas after, bias
-correction by 1 - beta^(epoch+1), tau clamped to [0.01, 1].  The reference stores u exp(-bound)
+  with a_k,i = mean_{j != i} exp(z_k,ij) z_k,ij / (eps + u_k,i).
+Per-sample temperatures (v2, iSogCLR; fastclip_temperature.SampleTemperatures): h_k,i =
+clamp(log(eps + u_k,i) + rho - a_k,i, -5, 5), an Adam-like step.  The reference stores u exp(-bound)
 with bound a running max of max_j z_ij (diagonal included): the bound decides when u counts as
 "below 1e-35" and shifts eps (log(eps e^bound + u)); vitscale keeps it for those two effects only.
 
@@ -50,15 +46,8 @@ scalars (K-1)*b*m with m = 3 columns (index, lu1, lu2) + 1 (global learnable tau
 gradient per anchor) or + 4 (individual tau: h1, h2, bound1, bound2), gathered once as a float64
 [b, m] tensor (indices exact up to 2^53).
 
-Per-sample state, replicated (default): every rank keeps the whole table and applies the gathered
-updates.  Sharded (`shard_state=True`): rank r keeps the rows of the dataset indices i with
-i % K == r (1/K of the table, at i // K).  Each step then first all-gathers the batch's indices
-((K-1)b elements) and fetches the batch's rows (lu1, lu2; + tau1, tau2, bound1, bound2 for
-per-sample temperatures) with one all_reduce of an [N, c] float64 table in which each owner fills
-its rows (the other entries are 0, so the sum is the owner's value, exactly); the gathered
-updates are written by their owners only.  Every number equals the replicated run's bit for bit.
-Checkpoints hold the whole table (gathered on rank 0), so a run can resume at any world size and
-in either mode.
+Per-sample state is replicated on every rank (default) or sharded by dataset index
+(`shard_state=True`): fastclip_state.py.  The arithmetic of a step is in fastclip_step.py.
 """
 from __future__ import annotations
 
@@ -68,14 +57,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-import torch.distributed as dist
-
 from .clip import StepLogs, gamma_at, gather_no_grad, no_autocast, world
+from .fastclip_state import ShardMap
+from .fastclip_step import (add_remote_surrogate, anchor_exponents, inner_estimate, local_surrogate,
+                            reported_objective, reported_value, weighted_z)
+from .fastclip_temperature import GlobalTemperature, SampleTemperatures
 
 VARIANTS = ("fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr")
-TAU_MIN, TAU_MAX, TAU_CUT_AT = 0.01, 1.0, 0.03
-THETA_MAX = math.log(100.0)              # logit_scale clamp [0, ln 100] = tau in [0.01, 1]
-U_RESET_BELOW = math.log(1e-35)          # the reference's "u < 1e-35, inf or nan" -> u = g
 GRAD_CLAMP = 5.0                         # per-sample temperature gradient clamp
 TAU_LR_SCHEDULES = ("auto", "model", "threshold", "constant")
 
@@ -98,10 +86,9 @@ def reference_defaults(variant: str) -> dict:
 
 
 class FastClipLoss(nn.Module):
-    """All six global losses in one class (over 250 lines by choice): like the reference's one
-    loss class, the variants share the u tables, the gather and the surrogate and differ by three
-    switches (learn_global, individual, multiply_tau); one class keeps each variant's path
-    readable against tests/test_fastclip_reference.py."""
+    """The six global losses: the u tables, the gather and the surrogate are shared, and the variants
+    differ by three switches (learn_global, individual, multiply_tau) and their temperatures
+    (`self.temperatures`: fastclip_temperature.py)."""
 
     def __init__(self, variant: str, *, dataset_size: int, gamma_schedule: str = "cosine",
                  gamma_min: float = 0.2, gamma_decay_epochs: float = 1.0, tau_init: float = 0.07,
@@ -122,93 +109,54 @@ class FastClipLoss(nn.Module):
         self.rho = float(rho) if variant in ("fastclip_v2", "fastclip_v3", "isogclr") else 0.0
         if tau_lr_schedule == "auto":
             tau_lr_schedule = REFERENCE_DEFAULTS[variant][2]
-        self.tau_lr_schedule, self.lr_factor, self.lr_cut = tau_lr_schedule, lr_factor, float(tau_lr_cut)
-        self.schedule, self.gamma_min, self.decay = gamma_schedule, gamma_min, gamma_decay_epochs
-        self.tau_lr, self.eps = float(tau_lr), float(eps)
+        # the resolved temperature settings (the temperature object below keeps what it uses)
+        self.tau_lr_schedule, self.tau_lr, self.eps = tau_lr_schedule, float(tau_lr), float(eps)
         self.betas, self.tau_eps = (float(tau_beta1), float(tau_beta2)), float(tau_eps)
+        self.schedule, self.gamma_min, self.decay = gamma_schedule, gamma_min, gamma_decay_epochs
         self.device, self.dtype = torch.device(device), state_dtype
         self.epoch, self.gamma = 0, 1.0
         k, rank, _ = world(group)
-        self.sharded = bool(shard_state) and k > 1
-        # rows of this rank: all (replicated) or the indices i % K == rank, at i // K (sharded)
-        self.shards, self.shard_rank = (k, rank) if self.sharded else (1, 0)
-        n, dev, dt = -(-self.n // self.shards), self.device, state_dtype
+        self.shards = ShardMap(self.n, k, rank, bool(shard_state) and k > 1)
+        n, dev, dt = self.shards.size, self.device, state_dtype
         self.lu1 = torch.full((n,), -math.inf, dtype=dt, device=dev)   # log u1 (image anchors)
         self.lu2 = torch.full((n,), -math.inf, dtype=dt, device=dev)   # log u2 (text anchors)
         if self.individual:
-            self.tau1 = torch.full((n,), float(tau_init), dtype=dt, device=dev)
-            self.tau2 = torch.full((n,), float(tau_init), dtype=dt, device=dev)
-            self.m1, self.m2, self.v1, self.v2 = (torch.zeros(n, dtype=dt, device=dev) for _ in range(4))
-            self.bound1, self.bound2 = (torch.zeros(n, dtype=dt, device=dev) for _ in range(2))
-        else:  # theta = logit_scale = log(1/tau) and its Adam state, fp64 0-d tensors (no host syncs)
-            f64 = dict(dtype=torch.float64, device=dev)
-            self.theta = torch.tensor(math.log(1.0 / float(tau_init)), **f64)
-            self.theta_m, self.theta_v = torch.zeros((), **f64), torch.zeros((), **f64)
-            self.theta_step = torch.zeros((), **f64)
+            self.temperatures = SampleTemperatures(tau_init, shards=self.shards, lr=self.tau_lr, betas=self.betas,
+                                                   eps=self.tau_eps, dtype=dt, device=dev)
+        else:
+            self.temperatures = GlobalTemperature(tau_init, lr=self.tau_lr, schedule=tau_lr_schedule,
+                                                  lr_factor=lr_factor, lr_cut=float(tau_lr_cut), betas=self.betas,
+                                                  eps=self.tau_eps, device=dev)
         # the last forward's raw temperature gradient, which after_step() applies (public: set it to
         # drive the temperature steps without a forward)
         self.pending_grad = None
         self.comm_elements = {"features": 0, "scalars": 0, "steps": 0}
 
-    # ---- schedule / bookkeeping -------------------------------------------------------------
+    # ---- schedule / state -------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.gamma = gamma_at(epoch, self.schedule, self.gamma_min, self.decay)
 
-    def _state_names(self):
-        names = ["lu1", "lu2"]
-        return names + (["tau1", "tau2", "m1", "m2", "v1", "v2", "bound1", "bound2"] if self.individual
-                        else ["theta", "theta_m", "theta_v", "theta_step"])
-
-    def _row_names(self):
-        """The per-sample columns a step reads."""
-        return ["lu1", "lu2"] + (["tau1", "tau2", "bound1", "bound2"] if self.individual else [])
-
-    def _fetch(self, idx_all, k, group) -> dict:
-        """Sharded state: the rows of the global batch's dataset indices [N] from their owners, by
-        one all_reduce of [N, c] float64 in which the other ranks add 0: x + 0 = x exactly, for
-        x = -inf (never seen) and nan too."""
-        mine = idx_all % self.shards == self.shard_rank
-        pos = idx_all[mine] // self.shards
-        names = self._row_names()
-        table = torch.zeros(len(idx_all), len(names), dtype=torch.float64, device=idx_all.device)
-        table[mine] = torch.stack([getattr(self, name)[pos].double() for name in names], 1)
-        dist.all_reduce(table, group=group)
-        self.comm_elements["scalars"] += 2 * (k - 1) * (len(idx_all) // k) * len(names)
-        return {name: table[:, c].float() for c, name in enumerate(names)}
-
-    def _write(self, name: str, idx_all, values) -> None:
-        """Store the gathered values of the batch's indices (owned rows only when sharded)."""
-        if self.sharded:
-            mine = idx_all % self.shards == self.shard_rank
-            idx_all, values = idx_all[mine] // self.shards, values[mine]
-        getattr(self, name)[idx_all] = values.to(self.dtype)
+    def tables(self) -> dict:
+        """Every state tensor by its checkpoint key: lu1, lu2 and the temperatures'."""
+        return {"lu1": self.lu1, "lu2": self.lu2, **self.temperatures.tables()}
 
     def state_bytes(self) -> int:
         """Bytes of per-sample state on this rank: u1, u2 (+ tau1, tau2, 4 Adam moments and 2
         bounds for the individual-tau variants), each [dataset_size] (ceil(dataset_size / K) rows
         when sharded over K ranks)."""
-        per = [getattr(self, k) for k in self._state_names() if getattr(self, k).ndim == 1]
+        per = [t for t in self.tables().values() if t.ndim == 1]
         return sum(t.numel() * t.element_size() for t in per)
 
     def state_dict(self, *args, **kwargs) -> dict:
         """The whole state; sharded tables are gathered on rank 0 (collective: call it on every
         rank; the other ranks get their own rows only, with `shard_of` set)."""
-        sd = {k: getattr(self, k).clone() for k in self._state_names()}
-        if self.sharded:
+        sd = {k: t.clone() for k, t in self.tables().items()}
+        if self.shards.sharded:
             k, rank, group = world(self.group)
-            for name in self._state_names():
-                t = sd[name]
-                if t.ndim == 0:
-                    continue
-                parts = [torch.empty_like(t) for _ in range(k)] if rank == 0 else None
-                dist.gather(t, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0,
-                            group=group)
-                if rank == 0:
-                    full = torch.empty(self.n, dtype=t.dtype, device=t.device)
-                    for r, part in enumerate(parts):
-                        full[r::k] = part[:len(range(r, self.n, k))]
-                    sd[name] = full
+            for name in list(sd):
+                if sd[name].ndim:
+                    sd[name] = self.shards.gather_full(sd[name], group)
             if rank:
                 sd["shard_of"] = (rank, k)
         sd.update(variant=self.variant, epoch=self.epoch, gamma=self.gamma)
@@ -217,36 +165,27 @@ class FastClipLoss(nn.Module):
     def load_state_dict(self, sd: dict, strict: bool = True):
         if sd.get("variant", self.variant) != self.variant:
             raise ValueError(f"loss state is for {sd['variant']!r}, not {self.variant!r}")
-        missing = [k for k in self._state_names() if k not in sd]
+        tables = self.tables()
+        missing = [k for k in tables if k not in sd]
         if missing:
             raise ValueError(f"loss state lacks {', '.join(missing)} (written by an older vitscale, "
                              "before the reference-parity temperatures?)")
-        for k in self._state_names():
-            cur, new = getattr(self, k), sd[k]
+        for k, cur in tables.items():
+            new = sd[k]
             if new.ndim and new.shape != (self.n,):
                 raise ValueError(f"loss state {k}: shape {tuple(new.shape)} != ({self.n},) "
                                  "(dataset size changed?)")
-            if new.ndim and self.sharded:    # this rank's rows of the whole table
-                mine = new[self.shard_rank::self.shards]
-                cur.zero_()
-                cur[:len(mine)] = mine.to(cur.device, cur.dtype)
-                continue
-            cur.copy_(new.to(cur.device, cur.dtype))
+            if new.ndim:          # this rank's rows of the whole table
+                self.shards.load(cur, new)
+            else:
+                cur.copy_(new.to(cur.device, cur.dtype))
         self.epoch, self.gamma = sd["epoch"], sd["gamma"]
         self.pending_grad = None
 
     @property
-    def tau(self) -> torch.Tensor:
-        """The global temperature 1/exp(theta) (fp64 0-d)."""
-        return torch.exp(-self.theta)
-
-    @property
     def temperature(self) -> float:
         """The global tau, or the mean per-sample tau (of this rank's rows when sharded)."""
-        if self.individual:
-            rows = len(range(self.shard_rank, self.n, self.shards))
-            return float((self.tau1[:rows].float().mean() + self.tau2[:rows].float().mean()) / 2)
-        return float(self.tau)
+        return self.temperatures.temperature
 
     # ---- the step ---------------------------------------------------------------------------
     def forward(self, img_f, txt_f, logit_scale=None, index=None):
@@ -255,141 +194,105 @@ class FastClipLoss(nn.Module):
         with no_autocast(dev.type):
             return self._forward(img_f.float(), txt_f.float(), index.to(dev), k, rank, group)
 
-    def _new_lu(self, lu_old, log_g, shift):
-        """The reference's u update in log space; `shift` = the bound before the step (the
-        reference compares its stored u exp(-bound) with 1e-35)."""
-        g = self.gamma
-        if g >= 1:
-            return log_g
-        lu_new = torch.logaddexp(lu_old + math.log(1 - g), log_g + (math.log(g) if g > 0 else -math.inf))
-        bad = (lu_old - shift < U_RESET_BELOW) | torch.isnan(lu_old) | (lu_old == math.inf)
-        return torch.where(bad, log_g, lu_new)
-
     def _forward(self, e1, e2, index, k, rank, group):
-        # Long by choice (109 lines): one pass over the step's quantities in the order the
-        # reference computes them (gather, z, u update, a_i, packed exchange, table writes,
-        # surrogate, logs); a dozen intermediates are shared across these parts, and each part is
-        # checked against the reference's numbers (tests/test_fastclip_reference.py).
+        """One step, in the order the reference computes it: gather, z, u update, a_i, packed
+        exchange, table writes, surrogate, logs (the arithmetic: fastclip_step.py)."""
         b, d = e1.shape
         n_all, off = k * b, rank * b
         feats = gather_no_grad(torch.cat([e1, e2], 1), k, group)             # [N, 2d], detached
         E1, E2 = feats[:, :d], feats[:, d:]
         E1m = torch.cat([E1[:off], e1, E1[off + b:]])                         # local slice with grad
         E2m = torch.cat([E2[:off], e2, E2[off + b:]])
-        if self.sharded:      # the batch's rows from their owners
-            rows_all = self._fetch(gather_no_grad(index, k, group), k, group)
-            self.comm_elements["scalars"] += (k - 1) * b
-            rows = {name: t[off:off + b] for name, t in rows_all.items()}
-        else:
-            rows_all = None
-            rows = {name: getattr(self, name)[index].float() for name in self._row_names()}
-        if self.individual:   # the reference scales by 1/tau_i (old taus: updated after the step)
-            s1, s2 = 1.0 / rows["tau1"], 1.0 / rows["tau2"]                    # [b]
-        else:                 # ... and by logit_scale = exp(theta)
-            s1 = s2 = torch.exp(self.theta).float().expand(b)
-        pos = (e1 * e2).sum(1)                                                # s_ii [b], with grad
-        diag = torch.zeros(b, n_all, dtype=torch.bool, device=e1.device)
-        diag[torch.arange(b), off + torch.arange(b)] = True
-        z1 = ((e1 @ E2m.T - pos[:, None]) * s1[:, None]).masked_fill(diag, -math.inf)  # [b, N]
-        z2 = ((e2 @ E1m.T - pos[:, None]) * s2[:, None]).masked_fill(diag, -math.inf)
-        log_nm1 = math.log(n_all - 1)
+        rows, rows_all = self._batch_rows(index, k, off, b, group)
+        # 1/tau_i (old taus: updated after the step) or logit_scale = exp(theta)
+        s1, s2 = self.temperatures.scales(rows, b)
+        z1, z2, diag = anchor_exponents(e1, e2, E1m, E2m, s1, s2, off)
         log_eps = math.log(self.eps) if self.eps > 0 else -math.inf
-        cols, L, log_gs, lus, bounds = [index.double()], [], [], [], []
-        for side, z in ((1, z1), (2, z2)):
-            lu_old = rows[f"lu{side}"]
-            zd = z.detach()
-            log_g = torch.logsumexp(zd, 1) - log_nm1                            # log g_i [b]
-            if self.individual:  # running max of max_j z_ij, the diagonal (z = 0) included
-                old = rows[f"bound{side}"]
-                bound = torch.maximum(old, zd.max(1).values.clamp_min(0.0))
-                lu_new = self._new_lu(lu_old, log_g, old)
-                bounds.append(bound)
-                L.append(torch.logaddexp(lu_new, log_eps + bound))              # log(eps e^bound + u)
-            else:
-                lu_new = self._new_lu(lu_old, log_g, 0.0)
-                L.append(torch.logaddexp(lu_new, torch.full_like(lu_new, log_eps)))  # log(eps + u)
-            log_gs.append(log_g)
-            lus.append(lu_new)
-            cols.append(lu_new.double())
-        if self.learn_global or self.individual:
-            a = []   # a_i = mean_{j != i} exp(z_ij) z_ij / (eps + u_i)
-            for z, Li in zip((z1, z2), L):
-                zd = z.detach()
-                p = torch.exp(zd - Li[:, None]) / (n_all - 1)                 # 0 on the diagonal
-                a.append((p * zd.masked_fill(diag, 0.0)).sum(1))
-            if self.learn_global:  # d(loss)/d(theta) per anchor (v3: before the tau factor)
-                q = a[0] + a[1]
-                if self.multiply_tau:
-                    q = q - self.rho - (lus[0] + lus[1]) / 2
-                cols.append(q)
-            else:
-                cols += [(Li + self.rho - ai).clamp(-GRAD_CLAMP, GRAD_CLAMP) for Li, ai in zip(L, a)]
-                cols += bounds
+        sides = [inner_estimate(z, rows[f"lu{side}"], rows.get(f"bound{side}"), self.gamma,
+                                math.log(n_all - 1), log_eps) for side, z in ((1, z1), (2, z2))]
+        cols = [index.double(), sides[0].lu.double(), sides[1].lu.double()]
+        packed = self._exchange(cols + self._temperature_columns(z1, z2, sides, diag, n_all), k, b, d, group)
+        idx_all = packed[:, 0].long()                                          # packed: [N, m] float64
+        self._store(idx_all, packed)
+        tau = None if self.individual else self.temperatures.tau.float()
+        taus_all = self._batch_taus(idx_all, rows_all) if self.individual else None
+        sur = local_surrogate(z1, z2, sides)            # (a) local anchors vs all features
+        if k > 1:                                       # (b) the other ranks' anchors vs the local features
+            sur = add_remote_surrogate(sur, E1, E2, e1, e2, packed, self.temperatures.scales(taus_all, n_all),
+                                       self._remote_shifts(packed, n_all, log_eps, e1.device), off)
+        half = 0.5 * tau if self.multiply_tau else 0.5
+        sur = sur * half / ((n_all - 1) * b)
+        # the reference's reported loss, over this rank's anchors (its mean over ranks is global)
+        value = reported_value(sides, tau, self.rho, self.multiply_tau)
+        objective = reported_objective(sides, self.rho, tau, s1, s2)
+        tau_log = (taus_all["tau1"].mean() + taus_all["tau2"].mean()) / 2 if self.individual else tau
+        loss = sur - sur.detach() + value.detach()
+        return loss, StepLogs({"loss": value.detach(), "objective": objective.detach(),
+                               "tau": tau_log.detach(), "gamma": self.gamma})
+
+    def _batch_rows(self, index, k, off, b, group):
+        """(rows, rows_all): the per-sample rows a step reads (lu1, lu2; + tau1, tau2, bound1, bound2),
+        float32, of the local batch [b] and, with sharded state, of the global batch [N] (fetched from
+        their owners; None when replicated)."""
+        names = ["lu1", "lu2", *self.temperatures.row_names]
+        tables = self.tables()
+        if not self.shards.sharded:
+            return {name: tables[name][index].float() for name in names}, None
+        table = self.shards.fetch([tables[name] for name in names], gather_no_grad(index, k, group), group)
+        self.comm_elements["scalars"] += 2 * (k - 1) * (len(table) // k) * len(names)
+        self.comm_elements["scalars"] += (k - 1) * b
+        rows_all = {name: table[:, c].float() for c, name in enumerate(names)}
+        return {name: t[off:off + b] for name, t in rows_all.items()}, rows_all
+
+    def _temperature_columns(self, z1, z2, sides, diag, n_all) -> list:
+        """The per-anchor temperature gradients exchanged with u: d(loss)/d(theta) (v0, v3: before
+        v3's tau factor), or h1, h2 and the bounds (per-sample temperatures); none for a constant tau."""
+        if not (self.learn_global or self.individual):
+            return []
+        a = [weighted_z(z, side.L, diag, n_all) for z, side in zip((z1, z2), sides)]
+        if self.learn_global:
+            q = a[0] + a[1]
+            if self.multiply_tau:
+                q = q - self.rho - (sides[0].lu + sides[1].lu) / 2
+            return [q]
+        return [(side.L + self.rho - ai).clamp(-GRAD_CLAMP, GRAD_CLAMP) for side, ai in zip(sides, a)] + \
+            [side.bound for side in sides]
+
+    def _exchange(self, cols: list, k, b, d, group):
+        """All ranks' columns (index, lu1, lu2, the temperature columns) in one gather, counted."""
         packed = gather_no_grad(torch.stack(cols, 1).double(), k, group)      # [N, m] float64
         if k > 1:
             self.comm_elements["features"] += (k - 1) * b * 2 * d
             self.comm_elements["scalars"] += (k - 1) * b * packed.shape[1]
         self.comm_elements["steps"] += 1
-        idx_all = packed[:, 0].long()
-        # every rank (replicated) or each row's owner (sharded) stores the batch's updated u (and bounds)
+        return packed
+
+    def _store(self, idx_all, packed) -> None:
+        """Every rank (replicated) or each row's owner (sharded) stores the global batch's updated u
+        (and bounds); the temperature gradient waits for after_step()."""
+        tables = self.tables()
         for c, name in [(1, "lu1"), (2, "lu2")] + ([(5, "bound1"), (6, "bound2")] if self.individual else []):
-            self._write(name, idx_all, packed[:, c])
-        tau = None if self.individual else torch.exp(-self.theta).float()
+            self.shards.write(tables[name], idx_all, packed[:, c])
         if self.learn_global:
             self.pending_grad = packed[:, 3].mean()
         elif self.individual:     # the taus change in after_step(): this step uses the old ones
             self.pending_grad = (idx_all, packed[:, 3], packed[:, 4])
-            tau_all = (rows_all["tau1"], rows_all["tau2"]) if self.sharded else \
-                (self.tau1[idx_all].float(), self.tau2[idx_all].float())
-        # (a) local anchors vs all features (local ones with grad)
-        sur = torch.exp(z1 - L[0][:, None]).sum() + torch.exp(z2 - L[1][:, None]).sum()
-        # (b) the other ranks' anchors (detached) vs the local features as negatives
-        if k > 1:
-            if self.individual:
-                c1, c2 = 1.0 / tau_all[0], 1.0 / tau_all[1]
-                sh1 = log_eps + packed[:, 5].float()
-                sh2 = log_eps + packed[:, 6].float()
-            else:
-                c1 = c2 = torch.exp(self.theta).float().expand(n_all)
-                sh1 = sh2 = torch.full((n_all,), log_eps, device=e1.device)
-            posd = (E1 * E2).sum(1)                                           # [N]
-            other = torch.ones(n_all, 1, dtype=torch.bool, device=e1.device)
-            other[off:off + b] = False
-            for Ea, e_neg, c, col, sh in ((E1, e2, c1, 1, sh1), (E2, e1, c2, 2, sh2)):
-                La = torch.logaddexp(packed[:, col].float(), sh)
-                zb = (Ea @ e_neg.T - posd[:, None]) * c[:, None]              # [N, b]
-                zb = zb.masked_fill(~other, -math.inf)
-                sur = sur + torch.exp(zb - La[:, None]).sum()
-        half = 0.5 * tau if self.multiply_tau else 0.5
-        sur = sur * half / ((n_all - 1) * b)
-        # the reference's reported loss, over this rank's anchors (its mean over ranks is global)
-        v = (torch.exp(log_gs[0] - L[0]) + torch.exp(log_gs[1] - L[1])).mean()
-        if self.multiply_tau:
-            value = tau * v + self.rho * tau + tau * (lus[0] + lus[1]).mean() / 2
-        else:
-            value = v
+
+    def _batch_taus(self, idx_all, rows_all) -> dict:
+        """The per-sample taus of the global batch's anchors (before this step's update)."""
+        if self.shards.sharded:
+            return {"tau1": rows_all["tau1"], "tau2": rows_all["tau2"]}
+        t = self.temperatures
+        return {"tau1": t.tau1[idx_all].float(), "tau2": t.tau2[idx_all].float()}
+
+    def _remote_shifts(self, packed, n_all, log_eps, device):
+        """log eps per gathered anchor, plus its bound for per-sample temperatures (L = log(eps e^bound + u))."""
         if self.individual:
-            t1, t2 = 1.0 / s1, 1.0 / s2
-            objective = (t1 * (L[0] + self.rho) + t2 * (L[1] + self.rho)).mean()        # RGCL
-            tau_log = (tau_all[0].mean() + tau_all[1].mean()) / 2
-        else:
-            objective = tau * (L[0] + L[1]).mean() + 2 * self.rho * tau                 # GCL / RGCL-g
-            tau_log = tau
-        loss = sur - sur.detach() + value.detach()
-        return loss, StepLogs({"loss": value.detach(), "objective": objective.detach(),
-                               "tau": tau_log.detach(), "gamma": self.gamma})
+            return log_eps + packed[:, 5].float(), log_eps + packed[:, 6].float()
+        sh = torch.full((n_all,), log_eps, device=device)
+        return sh, sh
 
     # ---- temperatures -----------------------------------------------------------------------
-    def tau_lr_at(self, step: int | None = None) -> torch.Tensor:
-        """The global temperature's lr for the step about to be taken (fp64 0-d): tau_lr times the
-        model's schedule factor (v0), or divided by tau_lr_cut while tau <= 0.03 (v3)."""
-        lr = torch.tensor(self.tau_lr, dtype=torch.float64, device=self.theta.device)
-        if self.tau_lr_schedule == "model" and self.lr_factor is not None:
-            lr = lr * self.lr_factor(int(self.theta_step) if step is None else step)
-        elif self.tau_lr_schedule == "threshold":
-            lr = torch.where(torch.exp(-self.theta) <= TAU_CUT_AT, lr / self.lr_cut, lr)
-        return lr
-
     def temperature_grad(self):
         """The last forward's temperature gradient, which after_step() applies: d(loss)/d(theta)
         (fp64 0-d) for v0/v3; (dataset indices, h1, h2) with h the clamped d/dtau_i for v2/iSogCLR;
@@ -398,37 +301,18 @@ class FastClipLoss(nn.Module):
             return None
         if self.learn_global:
             g = self.pending_grad.to(torch.float64)
-            return g * torch.exp(-self.theta) if self.multiply_tau else g
+            return g * self.temperatures.tau if self.multiply_tau else g
         return self.pending_grad
 
     @torch.no_grad()
     def after_step(self, step: int | None = None) -> None:
         """The temperatures' step after the model's (no-op without learnable temperatures).
-        `step` is the 0-based optimizer step (for v0's lr schedule; default: this loss's count)."""
+        `step` is the 0-based optimizer step (for v0's lr schedule; default: the Adam step count)."""
         pend = self.temperature_grad()
         self.pending_grad = None
         if pend is None or self.tau_lr == 0:
             return
         if self.learn_global:
-            g = pend
-            lr = self.tau_lr_at(step)
-            b1, b2 = self.betas
-            self.theta_step += 1
-            self.theta_m.mul_(b1).add_((1 - b1) * g)
-            self.theta_v.mul_(b2).add_((1 - b2) * g * g)
-            mhat = self.theta_m / (1 - b1 ** self.theta_step)
-            vhat = self.theta_v / (1 - b2 ** self.theta_step)
-            self.theta.sub_(lr * mhat / (vhat.sqrt() + self.tau_eps)).clamp_(0.0, THETA_MAX)
-            return
-        idx, h1, h2 = pend
-        if self.sharded:              # the owner updates its rows
-            mine = idx % self.shards == self.shard_rank
-            idx, h1, h2 = idx[mine] // self.shards, h1[mine], h2[mine]
-        b1, b2 = self.betas if self.epoch > 0 else (0.0, 0.0)
-        c1, c2 = 1 - b1 ** (self.epoch + 1), 1 - b2 ** (self.epoch + 1)
-        for tau, m, v, g in ((self.tau1, self.m1, self.v1, h1), (self.tau2, self.m2, self.v2, h2)):
-            mi = b1 * m[idx].double() + (1 - b1) * g
-            vi = b2 * v[idx].double() + (1 - b2) * g * g
-            m[idx], v[idx] = mi.to(m.dtype), vi.to(v.dtype)
-            step_ = self.tau_lr * (mi / c1) / ((vi / c2).sqrt() + self.tau_eps)
-            tau[idx] = (tau[idx].double() - step_).clamp(TAU_MIN, TAU_MAX).to(tau.dtype)
+            self.temperatures.adam_step(pend, self.temperatures.lr_at(step))
+        else:
+            self.temperatures.adam_step(*pend, epoch=self.epoch)
