@@ -105,3 +105,16 @@ def test_pure_fp16_without_master_weights_is_refused_in_one_line(monkeypatch):
     s.backward(s.model(s.prepare(torch.randn(2, 1, 8, 8))).float().mean())
     with pytest.raises(ValueError, match="unscale FP16 gradients"):
         s.step()
+
+
+@pytest.mark.parametrize("command", ["train", "info", "config", "bench", "ladder", "tune", "predict"])
+def test_the_tasks_model_init_checks_run_before_every_command_starts(capsys, tmp_path, command):
+    """model.init options are the task's to check (tasks.check_config): every command on a recipe
+    refuses them in one "config: ..." line, exit code 2, before anything is built."""
+    from vitscale.cli import main
+    out = ["--out", str(tmp_path / "x")] if command in ("train", "ladder", "tune") else []
+    assert main([command, "configs/tests/tiny.toml", *out, "--set", "model.init_arch=vit_base_patch16_224"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("config: model.init_arch names the timm architecture of ViT classifier weights given "
+                            "with model.init (a ViT model.arch)"), err
+    assert not (tmp_path / "x").exists()

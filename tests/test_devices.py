@@ -8,7 +8,7 @@ import torch
 
 from vitscale.config import OptimConfig, StrategyConfig, TrainConfig, load_config
 from vitscale.errors import ConfigError
-from vitscale.metrics import gpu_peak_flops, peak_flops
+from vitscale.metrics import gpu_peak_flops, peak_flops, synchronizer
 from vitscale.models import vit
 from vitscale.strategy import SingleDevice, devices
 from vitscale.strategy.deepspeed import build_ds_config
@@ -190,8 +190,8 @@ def test_gpu_peaks_by_device_name_and_tf32(monkeypatch):
 def test_timers_synchronize_the_gpu(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
-    devices.synchronizer(torch.device("cuda", 1))()
-    devices.synchronizer(torch.device("cpu"))()
+    synchronizer(torch.device("cuda", 1))()
+    synchronizer(torch.device("cpu"))()
     assert calls == [torch.device("cuda", 1)]
 
 

@@ -197,8 +197,9 @@ def test_train_from_a_timm_file(tmp_path, capsys):
                               if k not in ("pos_embed", "head.weight", "head.bias", "patch_embed.proj.weight")) \
         + 5 * 32 + 32 * 8 * 8 + 4 * 32 + 4  # pos 2x2+1 rows, 1-channel patch filters, the 4-class head
     from vitscale.config import load_config
+    from vitscale.tasks import check_config
     with pytest.raises(Exception, match="CLIP models cannot be initialized"):
-        load_config("clip_openclipart", [f"model.init={path}"])
+        check_config(load_config("clip_openclipart", [f"model.init={path}"]))
 
 
 @pytest.mark.parametrize("head", ["token", "pool", "pool_fc_norm"])
@@ -240,7 +241,7 @@ def test_export_a_run_in_timms_layout(tmp_path, capsys, head):
     task = build_task(cfg, "vit")
     ours = task.build_model(task.spec_from_dict(state["spec"])).eval()
     ours.load_state_dict(_weights(state, False))
-    mean, std = state["task"]["normalization"]["mean"], state["task"]["normalization"]["std"]
+    mean, std = state["preprocess"]["mean"], state["preprocess"]["std"]
     assert hub["pretrained_cfg"]["input_size"] == [1, 8, 8]
     assert (hub["pretrained_cfg"]["mean"], hub["pretrained_cfg"]["std"]) == (mean, std)
     assert hub["architecture"] == "vit_base_patch16_224" and hub["model_args"] == {
@@ -471,8 +472,11 @@ def test_an_architecture_name_says_what_the_weights_leave_open(tmp_path, caplog)
 
 
 def test_init_arch_is_checked_with_the_config(tmp_path):
-    from vitscale.config import load_config
+    """The task's check (tasks.check_config, which every command runs on its config)."""
+    from vitscale.config import load_config as load
     from vitscale.errors import ConfigError
+    from vitscale.tasks import check_config
+    load_config = lambda *a: check_config(load(*a))  # noqa: E731
     path = weights_file(tmp_path)
     with pytest.raises(ConfigError, match="did you mean 'vit_base_patch16_224'"):
         load_config("configs/tests/tiny.toml", [f"model.init={path}", "model.init_arch=vit_bse_patch16_224"])
@@ -480,6 +484,8 @@ def test_init_arch_is_checked_with_the_config(tmp_path):
         load_config("configs/tests/tiny.toml", [f"model.init={path}", "model.init_arch=vit_base_patch16_224.nope"])
     with pytest.raises(ConfigError, match="given with model.init"):
         load_config("configs/tests/tiny.toml", ["model.init_arch=vit_base_patch16_224"])
+    with pytest.raises(ConfigError, match="given with model.init"):
+        load_config("configs/tests/clip_tiny.toml", [f"model.init={path}", "model.init_arch=vit_base_patch16_224"])
     cfg = load_config("configs/tests/tiny.toml", [f"model.init={path}", "model.init_arch=deit_tiny_patch16_224"])
     assert cfg.model.init_arch == "deit_tiny_patch16_224"
 

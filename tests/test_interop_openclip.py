@@ -320,8 +320,10 @@ def test_clip_model_init_config_check_names_the_real_cause(tmp_path):
     """`vitscale train` with model.init of an OpenCLIP file vitscale cannot start from: one line, the cause."""
     import json
 
-    from vitscale.config import load_config
+    from vitscale.config import load_config as load
     from vitscale.errors import ConfigError
+    from vitscale.tasks import check_config
+    load_config = lambda *a: check_config(load(*a))  # noqa: E731  (the task's check, as every command runs it)
     text = {k: v for k, v in fixture()[0].items() if not k.startswith("visual.")}
     convnext = {**text, "visual.trunk.stem.0.weight": torch.zeros(8, 3, 4, 4), "visual.head.proj.weight": torch.zeros(4, 8)}
     cases = [(write_state_dict(convnext, tmp_path / "convnext.safetensors"), "", "a timm image tower (visual.trunk.")]
@@ -349,8 +351,7 @@ def test_clip_model_init_config_check_names_the_real_cause(tmp_path):
 def test_export_writes_open_clip_config_beside_the_weights(tmp_path, caplog):
     import json
 
-    from vitscale.interop.open_clip import (load_call, load_open_clip, open_clip_config, run_preprocess,
-                                            save_open_clip)
+    from vitscale.interop.open_clip import load_call, load_open_clip, open_clip_config, save_open_clip
     sd, x = fixture()
     model = from_open_clip(sd, TINY_CONFIG).eval()
     cfg = open_clip_config(model.spec)["model_cfg"]
@@ -377,11 +378,15 @@ def test_export_writes_open_clip_config_beside_the_weights(tmp_path, caplog):
     path = save_open_clip(model, tmp_path / "mixed" / "clip.safetensors", pre)
     assert "would read model.safetensors" in load_call(path) and "\n" not in load_call(path)
     assert "give a folder or a .safetensors file" in one_line(lambda: save_open_clip(model, tmp_path / "m.bin"))
-    # the preprocessing a run's data had
+    # the preprocessing a run's data had (a checkpoint without its record: derived from its config)
+    from dataclasses import asdict
+
     from vitscale.config import load_config
+    from vitscale.tasks import build_task
     for name, mode, interp in (("openclipart", "longest", "bicubic"), ("csv", "shortest", "bilinear")):
         c = load_config("configs/tests/clip_tiny.toml", [f"data.name={name}", "data.channels=3"])
-        p = run_preprocess(c, 64)
+        task = build_task(c)
+        p = task.run_preprocess({"spec": asdict(task.build_spec(64, 3))})
         assert (p["size"], p["resize_mode"], p["interpolation"]) == (64, mode, interp)
         assert p["mean"] == [0.48145466, 0.4578275, 0.40821073]
 
@@ -517,10 +522,11 @@ def test_a_clip_run_starts_from_open_clip_weights(tmp_path, capsys):
     assert ev["test_i2t_r1"] == pytest.approx(s["test_i2t_r1"])
     # a timm ViT file is refused when the config is read
     from vitscale.config import load_config
+    from vitscale.tasks import check_config
     vit = write_state_dict({"pos_embed": torch.zeros(1, 5, 8), "patch_embed.proj.weight": torch.zeros(8, 3, 4, 4)},
                            tmp_path / "vit.safetensors")
     with pytest.raises(Exception, match="CLIP models cannot be initialized"):
-        load_config("configs/tests/clip_tiny.toml", [f"model.init={vit}"])
+        check_config(load_config("configs/tests/clip_tiny.toml", [f"model.init={vit}"]))
     # OpenCLIP's image tower takes RGB: a model trained on grey images is not exported as one
     # (test_an_exported_run_loads_in_open_clip_as_the_trained_function exports an RGB run)
     assert main(["export", str(out), "--format", "open_clip", "--out", str(tmp_path / "back")]) == 2

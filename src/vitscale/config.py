@@ -422,19 +422,9 @@ def micro_batch(batch_size: int, world_size: int = 1, accum_steps: int = 1, erro
 
 
 def check(cfg: Config) -> None:
-    """Cross-field checks that one key alone cannot express."""
+    """Cross-field checks that one key alone cannot express. What depends on the kind of model
+    (its model.init files) is the task's check: tasks.check_config runs both."""
     micro_batch(cfg.data.batch_size, 1, cfg.train.accum_steps)
-    if cfg.model.init_arch:
-        if not cfg.model.init or cfg.model.arch.startswith("clip"):
-            raise ConfigError("config: model.init_arch names the timm architecture of ViT classifier weights "
-                              "given with model.init (a ViT model.arch)")
-        from .errors import UserError
-        from .interop.timm_vit import arch_entry, arch_pretrained_cfg
-        try:
-            arch_entry(cfg.model.init_arch)
-            arch_pretrained_cfg(cfg.model.init_arch)
-        except UserError as e:
-            raise ConfigError(f"config: {e}") from None
     if cfg.train.compile_mode != "default" and not cfg.train.compile:
         raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} needs train.compile=true")
     if cfg.train.compile_mode in ("reduce-overhead", "max-autotune"):  # the modes with CUDA graphs
@@ -451,16 +441,6 @@ def check(cfg: Config) -> None:
         raise ConfigError("config: train.precision=pure_fp16 with train.master_weights=false is refused: "
                           "torch's loss scaler cannot unscale fp16 gradients, and fp16 optimizer state "
                           "underflows AdamW's eps (1e-8 is 0 in fp16); keep master_weights=true or use pure_bf16")
-    if cfg.model.init and cfg.model.arch.startswith("clip"):
-        from .errors import UserError
-        from .interop.open_clip import check_init
-        try:  # the file's configuration and keys: the real cause, in one line
-            check_init(cfg.model.init, cfg.model.init_open_clip)
-        except UserError as e:
-            raise ConfigError(f"config: {e}") from None
-    elif cfg.model.init_open_clip:
-        raise ConfigError("config: model.init_open_clip describes CLIP weights given with model.init "
-                          f"(model.arch={cfg.model.arch}{'' if cfg.model.init else ', no model.init'})")
     if cfg.model.heads and cfg.model.dim and cfg.model.dim % cfg.model.heads:
         raise ConfigError(f"config: model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
 

@@ -7,21 +7,21 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from .checkpoint import (list_checkpoints, load_checkpoint, resolve_checkpoint, rng_state, save_checkpoint,
-                         set_rng_state)
+from .checkpoint import list_checkpoints, save_checkpoint
 from .config import Config, micro_batch
-from .errors import ConfigError, DataError, TrainingError, UserError
-from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops
+from .errors import DataError, TrainingError, UserError
+from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops, synchronizer
 from .models import count_params
 from .optim import build_scheduler, scaled_lr
-from .strategy import build_strategy
-from .strategy.devices import launch_env, synchronizer, tf32_active
-from .strategy.resume import check_resume, engine_folder
+from .strategy import build_strategy, check_launch
+from .precision import tf32_active
+from .strategy.devices import launch_env
+from .run_state import resume_run, run_state
 from .tasks import build_task
 
 
@@ -100,11 +100,7 @@ class Trainer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
-        launch = launch_env(os.environ)
-        if cfg.strategy.name == "single" and launch.world_size > 1:  # N copies into one run folder
-            raise ConfigError(f"config: strategy.name=single under a launcher that started {launch.world_size} "
-                              "processes: each would train alone into the same run folder; use "
-                              "strategy.name=ddp, fsdp or deepspeed (or launch one process)")
+        check_launch(cfg.strategy.name, launch_env(os.environ).world_size)  # N copies into one run folder
         self.lr = scaled_lr(cfg.optim, cfg.data.batch_size)
         # the strategy builds its optimizer at the lr for this global batch; the saved config
         # keeps what the user wrote (lr, lr_scaling, lr_ref_batch)
@@ -141,43 +137,9 @@ class Trainer:
         self.best_acc, self.last_eval = None, None
         self.last_ckpt: Path | None = None
         if resume is not None:
-            path = resolve_checkpoint(resume)
-            state = load_checkpoint(path)
-            check_resume(state, path, s.name)  # one line where the engines cannot resume each other
-            folder = engine_folder(path, state)  # the engine's own folder next to it (.ds, .dcp)
-            if folder is not None:
-                s.load_engine(folder)
-            self._restore(state)
+            resume_run(self, resume)
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def _state(self) -> dict:
-        return {"version": 1, "config": self.cfg.to_dict(), "strategy": self.strategy.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "rng": self.strategy.gather_objects(rng_state()),
-                "world_size": self.strategy.world_size, "step": self.step,
-                "train_time": self.train_time, "images_seen": self.images_seen, "steady": self.steady,
-                "best_acc": self.best_acc, "last_eval": self.last_eval, "spec": asdict(self.spec),
-                "kind": self.task.kind, "task": self.task.state_dict()}
-
-    def _restore(self, state: dict) -> None:
-        self.strategy.load_state_dict(state["strategy"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        # the optimizer's lr came from the checkpoint; a resumed run may have a new schedule
-        # (e.g. more epochs), so set the lr this schedule gives at the restored step
-        for group, base, fn in zip(self.strategy.optimizer.param_groups, self.scheduler.base_lrs,
-                                   self.scheduler.lr_lambdas):
-            group["lr"] = base * fn(self.scheduler.last_epoch)
-        self.scheduler._last_lr = [g["lr"] for g in self.strategy.optimizer.param_groups]
-        rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
-        set_rng_state(rngs[self.strategy.rank] if len(rngs) == self.strategy.world_size else rngs[0])
-        self.step, self.train_time = state["step"], state["train_time"]
-        self.images_seen, self.best_acc = state["images_seen"], state["best_acc"]
-        self.steady = state["steady"]
-        self.last_eval = state["last_eval"]
-        try:
-            self.task.load_state_dict(state.get("task", {}))
-        except (ValueError, KeyError) as e:  # e.g. a loss state from another version or dataset
-            raise UserError(f"checkpoint: {e}") from None
-
     def check_finite(self) -> None:
         """TrainingError if a loss since the start was non-finite (the same on every rank: the loss
         is the mean over ranks). Called before anything is logged, evaluated or saved."""
@@ -197,7 +159,7 @@ class Trainer:
         suffix = s.engine_suffix  # DeepSpeed, FSDP2 sharded: big state in a folder every rank writes
         if suffix:
             s.save_engine(self.run_dir / "checkpoints" / f"step_{self.step:08d}{suffix}")
-        state = {**self._state(), "engine": suffix}
+        state = {**run_state(self), "engine": suffix}
         path = self.run_dir / "checkpoints" / f"step_{self.step:08d}.pt"
         if self.strategy.is_main:
             path = save_checkpoint(self.run_dir, self.step, state, self.cfg.run.keep_last)
@@ -244,18 +206,6 @@ class Trainer:
             self.task.after_step(self.step)
             mark("optimizer")
         return total, info
-
-    def describe_run(self) -> str:
-        cfg, s = self.cfg, self.strategy
-        scaling = '' if cfg.optim.lr_scaling == 'none' else \
-            f' ({cfg.optim.lr_scaling} scaling from {cfg.optim.lr:g} at batch {cfg.optim.lr_ref_batch})'
-        return (f"run {self.run_dir}: {self.task.describe(self.spec)}, {self.params / 1e6:.2f}M params, "
-                f"{self.flops_per_image / 1e6:.1f} MFLOPs/{self.task.sample} fwd; "
-                f"{self.data.train_size} train / {self.data.test_size} test {self.task.samples}; "
-                f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
-                f"{cfg.train.accum_steps} micro-batches x "
-                f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; lr {self.lr:.3g}{scaling}"
-                f"; {self.total_steps} steps on {s.device} in {cfg.train.precision}")
 
     def train_epoch(self) -> str:
         """Steps from the current one to the end of its epoch (or of training); returns the stop
@@ -348,7 +298,7 @@ class Trainer:
         self.log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard) if main else NullLog()
         self.bar = Progress(self.total_steps, cfg.run.progress if main else "off", start=self.step,
                             every=cfg.run.log_every)
-        self.bar.message(self.describe_run())
+        self.bar.message(describe_run(self))
         self.window, self._first, self._bar_text = Window(), True, ""
         stop_reason = "done"
         try:
@@ -371,6 +321,20 @@ class Trainer:
         """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
         state; gradients, while they exist, take as many bytes as the parameters."""
         return {**self.strategy.state_bytes(), "loss_state": self.task.state_bytes()}
+
+
+def describe_run(tr: Trainer) -> str:
+    """The run in one line: model, data, batch split, lr, steps, device and precision."""
+    cfg, s = tr.cfg, tr.strategy
+    scaling = '' if cfg.optim.lr_scaling == 'none' else \
+        f' ({cfg.optim.lr_scaling} scaling from {cfg.optim.lr:g} at batch {cfg.optim.lr_ref_batch})'
+    return (f"run {tr.run_dir}: {tr.task.describe(tr.spec)}, {tr.params / 1e6:.2f}M params, "
+            f"{tr.flops_per_image / 1e6:.1f} MFLOPs/{tr.task.sample} fwd; "
+            f"{tr.data.train_size} train / {tr.data.test_size} test {tr.task.samples}; "
+            f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
+            f"{cfg.train.accum_steps} micro-batches x "
+            f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; lr {tr.lr:.3g}{scaling}"
+            f"; {tr.total_steps} steps on {s.device} in {cfg.train.precision}")
 
 
 def run_summary(tr: Trainer, stop_reason: str) -> dict:

@@ -1,6 +1,7 @@
 """Run outputs and measures: metrics.jsonl, TensorBoard events, console progress (bar on a
-terminal, plain log lines otherwise), and MFU with the peak FLOP/s it divides by (a table of dense
-peaks for known GPUs, measured on CPUs)."""
+terminal, plain log lines otherwise), the timers' device synchronizer, and MFU with the peak FLOP/s
+it divides by (a table of dense peaks for known GPUs, measured on CPUs). Knows no engine: the
+number formats come from precision.py."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .strategy.devices import synchronizer, tf32_active
-from .strategy.precision import DTYPES, compute_dtype_name
+from .precision import DTYPES, compute_dtype_name, tf32_active
 
 
 class MetricsLog:
@@ -89,6 +89,14 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def synchronizer(device: torch.device):
+    """What a timer calls before reading the clock: torch.cuda.synchronize on a GPU (kernels run
+    asynchronously), nothing on a CPU."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
 
 
 # dense (no sparsity) tensor-core peaks in FLOP/s from NVIDIA's datasheets: {name fragment: {dtype:

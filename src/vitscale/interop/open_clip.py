@@ -598,36 +598,6 @@ def load_call(path) -> str:
     return f"load it in OpenCLIP: {call}"
 
 
-def run_preprocess(cfg, image_size: int) -> dict:
-    """OpenCLIP's preprocess_cfg for what a vitscale run fed its model at evaluation: the data's
-    mean/std, resize and interpolation (`cfg`: the run's Config)."""
-    from ..data.transforms import NORMALIZATIONS, normalization
-    d = cfg.data
-    if d.name in ("openclipart", "csv", "webdataset"):
-        mean, std = NORMALIZATIONS["clip"]  # the image-text loaders' (data.pair_files, data.openclipart)
-    elif d.name == "synthetic":
-        from ..data.sources.synthetic import make
-        s = make(replace(d, test_size=1), cfg.run.seed)  # (the training split's statistics)
-        mean, std = normalization(d.normalize, s.mean, s.std)
-    elif d.name == "fashion_mnist":
-        from ..data.sources.fashion_mnist import MEAN, STD
-        mean, std = normalization(d.normalize, MEAN, STD)
-    elif d.name in ("cifar10", "cifar100"):
-        from ..data.sources.cifar import SPECS
-        mean, std = normalization(d.normalize, *SPECS[d.name][-2:])
-    else:  # folder
-        mean, std = normalization(d.normalize, *NORMALIZATIONS["imagenet"])
-    # openclipart: the longer side fitted, white padding, bicubic (data.openclipart.load_image);
-    # files and folders: the shorter side, a central crop, bilinear (data.jpeg: vitscale crops the central
-    # 87.5%, OpenCLIP's "shortest" the central 100%); tensor datasets: bilinear to the size
-    mode, interp = {"openclipart": ("longest", "bicubic")}.get(d.name, ("shortest", "bilinear"))
-    out = {"size": image_size, "mode": "RGB", "mean": list(mean), "std": list(std), "interpolation": interp,
-           "resize_mode": mode}
-    if d.name == "openclipart":
-        out["fill_color"] = 255
-    return out
-
-
 # -- model.init ------------------------------------------------------------------------------------
 INIT_KEYS = {"config": "model.init_open_clip=NAME or CONFIG.json", "vision_heads": "model.heads=",
              "text_heads": "model.text_heads=", "quick_gelu": "model.init_act="}
@@ -731,10 +701,14 @@ def init_weights(path, *, image_size: int, in_chans: int, context_length: int, v
     return spec, state
 
 
-def export_run(model: CLIP, cfg, out, metadata: dict, run_dir) -> Path:
-    """`vitscale export RUN --format open_clip`: save_open_clip with the run's preprocessing; the
-    default `out` (RUN/model_open_clip.safetensors) becomes the folder RUN/open_clip."""
+def export_run(model: CLIP, out, metadata: dict, run_dir, preprocess: dict) -> Path:
+    """`vitscale export RUN --format open_clip`: save_open_clip with the run's preprocessing
+    (`preprocess`: tasks/base.py's run_preprocess; its OpenCLIP keys are written); the default
+    `out` (RUN/model_open_clip.safetensors) becomes the folder RUN/open_clip."""
     out = Path(out)
     if out == Path(run_dir) / "model_open_clip.safetensors":
         out = Path(run_dir) / "open_clip"
-    return save_open_clip(model, out, run_preprocess(cfg, model.spec.vision.image_size), metadata)
+    return save_open_clip(model, out, {k: v for k, v in preprocess.items() if k in PREPROCESS_KEYS}, metadata)
+
+
+PREPROCESS_KEYS = ("size", "mode", "mean", "std", "interpolation", "resize_mode", "fill_color")  # OpenCLIP's

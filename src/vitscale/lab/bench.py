@@ -37,8 +37,8 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
     import torch
 
     from ..metrics import mfu, peak_flops
-    from ..strategy.devices import tf32_active
-    from .harness import Bench, gather_max, hardware_info, max_rss_bytes, rate, versions
+    from ..precision import tf32_active
+    from .harness import Bench, hardware_info, max_rss_bytes, versions
     rss0 = max_rss_bytes()
     cuda = torch.cuda.is_available() and cfg.run.device != "cpu"
     if cuda:
@@ -46,15 +46,7 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
     b = Bench(cfg, synthetic)
     s = b.s
     try:
-        if warmup:
-            b.steps(warmup)
-        if s.world_size > 1:
-            s.comm_stats(1)
-        times = [b.steps(steps) for _ in range(trials)]
-        comm = s.comm_stats(steps * trials)
-        flat = gather_max(s, [v for t in times for v in t])
-        times = list(zip(flat[::2], flat[1::2]))
-        r = rate(times, steps, b.global_batch)
+        r, comm = timed_steps(b, steps, warmup, trials)
         split = b.split(split_steps or min(steps, 5))
         if cuda:
             mem, mem_src = torch.cuda.max_memory_allocated(s.device), "cuda max_memory_allocated (this process)"
@@ -95,6 +87,21 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
         b.close()
     s.close()  # leave the process group cleanly (multi-process runs)
     return out
+
+
+def timed_steps(b, steps: int, warmup: int, trials: int) -> tuple[dict, dict]:
+    """`trials` timings of `steps` steps of Bench `b` after `warmup` (the slowest rank's, per
+    trial): (harness.rate's throughput and step times, the communication counted per step)."""
+    from .harness import gather_max, rate
+    s = b.s
+    if warmup:
+        b.steps(warmup)
+    if s.world_size > 1:
+        s.comm_stats(1)
+    times = [b.steps(steps) for _ in range(trials)]
+    comm = s.comm_stats(steps * trials)
+    flat = gather_max(s, [v for t in times for v in t])
+    return rate(list(zip(flat[::2], flat[1::2])), steps, b.global_batch), comm
 
 
 def _max_or_none(values):

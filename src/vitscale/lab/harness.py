@@ -29,7 +29,7 @@ import torch
 
 from ..errors import UserError
 from ..strategy import devices
-from ..strategy.devices import synchronizer
+from ..metrics import synchronizer
 
 perf = time.perf_counter
 
@@ -44,24 +44,29 @@ def lab_config(path, overrides):
     """The recipe + overrides, quiet (no progress bar, no TensorBoard); under a multi-process
     launcher a `single` strategy would train N independent copies, so it becomes `ddp`."""
     from ..config import _set, check, load_config
+    from ..strategy import default_for, needs_processes
+    from ..tasks import check_config
     cfg = load_config(path, overrides)
     _set(cfg, "run.progress", "off")
     _set(cfg, "run.tensorboard", False)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.strategy.name == "single":
-        log("launched with several processes and strategy.name=single: using strategy.name=ddp")
-        _set(cfg, "strategy.name", "ddp")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not needs_processes(cfg.strategy.name):
+        log(f"launched with several processes and strategy.name={cfg.strategy.name}: using "
+            f"strategy.name={default_for(world_size)}")
+        _set(cfg, "strategy.name", default_for(world_size))
     check(cfg)
-    return cfg
+    return check_config(cfg)
 
 
 def with_overrides(cfg, overrides: dict):
     """A copy of `cfg` with {dotted key: value} set and checked (ConfigError if it does not validate)."""
     from ..config import _set, check
+    from ..tasks import check_config
     out = copy.deepcopy(cfg)
     for k, v in overrides.items():
         _set(out, k, v)
     check(out)
-    return out
+    return check_config(out)
 
 
 def check_counts(**counts) -> None:
@@ -455,13 +460,7 @@ def measure_against_first(cfgs: list, steps: int, rounds: int, warmup: int, synt
             if on_result is not None:
                 on_result(i, r)
 
-    ref, ref_i = None, None
-    for i, cfg in enumerate(cfgs):
-        ref, why = build_bench(cfg, synthetic)
-        if ref is not None:
-            ref_i = i
-            break
-        emit(i, {"error": why})
+    ref, ref_i = first_bench(cfgs, synthetic, emit)
     if ref is None:
         return results
     if ref_i == len(cfgs) - 1:  # nothing to pair it with: timed alone
@@ -472,33 +471,11 @@ def measure_against_first(cfgs: list, steps: int, rounds: int, warmup: int, synt
         if ref is None or ref.closed:  # it ran out of memory next to an earlier configuration: again
             ref, _ = build_bench(cfgs[ref_i], synthetic)
             fresh = True
-        b, why = build_bench(cfgs[j], synthetic)
-        if b is None:
-            emit(j, {"error": why})
-            continue
         full = results[ref_i] is None  # the reference's own result is still to be measured
         ref_steps = steps if full else (reference_steps or steps)
-        pair = [b] if ref is None else [ref, b]
-        times = side_by_side(pair, [ref_steps, steps][-len(pair):], rounds,
-                             [warmup if fresh else min(warmup, 1), warmup][-len(pair):],
-                             label=lambda k, j=j: names[j if pair[k] is b else ref_i])
-        fresh = False
-        t_ref, t_b = (None, *times) if ref is None else times
-        ref_r = None if t_ref is None else result_of(ref, t_ref, ref_steps, [1.0] * len(t_ref))
-        if t_b is None:
-            r = {"error": "out of memory"}
-        else:  # per image: the two may run different numbers of steps per round
-            ratios = None if t_ref is None else paired_rounds(
-                [t_ref, t_b], [ref.global_batch * ref_steps, b.global_batch * steps])[1]
-            r = {**result_of(b, t_b, steps, ratios), "reference_images_per_s": ref_r and ref_r["images_per_s"]}
-        # freed before anything else runs (the caller may train a model next)
-        compiled = b.cfg.train.compile
-        b.close()
-        del b, pair
-        if compiled and (ref is None or ref.closed or not ref.cfg.train.compile):
-            import torch._dynamo
-            torch._dynamo.reset()  # its compiled graphs and CUDA-graph pools (nothing else alive uses them)
-        free_memory()
+        ref_r, r, ran = beside(ref, cfgs[j], synthetic, [ref_steps, steps], rounds,
+                               [warmup if fresh else min(warmup, 1), warmup], (names[ref_i], names[j]))
+        fresh = fresh and not ran
         if ref_r is not None and full:
             emit(ref_i, ref_r)
         emit(j, r)
@@ -508,6 +485,46 @@ def measure_against_first(cfgs: list, steps: int, rounds: int, warmup: int, synt
     del ref
     free_memory()
     return results
+
+
+def first_bench(cfgs: list, synthetic: bool, emit) -> tuple:
+    """(the first of `cfgs` that builds, its index), or (None, None); `emit(i, error)` for each
+    one before it that did not."""
+    for i, cfg in enumerate(cfgs):
+        ref, why = build_bench(cfg, synthetic)
+        if ref is not None:
+            return ref, i
+        emit(i, {"error": why})
+    return None, None
+
+
+def beside(ref, cfg, synthetic: bool, steps: list, rounds: int, warmups: list, names: tuple) -> tuple:
+    """`cfg` built and timed in interleaved rounds beside the resident reference `ref` (None: alone),
+    then freed (and its compiled graphs where nothing alive uses them): (the reference's result or
+    None, cfg's result, whether it ran). `steps`, `warmups`, `names`: (reference's, cfg's)."""
+    b, why = build_bench(cfg, synthetic)
+    if b is None:
+        return None, {"error": why}, False
+    (ref_steps, b_steps), pair = steps, [b] if ref is None else [ref, b]
+    times = side_by_side(pair, steps[-len(pair):], rounds, warmups[-len(pair):],
+                         label=lambda k: names[1] if pair[k] is b else names[0])
+    t_ref, t_b = (None, *times) if ref is None else times
+    ref_r = None if t_ref is None else result_of(ref, t_ref, ref_steps, [1.0] * len(t_ref))
+    if t_b is None:
+        r = {"error": "out of memory"}
+    else:  # per image: the two may run different numbers of steps per round
+        ratios = None if t_ref is None else paired_rounds(
+            [t_ref, t_b], [ref.global_batch * ref_steps, b.global_batch * b_steps])[1]
+        r = {**result_of(b, t_b, b_steps, ratios), "reference_images_per_s": ref_r and ref_r["images_per_s"]}
+    # freed before anything else runs (the caller may train a model next)
+    compiled = b.cfg.train.compile
+    b.close()
+    del b, pair
+    if compiled and (ref is None or ref.closed or not ref.cfg.train.compile):
+        import torch._dynamo
+        torch._dynamo.reset()  # its compiled graphs and CUDA-graph pools (nothing else alive uses them)
+    free_memory()
+    return ref_r, r, True
 
 
 # -- the machine and the software ---------------------------------------------------------------

@@ -54,6 +54,7 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
     from ..errors import UserError
     from .harness import with_overrides
     from ..optim import build_optimizer
+    from ..strategy import IN_PROCESS, needs_processes
     per_device = cfg.data.batch_size // world_size
     half = "bf16"  # bf16 autocast: the fast path on CPUs with AVX-512 bf16 and on Ampere+ GPUs
     device_type = "cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu"
@@ -79,7 +80,7 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
             r.skip = "left out (--skip)"
         elif r.key in CUDA_ONLY and device_type != "cuda":
             r.skip = "a CUDA feature (this ladder runs on the CPU)"
-        elif r.delta.get("strategy.name") == "fsdp" and world_size < 2:
+        elif needs_processes(r.delta.get("strategy.name", IN_PROCESS)) and world_size < 2:
             r.skip = "sharding needs more than one process (launch with torchrun --nproc-per-node N)"
         else:
             try:
@@ -118,6 +119,87 @@ def vs_previous_paired(rounds: list | None, prev_rounds: list | None) -> float |
     return statistics.median(a / b for a, b in zip(rounds, prev_rounds))
 
 
+def skipped_row(r: Rung, why: str | None = None) -> dict:
+    return {"rung": r.name, "overrides": r.delta, "skipped": why or r.skip, "note": r.note}
+
+
+def measured_row(r: Rung, m: dict, prev: float | None, prev_rounds: list | None) -> dict:
+    """A measured rung's row (`m`: its result from harness.measure_against_first); `prev`,
+    `prev_rounds`: the last measured rung's speedup over the baseline and its per-round ratios
+    (None for the first measured rung)."""
+    row = skipped_row(r)
+    if "error" in m:
+        row["skipped"] = m["error"]
+        return row
+    ips = m["images_per_s"]
+    # vs the baseline's median round in this rung's own rounds (the rung was timed beside it),
+    # as when all rungs ran in the same rounds; the baseline's own row: 1.0
+    base = m["reference_images_per_s"] if "reference_images_per_s" in m else ips
+    vs_base = ips / base if base else None
+    first = prev is None
+    row.update(images_per_s=ips, step_time_s=m["step_time_s"], baseline_images_per_s=base,
+               speedup_vs_baseline=vs_base,
+               # each rung against the baseline of its own rounds, so the two ratios share no drift
+               speedup_vs_previous=1.0 if first else (vs_base / prev if vs_base and prev else None),
+               # the median over rounds of the per-round ratio to the baseline, timed in the
+               # same rounds (drift between rounds cancels)
+               speedup_vs_baseline_paired=m.get("paired_vs_first"),
+               speedup_vs_previous_paired=1.0 if first else
+               vs_previous_paired(m.get("paired_rounds"), prev_rounds) if prev_rounds else None)
+    return row
+
+
+class LadderRows:
+    """The ladder's rows as the rungs are measured: `out["rungs"]` holds them in rung order up to
+    the first rung not yet known, and `on_update(out)` sees each new state."""
+
+    def __init__(self, cfg, rungs: list[Rung], out: dict, train_steps: int, on_update=None):
+        self.cfg, self.rungs, self.out, self.train_steps, self.on_update = cfg, rungs, out, train_steps, on_update
+        self.live = [r for r in rungs if r.skip is None]
+        self.index = {id(r): i for i, r in enumerate(rungs)}
+        self.rows: dict = {}  # rung index -> row, filled as rungs are measured
+        self.prev, self.prev_rounds = None, None  # the last measured rung's speedups over the baseline
+        self.skipped_after(-1)  # the skipped ones before the first measured rung
+
+    def update(self) -> None:
+        self.out["rungs"] = []
+        for i in range(len(self.rungs)):
+            if i not in self.rows:
+                break
+            self.out["rungs"].append(self.rows[i])
+        if self.on_update is not None:
+            self.on_update(self.out)
+
+    def skipped_after(self, i: int) -> None:
+        """The skipped rungs after rung i up to the next measured one."""
+        for later in self.rungs[i + 1:]:
+            if later.skip is None:
+                break
+            self.rows[self.index[id(later)]] = skipped_row(later)
+
+    def measured(self, k: int, m: dict) -> None:
+        """harness.measure_against_first's `on_result`: live rung k's result `m`."""
+        from .harness import log, with_overrides
+        r = self.live[k]
+        i = self.index[id(r)]
+        self.rows[i] = row = measured_row(r, m, self.prev, self.prev_rounds)
+        if "error" not in m:
+            self.prev, self.prev_rounds = row["speedup_vs_baseline"] or 0.0, m.get("paired_rounds")
+        self.skipped_after(i)
+        self.update()
+        if self.train_steps and r.numerics and "error" not in m:
+            log(f"training {r.name} for {self.train_steps} steps")
+            row["accuracy"] = accuracy(with_overrides(self.cfg, r.overrides), self.train_steps)
+            self.update()
+
+    def finish(self) -> dict:
+        for i, r in enumerate(self.rungs):  # where nothing was measured at all
+            self.rows.setdefault(i, skipped_row(r, r.skip or "not measured"))
+        self.out["complete"] = True
+        self.update()
+        return self.out
+
+
 def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, synthetic: bool = False,
            skip: tuple = (), on_update=None) -> dict:
     """Measure the rungs (`harness.measure_against_first`: the baseline resident, one rung at a
@@ -131,7 +213,6 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
     from ..strategy.dist import env_world
     world = env_world()[1]
     rungs = build_rungs(cfg, world, skip)
-    live = [r for r in rungs if r.skip is None]
     for r in rungs:
         log(f"rung {r.name}: " + (f"skipped ({r.skip})" if r.skip else
                                   " ".join(f"{k}={v}" for k, v in r.overrides.items())))
@@ -146,73 +227,15 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
            "hardware": {**hardware_info(device), "threads": cfg.run.threads or torch.get_num_threads()},
            "versions": versions(), "config": cfg.to_dict(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "complete": False}
-    rows: dict = {}  # rung index -> row, filled as rungs are measured
-    state = {"prev": None, "prev_rounds": None}  # the last measured rung's speedups over the baseline
-
-    def update() -> None:
-        # the rows known so far, in rung order, up to the first rung not yet measured
-        out["rungs"] = []
-        for i in range(len(rungs)):
-            if i not in rows:
-                break
-            out["rungs"].append(rows[i])
-        if on_update is not None:
-            on_update(out)
-
-    index = {id(r): i for i, r in enumerate(rungs)}
-    for i, r in enumerate(rungs):  # the skipped ones before the first measured rung
-        if r.skip is None:
-            break
-        rows[i] = {"rung": r.name, "overrides": r.delta, "skipped": r.skip, "note": r.note}
-
-    def measured(k: int, m: dict) -> None:
-        r = live[k]
-        i = index[id(r)]
-        row = {"rung": r.name, "overrides": r.delta, "skipped": r.skip, "note": r.note}
-        if "error" in m:
-            row["skipped"] = m["error"]
-        else:
-            ips = m["images_per_s"]
-            # vs the baseline's median round in this rung's own rounds (the rung was timed beside it),
-            # as when all rungs ran in the same rounds; the baseline's own row: 1.0
-            base = m["reference_images_per_s"] if "reference_images_per_s" in m else ips
-            vs_base = ips / base if base else None
-            first, prev_vs, prev_rounds = state["prev"] is None, state["prev"], state["prev_rounds"]
-            row.update(images_per_s=ips, step_time_s=m["step_time_s"], baseline_images_per_s=base,
-                       speedup_vs_baseline=vs_base,
-                       # each rung against the baseline of its own rounds, so the two ratios share no drift
-                       speedup_vs_previous=1.0 if first else (vs_base / prev_vs if vs_base and prev_vs else None),
-                       # the median over rounds of the per-round ratio to the baseline, timed in the
-                       # same rounds (drift between rounds cancels)
-                       speedup_vs_baseline_paired=m.get("paired_vs_first"),
-                       speedup_vs_previous_paired=1.0 if first else
-                       vs_previous_paired(m.get("paired_rounds"), prev_rounds) if prev_rounds else None)
-            state["prev"], state["prev_rounds"] = vs_base or 0.0, m.get("paired_rounds")
-        rows[i] = row
-        for later in rungs[i + 1:]:  # the skipped rungs up to the next measured one
-            if later.skip is None:
-                break
-            rows[index[id(later)]] = {"rung": later.name, "overrides": later.delta, "skipped": later.skip,
-                                      "note": later.note}
-        update()
-        if train_steps and r.numerics and "error" not in m:
-            log(f"training {r.name} for {train_steps} steps")
-            row["accuracy"] = accuracy(with_overrides(cfg, r.overrides), train_steps)
-            update()
-
+    rows = LadderRows(cfg, rungs, out, train_steps, on_update)
     t0 = time.perf_counter()
-    update()
-    harness.measure_against_first([with_overrides(cfg, r.overrides) for r in live], steps, rounds, warmup,
-                                  synthetic, names=[r.name for r in live], on_result=measured,
+    rows.update()
+    harness.measure_against_first([with_overrides(cfg, r.overrides) for r in rows.live], steps, rounds, warmup,
+                                  synthetic, names=[r.name for r in rows.live], on_result=rows.measured,
                                   reference_steps=reference_steps)
-    log(f"timed {len(live)} rungs, each beside the baseline: {rounds} rounds x {steps} steps in "
+    log(f"timed {len(rows.live)} rungs, each beside the baseline: {rounds} rounds x {steps} steps in "
         f"{time.perf_counter() - t0:.0f}s")
-    for i, r in enumerate(rungs):  # where nothing was measured at all
-        rows.setdefault(i, {"rung": r.name, "overrides": r.delta, "skipped": r.skip or "not measured",
-                            "note": r.note})
-    out["complete"] = True
-    update()
-    return out
+    return rows.finish()
 
 
 def slower_than_previous(row: dict) -> bool:

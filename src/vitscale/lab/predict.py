@@ -92,7 +92,7 @@ def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2
     from . import comm_model as cm
     from ..tasks import model_info
     from ..metrics import gpu_peak
-    from ..strategy.precision import compute_dtype_name
+    from ..precision import compute_dtype_name
     info = model_info(cfg)
     if reduce_dtype is None:
         s = cfg.strategy
@@ -148,7 +148,8 @@ def markdown(result: dict) -> str:
 
 def run(args) -> int:
     from ..config import load_config
-    cfg = load_config(args.config, args.overrides)
+    from ..tasks import check_config
+    cfg = check_config(load_config(args.config, args.overrides))
     bench = None
     if args.bench:
         try:

@@ -113,7 +113,8 @@ def bench_argv(config: str | None, point: dict, base_sets: list[str], bench_flag
     over = dict(point["overrides"])
     base_keys = {b.partition("=")[0].strip() for b in base_sets}
     if point["nproc"] > 1 and "strategy.name" not in over and "strategy.name" not in base_keys:
-        over["strategy.name"] = "ddp"
+        from ..strategy import default_for
+        over["strategy.name"] = default_for(point["nproc"])
     sets = [a for s in [*base_sets, *(f"{k}={v}" for k, v in over.items())] for a in ("--set", s)]
     tail = ["bench", *([config] if config else []), *sets, "--json", *bench_flags]
     if point["nproc"] <= 1:
@@ -217,7 +218,8 @@ def run_sweep(config: str | None, points: list[dict], out: Path, *, base_sets=()
 
 def run(args) -> int:
     from ..config import load_config
-    cfg = load_config(args.config, args.overrides)  # validates the base config once, up front
+    from ..tasks import check_config
+    cfg = check_config(load_config(args.config, args.overrides))  # validates the base config once, up front
     grids = [parse_grid(g) for g in args.grid]
     try:
         nprocs = [int(n) for n in (args.nproc or "1").split(",") if n.strip()]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..strategy.precision import DTYPES
+from ..precision import DTYPES
 from .clip import ClipLoss, gamma_at
 from .fastclip import VARIANTS, FastClipLoss, reference_defaults
 

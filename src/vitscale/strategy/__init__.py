@@ -1,12 +1,44 @@
 """Strategies own devices, precision, wrapping, backward, step and checkpoint state.
 
-Only this package imports autocast, GradScaler or the distributed engines.
+Only this package imports autocast, GradScaler or the distributed engines, and only this package
+decides by an engine's name: the loop, `vitscale eval` and the lab ask the functions below.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import Config
+from ..errors import ConfigError
 from .base import Strategy
 from .single import SingleDevice, resolve_device
+
+IN_PROCESS = SingleDevice.name       # the engine of one process, no launcher
+DATA_PARALLEL = "ddp"                # what a one-process config becomes under a launcher (the lab)
+
+
+def needs_processes(name: str) -> bool:
+    """Whether the engine `name` is one process per device under a launcher (torchrun, srun, the
+    deepspeed launcher), which only does what it is for (data parallel, sharding) with several."""
+    return name != IN_PROCESS
+
+
+def default_for(world_size: int) -> str:
+    """The engine a run without its own choice gets with `world_size` processes."""
+    return DATA_PARALLEL if world_size > 1 else IN_PROCESS
+
+
+def in_this_process(cfg: Config) -> Config:
+    """`cfg` for work in this one process whatever engine trained the model (evaluation, export)."""
+    return replace(cfg, strategy=replace(cfg.strategy, name=IN_PROCESS))
+
+
+def check_launch(name: str, world_size: int) -> None:
+    """ConfigError where a one-process engine was started as several processes: each would train
+    alone into the same run folder."""
+    if world_size > 1 and not needs_processes(name):
+        raise ConfigError(f"config: strategy.name={name} under a launcher that started {world_size} "
+                          "processes: each would train alone into the same run folder; use "
+                          "strategy.name=ddp, fsdp or deepspeed (or launch one process)")
 
 
 def build_strategy(cfg: Config):
@@ -25,4 +57,5 @@ def build_strategy(cfg: Config):
     raise NotImplementedError(cfg.strategy.name)  # unreachable: validated by the config
 
 
-__all__ = ["Strategy", "build_strategy", "resolve_device", "SingleDevice"]
+__all__ = ["Strategy", "build_strategy", "resolve_device", "SingleDevice", "IN_PROCESS", "needs_processes",
+           "default_for", "in_this_process", "check_launch"]

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .dist import Distributed
-from .precision import DTYPES
+from ..precision import DTYPES
 
 
 

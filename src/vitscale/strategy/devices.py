@@ -12,7 +12,6 @@ multi-node branches on a CPU machine; the strategies only apply what these retur
   torch.compile reads (`backend_readers` / `readers_agree` check both kinds of reader);
   `backend_flags_applied`: a block under given flags, restored after (the lab's timed rounds).
 - `compile_kwargs`: torch.compile's mode (CUDA graphs: "reduce-overhead").
-- `synchronizer`: what timers call before reading the clock (the GPU runs asynchronously).
 """
 from __future__ import annotations
 
@@ -212,11 +211,6 @@ def backend_flags_applied(flags: dict):
         apply_backend_flags(before)
 
 
-def tf32_active(device_type: str, precision: str, tf32: bool) -> bool:
-    """Whether the fp32 matmuls of this run run as TF32 (CUDA, fp32 precision, train.tf32)."""
-    return device_type == "cuda" and tf32 and precision == "fp32"
-
-
 def fp16_refusal(device_type: str, precision: str) -> str | None:
     """Why fp16 (mixed or pure) is refused on this device, or None. The GradScaler path itself
     runs on a CPU too (tests drive it there by replacing this function)."""
@@ -229,11 +223,3 @@ def fp16_refusal(device_type: str, precision: str) -> str | None:
 def compile_kwargs(mode: str) -> dict:
     """torch.compile's arguments for train.compile_mode ("default": none)."""
     return {} if mode == "default" else {"mode": mode}
-
-
-def synchronizer(device: torch.device):
-    """What a timer calls before reading the clock: torch.cuda.synchronize on a GPU (kernels run
-    asynchronously), nothing on a CPU."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None

@@ -34,7 +34,7 @@ from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
 from .devices import compile_kwargs
 from .dist import Distributed
-from .precision import DTYPES, half_dtype
+from ..precision import DTYPES, half_dtype
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

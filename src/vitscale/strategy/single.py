@@ -18,7 +18,7 @@ from ..config import OptimConfig, TrainConfig
 from ..errors import ConfigError
 from ..optim import build_optimizer, param_groups
 from .devices import CUDAGRAPH_MODES, apply_backend_flags, backend_flags, compile_kwargs, fp16_refusal
-from .precision import half_dtype
+from ..precision import half_dtype
 
 
 def resolve_device(name: str) -> torch.device:

@@ -9,11 +9,11 @@ from .base import Task
 from .classification import ClassificationTask
 from .clip import ClipTask
 
-TASKS: dict[str, type[Task]] = {"vit": ClassificationTask, "clip": ClipTask}
+TASKS: dict[str, type[Task]] = {ClassificationTask.kind: ClassificationTask, ClipTask.kind: ClipTask}
 
 
 def task_kind(cfg: Config) -> str:
-    return "clip" if is_clip_arch(cfg.model.arch) else "vit"
+    return (ClipTask if is_clip_arch(cfg.model.arch) else ClassificationTask).kind
 
 
 def task_class(kind: str) -> type[Task]:
@@ -28,14 +28,31 @@ def build_task(cfg: Config, kind: str | None = None) -> Task:
     return task_class(kind or task_kind(cfg))(cfg)
 
 
+def check_config(cfg: Config) -> Config:
+    """The checks of a config that depend on its kind of model (the task's: its model.init options
+    and files), after config.check's: every command runs it on its config before anything starts."""
+    build_task(cfg).check()
+    return cfg
+
+
+def kind_of(state: dict) -> str:
+    """The task kind a checkpoint names (checkpoints from before CLIP name none: a classifier's)."""
+    return state.get("kind", ClassificationTask.kind)
+
+
+def export_use(fmt: str) -> str:
+    """The models an export format's layout is for (the task that declares it)."""
+    return next((t.exports[fmt] for t in TASKS.values() if fmt in t.exports), "")
+
+
 def model_info(cfg: Config) -> dict:
     return build_task(cfg).info()
 
 
 def describe_result(r: dict) -> str:
     """One line for a summary or an evaluation result (their "task" key names the task)."""
-    return task_class(r.get("task", "vit")).describe_metrics(r)
+    return task_class(r.get("task", ClassificationTask.kind)).describe_metrics(r)
 
 
-__all__ = ["Task", "TASKS", "ClassificationTask", "ClipTask", "build_task", "task_class", "task_kind",
-           "model_info", "describe_result"]
+__all__ = ["Task", "TASKS", "ClassificationTask", "ClipTask", "build_task", "check_config", "task_class",
+           "task_kind", "kind_of", "export_use", "model_info", "describe_result"]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..data.build import dataset_normalization, eval_preprocess
 from ..errors import DataError
 from ..models import count_params
 
@@ -40,13 +41,40 @@ class Task:
     metric: str = ""       # the metric whose best value a run keeps
     sample: str = "img"    # one training sample, in log lines ("img", "pair")
     samples: str = "images"
+    pairs: bool = False    # its data are image-text pairs (data/build.py's build_image_text)
+    exports: dict = {}     # `vitscale export --format` -> the models its layout is for ("ViT classifiers")
+    preprocess: dict | None = None  # how the test images reached the model (build_data); checkpoints keep it
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
 
     # -- building ---------------------------------------------------------------------------------
+    def check(self) -> None:
+        """The config's checks that depend on the kind of model (its model.init options and files),
+        before anything is built: a one-line "config: ..." ConfigError (tasks.check_config calls it)."""
+
     def build_data(self, strategy):
         """This rank's data bundle (train / test loaders, sizes, image geometry)."""
+        raise NotImplementedError
+
+    def data_config(self):
+        """The data config the task builds its data from."""
+        return self.cfg.data
+
+    def run_preprocess(self, state: dict) -> dict:
+        """How the test images of the run behind checkpoint `state` reached its model (mean/std,
+        size, resize, interpolation, crop): as the run recorded it, else (checkpoints from before
+        the record; classification runs kept their mean and std under task.normalization) derived
+        from its config as build_data did (data/build.py)."""
+        if state.get("preprocess"):
+            return state["preprocess"]
+        d = self.data_config()
+        old = (state.get("task") or {}).get("normalization")
+        mean, std = (old["mean"], old["std"]) if old else dataset_normalization(d, self.cfg.run.seed, self.pairs)
+        return eval_preprocess(d, mean, std, self.image_size(self.spec_from_dict(state["spec"])))
+
+    def export(self, fmt: str, model, preprocess: dict, out, meta: dict, run_dir):
+        """`vitscale export --format fmt` (one of `exports`) of a rebuilt model: the written path."""
         raise NotImplementedError
 
     def geometry(self) -> tuple[int, int, int]:
@@ -64,6 +92,10 @@ class Task:
     def spec_from_dict(self, d: dict):
         """The spec saved in a checkpoint (`asdict(spec)`) as a spec again."""
         raise NotImplementedError
+
+    def image_size(self, spec) -> int:
+        """The side of the images a model of `spec` takes."""
+        return spec.image_size
 
     def build_model(self, spec) -> nn.Module:
         raise NotImplementedError

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import PAIRS_ONLY, build_data, synthetic_stand_in
+from ..data.build import eval_preprocess
 from ..data import geometry as data_geometry
 from ..errors import ConfigError, UserError
 from ..models import VisionTransformer, ViTSpec, resolve_spec, vit_forward_flops
@@ -31,8 +32,20 @@ def freeze(model: nn.Module, what: str, blocks: int = 0) -> None:
             p.requires_grad_(False)
 
 
+# model.init_arch given where it means nothing (no model.init, or a CLIP model.arch)
+INIT_ARCH_MISPLACED = ("config: model.init_arch names the timm architecture of ViT classifier weights given "
+                       "with model.init (a ViT model.arch)")
+
+
+def init_open_clip_misplaced(m) -> ConfigError:
+    """model.init_open_clip given where it means nothing (`m`: the model config)."""
+    return ConfigError("config: model.init_open_clip describes CLIP weights given with model.init "
+                       f"(model.arch={m.arch}{'' if m.init else ', no model.init'})")
+
+
 class ClassificationTask(Task):
     kind, metric, sample, samples = "vit", "test_accuracy", "img", "images"
+    exports = {"timm": "ViT classifiers"}
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -41,22 +54,42 @@ class ClassificationTask(Task):
         self.num_classes = cfg.model.num_classes
 
     # -- building ---------------------------------------------------------------------------------
+    def check(self) -> None:
+        """model.init_arch must name a timm architecture (and pretrained tag) that exists."""
+        m = self.cfg.model
+        if m.init_arch:
+            if not m.init:
+                raise ConfigError(INIT_ARCH_MISPLACED)
+            from ..interop.timm_vit import arch_entry, arch_pretrained_cfg
+            try:
+                arch_entry(m.init_arch)
+                arch_pretrained_cfg(m.init_arch)
+            except UserError as e:
+                raise ConfigError(f"config: {e}") from None
+        if m.init_open_clip:
+            raise init_open_clip_misplaced(m)
+
     def build_data(self, s):
         cfg = self.cfg
         if cfg.data.name in PAIRS_ONLY:
             raise ConfigError(f"config: data.name={cfg.data.name} holds image-text pairs: train a CLIP model "
                               f"(model.arch=clip_mini, clip_vit_b32, ...)")
-        dcfg = cfg.data
-        if cfg.model.init and dcfg.normalize == "auto":  # the normalization the weights were trained with
-            from ..interop.finetune import weights_normalization
-            dcfg = replace(dcfg, normalize=weights_normalization(cfg.model.init, cfg.model.init_arch))
+        dcfg = self.data_config()
         data = build_data(dcfg, device=s.device, seed=cfg.run.seed, rank=s.rank, world_size=s.world_size)
-        self.normalization = {"mean": list(data.mean), "std": list(data.std)}  # for exports (timm's pretrained cfg)
+        self.preprocess = eval_preprocess(dcfg, data.mean, data.std, data.image_size)
         if cfg.model.num_classes and cfg.model.num_classes != data.num_classes:
             raise ConfigError(f"config: model.num_classes={cfg.model.num_classes} but the dataset has "
                               f"{data.num_classes} classes (set 0 to follow the data)")
         self.num_classes = data.num_classes
         return data
+
+    def data_config(self):
+        """data.normalize=auto with model.init: the normalization the weights were trained with."""
+        cfg = self.cfg
+        if cfg.model.init and cfg.data.normalize == "auto":
+            from ..interop.finetune import weights_normalization
+            return replace(cfg.data, normalize=weights_normalization(cfg.model.init, cfg.model.init_arch))
+        return cfg.data
 
     def geometry(self) -> tuple[int, int, int]:
         """(image size, channels, classes): the data's (data/build.py), model.num_classes first."""
@@ -91,10 +124,23 @@ class ClassificationTask(Task):
         return ViTSpec(**d)
 
     init_state: dict | None = None  # adapted weights of model.init (build_spec reads them)
-    normalization: dict | None = None  # the images' mean and std (build_data): checkpoints keep it
 
-    def state_dict(self) -> dict:
-        return {"normalization": self.normalization} if self.normalization else {}
+    def export(self, fmt, model, preprocess, out, meta, run_dir):
+        """timm's hub folder layout: the weights (model.safetensors when `out` is a folder) and, beside
+        them, config.json: the architecture and model_args that rebuild the trained function, and the
+        run's input size, mean/std, interpolation and crop as its pretrained config."""
+        import json
+
+        from ..checkpoint import export_safetensors
+        from ..interop.timm_vit import hub_config_path, timm_hub_config, to_timm
+        if out.is_dir() or not out.suffix:
+            out = out / "model.safetensors"
+        hub = timm_hub_config(model.spec, mean=preprocess["mean"], std=preprocess["std"],
+                              interpolation=preprocess["interpolation"], crop_pct=preprocess["crop_pct"])
+        meta["timm_config"] = json.dumps(hub)
+        path = export_safetensors(to_timm(model), out, meta)
+        hub_config_path(path).write_text(json.dumps(hub, indent=2) + "\n")
+        return path
 
     def build_model(self, spec: ViTSpec) -> nn.Module:
         model = VisionTransformer(spec)

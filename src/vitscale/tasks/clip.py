@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from ..data import IMAGE_TEXT, build_image_text
+from ..data.build import eval_preprocess
 from ..data.tokenizer import get_tokenizer, tokenize
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, UserError
 from ..losses import build_clip_loss, resolve_clip
 from ..models import CLIP, ClipSpec, TextSpec, ViTSpec, clip_forward_flops, count_params, resolve_clip_spec
 from ..optim import schedule
@@ -53,7 +54,8 @@ def caption_ids(tokens: torch.Tensor) -> torch.Tensor:
 
 
 class ClipTask(Task):
-    kind, sample, samples = "clip", "pair", "pairs"
+    kind, sample, samples, pairs = "clip", "pair", "pairs", True
+    exports = {"open_clip": "CLIP models"}
     metric = "retrieval_r1"  # mean of image->text and text->image recall@1 on the held-out pairs
 
     def __init__(self, cfg):
@@ -64,6 +66,23 @@ class ClipTask(Task):
         self.last_logs: dict = {}
 
     # -- building ---------------------------------------------------------------------------------
+    def check(self) -> None:
+        """model.init must be OpenCLIP CLIP weights this model can start from (interop/open_clip.py's
+        check_init reads their configuration and keys only)."""
+        from .classification import INIT_ARCH_MISPLACED, init_open_clip_misplaced
+        m = self.cfg.model
+        if m.init_arch:
+            raise ConfigError(INIT_ARCH_MISPLACED)
+        if not m.init:
+            if m.init_open_clip:
+                raise init_open_clip_misplaced(m)
+            return
+        from ..interop.open_clip import check_init
+        try:  # the file's configuration and keys: the real cause, in one line
+            check_init(m.init, m.init_open_clip)
+        except UserError as e:
+            raise ConfigError(f"config: {e}") from None
+
     def build_data(self, s):
         cfg = self.cfg
         if cfg.train.accum_steps > 1:
@@ -73,8 +92,10 @@ class ClipTask(Task):
             raise ConfigError(f"config: a CLIP model needs image-text pairs: data.name=openclipart|csv|"
                               f"webdataset, or data.captions=true to caption {cfg.data.name}'s labels")
         get_tokenizer()  # the vocabulary, read here: a missing file is one line before anything starts
-        return build_image_text(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank,
+        data = build_image_text(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank,
                                 world_size=s.world_size, context_length=cfg.model.context_length)
+        self.preprocess = eval_preprocess(cfg.data, data.mean, data.std, data.image_size)
+        return data
 
     def geometry(self) -> tuple[int, int, int]:
         from .classification import ClassificationTask  # the image side is the same as a classifier's
@@ -119,6 +140,14 @@ class ClipTask(Task):
         """Checkpoints from before the OpenCLIP options (ln_pre, ...) lack them: the defaults."""
         rest = {f.name: d[f.name] for f in fields(ClipSpec) if f.name not in ("vision", "text") and f.name in d}
         return ClipSpec(vision=ViTSpec(**d["vision"]), text=TextSpec(**d["text"]), **rest)
+
+    def image_size(self, spec: ClipSpec) -> int:
+        return spec.vision.image_size
+
+    def export(self, fmt, model, preprocess, out, meta, run_dir):
+        """OpenCLIP's layout: the weights and open_clip_config.json (model and preprocess config) in a folder."""
+        from ..interop.open_clip import export_run
+        return export_run(model, out, meta, run_dir, preprocess)
 
     def build_model(self, spec: ClipSpec):
         model = CLIP(spec)
