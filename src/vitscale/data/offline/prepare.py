@@ -195,6 +195,82 @@ def _say(progress: bool, msg: str) -> None:
         print(f"vitscale: {msg}", file=sys.stderr)
 
 
+def _check_pass(source: Source, state: dict, out: Path, workers: int, count: int, shard_size: int,
+                progress: bool, held: list) -> None:
+    """The check pass, once per DIR: finds the unreadable images (kept in prepare.json). The pool
+    it starts goes into `held` (prepare_shards closes it, also on an error)."""
+    if "unreadable" in state:
+        return
+    flat = [(split, j, row[0]) for split in ("train", "val") for j, row in enumerate(source.splits[split])]
+    chunks = [flat[k:k + CHECK_CHUNK] for k in range(0, len(flat), CHECK_CHUNK)]
+    runner = Runner(min(workers, max(len(chunks), -(-count // shard_size))), progress)
+    held.append(runner)
+    found = ordered(runner, check_chunk, [[f for _, _, f in c] for c in chunks],
+                    [len(c) for c in chunks], "checking")
+    bad = [(chunk[j][0], chunk[j][1], err) for chunk, errs in zip(chunks, found) for j, err in errs]
+    state["unreadable"] = [[split, source.splits[split][j][1], err] for split, j, err in bad]
+    _write_json(out / STATE, state)
+    for _, name, err in state["unreadable"][:10]:
+        log.warning("prepare: skipped unreadable image %s (%s)", name, err)
+    if len(bad) > 10:
+        log.warning("prepare: %d unreadable images in all (listed in %s)", len(bad), out / STATE)
+
+
+def _shard_tasks(src, source: Source, state: dict, out: Path, *, size: int, quality: int, shard_size: int,
+                 seed: int):
+    """-> (one ShardTask per shard, the manifest's splits, unreadable samples left out)."""
+    skip = {(split, name) for split, name, _ in state["unreadable"]}
+    tasks, splits, unreadable = [], {}, 0
+    for split in ("train", "val"):
+        rows = source.splits[split]
+        if split == "train":                   # shuffle first: a folder is sorted by class
+            rows = [rows[j] for j in np.random.default_rng(seed).permutation(len(rows)).tolist()]
+        kept = [r for r in rows if (split, r[1]) not in skip]
+        unreadable += len(rows) - len(kept)
+        if not kept:
+            if split == "train":
+                raise DataError(f"prepare: no readable training samples in {src}")
+            continue                           # no val samples: "val" is absent from the manifest
+        names, counts = [], []
+        for j, start in enumerate(range(0, len(kept), shard_size)):
+            names.append(f"{split}-{j:06d}.tar")
+            counts.append(len(kept[start:start + shard_size]))
+            tasks.append(ShardTask(str(out), names[-1], start, kept[start:start + shard_size],
+                                   source.kind, size, quality))
+        splits[split] = {"shards": names, "counts": counts, "samples": len(kept)}
+    return tasks, splits, unreadable
+
+
+def _write_shards(tasks: list, out: Path, workers: int, progress: bool, held: list):
+    """Write the shards not yet complete in OUT (with the pool in `held`, else one started and put
+    there) -> (names written, images decoded, shards reused)."""
+    todo = [t for t in tasks if not (out / t.name).is_file()]
+    reused = len(tasks) - len(todo)
+    if reused:
+        _say(progress, f"prepare: {reused} of {len(tasks)} shards already done in {out}, "
+                       f"{f'writing the other {len(todo)}' if todo else 'nothing to write'}")
+    written, images = [], 0
+    if todo:
+        if not held:
+            held.append(Runner(min(workers, len(todo)), progress))
+        for name, n, _ in held[0].map(write_shard, todo, [len(t.samples) for t in todo], "writing shards"):
+            written.append(name)
+            images += n
+    return written, images, reused
+
+
+def _manifest(src, source: Source, splits: dict, unreadable: int, *, size: int, quality: int, seed: int,
+              shard_size: int) -> dict:
+    manifest = {"format": FORMAT, "version": VERSION, "kind": source.kind}
+    if source.classes is not None:
+        manifest["classes"] = list(source.classes)
+    manifest.update({"image": {"short_side": size, "quality": quality}, "source": str(src), "seed": seed,
+                     "shard_size": shard_size,
+                     "skipped": {"unreadable": unreadable, "no_caption": source.no_caption},
+                     "splits": splits})
+    return manifest
+
+
 def prepare_shards(src, out, *, size: int = 256, quality: int = 90, shard_size: int = 1000,
                    workers: int | None = None, seed: int = 0, image_key: str = "filepath",
                    caption_key: str = "title", val_fraction: float = 0.1, progress: bool = True) -> Prepared:
@@ -208,67 +284,21 @@ def prepare_shards(src, out, *, size: int = 256, quality: int = 90, shard_size: 
     state = open_out(out, source.arguments, fingerprint(source.splits), count)
     _remove_temporaries(out)
     workers = workers or os.cpu_count() or 1
-    runner = None
+    held: list = []            # the process pool, once started
     try:
-        if "unreadable" not in state:   # the check pass, once per DIR
-            flat = [(split, j, row[0]) for split in ("train", "val") for j, row in enumerate(source.splits[split])]
-            chunks = [flat[k:k + CHECK_CHUNK] for k in range(0, len(flat), CHECK_CHUNK)]
-            runner = Runner(min(workers, max(len(chunks), -(-count // shard_size))), progress)
-            found = ordered(runner, check_chunk, [[f for _, _, f in c] for c in chunks],
-                             [len(c) for c in chunks], "checking")
-            bad = [(chunk[j][0], chunk[j][1], err) for chunk, errs in zip(chunks, found) for j, err in errs]
-            state["unreadable"] = [[split, source.splits[split][j][1], err] for split, j, err in bad]
-            _write_json(out / STATE, state)
-            for _, name, err in state["unreadable"][:10]:
-                log.warning("prepare: skipped unreadable image %s (%s)", name, err)
-            if len(bad) > 10:
-                log.warning("prepare: %d unreadable images in all (listed in %s)", len(bad), out / STATE)
-        skip = {(split, name) for split, name, _ in state["unreadable"]}
-
-        tasks, splits, unreadable = [], {}, 0
-        for split in ("train", "val"):
-            rows = source.splits[split]
-            if split == "train":                   # shuffle first: a folder is sorted by class
-                rows = [rows[j] for j in np.random.default_rng(seed).permutation(len(rows)).tolist()]
-            kept = [r for r in rows if (split, r[1]) not in skip]
-            unreadable += len(rows) - len(kept)
-            if not kept:
-                if split == "train":
-                    raise DataError(f"prepare: no readable training samples in {src}")
-                continue                           # no val samples: "val" is absent from the manifest
-            names, counts = [], []
-            for j, start in enumerate(range(0, len(kept), shard_size)):
-                names.append(f"{split}-{j:06d}.tar")
-                counts.append(len(kept[start:start + shard_size]))
-                tasks.append(ShardTask(str(out), names[-1], start, kept[start:start + shard_size],
-                                       source.kind, size, quality))
-            splits[split] = {"shards": names, "counts": counts, "samples": len(kept)}
-        todo = [t for t in tasks if not (out / t.name).is_file()]
-        reused = len(tasks) - len(todo)
-        if reused:
-            _say(progress, f"prepare: {reused} of {len(tasks)} shards already done in {out}, "
-                           f"{f'writing the other {len(todo)}' if todo else 'nothing to write'}")
-        written, images = [], 0
-        if todo:
-            runner = runner or Runner(min(workers, len(todo)), progress)
-            for name, n, _ in runner.map(write_shard, todo, [len(t.samples) for t in todo], "writing shards"):
-                written.append(name)
-                images += n
-        if runner is not None:
-            runner.close()
+        _check_pass(source, state, out, workers, count, shard_size, progress, held)
+        tasks, splits, unreadable = _shard_tasks(src, source, state, out, size=size, quality=quality,
+                                                 shard_size=shard_size, seed=seed)
+        written, images, reused = _write_shards(tasks, out, workers, progress, held)
+        if held:
+            held[0].close()
     except BaseException:
-        if runner is not None:
-            runner.close(abort=True)
+        if held:
+            held[0].close(abort=True)
         _remove_temporaries(out)
         raise
-
-    manifest = {"format": FORMAT, "version": VERSION, "kind": source.kind}
-    if source.classes is not None:
-        manifest["classes"] = list(source.classes)
-    manifest.update({"image": {"short_side": size, "quality": quality}, "source": str(src), "seed": seed,
-                     "shard_size": shard_size,
-                     "skipped": {"unreadable": unreadable, "no_caption": source.no_caption},
-                     "splits": splits})
+    manifest = _manifest(src, source, splits, unreadable, size=size, quality=quality, seed=seed,
+                         shard_size=shard_size)
     _write_json(out / MANIFEST, manifest)
     total = sum((out / n).stat().st_size for s in splits.values() for n in s["shards"])
     return Prepared(manifest, out, sorted(written), reused, images, total, time.perf_counter() - t0)
