@@ -43,7 +43,7 @@ import json
 import logging
 import math
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -253,19 +253,35 @@ def _wide_head_refusal(what: str, width: int, heads_key: str) -> None:
 
 
 # -- the spec --------------------------------------------------------------------------------------
-def _resolve(sd: dict, config, *, quick_gelu: bool | None, vision_heads: int, text_heads: int,
-             weights=None, keys: dict | None = None, act_note: str = "") -> tuple[ClipSpec, list[str], dict | None, str]:
-    """(spec, the defaults taken [empty when a configuration said everything], model_cfg or None, where
-    it came from). `keys`: how the caller spells its arguments in messages ({"config", "vision_heads",
-    "text_heads", "quick_gelu"}); `act_note`: where a `quick_gelu` given without a configuration came
-    from (default: the caller)."""
-    keys = {"config": "config=NAME or an open_clip_config.json", "vision_heads": "vision_heads=",
-            "text_heads": "text_heads=", "quick_gelu": "quick_gelu="} | (keys or {})
-    sd = _normalize(sd)
-    mc, _, where = read_config(config, weights)
-    if mc is not None:
-        _refuse_config(mc, where)
-    _refuse_keys(sd)
+@dataclass(frozen=True)
+class _Weights:
+    """What an OpenCLIP ViT CLIP state dict's shapes say (_read_weights)."""
+    dim: int            # image width
+    in_chans: int
+    patch: int
+    grid: int           # patches per side
+    embed_dim: int
+    vocab: int
+    width: int          # text width
+    context: int
+    vdepth: int
+    tdepth: int
+    vhidden: int        # image MLP width
+    thidden: int        # text MLP width
+    ln_pre: bool
+    layer_scale: bool   # its value comes with the weights
+
+    def shapes(self) -> dict:
+        """The weights' side of _from_config's "shapes"."""
+        return {"embed_dim": self.embed_dim, "image width": self.dim, "image layers": self.vdepth,
+                "patch size": self.patch, "image size": self.grid * self.patch, "image MLP width": self.vhidden,
+                "ln_pre": self.ln_pre, "image layer scale": self.layer_scale, "text width": self.width,
+                "text layers": self.tdepth, "text MLP width": self.thidden, "context length": self.context,
+                "vocabulary": self.vocab}
+
+
+def _read_weights(sd: dict) -> _Weights:
+    """The shapes of a normalized state dict, refused where they are no OpenCLIP ViT CLIP."""
     if "visual.conv1.weight" not in sd or "token_embedding.weight" not in sd:
         raise UserError("OpenCLIP: not an OpenCLIP ViT CLIP state dict (no visual.conv1.weight / "
                         f"token_embedding.weight; its keys begin {first_keys(sd, 3)})")
@@ -287,59 +303,92 @@ def _resolve(sd: dict, config, *, quick_gelu: bool | None, vision_heads: int, te
     vdepth, tdepth = _depth(sd, "visual.transformer.resblocks."), _depth(sd, "transformer.resblocks.")
     vhidden = _shape(sd, "visual.transformer.resblocks.0.mlp.c_fc.weight", 2)[0]
     thidden = _shape(sd, "transformer.resblocks.0.mlp.c_fc.weight", 2)[0]
-    ln_pre = "visual.ln_pre.weight" in sd
-    layer_scale = "visual.transformer.resblocks.0.ls_1.gamma" in sd  # its value comes with the weights
-    assumed: list[str] = []
-    if mc is not None:
-        said = _from_config(mc)
-        have = {"embed_dim": embed_dim, "image width": dim, "image layers": vdepth, "patch size": patch,
-                "image size": grid * patch, "image MLP width": vhidden, "ln_pre": ln_pre,
-                "image layer scale": layer_scale, "text width": width,
-                "text layers": tdepth, "text MLP width": thidden, "context length": context, "vocabulary": vocab}
-        wrong = [f"{k} {said['shapes'][k]} (the weights: {have[k]})" for k in have if said["shapes"][k] != have[k]]
-        if wrong:
-            raise UserError(f"OpenCLIP: {where} does not describe these weights: {', '.join(wrong[:3])}"
-                            f"{' ...' if len(wrong) > 3 else ''}")
-        if not said["width_ok"]:
-            raise UserError(f"OpenCLIP: {where}: image width {dim} is not a multiple of vision_cfg.head_width")
-        for arg, given, want in (("vision_heads", vision_heads or None, said["vision_heads"]),
-                                 ("text_heads", text_heads or None, said["text_heads"]),
-                                 ("quick_gelu", quick_gelu, said["quick_gelu"])):
-            if given is not None and given != want:
-                shown = {True: "quick_gelu", False: "gelu"}.get(given, given) if arg == "quick_gelu" else given
-                raise UserError(f"OpenCLIP: {keys[arg]}{shown} disagrees with {where}, which says {arg} {want}")
-        act = "quick_gelu" if said["quick_gelu"] else "gelu"
-        vision_heads, text_heads = said["vision_heads"], said["text_heads"]
-        pools = dict(vision_pool=said["vision_pool"], vision_norm_after_pool=said["vision_norm_after_pool"])
-        text_opts = dict(causal=said["causal"], pool=said["text_pool"], eos_id=said["eos_id"])
-        eps = (said["vision_eps"], said["text_eps"])
-    else:
-        if not vision_heads:
-            _wide_head_refusal("image", dim, keys["config"] + ", or " + keys["vision_heads"])
-        if not text_heads:
-            _wide_head_refusal("text", width, keys["config"] + ", or " + keys["text_heads"])
-        vh, th = vision_heads or max(1, dim // 64), text_heads or max(1, width // 64)
-        assumed = [f"image heads {vh} ({'given' if vision_heads else f'width {dim} / head width 64'})",
-                   f"text heads {th} ({'given' if text_heads else f'width {width} / 64'})",
-                   f"{'QuickGELU' if quick_gelu else 'GELU'}"
-                   f"{f' ({act_note})' if act_note else ' (given)' if quick_gelu is not None else ''}",
-                   "the class token's image feature", "a causal text tower read at the end-of-text token"]
-        if not ln_pre:
-            assumed[-1] += " (weights without ln_pre may be CLIPA's, which average-pool and read text bidirectionally)"
-        vision_heads, text_heads, act = vh, th, "quick_gelu" if quick_gelu else "gelu"
-        pools, text_opts, eps = {}, {}, (1e-5, 1e-5)
-    for what, w, h in (("image", dim, vision_heads), ("text", width, text_heads)):
-        if w % h:
-            raise UserError(f"OpenCLIP: {what} width {w} is not divisible by {h} heads")
-    vision = ViTSpec(image_size=grid * patch, patch_size=patch, in_chans=in_chans, num_classes=embed_dim, dim=dim,
-                     depth=vdepth, heads=vision_heads, mlp_ratio=_ratio(vhidden, dim), head="token",
+    return _Weights(dim=dim, in_chans=in_chans, patch=patch, grid=grid, embed_dim=embed_dim, vocab=vocab,
+                    width=width, context=context, vdepth=vdepth, tdepth=tdepth, vhidden=vhidden, thidden=thidden,
+                    ln_pre="visual.ln_pre.weight" in sd,
+                    layer_scale="visual.transformer.resblocks.0.ls_1.gamma" in sd)
+
+
+def _options_from_config(w: _Weights, mc: dict, where: str, given: dict, keys: dict) -> dict:
+    """The options a configuration sets, checked against the weights and the explicit arguments
+    (`given`: vision_heads, text_heads, quick_gelu as the caller passed them)."""
+    said = _from_config(mc)
+    have = w.shapes()
+    wrong = [f"{k} {said['shapes'][k]} (the weights: {have[k]})" for k in have if said["shapes"][k] != have[k]]
+    if wrong:
+        raise UserError(f"OpenCLIP: {where} does not describe these weights: {', '.join(wrong[:3])}"
+                        f"{' ...' if len(wrong) > 3 else ''}")
+    if not said["width_ok"]:
+        raise UserError(f"OpenCLIP: {where}: image width {w.dim} is not a multiple of vision_cfg.head_width")
+    for arg, value, want in (("vision_heads", given["vision_heads"] or None, said["vision_heads"]),
+                             ("text_heads", given["text_heads"] or None, said["text_heads"]),
+                             ("quick_gelu", given["quick_gelu"], said["quick_gelu"])):
+        if value is not None and value != want:
+            shown = {True: "quick_gelu", False: "gelu"}.get(value, value) if arg == "quick_gelu" else value
+            raise UserError(f"OpenCLIP: {keys[arg]}{shown} disagrees with {where}, which says {arg} {want}")
+    return dict(vision_heads=said["vision_heads"], text_heads=said["text_heads"],
+                act="quick_gelu" if said["quick_gelu"] else "gelu",
+                pools=dict(vision_pool=said["vision_pool"], vision_norm_after_pool=said["vision_norm_after_pool"]),
+                text_opts=dict(causal=said["causal"], pool=said["text_pool"], eos_id=said["eos_id"]),
+                eps=(said["vision_eps"], said["text_eps"]), assumed=[])
+
+
+def _options_by_default(w: _Weights, given: dict, keys: dict, act_note: str) -> dict:
+    """Without a configuration: the explicit arguments, else OpenCLIP's defaults, listed in
+    "assumed" (refused where OpenCLIP's configurations of the width use other head counts)."""
+    vision_heads, text_heads, quick_gelu = given["vision_heads"], given["text_heads"], given["quick_gelu"]
+    if not vision_heads:
+        _wide_head_refusal("image", w.dim, keys["config"] + ", or " + keys["vision_heads"])
+    if not text_heads:
+        _wide_head_refusal("text", w.width, keys["config"] + ", or " + keys["text_heads"])
+    vh, th = vision_heads or max(1, w.dim // 64), text_heads or max(1, w.width // 64)
+    assumed = [f"image heads {vh} ({'given' if vision_heads else f'width {w.dim} / head width 64'})",
+               f"text heads {th} ({'given' if text_heads else f'width {w.width} / 64'})",
+               f"{'QuickGELU' if quick_gelu else 'GELU'}"
+               f"{f' ({act_note})' if act_note else ' (given)' if quick_gelu is not None else ''}",
+               "the class token's image feature", "a causal text tower read at the end-of-text token"]
+    if not w.ln_pre:
+        assumed[-1] += " (weights without ln_pre may be CLIPA's, which average-pool and read text bidirectionally)"
+    return dict(vision_heads=vh, text_heads=th, act="quick_gelu" if quick_gelu else "gelu",
+                pools={}, text_opts={}, eps=(1e-5, 1e-5), assumed=assumed)
+
+
+def _spec(w: _Weights, opts: dict, mc: dict | None) -> ClipSpec:
+    """The ClipSpec of the weights' shapes with the resolved options."""
+    for what, width, h in (("image", w.dim, opts["vision_heads"]), ("text", w.width, opts["text_heads"])):
+        if width % h:
+            raise UserError(f"OpenCLIP: {what} width {width} is not divisible by {h} heads")
+    act, eps = opts["act"], opts["eps"]
+    vision = ViTSpec(image_size=w.grid * w.patch, patch_size=w.patch, in_chans=w.in_chans, num_classes=w.embed_dim,
+                     dim=w.dim, depth=w.vdepth, heads=opts["vision_heads"], mlp_ratio=_ratio(w.vhidden, w.dim),
+                     head="token",
                      **({"layer_scale": float((mc or {}).get("vision_cfg", {}).get("ls_init_value") or 1e-5)}
-                        if layer_scale else {}))
-    text = TextSpec(vocab_size=vocab, context_length=context, dim=width, depth=tdepth, heads=text_heads,
-                    mlp_ratio=_ratio(thidden, width), embed_dim=embed_dim, norm_eps=eps[1], act=act, **text_opts)
-    spec = ClipSpec(vision=vision, text=text, embed_dim=embed_dim, ln_pre=ln_pre, patch_bias=False, proj_bias=False,
-                    vision_norm_eps=eps[0], vision_act=act, **pools)
-    return spec, assumed, mc, where
+                        if w.layer_scale else {}))
+    text = TextSpec(vocab_size=w.vocab, context_length=w.context, dim=w.width, depth=w.tdepth,
+                    heads=opts["text_heads"], mlp_ratio=_ratio(w.thidden, w.width), embed_dim=w.embed_dim,
+                    norm_eps=eps[1], act=act, **opts["text_opts"])
+    return ClipSpec(vision=vision, text=text, embed_dim=w.embed_dim, ln_pre=w.ln_pre, patch_bias=False,
+                    proj_bias=False, vision_norm_eps=eps[0], vision_act=act, **opts["pools"])
+
+
+def _resolve(sd: dict, config, *, quick_gelu: bool | None, vision_heads: int, text_heads: int,
+             weights=None, keys: dict | None = None, act_note: str = "") -> tuple[ClipSpec, list[str], dict | None, str]:
+    """(spec, the defaults taken [empty when a configuration said everything], model_cfg or None, where
+    it came from). `keys`: how the caller spells its arguments in messages ({"config", "vision_heads",
+    "text_heads", "quick_gelu"}); `act_note`: where a `quick_gelu` given without a configuration came
+    from (default: the caller)."""
+    keys = {"config": "config=NAME or an open_clip_config.json", "vision_heads": "vision_heads=",
+            "text_heads": "text_heads=", "quick_gelu": "quick_gelu="} | (keys or {})
+    sd = _normalize(sd)
+    mc, _, where = read_config(config, weights)
+    if mc is not None:
+        _refuse_config(mc, where)
+    _refuse_keys(sd)
+    w = _read_weights(sd)
+    given = dict(vision_heads=vision_heads, text_heads=text_heads, quick_gelu=quick_gelu)
+    opts = (_options_from_config(w, mc, where, given, keys) if mc is not None
+            else _options_by_default(w, given, keys, act_note))
+    return _spec(w, opts, mc), opts["assumed"], mc, where
 
 
 def _announce(prefix: str, assumed: list[str], keys: str) -> None:
