@@ -69,3 +69,137 @@ def test_no_module_outside_strategy_names_an_engine_internal():
         text = path.read_text()
         for internal in ("ds_tensor", "deepspeed.", "fully_shard", "DistributedDataParallel"):
             assert internal not in text, f"{path.relative_to(SRC)} names {internal}"
+
+
+# -- layering: who may know an engine, a task kind or a dataset by name -----------------------------
+import ast  # noqa: E402
+import sys  # noqa: E402
+
+ENGINES = {"single", "ddp", "fsdp", "deepspeed"}                     # strategy.name values
+TASK_KINDS = {"vit", "clip", "classification"}                       # Task.kind values (and the word)
+DATASETS = {"fashion_mnist", "cifar10", "cifar100", "folder", "synthetic", "openclipart", "csv", "webdataset"}
+HOMES = ((ENGINES, "strategy/"), (TASK_KINDS, "tasks/"), (DATASETS, "data/"))  # the one package that may branch
+# (file, literal): the branches allowed outside their home, each with its reason
+ALLOWED = {
+    # config.py sits below strategy/ and checks keys together as soon as a config is read:
+    # CUDA graphs replay one process's captured step (test_devices.py: refused by load_config)
+    ("config.py", "single"),
+    # the lab's analytical communication models are named ddp / zero12 / zero3: cost formulas
+    # (comm_model.py, predict.py --strategy), not engines
+    ("lab/comm_model.py", "ddp"), ("lab/predict.py", "ddp"),
+    # a prepared shard set holds labels or captions: the writer's own kind word, not a model task
+    ("data/offline/shard_writer.py", "classification"),
+}
+
+
+def _literals(node) -> set:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return set()
+
+
+def _branch_literals(tree):
+    """(line, literal) of every string a branch depends on: compared (==, !=, in, not in), tested
+    with startswith/endswith, or a key of a dict literal indexed on the spot (`{...}[x]`,
+    `{...}.get(x)`). Docstrings, messages, config choice lists and recipe tables (values such as
+    {"strategy.name": "fsdp"}) are not branches."""
+    for node in ast.walk(tree):
+        sides = []
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            if node.func.attr in ("startswith", "endswith"):
+                sides = [node.args[0]]
+            elif node.func.attr == "get" and isinstance(node.func.value, ast.Dict):
+                sides = [k for k in node.func.value.keys if k is not None]
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Dict):
+            sides = [k for k in node.value.keys if k is not None]
+        for side in sides:
+            for value in _literals(side):
+                yield node.lineno, value
+
+
+def test_no_branch_on_an_engine_task_kind_or_dataset_name_outside_its_package():
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        for line, value in _branch_literals(ast.parse(path.read_text())):
+            for names, home in HOMES:
+                if value in names and not rel.startswith(home) and (rel, value) not in ALLOWED:
+                    found.append(f"{rel}:{line} branches on {value!r} (ask {home})")
+    assert not found, "\n".join(found)
+
+
+def test_the_scan_sees_branches_not_docstrings():
+    src = '"""ddp, fsdp and folder are named here."""\nif cfg.strategy.name == "fsdp" or d.name in ("folder", "csv"):\n' \
+          '    x = {"vit": 1, "clip": 2}[kind]\nname = "ddp"\n'
+    assert sorted(v for _, v in _branch_literals(ast.parse(src))) == ["clip", "csv", "folder", "fsdp", "vit"]
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of the modules a file imports (relative imports resolved), at any depth."""
+    package = list(path.relative_to(SRC.parent).with_suffix("").parts)[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            mod = ".".join([*base, *([node.module] if node.module else [])])
+            out.add(mod)
+            out |= {f"{mod}.{a.name}" for a in node.names}
+    return out
+
+
+def test_config_imports_only_errors_and_the_standard_library():
+    bad = {m for m in _imports(SRC / "config.py")
+           if m.split(".")[0] not in sys.stdlib_module_names
+           and m not in ("vitscale", "vitscale.errors") and not m.startswith("vitscale.errors.")
+           and m != "tomli"}  # tomllib's backport, before Python 3.11
+    assert not bad, f"config.py imports {sorted(bad)}: it sits at the bottom (errors and the standard library only)"
+
+
+@pytest.mark.parametrize("where", ["metrics.py", "data"])
+def test_metrics_and_data_import_no_strategy(where):
+    files = [SRC / where] if where.endswith(".py") else sorted((SRC / where).rglob("*.py"))
+    bad = [f"{p.relative_to(SRC)}: {m}" for p in files for m in sorted(_imports(p))
+           if m == "vitscale.strategy" or m.startswith("vitscale.strategy.")]
+    assert not bad, f"{where} imports strategy/: {bad}"
+
+
+def test_no_import_circle():
+    """Imports run one way (cli -> lab -> loop/evaluate -> tasks -> data, losses, interop -> models;
+    config and errors at the bottom), function-level imports included."""
+    def name(p: Path) -> str:
+        parts = p.relative_to(SRC.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    mods = {name(p): p for p in SRC.rglob("*.py")}
+    graph = {m: {i for i in _imports(p) if i in mods and i != m} for m, p in mods.items()}
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+    for m in sorted(mods):
+        if m not in index:
+            visit(m)
+    assert not circles, f"import circles: {circles}"
