@@ -1,6 +1,7 @@
 """Helpers shared by the test modules: recipes, launching torchrun, reading runs back, and
 writers of small datasets in the official formats. Fixtures live in conftest.py."""
 import gzip
+import io
 import json
 import os
 import pickle
@@ -8,6 +9,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -190,3 +192,36 @@ def write_idx(path: Path, arr: np.ndarray, magic: int | None = None, gz: bool = 
     head += b"".join(struct.pack(">I", d) for d in arr.shape)
     raw = head + arr.tobytes()
     path.write_bytes(gzip.compress(raw) if gz else raw)
+
+
+def shard_jpeg(k: int) -> bytes:
+    """A 24x24 JPEG of 8x8 blocks, seeded by k (the webdataset shards' images)."""
+    rng = np.random.default_rng(k)
+    a = (rng.integers(0, 255, (3, 3, 3)).repeat(8, 0).repeat(8, 1)).astype(np.uint8)  # 24x24 blocks
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def tar_add(tf, name, data):
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    tf.addfile(ti, io.BytesIO(data))
+
+
+def write_shards(folder, n_shards=4, per=6, *, gz=False, gz_members=False, bad_jpeg=(), no_caption=(), start=0):
+    """n_shards x per samples s0000...: KEY.jpg, KEY.txt 'sample k', KEY.cls k % 3."""
+    folder.mkdir(parents=True, exist_ok=True)
+    k = start
+    for s in range(n_shards):
+        with tarfile.open(folder / f"{s:05d}.tar{'.gz' if gz else ''}", "w:gz" if gz else "w") as tf:
+            for _ in range(per):
+                key = f"s{k:04d}"
+                tar_add(tf, f"{key}.jpg", b"not a jpeg" if k in bad_jpeg else shard_jpeg(k))
+                if k not in no_caption:
+                    cap = f"sample {k}".encode()
+                    tar_add(tf, f"{key}.txt.gz" if gz_members else f"{key}.txt",
+                            gzip.compress(cap) if gz_members else cap)
+                tar_add(tf, f"{key}.cls", str(k % 3).encode())
+                k += 1
+    return folder

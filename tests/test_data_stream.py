@@ -1,16 +1,13 @@
 """Streamed webdataset shards (data.reader=stream): resume, ranks, index routing, sources, bad input."""
 import gzip
 import importlib.util
-import io
 import logging
 import os
 import tarfile
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from vitscale.config import DataConfig
 from vitscale.data import build_data, build_image_text
@@ -21,40 +18,11 @@ from vitscale.data.sources.shards import is_remote, open_url
 from vitscale.data.tokenizer import tokenize
 from vitscale.errors import DataError
 
+from helpers import shard_jpeg, tar_add, write_shards
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("open_clip") is None,
                                 reason="the BPE vocabulary ships in open-clip-torch")
 L = 12
-
-
-def jpeg(k: int) -> bytes:
-    rng = np.random.default_rng(k)
-    a = (rng.integers(0, 255, (3, 3, 3)).repeat(8, 0).repeat(8, 1)).astype(np.uint8)  # 24x24 blocks
-    buf = io.BytesIO()
-    Image.fromarray(a).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
-
-
-def add(tf, name, data):
-    ti = tarfile.TarInfo(name)
-    ti.size = len(data)
-    tf.addfile(ti, io.BytesIO(data))
-
-
-def write_shards(folder, n_shards=4, per=6, *, gz=False, gz_members=False, bad_jpeg=(), no_caption=(), start=0):
-    """n_shards x per samples s0000...: KEY.jpg, KEY.txt 'sample k', KEY.cls k % 3."""
-    folder.mkdir(parents=True, exist_ok=True)
-    k = start
-    for s in range(n_shards):
-        with tarfile.open(folder / f"{s:05d}.tar{'.gz' if gz else ''}", "w:gz" if gz else "w") as tf:
-            for _ in range(per):
-                key = f"s{k:04d}"
-                add(tf, f"{key}.jpg", b"not a jpeg" if k in bad_jpeg else jpeg(k))
-                if k not in no_caption:
-                    cap = f"sample {k}".encode()
-                    add(tf, f"{key}.txt.gz" if gz_members else f"{key}.txt", gzip.compress(cap) if gz_members else cap)
-                add(tf, f"{key}.cls", str(k % 3).encode())
-                k += 1
-    return folder
 
 
 def cfg(root, test_root, **kw):
@@ -257,9 +225,9 @@ def prepared(tmp_path_factory):
             d = root / "folder" / split / f"class{c}"
             d.mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                (d / f"{i}.jpg").write_bytes(jpeg(100 * c + i))
+                (d / f"{i}.jpg").write_bytes(shard_jpeg(100 * c + i))
     for i in range(24):
-        (root / f"p{i}.jpg").write_bytes(jpeg(500 + i))
+        (root / f"p{i}.jpg").write_bytes(shard_jpeg(500 + i))
         rows.append(f"p{i}.jpg,picture {i}")
     (root / "pairs.csv").write_text("\n".join(rows) + "\n")
     prepare(str(root / "folder"), str(root / "cls"), size=20, shard_size=6, workers=1, progress=False)
@@ -327,8 +295,8 @@ def test_unreadable_compressed_member_is_skipped(tmp_path, caplog):
     root = write_shards(tmp_path / "z", n_shards=2, per=4)
     with tarfile.open(root / "00002.tar", "w") as tf:                 # one more shard: 4 samples, 1 bad .gz
         for k in range(50, 54):
-            add(tf, f"s{k:04d}.jpg", jpeg(k))
-            add(tf, f"s{k:04d}.txt.gz", b"not gzip" if k == 51 else gzip.compress(f"sample {k}".encode()))
+            tar_add(tf, f"s{k:04d}.jpg", shard_jpeg(k))
+            tar_add(tf, f"s{k:04d}.txt.gz", b"not gzip" if k == 51 else gzip.compress(f"sample {k}".encode()))
     write_shards(tmp_path / "t", n_shards=1, per=2, start=900)
     b = pairs(cfg(root, tmp_path / "t", num_workers=0, shuffle_buffer=0, batch_size=11))
     assert b.train_size == 11                                         # counted without the bad one
