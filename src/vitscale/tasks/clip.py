@@ -53,6 +53,23 @@ def caption_ids(tokens: torch.Tensor) -> torch.Tensor:
     return torch.unique(tokens, dim=0, return_inverse=True)[1]
 
 
+def check_init_options(m) -> None:
+    """model.init (`m`: the model config) must be OpenCLIP CLIP weights a CLIP model can start
+    from (interop/open_clip.py's check_init reads their configuration and keys only)."""
+    from .classification import INIT_ARCH_MISPLACED, init_open_clip_misplaced
+    if m.init_arch:
+        raise ConfigError(INIT_ARCH_MISPLACED)
+    if not m.init:
+        if m.init_open_clip:
+            raise init_open_clip_misplaced(m)
+        return
+    from ..interop.open_clip import check_init
+    try:  # the file's configuration and keys: the real cause, in one line
+        check_init(m.init, m.init_open_clip)
+    except UserError as e:
+        raise ConfigError(f"config: {e}") from None
+
+
 class ClipTask(Task):
     kind, sample, samples, pairs = "clip", "pair", "pairs", True
     exports = {"open_clip": "CLIP models"}
@@ -67,21 +84,7 @@ class ClipTask(Task):
 
     # -- building ---------------------------------------------------------------------------------
     def check(self) -> None:
-        """model.init must be OpenCLIP CLIP weights this model can start from (interop/open_clip.py's
-        check_init reads their configuration and keys only)."""
-        from .classification import INIT_ARCH_MISPLACED, init_open_clip_misplaced
-        m = self.cfg.model
-        if m.init_arch:
-            raise ConfigError(INIT_ARCH_MISPLACED)
-        if not m.init:
-            if m.init_open_clip:
-                raise init_open_clip_misplaced(m)
-            return
-        from ..interop.open_clip import check_init
-        try:  # the file's configuration and keys: the real cause, in one line
-            check_init(m.init, m.init_open_clip)
-        except UserError as e:
-            raise ConfigError(f"config: {e}") from None
+        check_init_options(self.cfg.model)
 
     def build_data(self, s):
         cfg = self.cfg
