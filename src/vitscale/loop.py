@@ -22,7 +22,7 @@ from .strategy import build_strategy, check_launch
 from .precision import tf32_active
 from .strategy.devices import launch_env
 from .run_state import resume_run, run_state
-from .tasks import build_task
+from .tasks import build_task, check_config
 
 
 def _no_phase(name: str) -> None:
@@ -100,6 +100,7 @@ class Trainer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
+        check_config(cfg)  # the task's checks (model.init files), before an engine starts
         check_launch(cfg.strategy.name, launch_env(os.environ).world_size)  # N copies into one run folder
         self.lr = scaled_lr(cfg.optim, cfg.data.batch_size)
         # the strategy builds its optimizer at the lr for this global batch; the saved config
