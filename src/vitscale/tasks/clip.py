@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..data import IMAGE_TEXT, build_image_text
 from ..data.build import eval_preprocess
 from ..data.tokenizer import get_tokenizer, tokenize
-from ..errors import ConfigError, DataError, UserError
+from ..errors import ConfigError, UserError
 from ..losses import build_clip_loss, resolve_clip
 from ..models import CLIP, ClipSpec, TextSpec, ViTSpec, clip_forward_flops, count_params, resolve_clip_spec
 from ..optim import schedule
