@@ -1,11 +1,13 @@
 """The batch contract every data path keeps (data/types.py), labelled and image-text pairs alike:
-in memory (Fashion-MNIST files, synthetic), folder, CSV, webdataset shards read by seeking and
-streamed, and a labelled set captioned for CLIP (data/loaders/captions.py)."""
+in memory (Fashion-MNIST files, synthetic, OpenClipArt), folder, CSV, webdataset shards read by
+seeking and streamed, and a labelled set captioned for CLIP (data/loaders/captions.py)."""
 import importlib.util
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from vitscale.config import DataConfig
 from vitscale.data import build_data, build_image_text
@@ -29,7 +31,20 @@ def roots(tmp_path_factory):
         (root / "img" / f"{i}.jpg").write_bytes(shard_jpeg(i))
         rows.append(f"img/{i}.jpg,\"caption number {i}\"")
     (root / "pairs.csv").write_text("\n".join(rows) + "\n")
+    write_openclipart(root / "openclipart")
     return root
+
+
+def write_openclipart(root):
+    """OpenClipArt's layout (png/<category>/NAME.png, svg/<category>/NAME.svg): 16 drawings."""
+    rng = np.random.default_rng(0)
+    for i in range(16):
+        category = ("animals", "food", "special")[i % 3]
+        for kind in ("png", "svg"):
+            (root / kind / category).mkdir(parents=True, exist_ok=True)
+        a = rng.integers(0, 256, (12 + i, 20, 4), dtype=np.uint8)
+        Image.fromarray(a, "RGBA").save(root / "png" / category / f"thing_{i}.png")
+        (root / "svg" / category / f"thing_{i}.svg").write_text("<svg/>")
 
 
 def data_config(path: str, root) -> DataConfig:
@@ -39,6 +54,7 @@ def data_config(path: str, root) -> DataConfig:
           "synthetic": synthetic,
           "folder": dict(name="folder", root=str(root / "tree")),
           "csv": dict(name="csv", root=str(root / "pairs.csv"), test_fraction=0.25),
+          "openclipart": dict(name="openclipart", root=str(root / "openclipart"), test_fraction=0.4),
           "seek": dict(shards, reader="seek"),
           "stream": dict(shards, reader="stream"),
           "captions-memory": dict(synthetic, captions=True),
@@ -49,7 +65,7 @@ def data_config(path: str, root) -> DataConfig:
 
 
 LABELLED = ["memory", "synthetic", "folder", "seek", "stream"]
-PAIRS = ["csv", "seek", "stream", "captions-memory", "captions-folder"]
+PAIRS = ["csv", "openclipart", "seek", "stream", "captions-memory", "captions-folder"]
 CASES = [(p, "labels") for p in LABELLED] + [(p, "pairs") for p in PAIRS]
 
 
@@ -86,9 +102,10 @@ def check_second(batch, bundle, kind, n, num_classes):
 
 
 @pytest.mark.parametrize("path,kind", CASES, ids=[f"{p}-{k}" for p, k in CASES])
-def test_batch_contract(roots, path, kind):
+def test_batch_contract(roots, path, kind, tmp_path, monkeypatch):
     if kind == "pairs" and not HAS_VOCAB:
         pytest.skip("the BPE vocabulary ships in open-clip-torch")
+    monkeypatch.setenv("VITSCALE_DATA", str(tmp_path))      # caches (OpenClipArt's decoded set, shard indexes)
     cfg = data_config(path, roots)
     if kind == "labels":
         bundle = build_data(cfg, device="cpu", seed=0)
