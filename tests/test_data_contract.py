@@ -11,6 +11,7 @@ from PIL import Image
 
 from vitscale.config import DataConfig
 from vitscale.data import build_data, build_image_text
+from vitscale.data.types import EvalLoader, TrainLoader
 
 from helpers import make_tree, shard_jpeg, write_fmnist, write_shards
 
@@ -116,6 +117,7 @@ def test_batch_contract(roots, path, kind, tmp_path, monkeypatch):
         num_classes = 0
     try:
         train = bundle.train
+        assert isinstance(train, TrainLoader) and isinstance(bundle.test, EvalLoader)   # data/types.py
         steps = bundle.train_size // cfg.batch_size
         assert len(train) == steps > 0                    # whole global batches, the same on every path
         batches = list(train.iterate(0))

@@ -11,12 +11,13 @@ y is int64 [B], or float32 [B, num_classes] soft targets when mixup/cutmix is on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Iterator, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 
+@runtime_checkable
 class TrainLoader(Protocol):
     """This rank's training batches: what loop.py and lab/harness.py call."""
     batch_size: int        # this rank's samples per batch
@@ -32,6 +33,7 @@ class TrainLoader(Protocol):
         """Stop decoding worker processes (a no-op for in-memory data)."""
 
 
+@runtime_checkable
 class EvalLoader(Protocol):
     """This rank's held-out (or zero-shot) batches: what tasks/classification.py and tasks/clip.py call."""
     batch_size: int
