@@ -10,7 +10,9 @@ import os
 import sys
 from pathlib import Path
 
+from .config import add_overrides, add_recipe_arguments
 from .errors import UserError
+from .lab import add_synthetic_argument
 
 EPILOG = """examples:
   vitscale train                                   # default recipe: ViT on Fashion-MNIST
@@ -22,23 +24,6 @@ EPILOG = """examples:
   vitscale info configs/vit_b16_imagenet.toml --json
   vitscale data download cifar10
 """
-
-
-def add_overrides(p, help: str = "override one config value (repeatable)") -> None:
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
-
-
-def add_recipe_arguments(p, help: str = "TOML recipe (path, or a name from configs/; default: the Fashion-MNIST "
-                         "recipe)", set_help: str = "override one config value (repeatable)") -> None:
-    """CONFIG and --set, the same for train, info, config and the lab's commands."""
-    p.add_argument("config", nargs="?", help=help)
-    add_overrides(p, set_help)
-
-
-def add_synthetic_argument(p) -> None:
-    """`--synthetic`, one definition for bench, ladder, tune and sweep (which passes it to bench)."""
-    p.add_argument("--synthetic", action="store_true",
-                   help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost")
 
 
 def _parser() -> argparse.ArgumentParser:

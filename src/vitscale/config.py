@@ -371,6 +371,18 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+# the recipe on a command line: CONFIG and --set, shared by the CLI and the lab's commands
+def add_overrides(p, help: str = "override one config value (repeatable)") -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
+
+
+def add_recipe_arguments(p, help: str = "TOML recipe (path, or a name from configs/; default: the Fashion-MNIST "
+                         "recipe)", set_help: str = "override one config value (repeatable)") -> None:
+    """CONFIG and --set, the same for train, info, config and the lab's commands."""
+    p.add_argument("config", nargs="?", help=help)
+    add_overrides(p, set_help)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
     """Defaults <- recipe TOML (the default recipe when None) <- `--set` overrides; then checks."""
     cfg = Config()

@@ -21,7 +21,8 @@ HELP = "time the training step: img/s, MFU, memory, forward/backward/comm/optimi
 
 
 def add_arguments(p) -> None:
-    from ..cli import add_recipe_arguments, add_synthetic_argument
+    from ..config import add_recipe_arguments
+    from . import add_synthetic_argument
     add_recipe_arguments(p)
     p.add_argument("--steps", type=int, default=20, help="timed steps per trial (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")

@@ -315,7 +315,8 @@ def markdown(r: dict, command: str) -> str:
 
 
 def add_arguments(p) -> None:
-    from ..cli import add_recipe_arguments, add_synthetic_argument
+    from ..config import add_recipe_arguments
+    from . import add_synthetic_argument
     add_recipe_arguments(p)
     p.add_argument("--steps", type=int, default=3, help="timed steps per rung per round (default 3)")
     p.add_argument("--trials", type=int, default=10,

@@ -26,7 +26,7 @@ STRATEGY_NAMES = {"ddp": "DDP", "zero12": "ZeRO-1/2", "zero3": "ZeRO-3 / FSDP2"}
 
 
 def add_arguments(p) -> None:
-    from ..cli import add_recipe_arguments
+    from ..config import add_recipe_arguments
     add_recipe_arguments(p, help="TOML recipe (its model, batch and precision)")
     p.add_argument("--bench", metavar="FILE.json", help="a single-device `vitscale bench --json` result")
     p.add_argument("--link", default=None, metavar="LIST",

@@ -35,7 +35,8 @@ MEMORY_POINTS = [{"strategy.name": "ddp"}] + [{"strategy.name": "deepspeed", "st
 
 
 def add_arguments(p) -> None:
-    from ..cli import add_recipe_arguments, add_synthetic_argument
+    from ..config import add_recipe_arguments
+    from . import add_synthetic_argument
     add_recipe_arguments(p, set_help="override one config value for every point (repeatable)")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="a swept config key (or nproc); repeatable: the cartesian product is run")

@@ -119,7 +119,8 @@ def describe(over: dict) -> str:
 
 
 def add_arguments(p) -> None:
-    from ..cli import add_recipe_arguments, add_synthetic_argument
+    from ..config import add_recipe_arguments
+    from . import add_synthetic_argument
     add_recipe_arguments(p)
     p.add_argument("--allow-precision", default="", metavar="P1,P2",
                    help="precisions the search may use (default: the recipe's own only)")
