@@ -76,6 +76,12 @@ class DataConfig:
                          "seeking in local uncompressed .tar files; stream = the webdataset library (local "
                          "paths, brace patterns, pipe:, http(s)/s3 URLs, .tar.gz; shard order and a shuffle "
                          "buffer per epoch and rank); auto = seek for local .tar files, stream otherwise")
+    val_fraction: float = num(0.0, min=0.0, max=0.5, doc="fashion_mnist, cifar10/100, synthetic: hold out this "
+                              "share of the TRAINING set (seeded by data.val_seed, stratified by class) and "
+                              "evaluate on it instead of the test set, which is then not read (0 = off: the "
+                              "test set); what `vitscale search` scores trials on")
+    val_seed: int = num(0, min=0, doc="the seed of the data.val_fraction split (not run.seed: every seed of a "
+                        "recipe sees the same split)")
     shuffle_buffer: int = num(1000, min=0, doc="reader=stream: samples in each worker's shuffle buffer "
                               "(0 = shard order only)")
     on_device: bool = True          # keep small datasets whole on the training device
@@ -183,6 +189,10 @@ class OptimConfig:
     momentum: float = num(0.9, min=0.0, max=1.0)
     nesterov: bool = False
     schedule: str = choice("cosine", "cosine", "linear", "constant")
+    schedule_clock: str = choice("steps", "steps", "time", doc="what the lr decay follows: steps = the "
+                                 "optimizer step of train.epochs' steps; time = the training time spent of "
+                                 "train.time_limit_s, so the schedule ends when the time budget ends (the "
+                                 "warm-up stays in steps)")
     warmup_epochs: float = num(0.0, min=0.0)
     warmup_steps: int = num(0, min=0, doc="overrides warmup_epochs when > 0")
     min_lr_ratio: float = num(0.0, min=0.0, max=1.0)
@@ -453,6 +463,9 @@ def check(cfg: Config) -> None:
         raise ConfigError("config: train.precision=pure_fp16 with train.master_weights=false is refused: "
                           "torch's loss scaler cannot unscale fp16 gradients, and fp16 optimizer state "
                           "underflows AdamW's eps (1e-8 is 0 in fp16); keep master_weights=true or use pure_bf16")
+    if cfg.optim.schedule_clock == "time" and not cfg.train.time_limit_s:
+        raise ConfigError("config: optim.schedule_clock=time needs train.time_limit_s > 0 (the budget the "
+                          "lr schedule spans)")
     if cfg.model.heads and cfg.model.dim and cfg.model.dim % cfg.model.heads:
         raise ConfigError(f"config: model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
 

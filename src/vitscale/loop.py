@@ -130,9 +130,11 @@ class Trainer:
         self.total_steps = min(total, cfg.run.max_steps) if cfg.run.max_steps else total
         task.setup_training(lr=self.lr, dataset_size=self.data.train_size, total_steps=self.total_steps,
                             steps_per_epoch=self.steps_per_epoch, device=s.device)
-        self.scheduler = build_scheduler(self.strategy.optimizer, cfg.optim, self.total_steps,
-                                         self.steps_per_epoch)
         self.step, self.train_time, self.images_seen = 0, 0.0, 0
+        # optim.schedule_clock=time: the decay follows self.train_time to train.time_limit_s
+        self.scheduler = build_scheduler(self.strategy.optimizer, cfg.optim, self.total_steps,
+                                         self.steps_per_epoch, clock=lambda: self.train_time,
+                                         budget_s=cfg.train.time_limit_s)
         self.watch = FiniteWatch()
         self.steady = [0.0, 0]  # time and images of steps after each process's first (compile, warm-up)
         self.best_acc, self.last_eval = None, None
@@ -331,7 +333,7 @@ def describe_run(tr: Trainer) -> str:
         f' ({cfg.optim.lr_scaling} scaling from {cfg.optim.lr:g} at batch {cfg.optim.lr_ref_batch})'
     return (f"run {tr.run_dir}: {tr.task.describe(tr.spec)}, {tr.params / 1e6:.2f}M params, "
             f"{tr.flops_per_image / 1e6:.1f} MFLOPs/{tr.task.sample} fwd; "
-            f"{tr.data.train_size} train / {tr.data.test_size} test {tr.task.samples}; "
+            f"{tr.data.train_size} train / {tr.data.test_size} {tr.data.eval_split} {tr.task.samples}; "
             f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
             f"{cfg.train.accum_steps} micro-batches x "
             f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; lr {tr.lr:.3g}{scaling}"
@@ -351,7 +353,7 @@ def run_summary(tr: Trainer, stop_reason: str) -> dict:
             "flops_per_image": tr.flops_per_image, "train_flops_per_image": 3 * tr.flops_per_image,
             "mfu": mfu(tr.flops_per_image, images_per_s, peak, s.world_size),
             "peak_flops": peak, "peak_source": peak_src, "world_size": s.world_size,
-            "steps": tr.step, "epochs": tr.step / tr.steps_per_epoch,
+            "steps": tr.step, "epochs": tr.step / tr.steps_per_epoch, "eval_split": tr.data.eval_split,
             "images_seen": tr.images_seen, "stop_reason": stop_reason,
             "precision": cfg.train.precision, "tf32": tf32_active(s.device.type, cfg.train.precision, cfg.train.tf32),
             "lr": tr.lr, "device": str(s.device),

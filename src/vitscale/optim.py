@@ -116,7 +116,13 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
         return (step + 1) / warmup
     if schedule == "constant" or total <= warmup:
         return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return decay_factor(min(1.0, (step - warmup) / max(1, total - warmup)), schedule, min_ratio)
+
+
+def decay_factor(progress: float, schedule: str, min_ratio: float) -> float:
+    """The decay part of the multiplier at `progress` in [0, 1] (1 = the schedule's end: min_ratio)."""
+    if schedule == "constant":
+        return 1.0
     if schedule == "cosine":
         decay = 0.5 * (1 + math.cos(math.pi * progress))
     else:  # linear
@@ -130,5 +136,26 @@ def schedule(cfg: OptimConfig, total_steps: int, steps_per_epoch: int):
     return lambda s: lr_factor(s, total_steps, warmup, cfg.schedule, cfg.min_lr_ratio)
 
 
-def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int, steps_per_epoch: int):
+def time_schedule(cfg: OptimConfig, budget_s: float, steps_per_epoch: int, clock):
+    """optim.schedule_clock = time: the multiplier at optimizer step `s` is the warm-up ramp (in steps,
+    as `schedule`'s) times the decay at progress = clock() / budget_s, `clock()` being the training
+    seconds spent so far (the trainer's: evaluation and checkpoints do not count). The decay reaches
+    its end (min_lr_ratio) when the time budget ends, however many steps fit in it; stateless, so a
+    resumed run continues from its restored training time."""
+    warmup = cfg.warmup_steps or int(round(cfg.warmup_epochs * steps_per_epoch))
+
+    def factor(step: int) -> float:
+        ramp = (step + 1) / warmup if warmup and step < warmup else 1.0
+        return ramp * decay_factor(min(1.0, clock() / budget_s), cfg.schedule, cfg.min_lr_ratio)
+    return factor
+
+
+def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int, steps_per_epoch: int, *,
+                    clock=None, budget_s: float = 0.0):
+    """A LambdaLR of `schedule` (steps), or of `time_schedule` (optim.schedule_clock = time: `clock`
+    and `budget_s`, the training seconds spent and train.time_limit_s)."""
+    if cfg.schedule_clock == "time":
+        if clock is None or budget_s <= 0:
+            raise ConfigError("config: optim.schedule_clock=time needs train.time_limit_s > 0")
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, time_schedule(cfg, budget_s, steps_per_epoch, clock))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg, total_steps, steps_per_epoch))

@@ -77,22 +77,34 @@ def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) ->
     device = torch.device(device)
     micro_batch(cfg.batch_size, world_size, error=DataError)
     kw = dict(device=device, seed=seed, rank=rank, world_size=world_size)
+    if cfg.val_fraction and cfg.name not in (*NATIVE_GEOMETRY, "synthetic"):
+        raise DataError(f"data.val_fraction: a validation split is carved from in-memory labelled sets "
+                        f"({', '.join(NATIVE_GEOMETRY)}, synthetic), not from data.name = '{cfg.name}'")
     if cfg.name == "folder":
         return _folder(cfg, **kw)
     if cfg.name == "webdataset":                  # labelled shards (KEY.cls)
         return _stream_labelled(cfg, **kw) if resolve_reader(cfg) == "stream" else _seek_labelled(cfg, **kw)
     if cfg.name == "fashion_mnist":
         from .sources import fashion_mnist
-        splits = fashion_mnist.load(cfg.root)
+        splits = fashion_mnist.load(cfg.root, test=not cfg.val_fraction)
     elif cfg.name in ("cifar10", "cifar100"):
         from .sources import cifar
-        splits = cifar.load(cfg.name, cfg.root)
+        splits = cifar.load(cfg.name, cfg.root, test=not cfg.val_fraction)
     elif cfg.name == "synthetic":
         from .sources import synthetic
-        return tensor_bundle(synthetic.make(cfg, seed), cfg, resize=False, **kw)
+        return tensor_bundle(*_held_out_validation(synthetic.make(cfg, seed), cfg), resize=False, **kw)
     else:
         raise DataError(f"data.name: unknown dataset '{cfg.name}'")
-    return tensor_bundle(splits, cfg, **kw)
+    return tensor_bundle(*_held_out_validation(splits, cfg), **kw)
+
+
+def _held_out_validation(splits, cfg) -> tuple:
+    """(splits, cfg) for tensor_bundle: with data.val_fraction, the stratified validation split of
+    the training set in the test split's place (data/val_split.py; the test split was not read)."""
+    if not cfg.val_fraction:
+        return splits, cfg
+    from .val_split import carve_validation
+    return carve_validation(splits, cfg.val_fraction, cfg.val_seed), cfg
 
 
 def _folder(cfg, *, device, seed: int, rank: int, world_size: int) -> DataBundle:

@@ -73,6 +73,7 @@ class DataBundle:
     class_names: list = field(default_factory=list)
     zeroshot: dict = field(default_factory=dict)        # name -> ZeroShotSet
     captions_test: list = field(default_factory=list)
+    eval_split: str = "test"  # "val": `test` holds a validation split of the training set (data.val_fraction)
 
     def close(self):
         """Stop decoding worker processes (folder, shard data); a no-op for in-memory data."""

@@ -175,7 +175,8 @@ class ClassificationTask(Task):
     def describe_metrics(r: dict) -> str:
         pct = lambda k: f"{100 * r[k]:.2f}%"  # noqa: E731
         best = f" (best {pct('best_test_accuracy')})" if "best_test_accuracy" in r else ""
-        return f"test accuracy {pct('test_accuracy')}{best} on {r['test_count']} images (loss {r['test_loss']:.4f})"
+        split = "validation (data.val_fraction of the training set)" if r.get("eval_split") == "val" else "test"
+        return f"{split} accuracy {pct('test_accuracy')}{best} on {r['test_count']} images (loss {r['test_loss']:.4f})"
 
     # -- the training step ------------------------------------------------------------------------
     def loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

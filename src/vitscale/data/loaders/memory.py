@@ -107,7 +107,7 @@ def tensor_bundle(splits: TensorSplits, cfg, *, device, seed: int, rank: int = 0
                               rank=rank, world_size=world_size, pin_memory=cfg.pin_memory),
         num_classes=num_classes, channels=train_x.shape[1], image_size=train_x.shape[-1],
         class_names=list(splits.class_names), train_size=len(train_x), test_size=len(test_x),
-        mean=mean, std=std)
+        mean=mean, std=std, eval_split="val" if getattr(cfg, "val_fraction", 0) else "test")
 
 
 class PairTrainLoader(TensorTrainLoader):

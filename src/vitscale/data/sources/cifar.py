@@ -75,7 +75,8 @@ def _read_split(base: Path, files, label_key, num_classes):
     return x, torch.from_numpy(np.concatenate([p[1] for p in parts]))
 
 
-def load(name: str, root: str | Path = "") -> TensorSplits:
+def load(name: str, root: str | Path = "", test: bool = True) -> TensorSplits:
+    """`test` False: the test split is not read (empty tensors in its place)."""
     folder, train_files, test_files, meta, label_key, names_key, mean, std = SPECS[name]
     root = Path(root).expanduser() if root else default_root(name)
     base = find_dir(root, folder, meta)
@@ -87,5 +88,5 @@ def load(name: str, root: str | Path = "") -> TensorSplits:
         raise DataError(f"{base / meta}: missing key {names_key!r}")
     names = [n.decode() if isinstance(n, bytes) else str(n) for n in meta_d[names_key]]
     train_x, train_y = _read_split(base, train_files, label_key, len(names))
-    test_x, test_y = _read_split(base, test_files, label_key, len(names))
+    test_x, test_y = _read_split(base, test_files, label_key, len(names)) if test else (train_x[:0], train_y[:0])
     return TensorSplits(train_x, train_y, test_x, test_y, names, mean, std)

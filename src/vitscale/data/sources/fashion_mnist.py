@@ -66,8 +66,9 @@ def load_split(root: Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.from_numpy(labels.astype(np.int64))
 
 
-def load(root: str | Path = "") -> TensorSplits:
+def load(root: str | Path = "", test: bool = True) -> TensorSplits:
+    """`test` False: the test split is not read (empty tensors in its place)."""
     root = Path(root).expanduser() if root else default_root("fashion_mnist")
     train_x, train_y = load_split(root, "train")
-    test_x, test_y = load_split(root, "test")
+    test_x, test_y = load_split(root, "test") if test else (train_x[:0], train_y[:0])
     return TensorSplits(train_x, train_y, test_x, test_y, list(CLASS_NAMES), MEAN, STD)
