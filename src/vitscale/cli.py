@@ -103,7 +103,7 @@ def _add_lab_commands(sub) -> None:
                                          formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
-LAB = ("bench", "sweep", "ladder", "tune", "predict")
+LAB = ("bench", "sweep", "ladder", "tune", "predict", "search")
 
 
 def cmd_train(args) -> int:

@@ -1,0 +1,183 @@
+"""The report of `vitscale search`: OUT/search.json (every trial, the Pareto front, key importances,
+the repeats, the pick and its one test evaluation), OUT/search.md (the same for people),
+OUT/pareto.png (validation accuracy against training time, every trial, the front drawn),
+OUT/importance.png and OUT/best.toml (the pick as a recipe, with the command that trains it)."""
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from pathlib import Path
+
+
+def trial_row(t) -> dict:
+    from .search_trials import last_value
+    u = t.user_attrs
+    return {"number": t.number, "state": t.state.name.lower(), "val_accuracy": last_value(t),
+            "train_time_s": u.get("train_time_s"), "epochs": u.get("epochs"), "steps": u.get("steps"),
+            "params": dict(t.params), "error": u.get("error") if t.state.name == "FAIL" else None,
+            "worker": u.get("worker"), "retry_of": t.system_attrs.get("failed_trial")}
+
+
+def pareto(rows: list[dict]) -> list[int]:
+    """Trial numbers on the front of (higher validation accuracy, less training time)."""
+    pts = [(r["train_time_s"], r["val_accuracy"], r["number"]) for r in rows
+           if r["val_accuracy"] is not None and r["train_time_s"] is not None]
+    front, best = [], -1.0
+    for secs, acc, n in sorted(pts, key=lambda p: (p[0], -p[1])):
+        if acc > best:
+            front.append(n)
+            best = acc
+    return front
+
+
+def importances(study) -> dict:
+    """optuna.importance over the complete trials, with PED-ANOVA (no scikit-learn needed; optuna
+    5's default); {"error": why} where it cannot say (fewer than two complete trials, ...)."""
+    import warnings
+
+    import optuna
+    make = getattr(optuna.importance, "PedAnovaImportanceEvaluator", None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            imp = optuna.importance.get_param_importances(study, evaluator=make() if make else None)
+        return {k: float(v) for k, v in imp.items()}
+    except (ValueError, RuntimeError, ImportError) as e:
+        return {"error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+
+
+def command_line(args) -> str:
+    """The search command, as given (to rerun or extend it)."""
+    parts = ["vitscale", "search"] + ([args.config] if args.config else [])
+    parts += [x for o in args.overrides for x in ("--set", o)]
+    parts += ["--budget-s", f"{args.budget_s:g}", "--out", args.out, "--study", args.study]
+    parts += ["--space", args.space] if args.space else []
+    parts += ["--storage", args.storage] if args.storage else []
+    return shlex.join(parts)
+
+
+def write_report(study, space, args, out: Path, final: dict | None, best_cfg) -> Path:
+    rows = [trial_row(t) for t in study.get_trials(deepcopy=False)]
+    front = pareto(rows)
+    imp = importances(study)
+    best_toml = write_best(out, best_cfg, final, args) if best_cfg is not None else None
+    report = {"study": study.study_name, "budget_s": args.budget_s, "command": command_line(args),
+              "space": [d.as_dict() for d in space], "trials": rows, "pareto": front, "importance": imp,
+              "selection": "trials scored on data.val_fraction of the training set; the test set evaluated "
+                           "once, for the pick", "finish": final,
+              "best_toml": str(best_toml) if best_toml else None,
+              "reproduce": f"vitscale train {best_toml}" if best_toml else None}
+    (out / "search.json").write_text(json.dumps(report, indent=2, default=str))
+    plots = draw(rows, front, imp, out)
+    path = out / "search.md"
+    path.write_text("\n".join(markdown(report, rows, plots)) + "\n")
+    return path
+
+
+def write_best(out: Path, cfg, final: dict, args) -> Path:
+    pick, test = final["pick"], final.get("test") or {}
+    head = [f"# `vitscale search` pick, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: trial {pick['trial']} "
+            f"of study {args.study}",
+            f"# validation accuracy {pick['mean']:.4f} +- {pick['std']:.4f} over {len(pick['values'])} seeds "
+            f"(data.val_fraction of the training set), {args.budget_s:g}s of training each",
+            ("# test accuracy {:.4f} on {} images: the test set's one evaluation, of the seed-{} model".format(
+                test["test_accuracy"], test["test_count"], test["seed"]) if test else "# not evaluated on the test set"),
+            "# this recipe trains on the FULL training set (data.val_fraction = 0) for the same time budget,",
+            "# the lr schedule fitted to it (optim.schedule_clock = time); train.epochs is only an upper bound",
+            f"# reproduce: vitscale train {out / 'best.toml'}",
+            "# keys chosen: " + " ".join(f"--set {k}={v}" for k, v in pick["params"].items())]
+    path = out / "best.toml"
+    path.write_text("\n".join(head) + "\n\n" + cfg.to_toml())
+    return path
+
+
+def draw(rows: list[dict], front: list[int], imp: dict, out: Path) -> list[str]:
+    """pareto.png and importance.png (nothing where matplotlib is missing)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for state, marker in (("complete", "o"), ("pruned", "x"), ("fail", "v")):
+        pts = [r for r in rows if r["state"] == state and r["val_accuracy"] is not None and r["train_time_s"]]
+        if pts:
+            ax.scatter([r["train_time_s"] for r in pts], [r["val_accuracy"] for r in pts], marker=marker, label=state)
+    on = sorted((r for r in rows if r["number"] in front), key=lambda r: r["train_time_s"])
+    if on:
+        ax.step([r["train_time_s"] for r in on], [r["val_accuracy"] for r in on], where="post", color="k",
+                lw=1, label="Pareto front")
+        for r in on:
+            ax.annotate(str(r["number"]), (r["train_time_s"], r["val_accuracy"]), fontsize=7)
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title("every trial: validation accuracy against training time")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "pareto.png", dpi=110)
+    made.append("pareto.png")
+    plt.close(fig)
+    if imp and "error" not in imp:
+        fig, ax = plt.subplots(figsize=(6, 0.35 * len(imp) + 1.2))
+        keys = list(imp)[::-1]
+        ax.barh(keys, [imp[k] for k in keys])
+        ax.set_xlabel("importance (optuna.importance, PED-ANOVA, normalized)")
+        fig.tight_layout()
+        fig.savefig(out / "importance.png", dpi=110)
+        made.append("importance.png")
+        plt.close(fig)
+    return made
+
+
+def fmt(v, spec=".4f") -> str:
+    return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def markdown(rep: dict, rows: list[dict], plots: list[str]) -> list[str]:
+    final = rep["finish"] or {}
+    states = {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned", "fail", "running", "waiting")}
+    lines = [f"# Search `{rep['study']}`: the best model in {rep['budget_s']:g} s of training", "",
+             f"`{rep['command']}`", "",
+             "Trials are scored on a validation split carved from the training set (data.val_fraction, "
+             "seeded and stratified); no trial reads the test set. The test set is evaluated once, for the "
+             "final pick, below.", "",
+             "trials: " + ", ".join(f"{n} {s}" for s, n in states.items() if n), ""]
+    lines += pick_lines(final, rep)
+    if "pareto.png" in plots:
+        lines += ["", "![accuracy against training time](pareto.png)"]
+    lines += ["", "## Key importance (optuna.importance, PED-ANOVA over the complete trials)", ""]
+    imp = rep["importance"]
+    lines += [f"not available: {imp['error']}"] if "error" in imp else \
+        ["| key | importance |", "|---|---|"] + [f"| `{k}` | {v:.3f} |" for k, v in imp.items()]
+    lines += ["", "## Trials (validation accuracy; * = on the Pareto front)", "",
+              "| # | state | val acc | train s | epochs | keys | note |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: -(r["val_accuracy"] or -1)):
+        keys = " ".join(f"{k}={fmt(v, '.3g')}" for k, v in r["params"].items())
+        note = r["error"] or (f"retry of {r['retry_of']}" if r["retry_of"] is not None else "")
+        lines.append(f"| {r['number']}{'*' if r['number'] in rep['pareto'] else ''} | {r['state']} | "
+                     f"{fmt(r['val_accuracy'])} | {fmt(r['train_time_s'], '.1f')} | {fmt(r['epochs'], '.2f')} | "
+                     f"{keys} | {note} |")
+    return lines
+
+
+def pick_lines(final: dict, rep: dict) -> list[str]:
+    if not final.get("pick"):
+        return ["No pick: no repeats were run (--repeat-top 0, or no complete trial yet); the test set "
+                "was not evaluated."]
+    out = ["## The best trials repeated with other seeds (validation accuracy)", "",
+           "| trial | mean | spread (std) | values |", "|---|---|---|---|"]
+    out += [f"| {c['trial']} | {c['mean']:.4f} | {c['std']:.4f} | {', '.join(f'{v:.4f}' for v in c['values'])} |"
+            for c in final["candidates"]]
+    p, test = final["pick"], final.get("test")
+    out += ["", f"**Pick: trial {p['trial']}** (best mean): " + " ".join(f"`{k}={v}`" for k, v in p["params"].items())]
+    if test:
+        times = test.get("evaluations", 1)
+        out += ["", f"**Test set (evaluated once, for the pick only): accuracy {test['test_accuracy']:.4f} on "
+                f"{test['test_count']} images** (the seed-{test['seed']} repeat, trained without the validation "
+                f"split)" + (f"; this folder's search has evaluated {times} picks on the test set over its "
+                             "history" if times > 1 else "")]
+    out += ["", f"Reproduce on the full training set: `{rep['reproduce']}`"]
+    return out

@@ -1,0 +1,187 @@
+"""The trials of `vitscale search` (lab/search.py): each trains in this process under the time
+budget with its validation accuracy reported to Optuna at every evaluation (and pruned there), and
+a trial that cannot train (a shape the model refuses, out of memory, a NaN loss) is marked failed
+with its one-line reason while the search goes on. Then the finish: the best trials repeated with
+other seeds, the pick by the best mean, and the pick's one evaluation on the test set."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+from pathlib import Path
+
+from ..loop import Trainer
+
+
+class TrialFailed(Exception):
+    """A trial that could not train: Optuna marks it failed and the search continues."""
+
+
+class SearchTrainer(Trainer):
+    """The Trainer with a hook after every evaluation (`on_eval(trainer, result)`), where the
+    search reports to Optuna and may raise TrialPruned."""
+
+    def __init__(self, cfg, run_dir, on_eval=None):
+        self.on_eval = on_eval
+        super().__init__(cfg, run_dir)
+
+    def evaluate(self) -> dict:
+        ev = super().evaluate()
+        if self.on_eval is not None:
+            self.on_eval(self, ev)
+        return ev
+
+
+def train_run(cfg, run_dir: Path, on_eval=None) -> dict:
+    """Train `cfg` into a fresh `run_dir` (what a killed run left there is removed) -> summary."""
+    run_dir = Path(run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    tr = SearchTrainer(cfg, run_dir, on_eval)
+    try:
+        summary = tr.fit()
+    finally:
+        tr.data.close()
+    tr.strategy.close()
+    return {**summary, "accuracy": summary.get(tr.task.metric)}
+
+
+class Pruning:
+    """`on_eval` of a trial: the validation accuracy at step = percent of the budget trained;
+    Optuna's pruner asked at every evaluation but the last (a finished trial is not pruned)."""
+
+    def __init__(self, optuna, trial, budget_s: float):
+        self.optuna, self.trial, self.budget = optuna, trial, budget_s
+        self.reported: set = set()
+
+    def __call__(self, tr, ev: dict) -> None:
+        acc = ev.get(tr.task.metric)
+        step = min(100, int(round(100 * tr.train_time / self.budget)))
+        for k, v in (("train_time_s", tr.train_time), ("steps", tr.step), ("epochs", tr.step / tr.steps_per_epoch)):
+            self.trial.set_user_attr(k, v)
+        if acc is None or step in self.reported:
+            return
+        self.reported.add(step)
+        self.trial.report(acc, step)
+        if tr.train_time < self.budget and self.trial.should_prune():
+            raise self.optuna.TrialPruned(f"pruned at {step}% of the budget (validation accuracy {acc:.4f})")
+
+
+def one_line(e: BaseException) -> str:
+    from ..errors import UserError
+    text = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+    return (text.strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def run_trials(optuna, study, base, space, args, out: Path) -> None:
+    """This worker's --trials trials (0: until stopped); Ctrl-C stops between or inside one."""
+    from .harness import log, with_overrides
+
+    def objective(trial):
+        params = {d.key: d.suggest(trial) for d in space}
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        run_dir = out / "trials" / f"{trial.number:05d}"
+        trial.set_user_attr("run_dir", str(run_dir))
+        try:
+            r = train_run(with_overrides(base, params), run_dir, Pruning(optuna, trial, args.budget_s))
+        except optuna.TrialPruned:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of one trial is that trial's
+            trial.set_user_attr("error", one_line(e))
+            raise TrialFailed(one_line(e)) from None
+        finally:
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the metrics stay
+        for k in ("train_time_s", "steps", "epochs", "images_per_s"):
+            trial.set_user_attr(k, r[k])
+        return r["accuracy"]
+    try:
+        study.optimize(objective, n_trials=args.trials or None, catch=(TrialFailed,), callbacks=[progress_line])
+    except KeyboardInterrupt:
+        log("search: stopped; the unfinished trial is marked failed")
+    optuna.storages.fail_stale_trials(study)  # a killed worker's RUNNING trials, once past the grace period
+
+
+def last_value(t):
+    """A trial's score: its value, or (pruned, failed) its last reported validation accuracy."""
+    if t.value is not None:
+        return t.value
+    return t.intermediate_values[max(t.intermediate_values)] if t.intermediate_values else None
+
+
+def progress_line(study, t) -> None:
+    """One line per finished trial: number, state, validation accuracy, training time, params."""
+    from .harness import log
+    acc, secs, ep = last_value(t), t.user_attrs.get("train_time_s"), t.user_attrs.get("epochs")
+    params = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.params.items())
+    err = f" | {t.user_attrs['error']}" if t.state.name == "FAIL" and "error" in t.user_attrs else ""
+    log(f"trial {t.number:4d} {t.state.name.lower():8s} val {'-' if acc is None else f'{acc:.4f}'} | "
+        f"{'-' if secs is None else f'{secs:.1f}'}s train, {'-' if ep is None else f'{ep:.2f}'} epochs | "
+        f"{params}{err}")
+
+
+def finalize(study, base, args, out: Path) -> dict:
+    """The best --repeat-top complete trials repeated with --seeds other seeds (each repeat's run
+    kept in OUT/repeats/, done once); the pick = the best mean validation accuracy; its one test
+    evaluation."""
+    from .harness import log
+    done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.value is not None]
+    top = sorted(done, key=lambda t: -t.value)[:args.repeat_top]
+    if not top:
+        log("search: no complete trial yet: nothing to repeat or test")
+        return {"candidates": [], "pick": None}
+    seeds = [base.run.seed + i for i in range(1, args.seeds + 1)] or [base.run.seed]
+    cands = []
+    for t in top:
+        runs = [repeat(base, t, seed, out) for seed in seeds]
+        values = [t.value] + [r["accuracy"] for r in runs if r.get("accuracy") is not None]
+        cands.append({"trial": t.number, "params": dict(t.params), "values": values,
+                      "mean": statistics.fmean(values), "std": statistics.pstdev(values), "runs": runs})
+        log(f"repeat trial {t.number}: validation accuracy {cands[-1]['mean']:.4f} +- {cands[-1]['std']:.4f} "
+            f"over {len(values)} seeds")
+    pick = max(cands, key=lambda c: c["mean"])
+    return {"candidates": cands, "pick": pick, "seeds": [base.run.seed, *seeds] if args.seeds else [base.run.seed],
+            "test": test_once(pick, out)}
+
+
+def repeat(base, trial, seed: int, out: Path) -> dict:
+    """The trial's keys with run.seed = `seed`, trained once into OUT/repeats/ (a finished run's
+    summary is reused: a killed finish continues)."""
+    from .harness import log, with_overrides
+    run_dir = out / "repeats" / f"trial{trial.number:05d}-seed{seed}"
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        r = json.loads(summary.read_text())
+        return {"seed": seed, "accuracy": r.get("test_accuracy"), "train_time_s": r["train_time_s"],
+                "checkpoint": r["checkpoint"], "run_dir": str(run_dir)}
+    try:
+        r = train_run(with_overrides(base, {**trial.params, "run.seed": seed}), run_dir)
+    except Exception as e:  # noqa: BLE001
+        log(f"repeat of trial {trial.number} with seed {seed} failed: {one_line(e)}")
+        return {"seed": seed, "error": one_line(e), "run_dir": str(run_dir)}
+    return {"seed": seed, "accuracy": r["accuracy"], "train_time_s": r["train_time_s"],
+            "checkpoint": r["checkpoint"], "run_dir": str(run_dir)}
+
+
+def test_once(pick: dict, out: Path) -> dict | None:
+    """The pick's ONE evaluation on the test set: its first repeat's model (trained on the training
+    set minus the validation split), evaluated with data.val_fraction = 0. Kept in OUT/test.json with
+    every earlier pick's, so the report can say how often this folder's search looked at the test set."""
+    from ..evaluate import evaluate_checkpoint
+    from .harness import log
+    path = out / "test.json"
+    history = json.loads(path.read_text()) if path.is_file() else []
+    for h in history:
+        if h["trial"] == pick["trial"]:
+            return {**h, "evaluations": len(history)}
+    run = next((r for r in pick["runs"] if r.get("checkpoint")), None)
+    if run is None:
+        return None
+    r = evaluate_checkpoint(run["checkpoint"], ["data.val_fraction=0"])
+    h = {"trial": pick["trial"], "seed": run["seed"], "run_dir": run["run_dir"], "checkpoint": run["checkpoint"],
+         "test_accuracy": r["test_accuracy"], "test_loss": r["test_loss"], "test_count": r["test_count"]}
+    path.write_text(json.dumps(history + [h], indent=2))
+    log(f"the pick, trial {pick['trial']}: test accuracy {h['test_accuracy']:.4f} on {h['test_count']} images "
+        f"(the test set's one evaluation)")
+    return {**h, "evaluations": len(history) + 1}
