@@ -123,7 +123,7 @@ esac
 # -- the parts ----------------------------------------------------------------------------------
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/gpu_session.XXXXXX")
 if want tests; then
-  step tests 240 bash -c "'$py' -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py tests/test_attention_kernel.py > '$out/tests.txt' 2>&1"
+  step tests 240 bash -c "'$py' -m pytest -q -rs -p no:cacheprovider tests/unit/test_gpu.py tests/unit/test_attention_kernel.py tests/integration/test_gpu_dist.py > '$out/tests.txt' 2>&1"
   step autotune 150 "$py" scripts/gpu_checks.py autotune
 fi
 if want deepspeed; then

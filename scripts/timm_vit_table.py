@@ -4,7 +4,7 @@
 pretrained configs of its tags (input size, mean/std, interpolation, crop, classes).
 
 vitscale never imports timm; it reads this table to build the function an architecture name
-means. Run it again after a timm upgrade (tests/test_zoo_timm.py checks the committed table
+means. Run it again after a timm upgrade (tests/unit/test_zoo_timm.py checks the committed table
 against the timm that imports):
 
     python scripts/timm_vit_table.py            # rewrites src/vitscale/interop/timm_archs.py

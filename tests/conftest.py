@@ -1,11 +1,17 @@
 """Fixtures shared by the test modules (plain helpers: tests/helpers.py).
 
-Markers: `integration` = tests that launch processes (torchrun, the deepspeed launcher, the CLI
-in a subprocess); `pytest -m "not integration"` is the fast set for development."""
+tests/unit/: fast tests in one process; tests/integration/: tests that launch processes (torchrun,
+the deepspeed launcher, the CLI in a subprocess, multiprocessing spawn), all marked `integration`
+here, so `pytest -m "not integration"` is the fast set for development (a slow unit test may carry
+the mark by hand: test_data_stream.py's training runs).
+Test module basenames are unique across the two folders (no __init__.py: pytest's default import
+mode puts this folder on sys.path, which is how `from helpers import ...` resolves)."""
+from pathlib import Path
+
 import pytest
 import torch
 
-from helpers import BASE, TINY, sets
+from helpers import BASE, TINY, sets, write_shards
 from vitscale.cli import main
 
 
@@ -27,11 +33,16 @@ def fixed_peak_and_threads(monkeypatch):
     torch.set_num_threads(n)
 
 
-# modules whose tests all run several processes (or DeepSpeed's engine); elsewhere a test is an
-# integration test when its own code launches processes
-INTEGRATION_MODULES = {"test_distributed", "test_deepspeed", "test_launchers", "test_multinode", "test_failures",
-                       "test_checkpoints_dist", "test_clip_losses_dist", "test_gpu_session"}
-LAUNCHES = ("torchrun(", "subprocess.", "ds_train(", "deepspeed_launch(", "spawn(")
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Webdataset shards: train/ (4 x 6 samples) and test/ (2 x 4 held out), see helpers.write_shards."""
+    root = tmp_path_factory.mktemp("wds")
+    write_shards(root / "train", n_shards=4, per=6)               # 24 samples
+    write_shards(root / "test", n_shards=2, per=4, start=100)     # 8 held-out samples
+    return root
+
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
 def pytest_configure(config):
@@ -40,13 +51,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import inspect
+    """Every test under tests/integration/ is an integration test (tests/unit/test_suite_layout.py
+    checks that the unit tests launch no processes)."""
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        fn = getattr(item, "function", None)
-        try:
-            source = inspect.getsource(fn) if fn is not None else ""
-        except (OSError, TypeError):
-            source = ""
-        if module in INTEGRATION_MODULES or any(k in source for k in LAUNCHES):
+        if INTEGRATION in item.path.resolve().parents:
             item.add_marker(pytest.mark.integration)

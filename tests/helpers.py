@@ -13,6 +13,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -64,8 +65,13 @@ def check_eval_and_export(run_dir, tmp_path, capsys, saved: dict) -> dict:
     return result
 
 
+def last_state(run_dir):
+    """The run's last checkpoint, whole (step, strategy, task, spec...)."""
+    return torch.load(ckpt.list_checkpoints(run_dir)[-1], weights_only=False)
+
+
 def weights(run_dir):
-    return torch.load(ckpt.list_checkpoints(run_dir)[-1], weights_only=False)["strategy"]["model"]
+    return last_state(run_dir)["strategy"]["model"]
 
 
 def torchrun(out, extra, nproc=2, timeout=240, resume=None, config=TINY, base=BASE):
@@ -95,6 +101,34 @@ def poison_loss(monkeypatch, call: int, factor: float) -> None:
 
 def sets(items):
     return [a for item in items for a in ("--set", item)]
+
+
+# `vitscale bench --json`: the keys every result has, and their types
+BENCH_KEYS = {"images_per_s": float, "images_per_s_per_device": float, "mfu": float, "peak_flops": float,
+              "peak_source": str, "step_time_s": dict, "split": dict, "peak_memory_bytes": int,
+              "memory_source": str, "world_size": int, "batch_size": int, "config": dict, "versions": dict,
+              "hardware": dict, "state_bytes": int, "state_bytes_per_rank": list}
+
+
+def check_bench_schema(r):
+    """A `vitscale bench --json` result (one process or several) is complete and self-consistent."""
+    for k, t in BENCH_KEYS.items():
+        assert isinstance(r[k], t), (k, r[k])
+    assert set(r["step_time_s"]) == {"min", "median", "max"}
+    assert r["step_time_s"]["min"] <= r["step_time_s"]["median"] <= r["step_time_s"]["max"]
+    assert {"data", "forward", "backward", "comm_exposed", "comm_overlapped", "optimizer"} <= set(r["split"])
+    assert r["images_per_s"] > 0 and 0 < r["mfu"]
+    assert r["images_per_s_per_device"] == pytest.approx(r["images_per_s"] / r["world_size"])
+    assert {"python", "torch", "vitscale"} <= set(r["versions"])
+    assert {"device", "name", "threads", "cores"} <= set(r["hardware"])
+    assert len(r["state_bytes_per_rank"]) == r["world_size"]
+    assert r["state_bytes"] == max(sum(x.values()) for x in r["state_bytes_per_rank"]) > 0
+
+
+def folder_args(root, workers):
+    """--set overrides training the tiny recipe on `make_tree(root)` (batches of 7, one epoch)."""
+    return ("data.name=folder", f"data.root={root}", "data.image_size=8", f"data.num_workers={workers}",
+            "data.batch_size=7", "data.drop_last=false", "data.eval_batch_size=2", "train.epochs=1")
 
 
 def interrupted_copy(full, part, step: int):

@@ -1,4 +1,4 @@
-"""The GPU image simulated (tests/test_gpu_session.py), with this folder on PYTHONPATH:
+"""The GPU image simulated (tests/integration/test_gpu_session.py), with this folder on PYTHONPATH:
 - VITSCALE_BLOCK_IMPORTS="deepspeed webdataset ...": importing one of these top-level names fails
   as if it were not installed (find_spec too, so open_clip's vocabulary file is not found either);
 - VITSCALE_FAKE_TORCH_VERSION="2.11.0+cu130": torch.__version__ reads that once torch is imported

@@ -1,6 +1,6 @@
 """FastCLIP's global contrastive losses with compositional inner estimators u, as the authors' code
 (Optimization-AI/fast_clip, `src/fast_clip/loss.py` and `src/training/{train,main,scheduler}.py`)
-computes them: every output of ../shared/reference/ is reproduced (tests/test_fastclip_reference.py).
+computes them: every output of ../shared/reference/ is reproduced (tests/unit/test_fastclip_reference.py).
 
 Notation: e1/e2 normalized image/text features, s_ij = <e1_i, e2_j>, global batch B of N = K*b
 samples, z1_ij = (s_ij - s_ii)/tau1_i (image anchor i), z2_ij = (s_ji - s_ii)/tau2_i (text anchor i),

@@ -5,7 +5,7 @@ Notation (fastclip.py's docstring): z_ij the scaled similarity differences of an
 sample j (-inf on the diagonal), u_i its inner estimator stored as lu = log u, L_i = log(eps + u_i),
 a_i = mean_{j != i} exp(z_ij) z_ij / (eps + u_i).  Every function keeps the order of operations the
 loss has always had, so the numbers (and the gradients) are the same bit for bit; the reference's
-numbers check them in tests/test_fastclip_reference.py.
+numbers check them in tests/unit/test_fastclip_reference.py.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The CUDA, NCCL and multi-node decisions, driven on a CPU: every device-dependent choice is a
 function of plain inputs (strategy/devices.py), so these tests run the branches a GPU run takes.
-What only a GPU can execute (kernels, NCCL itself) is in tests/test_gpu.py and docs/gpu.md."""
+What only a GPU can execute (kernels, NCCL itself) is in tests/unit/test_gpu.py and docs/gpu.md."""
 import datetime
 
 import pytest

@@ -179,7 +179,7 @@ def test_the_architecture_table_is_timms():
     from vitscale.interop import timm_archs
     if timm.__version__ != timm_archs.TIMM_VERSION:
         pytest.skip(f"the table is timm {timm_archs.TIMM_VERSION}'s; this is timm {timm.__version__}")
-    path = Path(__file__).parent.parent / "scripts" / "timm_vit_table.py"
+    path = Path(__file__).parents[2] / "scripts" / "timm_vit_table.py"
     spec = importlib.util.spec_from_file_location("timm_vit_table", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -15,8 +15,8 @@ from vitscale.optim import lr_factor
 
 # a copy of ../shared/reference/fastclip_reference_cases.json (and its README), so that the parity
 # test runs on any clone; test_fixture_copy_matches_shared keeps the copy current where shared/ is
-REF = Path(__file__).resolve().parent / "fixtures" / "fastclip_reference_cases.json"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "reference" / "fastclip_reference_cases.json"
+REF = Path(__file__).resolve().parents[1] / "fixtures" / "fastclip_reference_cases.json"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "reference" / "fastclip_reference_cases.json"
 CASES = json.loads(REF.read_text())["cases"]
 SCHEDULES = {"cosine": "model", "step_thresh": "threshold"}
 

@@ -1,4 +1,4 @@
-"""Launched by tests/test_clip_losses_dist.py: K gloo ranks (torch.multiprocessing.spawn, FileStore)
+"""Launched by tests/integration/test_clip_losses_dist.py: K gloo ranks (torch.multiprocessing.spawn, FileStore)
 train a tiny two-tower linear "model" wrapped in DDP, each rank with its slice of a global batch, and
 compare with the single-process full-batch loss on the whole batch (computed by rank 0 before the
 process group exists).  Writes {variant: {"max_rel": ..., "comm": ..., ...}} to the JSON at argv[2]."""

@@ -72,15 +72,3 @@ def test_fused_adamw_on_pure_bf16_weights_without_masters(tmp_path, capsys):
     s = _train(tmp_path, capsys, "fused", "train.precision=pure_bf16", "train.master_weights=false",
                "optim.impl=fused", "train.epochs=4")
     assert s["test_accuracy"] > 0.3
-
-
-def test_nccl_ddp_one_process_under_torchrun(tmp_path):
-    import subprocess
-    import sys
-    out = tmp_path / "nccl"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                        "-m", "vitscale", "train", "configs/tests/tiny.toml", "--out", str(out),
-                        "--set", "run.device=cuda", "--set", "strategy.name=ddp", "--set", "train.precision=bf16",
-                        "--set", "train.epochs=2"], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert json.loads((out / "summary.json").read_text())["device"] == "cuda:0"

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from vitscale.errors import UserError
 from vitscale.interop import from_timm, read_state_dict, timm_vit_spec, to_timm, write_state_dict
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 try:  # timm imports torchvision, whose CUDA build does not import on a CPU torch without the stub
     import timm  # noqa: F401
     HAVE_TIMM = True

@@ -88,7 +88,7 @@ def test_openclip_matches_naive_infonce():
 
 
 # ---------------------------------------------------------------- FastCLIP gradient estimator
-# (tests/test_fastclip_reference.py checks the same quantities against the authors' code's numbers;
+# (tests/unit/test_fastclip_reference.py checks the same quantities against the authors' code's numbers;
 # these check them against independent float64 formulas at other sizes and settings)
 @pytest.mark.parametrize("variant", ["fastclip_v1", "fastclip_v2", "fastclip_v3"])
 def test_fastclip_gradient_matches_naive_estimator(variant):

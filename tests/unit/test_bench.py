@@ -1,11 +1,10 @@
 """vitscale bench: MFU arithmetic, the step-split bookkeeping (fake strategy with known phases),
-the JSON on the tiny recipe, a 2-process DDP run, and one-line errors. No timing is asserted."""
+the JSON on the tiny recipe, and one-line errors (the 2-process DDP run: integration/test_bench_dist.py).
+No timing is asserted."""
 import contextlib
 import functools
 import json
 import os
-import subprocess
-import sys
 import time
 import types
 
@@ -18,7 +17,7 @@ from vitscale.config import load_config
 from vitscale.lab.harness import Bench
 from vitscale.loop import Trainer
 
-from helpers import free_port, sets
+from helpers import check_bench_schema
 
 TINY = "configs/tests/tiny.toml"
 FAST = ["--steps", "2", "--trials", "2", "--warmup", "1", "--split-steps", "1", "--set", "run.threads=1"]
@@ -108,26 +107,6 @@ def test_split_bookkeeping(world, name, accum):
         assert any("deepspeed" in n for n in sp["notes"])
 
 
-KEYS = {"images_per_s": float, "images_per_s_per_device": float, "mfu": float, "peak_flops": float,
-        "peak_source": str, "step_time_s": dict, "split": dict, "peak_memory_bytes": int, "memory_source": str,
-        "world_size": int, "batch_size": int, "config": dict, "versions": dict, "hardware": dict,
-        "state_bytes": int, "state_bytes_per_rank": list}
-
-
-def check_schema(r):
-    for k, t in KEYS.items():
-        assert isinstance(r[k], t), (k, r[k])
-    assert set(r["step_time_s"]) == {"min", "median", "max"}
-    assert r["step_time_s"]["min"] <= r["step_time_s"]["median"] <= r["step_time_s"]["max"]
-    assert {"data", "forward", "backward", "comm_exposed", "comm_overlapped", "optimizer"} <= set(r["split"])
-    assert r["images_per_s"] > 0 and 0 < r["mfu"]
-    assert r["images_per_s_per_device"] == pytest.approx(r["images_per_s"] / r["world_size"])
-    assert {"python", "torch", "vitscale"} <= set(r["versions"])
-    assert {"device", "name", "threads", "cores"} <= set(r["hardware"])
-    assert len(r["state_bytes_per_rank"]) == r["world_size"]
-    assert r["state_bytes"] == max(sum(x.values()) for x in r["state_bytes_per_rank"]) > 0
-
-
 @pytest.mark.parametrize("synthetic", [False, True])
 def test_bench_json_on_tiny(capsys, tmp_path, synthetic):
     out = tmp_path / "bench.json"
@@ -136,7 +115,7 @@ def test_bench_json_on_tiny(capsys, tmp_path, synthetic):
     assert rc == 0
     r = json.loads(printed)
     assert json.loads(out.read_text()) == r
-    check_schema(r)
+    check_bench_schema(r)
     assert r["world_size"] == 1 and r["batch_size"] == 16 and r["config"]["data"]["batch_size"] == 16
     assert r["split"]["comm_exposed"] == 0.0 and r["hardware"]["device"] == "cpu"
     assert r["peak_flops"] == 1e11 and "measured" in r["peak_source"]
@@ -162,23 +141,6 @@ def test_bench_bad_input_one_line(capsys, argv, expect):
     rc = main(["bench", TINY, *argv])
     err = capsys.readouterr().err
     assert rc == 2 and expect in err and len(err.strip().splitlines()) == 1, err
-
-
-def test_bench_two_processes_ddp(tmp_path):
-    out = tmp_path / "ddp.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "vitscale", "bench", TINY, "--json", "--out", str(out),
-           "--steps", "2", "--trials", "1", "--warmup", "1", "--split-steps", "1",
-           *sets(["strategy.name=ddp", "run.threads=1"])]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads(out.read_text())
-    assert json.loads(p.stdout) == r  # rank 0 alone printed
-    check_schema(r)
-    assert r["world_size"] == 2 and r["strategy"] == "ddp" and r["batch_size"] == 16
-    assert r["comm"]["comm_allreduce_bytes_per_step"] > 0 and r["comm"]["comm_allreduce_calls_per_step"] >= 1
-    for k in ("comm_exposed", "comm_overlapped", "comm_total"):
-        assert isinstance(r["split"][k], float) and r["split"][k] >= 0
 
 
 @pytest.mark.parametrize("name,dtype,peak", [

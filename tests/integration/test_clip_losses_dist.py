@@ -1,7 +1,7 @@
 """CLIP losses on 2 and 3 gloo ranks (CPU): a DDP-wrapped two-tower linear model with each rank's
 slice of the global batch gets the single-process full-batch gradient (which test_clip_losses.py
 checks against naive float64 references); per-sample state and temperature gradients match too.
-One launch per world size (tests/clip_losses_dist_worker.py) runs every check and writes a JSON."""
+One launch per world size (tests/integration/clip_losses_dist_worker.py) runs every check and writes a JSON."""
 import json
 import subprocess
 import sys

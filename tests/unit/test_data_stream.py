@@ -1,4 +1,5 @@
-"""Streamed webdataset shards (data.reader=stream): resume, ranks, index routing, sources, bad input."""
+"""Streamed webdataset shards (data.reader=stream): resume, ranks, index routing, sources, bad input
+(2 ranks under torchrun: integration/test_data_stream_dist.py). The `shards` fixture: conftest.py."""
 import gzip
 import importlib.util
 import logging
@@ -30,14 +31,6 @@ def cfg(root, test_root, **kw):
                 batch_size=4, eval_batch_size=5, num_workers=2, on_device=False, shuffle_buffer=8, hflip=True)
     base.update(kw)
     return replace(DataConfig(), **base)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wds")
-    write_shards(root / "train", n_shards=4, per=6)               # 24 samples
-    write_shards(root / "test", n_shards=2, per=4, start=100)     # 8 held-out samples
-    return root
 
 
 def pairs(c, **kw):
@@ -273,22 +266,6 @@ def test_classification_trains_from_prepared_shards(prepared, tmp_path):
         "data.batch_size=6", "data.num_workers=2", "model.patch_size=4", "data.on_device=false"])]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 8 and s["test_count"] == 6 and 0.0 <= s["test_accuracy"] <= 1.0   # 24 / 6 x 2 epochs
-
-
-@pytest.mark.integration
-def test_two_ranks_stream_disjoint_shards_under_ddp(shards, tmp_path):
-    """torchrun, 2 gloo ranks under DDP, FastCLIP: the ranks stay in lockstep on streamed shards and one
-    epoch touches every sample's u exactly as the indices route it (24 samples, 3 steps of 8)."""
-    from helpers import torchrun
-    from vitscale import checkpoint as ckpt
-    base = ["run.threads=1", "data.name=webdataset", "data.reader=stream", f"data.root={shards / 'train'}",
-            f"data.test_root={shards / 'test'}", "data.image_size=16", "data.batch_size=8", "data.eval_batch_size=8",
-            "data.num_workers=1", "data.on_device=false", "model.patch_size=4", "clip.loss=fastclip_v3",
-            "train.epochs=1"]
-    p = torchrun(tmp_path / "two", ["strategy.name=ddp"], config="configs/tests/clip_tiny.toml", base=base)
-    assert p.returncode == 0, p.stderr[-3000:]
-    s = torch.load(ckpt.list_checkpoints(tmp_path / "two")[-1], weights_only=False)
-    assert s["step"] == 3 and (s["task"]["lu1"] != 0).sum() == 24
 
 
 def test_unreadable_compressed_member_is_skipped(tmp_path, caplog):

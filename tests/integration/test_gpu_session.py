@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = "scripts/gpu_session.sh"
-GPU_IMAGE = str(Path(__file__).parent / "gpu_image")  # its sitecustomize simulates the image
+GPU_IMAGE = str(Path(__file__).parents[1] / "gpu_image")  # its sitecustomize simulates the image
 # what the GPU image lacks (scripts/gpu_wheels.sh carries them); open_clip: its vocabulary file
 NOT_ON_THE_GPU_IMAGE = "deepspeed webdataset braceexpand simplejpeg open_clip ftfy wcwidth hjson pydantic"
 IMAGE_TORCH = "2.11.0+cu130"

@@ -17,7 +17,7 @@ from vitscale.errors import UserError
 from vitscale.interop import from_open_clip, open_clip_spec, read_state_dict, to_open_clip, write_state_dict
 from vitscale.models import CLIP, resolve_clip_spec
 
-FIXTURE = Path(__file__).parent / "fixtures" / "open_clip_tiny.safetensors"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "open_clip_tiny.safetensors"
 TINY = dict(embed_dim=16, vision_cfg=dict(image_size=32, patch_size=8, width=32, layers=2, head_width=16),
             text_cfg=dict(context_length=16, vocab_size=64, width=32, heads=2, layers=2))
 HEADS = dict(vision_heads=2, text_heads=2)  # not in the weights; width // 64 would give 1

@@ -10,7 +10,7 @@ from vitscale.strategy.deepspeed import DeepSpeedStrategy
 from vitscale.strategy.fsdp import FSDPStrategy
 from vitscale.strategy.single import SingleDevice
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "vitscale"
+SRC = Path(__file__).resolve().parents[2] / "src" / "vitscale"
 # attributes every strategy sets in __init__ / setup rather than on the class
 INSTANCE = {"device", "model", "module", "optimizer", "rank", "world_size", "is_main"}
 MEMBERS = sorted({n for n in [*vars(Strategy), *Strategy.__annotations__] if not n.startswith("_")})
