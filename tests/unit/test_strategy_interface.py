@@ -73,7 +73,6 @@ def test_no_module_outside_strategy_names_an_engine_internal():
 
 # -- layering: who may know an engine, a task kind or a dataset by name -----------------------------
 import ast  # noqa: E402
-import sys  # noqa: E402
 
 ENGINES = {"single", "ddp", "fsdp", "deepspeed"}                     # strategy.name values
 TASK_KINDS = {"vit", "clip", "classification"}                       # Task.kind values (and the word)
@@ -136,70 +135,3 @@ def test_the_scan_sees_branches_not_docstrings():
     src = '"""ddp, fsdp and folder are named here."""\nif cfg.strategy.name == "fsdp" or d.name in ("folder", "csv"):\n' \
           '    x = {"vit": 1, "clip": 2}[kind]\nname = "ddp"\n'
     assert sorted(v for _, v in _branch_literals(ast.parse(src))) == ["clip", "csv", "folder", "fsdp", "vit"]
-
-
-def _imports(path: Path) -> set[str]:
-    """Absolute names of the modules a file imports (relative imports resolved), at any depth."""
-    package = list(path.relative_to(SRC.parent).with_suffix("").parts)[:-1]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
-            mod = ".".join([*base, *([node.module] if node.module else [])])
-            out.add(mod)
-            out |= {f"{mod}.{a.name}" for a in node.names}
-    return out
-
-
-def test_config_imports_only_errors_and_the_standard_library():
-    bad = {m for m in _imports(SRC / "config.py")
-           if m.split(".")[0] not in sys.stdlib_module_names
-           and m not in ("vitscale", "vitscale.errors") and not m.startswith("vitscale.errors.")
-           and m != "tomli"}  # tomllib's backport, before Python 3.11
-    assert not bad, f"config.py imports {sorted(bad)}: it sits at the bottom (errors and the standard library only)"
-
-
-@pytest.mark.parametrize("where", ["metrics.py", "data"])
-def test_metrics_and_data_import_no_strategy(where):
-    files = [SRC / where] if where.endswith(".py") else sorted((SRC / where).rglob("*.py"))
-    bad = [f"{p.relative_to(SRC)}: {m}" for p in files for m in sorted(_imports(p))
-           if m == "vitscale.strategy" or m.startswith("vitscale.strategy.")]
-    assert not bad, f"{where} imports strategy/: {bad}"
-
-
-def test_no_import_circle():
-    """Imports run one way (cli -> lab -> loop/evaluate -> tasks -> data, losses, interop -> models;
-    config and errors at the bottom), function-level imports included."""
-    def name(p: Path) -> str:
-        parts = p.relative_to(SRC.parent).with_suffix("").parts
-        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-    mods = {name(p): p for p in SRC.rglob("*.py")}
-    graph = {m: {i for i in _imports(p) if i in mods and i != m} for m, p in mods.items()}
-    index, low, stack, on, circles = {}, {}, [], set(), []
-
-    def visit(v):  # Tarjan's strongly connected components
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                circles.append(sorted(comp))
-    for m in sorted(mods):
-        if m not in index:
-            visit(m)
-    assert not circles, f"import circles: {circles}"

@@ -81,7 +81,7 @@ def micros(batch: tuple, accum: int):
 
 def synthetic_data(cfg):
     """`cfg` with its image dataset swapped for synthetic images of the same shape (image size,
-    channels, classes; data/synthetic.py), one global batch of them: what `--synthetic` times, so
+    channels, classes; data/sources/synthetic.py), one global batch of them: what `--synthetic` times, so
     that a machine without the dataset (an ImageNet folder on a rented GPU) measures the recipe's
     step. Image-text data (CLIP) is kept, one batch of it reused."""
     from ..tasks import build_task
