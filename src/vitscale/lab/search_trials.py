@@ -49,23 +49,25 @@ def train_run(cfg, run_dir: Path, on_eval=None) -> dict:
 
 
 class Pruning:
-    """`on_eval` of a trial: the validation accuracy at step = percent of the budget trained;
-    Optuna's pruner asked at every evaluation but the last (a finished trial is not pruned)."""
+    """`on_eval` of a trial: the validation accuracy at step = percent of the budget trained (at
+    most every EVERY percent: each report is a database write), and Optuna's pruner asked there;
+    never at the last evaluation (a finished trial is not pruned)."""
+    EVERY = 5
 
     def __init__(self, optuna, trial, budget_s: float):
         self.optuna, self.trial, self.budget = optuna, trial, budget_s
-        self.reported: set = set()
+        self.last = -self.EVERY
 
     def __call__(self, tr, ev: dict) -> None:
         acc = ev.get(tr.task.metric)
         step = min(100, int(round(100 * tr.train_time / self.budget)))
-        for k, v in (("train_time_s", tr.train_time), ("steps", tr.step), ("epochs", tr.step / tr.steps_per_epoch)):
-            self.trial.set_user_attr(k, v)
-        if acc is None or step in self.reported:
+        if acc is None or step < self.last + self.EVERY or tr.train_time >= self.budget:
             return
-        self.reported.add(step)
+        self.last = step
         self.trial.report(acc, step)
-        if tr.train_time < self.budget and self.trial.should_prune():
+        if self.trial.should_prune():
+            for k, v in (("train_time_s", tr.train_time), ("steps", tr.step), ("epochs", tr.step / tr.steps_per_epoch)):
+                self.trial.set_user_attr(k, v)
             raise self.optuna.TrialPruned(f"pruned at {step}% of the budget (validation accuracy {acc:.4f})")
 
 
@@ -95,6 +97,8 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the metrics stay
         for k in ("train_time_s", "steps", "epochs", "images_per_s"):
             trial.set_user_attr(k, r[k])
+        if r["accuracy"] is not None:
+            trial.report(r["accuracy"], 100)  # the final point of its curve (never pruned there)
         return r["accuracy"]
     try:
         study.optimize(objective, n_trials=args.trials or None, catch=(TrialFailed,), callbacks=[progress_line])
