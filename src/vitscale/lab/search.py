@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import time
 from pathlib import Path
 
 HELP = "search recipe keys for the best accuracy in a fixed training-time budget (Optuna, resumable, multi-worker)"
@@ -138,10 +140,18 @@ def open_study(optuna, args, base, space, out: Path):
         retry = {"heartbeat_stale_trial_callback": optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1)}
     else:
         retry = {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)}
-    storage = optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=args.heartbeat_s,
-                                         grace_period=3 * args.heartbeat_s, **retry)
-    study = optuna.create_study(storage=storage, study_name=args.study, direction="maximize", load_if_exists=True,
-                                sampler=optuna.samplers.TPESampler(seed=args.sampler_seed), pruner=make_pruner(optuna, args))
+    for attempt in range(5):  # workers starting together race to create the tables and the study
+        try:
+            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=args.heartbeat_s,
+                                                 grace_period=3 * args.heartbeat_s, **retry)
+            study = optuna.create_study(storage=storage, study_name=args.study, direction="maximize",
+                                        load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=args.sampler_seed),
+                                        pruner=make_pruner(optuna, args))
+            break
+        except Exception as e:  # noqa: BLE001 - sqlalchemy's errors, whichever the database raises
+            if attempt == 4:
+                raise UserError(f"search: cannot open {url}: {str(e).splitlines()[0][:300]}") from None
+            time.sleep(0.5 + random.random() * (attempt + 1))
     what = fingerprint(base, space, args.budget_s)
     have = study.user_attrs.get("search")
     if have is None:

@@ -49,7 +49,7 @@ def train_run(cfg, run_dir: Path, on_eval=None) -> dict:
 
 
 class Pruning:
-    """`on_eval` of a trial: the validation accuracy at step = percent of the budget trained (at
+    """`on_eval` of a trial: the validation accuracy at step = percent of the budget trained, 0..99 (at
     most every EVERY percent: each report is a database write), and Optuna's pruner asked there;
     never at the last evaluation (a finished trial is not pruned)."""
     EVERY = 5
@@ -60,7 +60,7 @@ class Pruning:
 
     def __call__(self, tr, ev: dict) -> None:
         acc = ev.get(tr.task.metric)
-        step = min(100, int(round(100 * tr.train_time / self.budget)))
+        step = min(99, int(100 * tr.train_time / self.budget))  # 100: the final value (run_trials)
         if acc is None or step < self.last + self.EVERY or tr.train_time >= self.budget:
             return
         self.last = step
@@ -82,8 +82,9 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
     from .harness import log, with_overrides
 
     def objective(trial):
-        params = {d.key: d.suggest(trial) for d in space}
+        study._storage.record_heartbeat(trial._trial_id)  # now, not when the heartbeat thread gets to it
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        params = {d.key: d.suggest(trial) for d in space}
         run_dir = out / "trials" / f"{trial.number:05d}"
         trial.set_user_attr("run_dir", str(run_dir))
         try:
@@ -100,11 +101,32 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
         if r["accuracy"] is not None:
             trial.report(r["accuracy"], 100)  # the final point of its curve (never pruned there)
         return r["accuracy"]
+    fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
     try:
         study.optimize(objective, n_trials=args.trials or None, catch=(TrialFailed,), callbacks=[progress_line])
     except KeyboardInterrupt:
         log("search: stopped; the unfinished trial is marked failed")
-    optuna.storages.fail_stale_trials(study)  # a killed worker's RUNNING trials, once past the grace period
+    fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
+
+
+def fail_dead_trials(optuna, study, grace_s: float) -> None:
+    """A killed worker's RUNNING trials, failed and retried once with the same keys: those whose
+    heartbeat is older than the grace period (Optuna's check, which it also runs before each trial)
+    and those killed before their first heartbeat (Optuna skips them; a live worker's trial has its
+    heartbeat and its "worker" attribute within milliseconds of starting)."""
+    import datetime
+    optuna.storages.fail_stale_trials(study)
+    storage, now = study._storage, datetime.datetime.now()
+    retry = storage.get_heartbeat_stale_trial_callback() if hasattr(storage, "get_heartbeat_stale_trial_callback") \
+        else storage.get_failed_trial_callback()
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if "worker" in t.user_attrs or not t.datetime_start or (now - t.datetime_start).total_seconds() < grace_s:
+            continue
+        try:
+            if storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.FAIL) and retry:
+                retry(study, storage.get_trial(t._trial_id))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # another worker got there first
 
 
 def last_value(t):
