@@ -224,3 +224,48 @@ def test_a_tiny_search_writes_its_report_and_reads_the_test_set_once(tmp_path, m
     assert main([*argv[:5], "2", *argv[6:]]) == 2
     assert "was started with another recipe, space or --budget-s" in capsys.readouterr().err
     assert main([*argv, "--report-only"]) == 0 and len(evals) == 1  # the pick's test result is reused
+
+
+def test_a_failing_trial_is_failed_with_its_reason_and_the_search_goes_on(tmp_path, capsys):
+    space = tmp_path / "space.toml"
+    space.write_text('[model]\nheads = [3]\n')  # the tiny recipe's width 32 does not divide by 3
+    out = tmp_path / "search"
+    assert main(["search", TINY, "--space", str(space), "--budget-s", "1", "--trials", "2", "--out", str(out),
+                 *sets(["run.threads=1"])]) == 0
+    rep = json.loads((out / "search.json").read_text())
+    assert [t["state"] for t in rep["trials"]] == ["fail", "fail"]
+    assert all("model.dim (32) must be divisible by model.heads (3)" in t["error"] for t in rep["trials"])
+    assert rep["finish"]["pick"] is None and not (out / "best.toml").exists()
+    err = capsys.readouterr().err
+    assert err.count("must be divisible by model.heads") == 2 and "no complete trial" in err
+
+
+def test_pruning_reports_percent_of_the_budget_and_never_prunes_the_end():
+    import optuna
+    from vitscale.lab.search_trials import Pruning
+
+    class FakeTrial:
+        def __init__(self):
+            self.reports, self.attrs = [], {}
+
+        def report(self, value, step):
+            self.reports.append((step, value))
+
+        def should_prune(self):
+            return len(self.reports) >= 3
+
+        def set_user_attr(self, k, v):
+            self.attrs[k] = v
+    trial = FakeTrial()
+    prune = Pruning(optuna, trial, budget_s=10.0)
+    tr = types.SimpleNamespace(task=types.SimpleNamespace(metric="test_accuracy"), step=0, steps_per_epoch=10)
+    for t, acc in ((1.0, 0.1), (1.2, 0.2), (3.0, 0.3)):  # 10%, 12% (under 5 points later: skipped), 30%
+        tr.train_time, tr.step = t, tr.step + 10
+        prune(tr, {"test_accuracy": acc})
+    assert trial.reports == [(10, 0.1), (30, 0.3)]
+    tr.train_time = 10.5  # the last evaluation, past the budget: not reported here, never pruned
+    prune(tr, {"test_accuracy": 0.9})
+    tr.train_time = 6.0
+    with pytest.raises(optuna.TrialPruned, match="pruned at 60% of the budget"):
+        prune(tr, {"test_accuracy": 0.4})
+    assert trial.attrs["train_time_s"] == 6.0 and trial.attrs["epochs"] == 3.0

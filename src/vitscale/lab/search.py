@@ -145,7 +145,7 @@ def open_study(optuna, args, base, space, out: Path):
             storage = optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=args.heartbeat_s,
                                                  grace_period=3 * args.heartbeat_s, **retry)
             study = optuna.create_study(storage=storage, study_name=args.study, direction="maximize",
-                                        load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=args.sampler_seed),
+                                        load_if_exists=True, sampler=sampler(optuna, args),
                                         pruner=make_pruner(optuna, args))
             break
         except Exception as e:  # noqa: BLE001 - sqlalchemy's errors, whichever the database raises
@@ -163,6 +163,11 @@ def open_study(optuna, args, base, space, out: Path):
         raise UserError(f"search: study '{args.study}' in {url} was started with another recipe, space or "
                         f"--budget-s; give the same ones, or another --study / --out")
     return study
+
+
+def sampler(optuna, args):
+    """TPE; with constant_liar, workers sharing a study do not all sample next to the same running trials."""
+    return optuna.samplers.TPESampler(seed=args.sampler_seed, constant_liar=True)
 
 
 def make_pruner(optuna, args):

@@ -115,7 +115,8 @@ def draw(rows: list[dict], front: list[int], imp: dict, out: Path) -> list[str]:
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("validation accuracy")
     ax.set_title("every trial: validation accuracy against training time")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "pareto.png", dpi=110)
     made.append("pareto.png")

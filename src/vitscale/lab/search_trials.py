@@ -39,13 +39,16 @@ def train_run(cfg, run_dir: Path, on_eval=None) -> dict:
     run_dir = Path(run_dir)
     if run_dir.exists():
         shutil.rmtree(run_dir)
+    from .harness import free_memory
     tr = SearchTrainer(cfg, run_dir, on_eval)
     try:
         summary = tr.fit()
+        tr.strategy.close()
+        return {**summary, "accuracy": summary.get(tr.task.metric)}
     finally:
         tr.data.close()
-    tr.strategy.close()
-    return {**summary, "accuracy": summary.get(tr.task.metric)}
+        del tr
+        free_memory()  # the next trial starts from empty accelerator memory (also after an OOM)
 
 
 class Pruning:
@@ -79,10 +82,11 @@ def one_line(e: BaseException) -> str:
 
 def run_trials(optuna, study, base, space, args, out: Path) -> None:
     """This worker's --trials trials (0: until stopped); Ctrl-C stops between or inside one."""
-    from .harness import log, with_overrides
+    from .harness import free_memory, log, with_overrides
 
     def objective(trial):
         study._storage.record_heartbeat(trial._trial_id)  # now, not when the heartbeat thread gets to it
+        free_memory()  # what an earlier trial's error left referenced (its traceback) is gone now
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         params = {d.key: d.suggest(trial) for d in space}
         run_dir = out / "trials" / f"{trial.number:05d}"
@@ -103,7 +107,8 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
         return r["accuracy"]
     fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
     try:
-        study.optimize(objective, n_trials=args.trials or None, catch=(TrialFailed,), callbacks=[progress_line])
+        study.optimize(objective, n_trials=args.trials or None, catch=(TrialFailed,), callbacks=[progress_line],
+                       gc_after_trial=True)  # (and harness.free_memory: a failed trial's traceback is gone by then)
     except KeyboardInterrupt:
         log("search: stopped; the unfinished trial is marked failed")
     fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
