@@ -76,7 +76,7 @@ def test_a_killed_search_continues_from_its_database(tmp_path):
 
 def test_two_workers_share_one_study(tmp_path):
     out = tmp_path / "search"
-    procs = [subprocess.Popen(command(tmp_path, out, 1.5, 2, "--sampler-seed", str(i)), stdout=subprocess.DEVNULL,
+    procs = [subprocess.Popen(command(tmp_path, out, 1, 2, "--sampler-seed", str(i)), stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     errs = [p.communicate(timeout=300)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for e in errs]
