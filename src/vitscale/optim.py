@@ -130,9 +130,14 @@ def decay_factor(progress: float, schedule: str, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * decay
 
 
+def warmup_steps(cfg: OptimConfig, steps_per_epoch: int) -> int:
+    """optim.warmup_steps, else optim.warmup_epochs in optimizer steps (both schedule clocks warm up in steps)."""
+    return cfg.warmup_steps or int(round(cfg.warmup_epochs * steps_per_epoch))
+
+
 def schedule(cfg: OptimConfig, total_steps: int, steps_per_epoch: int):
     """The recipe's lr multiplier as a function of the 0-based optimizer step."""
-    warmup = cfg.warmup_steps or int(round(cfg.warmup_epochs * steps_per_epoch))
+    warmup = warmup_steps(cfg, steps_per_epoch)
     return lambda s: lr_factor(s, total_steps, warmup, cfg.schedule, cfg.min_lr_ratio)
 
 
@@ -142,7 +147,7 @@ def time_schedule(cfg: OptimConfig, budget_s: float, steps_per_epoch: int, clock
     seconds spent so far (the trainer's: evaluation and checkpoints do not count). The decay reaches
     its end (min_lr_ratio) when the time budget ends, however many steps fit in it; stateless, so a
     resumed run continues from its restored training time."""
-    warmup = cfg.warmup_steps or int(round(cfg.warmup_epochs * steps_per_epoch))
+    warmup = warmup_steps(cfg, steps_per_epoch)
 
     def factor(step: int) -> float:
         ramp = (step + 1) / warmup if warmup and step < warmup else 1.0
