@@ -62,10 +62,16 @@ def test_tf32_flags_and_peak(tmp_path, capsys):
 
 
 def test_host_data_through_pinned_memory_and_device_augmentation(tmp_path, capsys):
-    s = _train(tmp_path, capsys, "pinned", "data.on_device=false", "data.pin_memory=true", "data.hflip=true",
-               "data.crop_padding=2", "data.randaugment_ops=2", "data.mixup_alpha=0.2", "train.epochs=4",
-               "train.channels_last=true")
-    assert s["test_accuracy"] > 0.3
+    # The reference is the same run on the CPU: this recipe (heavy augmentation, 4 epochs of 64
+    # images) ends near chance on either device (the first GPU session, H200: 25.00% / loss 1.2980 on
+    # cuda, 25.00% / 1.2980 on cpu), so an accuracy floor tests nothing; the CPU run's loss does.
+    sets = ("data.on_device=false", "data.pin_memory=true", "data.hflip=true", "data.crop_padding=2",
+            "data.randaugment_ops=2", "data.mixup_alpha=0.2", "train.epochs=4", "train.channels_last=true")
+    s = _train(tmp_path, capsys, "pinned", *sets)
+    ref = _train(tmp_path, capsys, "cpu", *sets, "run.device=cpu")
+    assert s["device"].startswith("cuda") and ref["device"] == "cpu"
+    assert abs(s["test_loss"] - ref["test_loss"]) < 0.01 * ref["test_loss"]
+    assert abs(s["test_accuracy"] - ref["test_accuracy"]) <= 1 / 32 + 1e-9  # at most one of 32 images
 
 
 def test_fused_adamw_on_pure_bf16_weights_without_masters(tmp_path, capsys):

@@ -279,8 +279,8 @@ def final_comparison(cfg, args, measure: Measurer, chosen: dict, space: dict, ca
                       + " ".join(f"--set {k}={v}" for k, v in rejected.items()))
     Path(args.out).write_text("\n".join(header) + "\n\n" + with_overrides(cfg, chosen).to_toml())
     print(f"tuned: {describe(chosen)}\nrecipe {vs} -> tuned {tuned_ips:.1f} img/s "
-          f"({ratio}) on {machine}\ntuned MFU {100 * tuned_mfu:.1f}% of the measured bf16 matmul "
-          f"peak ({peak / 1e9:.0f} GFLOP/s per device)\nwrote {args.out}")
+          f"({ratio}) on {machine}\ntuned MFU {100 * tuned_mfu:.1f}% of the bf16 matmul "
+          f"peak ({peak / 1e9:.0f} GFLOP/s per device; {src})\nwrote {args.out}")
     return 0
 
 
