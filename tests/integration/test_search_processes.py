@@ -3,6 +3,7 @@ its database when the same command runs again (the killed trial is failed by the
 RUNNING, and retried), and two workers on one SQLite database share one study."""
 import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,16 +41,16 @@ def trials(out):
 
 def test_a_killed_search_continues_from_its_database(tmp_path):
     out = tmp_path / "search"
-    cmd = command(tmp_path, out, 2, 3)
+    cmd = command(tmp_path, out, 2, 5)  # 5 chances to find a trial running (a loaded machine polls slowly)
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     killed = None
     try:
         while killed is None and p.poll() is None and time.monotonic() < deadline:
             ts = trials(out)
-            # a trial with its keys, started under a second ago (it trains for 2 s): surely running at the kill
+            # a trial with its keys, started under 1.5 s ago (it trains for 2 s): surely running at the kill
             running = [t for t in ts if t.state.name == "RUNNING" and t.params
-                       and (datetime.datetime.now() - t.datetime_start).total_seconds() < 1]
+                       and (datetime.datetime.now() - t.datetime_start).total_seconds() < 1.5]
             if any(t.state.name == "COMPLETE" for t in ts) and running:
                 killed = running[0].number
                 os.kill(p.pid, signal.SIGKILL)
@@ -62,12 +63,20 @@ def test_a_killed_search_continues_from_its_database(tmp_path):
     assert p.returncode == -signal.SIGKILL
     before = trials(out)
     assert {t.number: t.state.name for t in before}[killed] == "RUNNING"  # left behind by the kill
+    time.sleep(3.5)  # its heartbeat (1 s) is now past the 3 s grace
+    # --report-only runs no trial, but does not list the killed one as running: failed, retry queued
+    r = subprocess.run(command(tmp_path, out, 2, 0, "--report-only"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    states = {t.number: t.state.name for t in trials(out)}
+    assert states[killed] == "FAIL" and "RUNNING" not in states.values() and "WAITING" in states.values()
+    assert re.search(rf"^\| {killed}\*? \| fail \|", (out / "search.md").read_text(), re.M)
     r = subprocess.run(command(tmp_path, out, 2, 2), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     after = trials(out)
     states = {t.number: t.state.name for t in after}
     assert states[killed] == "FAIL" and "RUNNING" not in states.values()  # failed by its stale heartbeat
     assert len(after) >= len(before) + 2 and sum(s == "COMPLETE" for s in states.values()) >= 3
+    assert "WAITING" not in states.values()  # the retry queued by --report-only was run
     retries = [t for t in after if t.system_attrs.get("failed_trial") == killed]
     assert len(retries) == 1
     assert retries[0].params == next(t for t in after if t.number == killed).params  # the same keys again

@@ -208,22 +208,32 @@ def test_a_tiny_search_writes_its_report_and_reads_the_test_set_once(tmp_path, m
     # every trial and repeat evaluated on the validation split (a quarter of the 64 training images,
     # synthetic ones drawn from run.seed: the repeat's differ); the test set (32 images) reached a
     # model once, the pick's evaluation, last
-    assert bundles[0] == bundles[1] == bundles[2] and 14 <= bundles[0][1] <= 18 and len(bundles) == 5
-    assert bundles[3][0] == 0.25 and 14 <= bundles[3][1] <= 18
-    assert bundles[-1] == (0.0, 32) and len(evals) == 1
-    pick = rep["finish"]["pick"]
-    assert rep["finish"]["test"]["trial"] == pick["trial"] and len(pick["values"]) == 2
+    # model once each: the pick's evaluation, then the recipe's (trained as written under the same
+    # protocol: seed 0 and the repeat's seed 1), tested on the same seed as the pick
+    assert bundles[0] == bundles[1] == bundles[2] and 14 <= bundles[0][1] <= 18 and len(bundles) == 8
+    assert [b[0] for b in bundles] == [0.25] * 4 + [0.0] + [0.25] * 2 + [0.0]
+    assert bundles[4] == bundles[7] == (0.0, 32) and len(evals) == 2
+    fin = rep["finish"]
+    pick, recipe = fin["pick"], fin["recipe"]
+    assert fin["test"]["trial"] == pick["trial"] and len(pick["values"]) == 2
+    assert recipe["params"] == {} and len(recipe["values"]) == 2 and fin["recipe_test"]["trial"] == "recipe"
+    assert fin["recipe_test"]["seed"] == fin["test"]["seed"] == 1
+    d = fin["decision"]
+    assert d["adopt"] == (pick["mean"] > recipe["mean"] and fin["test"]["test_accuracy"] >
+                          fin["recipe_test"]["test_accuracy"])
+    assert abs(d["val_gap"] - (pick["mean"] - recipe["mean"])) < 1e-12
     best = load_config(out / "best.toml")
     assert (best.data.val_fraction, best.optim.schedule_clock, best.train.time_limit_s) == (0.0, "time", 1.0)
     assert best.optim.lr == pick["params"]["optim.lr"] and best.model.depth == pick["params"]["model.depth"]
     md = (out / "search.md").read_text()
     assert "evaluated once" in md and f"vitscale train {out / 'best.toml'}" in md
+    assert "the recipe as written" in md and "**Decision: " in md
     err = capsys.readouterr().err
     assert sum(line.startswith("trial ") for line in err.splitlines()) == 3
     # a second invocation with another budget is not the same search
     assert main([*argv[:5], "2", *argv[6:]]) == 2
     assert "was started with another recipe, space or --budget-s" in capsys.readouterr().err
-    assert main([*argv, "--report-only"]) == 0 and len(evals) == 1  # the pick's test result is reused
+    assert main([*argv, "--report-only"]) == 0 and len(evals) == 2  # both test results are reused
 
 
 def test_a_failing_trial_is_failed_with_its_reason_and_the_search_goes_on(tmp_path, capsys):

@@ -10,7 +10,8 @@ lives in a database (SQLite in OUT by default; any SQLAlchemy URL), so a killed 
 where it stopped (its unfinished trial is marked failed by the heartbeat and retried once) and
 several workers, on one machine or many, share one search. At the end the best --repeat-top
 trials are retrained with --seeds other seeds, the best mean is the pick, and the pick alone is
-evaluated once on the test set. Writes OUT/search.md, search.json, pareto.png, importance.png and
+evaluated once on the test set; the recipe as written is trained under the same protocol and seeds
+and tested once too, and the report says whether the pick beats it. Writes OUT/search.md, search.json, pareto.png, importance.png and
 best.toml (`vitscale train OUT/best.toml` reproduces the pick on the full training set).
 
 examples:
@@ -52,6 +53,10 @@ def add_arguments(p) -> None:
     p.add_argument("--repeat-top", type=int, default=3, help="retrain the best K trials with other seeds, pick the "
                    "best mean, evaluate it once on the test set (0 = no repeats, no test evaluation: a worker)")
     p.add_argument("--seeds", type=int, default=2, help="other seeds per repeated trial (default 2)")
+    p.add_argument("--no-recipe", dest="recipe", action="store_false",
+                   help="do not train the recipe as written beside the pick (by default it is trained under the "
+                        "same budget, validation split and seeds, tested once on the pick's seed, and the report "
+                        "says whether the pick beats it)")
     p.add_argument("--report-only", action="store_true",
                    help="no new trials: the repeats still missing, the test evaluation and the report")
     p.add_argument("--heartbeat-s", type=int, default=10, help="a worker's heartbeat; a RUNNING trial "
@@ -79,7 +84,7 @@ def run(args) -> int:
     from .harness import log
     from .search_space import load_space
     from .search_report import write_report
-    from .search_trials import finalize, run_trials
+    from .search_trials import fail_dead_trials, finalize, run_trials
     if args.budget_s <= 0 or args.heartbeat_s < 1 or min(args.trials, args.repeat_top, args.seeds) < 0:
         raise UserError("search: --budget-s must be > 0, --heartbeat-s >= 1; --trials, --repeat-top, --seeds >= 0")
     if not 0 < args.val_fraction <= 0.5:
@@ -93,7 +98,9 @@ def run(args) -> int:
     log(f"search {study.study_name} in {storage_url(args, out)}: {len(space)} keys, "
         f"{args.budget_s:g}s of training per trial, scored on data.val_fraction={base.data.val_fraction} "
         f"of the training set (the test set is not read by trials)")
-    if not args.report_only:
+    if args.report_only:
+        fail_dead_trials(optuna, study, 3 * args.heartbeat_s)  # a killed worker's trial is not "running"
+    else:
         run_trials(optuna, study, base, space, args, out)
     final = finalize(study, base, args, out) if args.repeat_top else None
     report = write_report(study, space, args, out, final, recipe_config(args, final))

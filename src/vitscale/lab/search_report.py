@@ -65,7 +65,7 @@ def write_report(study, space, args, out: Path, final: dict | None, best_cfg) ->
     report = {"study": study.study_name, "budget_s": args.budget_s, "command": command_line(args),
               "space": [d.as_dict() for d in space], "trials": rows, "pareto": front, "importance": imp,
               "selection": "trials scored on data.val_fraction of the training set; the test set evaluated "
-                           "once, for the pick", "finish": final,
+                           "once, for the pick (and once for the recipe as written, the comparison)", "finish": final,
               "best_toml": str(best_toml) if best_toml else None,
               "reproduce": f"vitscale train {best_toml}" if best_toml else None}
     (out / "search.json").write_text(json.dumps(report, indent=2, default=str))
@@ -144,7 +144,7 @@ def markdown(rep: dict, rows: list[dict], plots: list[str]) -> list[str]:
              f"`{rep['command']}`", "",
              "Trials are scored on a validation split carved from the training set (data.val_fraction, "
              "seeded and stratified); no trial reads the test set. The test set is evaluated once, for the "
-             "final pick, below.", "",
+             "final pick, below (and, unless --no-recipe, once for the recipe as written, to compare).", "",
              "trials: " + ", ".join(f"{n} {s}" for s, n in states.items() if n), ""]
     lines += pick_lines(final, rep)
     if "pareto.png" in plots:
@@ -172,6 +172,10 @@ def pick_lines(final: dict, rep: dict) -> list[str]:
            "| trial | mean | spread (std) | values |", "|---|---|---|---|"]
     out += [f"| {c['trial']} | {c['mean']:.4f} | {c['std']:.4f} | {', '.join(f'{v:.4f}' for v in c['values'])} |"
             for c in final["candidates"]]
+    rec = final.get("recipe")
+    if rec:
+        out.append(f"| the recipe as written | {rec['mean']:.4f} | {rec['std']:.4f} | "
+                   f"{', '.join(f'{v:.4f}' for v in rec['values'])} |")
     p, test = final["pick"], final.get("test")
     out += ["", f"**Pick: trial {p['trial']}** (best mean): " + " ".join(f"`{k}={v}`" for k, v in p["params"].items())]
     if test:
@@ -180,5 +184,15 @@ def pick_lines(final: dict, rep: dict) -> list[str]:
                 f"{test['test_count']} images** (the seed-{test['seed']} repeat, trained without the validation "
                 f"split)" + (f"; this folder's search has evaluated {times} picks on the test set over its "
                              "history" if times > 1 else "")]
+    rtest = final.get("recipe_test")
+    if rtest:
+        out += ["", f"**The recipe as written**, trained under the same protocol (budget, validation split, "
+                f"seeds; none of the space's keys changed), tested once on the same seed: **test accuracy "
+                f"{rtest['test_accuracy']:.4f}**."]
+    if final.get("decision"):
+        d = final["decision"]
+        out += ["", f"**Decision: {'adopt the pick' if d['adopt'] else 'keep the recipe'}**: {d['text']}. "
+                "The pick replaces the recipe only with a higher mean validation accuracy over the same seeds "
+                "and a higher test accuracy on the same seed."]
     out += ["", f"Reproduce on the full training set: `{rep['reproduce']}`"]
     return out

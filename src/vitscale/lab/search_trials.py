@@ -155,7 +155,8 @@ def progress_line(study, t) -> None:
 def finalize(study, base, args, out: Path) -> dict:
     """The best --repeat-top complete trials repeated with --seeds other seeds (each repeat's run
     kept in OUT/repeats/, done once); the pick = the best mean validation accuracy; its one test
-    evaluation."""
+    evaluation. Unless --no-recipe: the recipe as written trained under the same protocol (the same
+    budget, validation split and seeds), tested once on the same seed as the pick, and the decision."""
     from .harness import log
     done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.value is not None]
     top = sorted(done, key=lambda t: -t.value)[:args.repeat_top]
@@ -165,31 +166,72 @@ def finalize(study, base, args, out: Path) -> dict:
     seeds = [base.run.seed + i for i in range(1, args.seeds + 1)] or [base.run.seed]
     cands = []
     for t in top:
-        runs = [repeat(base, t, seed, out) for seed in seeds]
-        values = [t.value] + [r["accuracy"] for r in runs if r.get("accuracy") is not None]
-        cands.append({"trial": t.number, "params": dict(t.params), "values": values,
-                      "mean": statistics.fmean(values), "std": statistics.pstdev(values), "runs": runs})
+        runs = [repeat(base, t.params, seed, out / "repeats" / f"trial{t.number:05d}-seed{seed}", f"trial {t.number}")
+                for seed in seeds]
+        cands.append(candidate(t.number, dict(t.params), [t.value], runs))
         log(f"repeat trial {t.number}: validation accuracy {cands[-1]['mean']:.4f} +- {cands[-1]['std']:.4f} "
-            f"over {len(values)} seeds")
+            f"over {len(cands[-1]['values'])} seeds")
     pick = max(cands, key=lambda c: c["mean"])
-    return {"candidates": cands, "pick": pick, "seeds": [base.run.seed, *seeds] if args.seeds else [base.run.seed],
-            "test": test_once(pick, out)}
+    final = {"candidates": cands, "pick": pick, "seeds": [base.run.seed, *seeds] if args.seeds else [base.run.seed],
+             "test": test_once(pick, out)}
+    if getattr(args, "recipe", True):
+        recipe = recipe_runs(base, seeds, out)
+        final.update(recipe=recipe, recipe_test=test_once(recipe, out))
+        final["decision"] = decide(pick, final["test"], recipe, final["recipe_test"])
+        log(f"decision: {final['decision']['text']}")
+    return final
 
 
-def repeat(base, trial, seed: int, out: Path) -> dict:
-    """The trial's keys with run.seed = `seed`, trained once into OUT/repeats/ (a finished run's
-    summary is reused: a killed finish continues)."""
+def candidate(label, params: dict, first: list, runs: list[dict]) -> dict:
+    values = first + [r["accuracy"] for r in runs if r.get("accuracy") is not None]
+    return {"trial": label, "params": params, "values": values, "mean": statistics.fmean(values),
+            "std": statistics.pstdev(values), "runs": runs}
+
+
+def recipe_runs(base, seeds: list[int], out: Path) -> dict:
+    """The recipe as written, none of the space's keys changed, under the trials' protocol: run.seed
+    (the trials' seed) and every repeat seed. Its `runs` are the repeat seeds' (in their order), so
+    its test evaluation is of the same seed as the pick's."""
+    from .harness import log
+    every = list(dict.fromkeys([base.run.seed, *seeds]))
+    runs = {s: repeat(base, {}, s, out / "repeats" / f"recipe-seed{s}", "the recipe") for s in every}
+    first = [] if base.run.seed in seeds else [runs[base.run.seed]]
+    rec = candidate("recipe", {}, [r["accuracy"] for r in first if r.get("accuracy") is not None],
+                    [runs[s] for s in seeds])
+    log(f"the recipe as written: validation accuracy {rec['mean']:.4f} +- {rec['std']:.4f} over "
+        f"{len(rec['values'])} seeds")
+    return rec
+
+
+def decide(pick: dict, pick_test: dict | None, recipe: dict, recipe_test: dict | None) -> dict:
+    """Whether the pick should replace the recipe: better mean validation accuracy over the same seeds
+    AND better test accuracy on the same seed; the gap is also set against the seeds' spread."""
+    gap = pick["mean"] - recipe["mean"]
+    noise = max(pick["std"], recipe["std"])
+    tests = (pick_test or {}).get("test_accuracy"), (recipe_test or {}).get("test_accuracy")
+    test_gap = None if None in tests else tests[0] - tests[1]
+    adopt = gap > 0 and test_gap is not None and test_gap > 0
+    text = (f"the pick (trial {pick['trial']}) {'beats' if adopt else 'does not beat'} the recipe as written: "
+            f"validation {pick['mean']:.4f} vs {recipe['mean']:.4f} (mean over the same seeds, gap {gap:+.4f}, "
+            f"seed spread up to {noise:.4f}{', within it' if abs(gap) <= noise else ''})"
+            + (f", test {tests[0]:.4f} vs {tests[1]:.4f}" if test_gap is not None else ", no test accuracy for both"))
+    return {"adopt": adopt, "val_gap": gap, "seed_spread": noise, "test_gap": test_gap,
+            "within_noise": abs(gap) <= noise, "text": text}
+
+
+def repeat(base, params: dict, seed: int, run_dir: Path, what: str) -> dict:
+    """`params` with run.seed = `seed`, trained once into `run_dir` (a finished run's summary is
+    reused: a killed finish continues)."""
     from .harness import log, with_overrides
-    run_dir = out / "repeats" / f"trial{trial.number:05d}-seed{seed}"
     summary = run_dir / "summary.json"
     if summary.is_file():
         r = json.loads(summary.read_text())
         return {"seed": seed, "accuracy": r.get("test_accuracy"), "train_time_s": r["train_time_s"],
                 "checkpoint": r["checkpoint"], "run_dir": str(run_dir)}
     try:
-        r = train_run(with_overrides(base, {**trial.params, "run.seed": seed}), run_dir)
+        r = train_run(with_overrides(base, {**params, "run.seed": seed}), run_dir)
     except Exception as e:  # noqa: BLE001
-        log(f"repeat of trial {trial.number} with seed {seed} failed: {one_line(e)}")
+        log(f"repeat of {what} with seed {seed} failed: {one_line(e)}")
         return {"seed": seed, "error": one_line(e), "run_dir": str(run_dir)}
     return {"seed": seed, "accuracy": r["accuracy"], "train_time_s": r["train_time_s"],
             "checkpoint": r["checkpoint"], "run_dir": str(run_dir)}
@@ -213,6 +255,7 @@ def test_once(pick: dict, out: Path) -> dict | None:
     h = {"trial": pick["trial"], "seed": run["seed"], "run_dir": run["run_dir"], "checkpoint": run["checkpoint"],
          "test_accuracy": r["test_accuracy"], "test_loss": r["test_loss"], "test_count": r["test_count"]}
     path.write_text(json.dumps(history + [h], indent=2))
-    log(f"the pick, trial {pick['trial']}: test accuracy {h['test_accuracy']:.4f} on {h['test_count']} images "
-        f"(the test set's one evaluation)")
+    what = "the recipe as written" if pick["trial"] == "recipe" else f"the pick, trial {pick['trial']}"
+    log(f"{what}: test accuracy {h['test_accuracy']:.4f} on {h['test_count']} images (seed {h['seed']}; "
+        f"its one evaluation on the test set)")
     return {**h, "evaluations": len(history) + 1}
