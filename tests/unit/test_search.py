@@ -275,6 +275,9 @@ def test_pruning_reports_percent_of_the_budget_and_never_prunes_the_end():
     assert trial.reports == [(10, 0.1), (30, 0.3)]
     tr.train_time = 10.5  # the last evaluation, past the budget: not reported here, never pruned
     prune(tr, {"test_accuracy": 0.9})
+    tr.train_time = 9.2  # the last 10% of the budget: not reported, never pruned (a prune there saves little)
+    prune(tr, {"test_accuracy": 0.05})
+    assert trial.reports == [(10, 0.1), (30, 0.3)]
     tr.train_time = 6.0
     with pytest.raises(optuna.TrialPruned, match="pruned at 60% of the budget"):
         prune(tr, {"test_accuracy": 0.4})

@@ -52,10 +52,13 @@ def train_run(cfg, run_dir: Path, on_eval=None) -> dict:
 
 
 class Pruning:
-    """`on_eval` of a trial: the validation accuracy at step = percent of the budget trained, 0..99 (at
-    most every EVERY percent: each report is a database write), and Optuna's pruner asked there;
-    never at the last evaluation (a finished trial is not pruned)."""
+    """`on_eval` of a trial: the validation accuracy at step = percent of the budget trained, 0..LAST-1
+    (at most every EVERY percent: each report is a database write), and Optuna's pruner asked there.
+    Never in the last (100 - LAST)% of the budget, the last evaluation included: a prune there saves
+    seconds and throws away a nearly finished trial (the default job's search pruned one at 99%,
+    91.10% validation, 4th best of 35)."""
     EVERY = 5
+    LAST = 90
 
     def __init__(self, optuna, trial, budget_s: float):
         self.optuna, self.trial, self.budget = optuna, trial, budget_s
@@ -64,7 +67,7 @@ class Pruning:
     def __call__(self, tr, ev: dict) -> None:
         acc = ev.get(tr.task.metric)
         step = min(99, int(100 * tr.train_time / self.budget))  # 100: the final value (run_trials)
-        if acc is None or step < self.last + self.EVERY or tr.train_time >= self.budget:
+        if acc is None or step < self.last + self.EVERY or step >= self.LAST:
             return
         self.last = step
         self.trial.report(acc, step)
