@@ -16,7 +16,8 @@ def trial_row(t) -> dict:
     return {"number": t.number, "state": t.state.name.lower(), "val_accuracy": last_value(t),
             "train_time_s": u.get("train_time_s"), "epochs": u.get("epochs"), "steps": u.get("steps"),
             "params": dict(t.params), "error": u.get("error") if t.state.name == "FAIL" else None,
-            "worker": u.get("worker"), "retry_of": t.system_attrs.get("failed_trial")}
+            "worker": u.get("worker"), "retry_of": t.system_attrs.get("failed_trial"),
+            "curve": sorted([int(k), float(v)] for k, v in t.intermediate_values.items())}
 
 
 def pareto(rows: list[dict]) -> list[int]:
@@ -69,7 +70,7 @@ def write_report(study, space, args, out: Path, final: dict | None, best_cfg) ->
               "best_toml": str(best_toml) if best_toml else None,
               "reproduce": f"vitscale train {best_toml}" if best_toml else None}
     (out / "search.json").write_text(json.dumps(report, indent=2, default=str))
-    plots = draw(rows, front, imp, out)
+    plots = draw(rows, front, imp, out, args.budget_s, final)
     path = out / "search.md"
     path.write_text("\n".join(markdown(report, rows, plots)) + "\n")
     return path
@@ -92,7 +93,8 @@ def write_best(out: Path, cfg, final: dict, args) -> Path:
     return path
 
 
-def draw(rows: list[dict], front: list[int], imp: dict, out: Path) -> list[str]:
+def draw(rows: list[dict], front: list[int], imp: dict, out: Path, budget_s: float = 0.0,
+         final: dict | None = None) -> list[str]:
     """pareto.png and importance.png (nothing where matplotlib is missing)."""
     try:
         import matplotlib
@@ -101,22 +103,9 @@ def draw(rows: list[dict], front: list[int], imp: dict, out: Path) -> list[str]:
     except ImportError:
         return []
     made = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for state, marker in (("complete", "o"), ("pruned", "x"), ("fail", "v")):
-        pts = [r for r in rows if r["state"] == state and r["val_accuracy"] is not None and r["train_time_s"]]
-        if pts:
-            ax.scatter([r["train_time_s"] for r in pts], [r["val_accuracy"] for r in pts], marker=marker, label=state)
-    on = sorted((r for r in rows if r["number"] in front), key=lambda r: r["train_time_s"])
-    if on:
-        ax.step([r["train_time_s"] for r in on], [r["val_accuracy"] for r in on], where="post", color="k",
-                lw=1, label="Pareto front")
-        for r in on:
-            ax.annotate(str(r["number"]), (r["train_time_s"], r["val_accuracy"]), fontsize=7)
-    ax.set_xlabel("training time (s)")
-    ax.set_ylabel("validation accuracy")
-    ax.set_title("every trial: validation accuracy against training time")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(12, 4.8))
+    pareto_panel(ax, rows, front, budget_s)
+    zoom_panel(zoom, rows, budget_s, final or {})
     fig.tight_layout()
     fig.savefig(out / "pareto.png", dpi=110)
     made.append("pareto.png")
@@ -131,6 +120,67 @@ def draw(rows: list[dict], front: list[int], imp: dict, out: Path) -> list[str]:
         made.append("importance.png")
         plt.close(fig)
     return made
+
+
+STYLE = {"complete": ("o", "tab:blue"), "pruned": ("x", "tab:orange"), "fail": ("v", "tab:red")}
+
+
+def curve_xy(r: dict, budget_s: float):
+    """A trial's validation accuracy against training seconds: its reports (at percent of the budget)
+    and its final value at its measured training time."""
+    pts = [(budget_s * step / 100, acc) for step, acc in r["curve"] if step < 100] if budget_s else []
+    if r["val_accuracy"] is not None and r["train_time_s"]:
+        pts.append((r["train_time_s"], r["val_accuracy"]))
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def pareto_panel(ax, rows: list[dict], front: list[int], budget_s: float) -> None:
+    """Every trial: its curve (thin) and where it ended (marker); the Pareto front of the end points."""
+    for state, (marker, color) in STYLE.items():
+        pts = [r for r in rows if r["state"] == state and r["val_accuracy"] is not None and r["train_time_s"]]
+        for r in pts:
+            xs, ys = curve_xy(r, budget_s)
+            ax.plot(xs, ys, color=color, lw=0.6, alpha=0.35)
+        if pts:
+            ax.scatter([r["train_time_s"] for r in pts], [r["val_accuracy"] for r in pts], marker=marker,
+                       color=color, label=state, zorder=3)
+    on = sorted((r for r in rows if r["number"] in front), key=lambda r: r["train_time_s"])
+    if on:
+        ax.step([r["train_time_s"] for r in on], [r["val_accuracy"] for r in on], where="post", color="k",
+                lw=1, label="Pareto front", zorder=4)
+        for r in on:
+            ax.annotate(str(r["number"]), (r["train_time_s"], r["val_accuracy"]), fontsize=7)
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title("every trial: validation accuracy against training time", fontsize=10)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="lower right")
+
+
+def zoom_panel(ax, rows: list[dict], budget_s: float, final: dict) -> None:
+    """The complete trials near the top, each curve labelled, with the repeats' means (the pick's and
+    the recipe's as written) where the search has finished."""
+    done = sorted((r for r in rows if r["state"] == "complete" and r["val_accuracy"] is not None),
+                  key=lambda r: -r["val_accuracy"])
+    if not done:
+        ax.set_axis_off()
+        return
+    top = done[:8]
+    for r in top:
+        xs, ys = curve_xy(r, budget_s)
+        ax.plot(xs, ys, marker=".", lw=1, label=f"trial {r['number']}: {r['val_accuracy']:.4f}")
+    lines = [(c, f"trial {c['trial']}, mean of {len(c['values'])} seeds") for c in final.get("candidates", [])]
+    if final.get("recipe"):
+        lines.append((final["recipe"], f"the recipe as written, mean of {len(final['recipe']['values'])} seeds"))
+    for (c, label), style in zip(lines, ("--", ":", "-.", (0, (1, 3)))):
+        ax.axhline(c["mean"], color="k" if c.get("trial") != "recipe" else "tab:red", ls=style, lw=1,
+                   label=f"{label}: {c['mean']:.4f}")
+    lo = min([top[-1]["val_accuracy"]] + [c["mean"] for c, _ in lines]) - 0.02
+    ax.set_ylim(lo, max(r["val_accuracy"] for r in top) + 0.005)
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title(f"the best {len(top)} complete trials (zoomed)", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
 
 
 def fmt(v, spec=".4f") -> str:
