@@ -219,18 +219,19 @@ def pick_lines(final: dict, rep: dict) -> list[str]:
         return ["No pick: no repeats were run (--repeat-top 0, or no complete trial yet); the test set "
                 "was not evaluated."]
     out = ["## The best trials repeated with other seeds (validation accuracy)", "",
-           "| trial | mean | spread (std) | values |", "|---|---|---|---|"]
-    out += [f"| {c['trial']} | {c['mean']:.4f} | {c['std']:.4f} | {', '.join(f'{v:.4f}' for v in c['values'])} |"
-            for c in final["candidates"]]
+           f"Seeds {', '.join(str(s) for s in final.get('seeds', []))}; epochs = how many each run trained "
+           "in the budget (the machine's speed moves them from run to run).", "",
+           "| trial | mean | spread (std) | values | epochs |", "|---|---|---|---|---|"]
     rec = final.get("recipe")
-    if rec:
-        out.append(f"| the recipe as written | {rec['mean']:.4f} | {rec['std']:.4f} | "
-                   f"{', '.join(f'{v:.4f}' for v in rec['values'])} |")
+    for c in final["candidates"] + ([rec] if rec else []):
+        name = "the recipe as written" if c["trial"] == "recipe" else c["trial"]
+        out.append(f"| {name} | {c['mean']:.4f} | {c['std']:.4f} | {', '.join(f'{v:.4f}' for v in c['values'])} | "
+                   f"{', '.join(fmt(e, '.2f') for e in c.get('epochs', []))} |")
     p, test = final["pick"], final.get("test")
     out += ["", f"**Pick: trial {p['trial']}** (best mean): " + " ".join(f"`{k}={v}`" for k, v in p["params"].items())]
     if test:
         times = test.get("evaluations", 1)
-        out += ["", f"**Test set (evaluated once, for the pick only): accuracy {test['test_accuracy']:.4f} on "
+        out += ["", f"**Test set (evaluated once for the pick): accuracy {test['test_accuracy']:.4f} on "
                 f"{test['test_count']} images** (the seed-{test['seed']} repeat, trained without the validation "
                 f"split)" + (f"; this folder's search has evaluated {times} picks on the test set over its "
                              "history" if times > 1 else "")]

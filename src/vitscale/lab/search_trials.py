@@ -171,7 +171,7 @@ def finalize(study, base, args, out: Path) -> dict:
     for t in top:
         runs = [repeat(base, t.params, seed, out / "repeats" / f"trial{t.number:05d}-seed{seed}", f"trial {t.number}")
                 for seed in seeds]
-        cands.append(candidate(t.number, dict(t.params), [t.value], runs))
+        cands.append(candidate(t.number, dict(t.params), [t.value], runs, [t.user_attrs.get("epochs")]))
         log(f"repeat trial {t.number}: validation accuracy {cands[-1]['mean']:.4f} +- {cands[-1]['std']:.4f} "
             f"over {len(cands[-1]['values'])} seeds")
     pick = max(cands, key=lambda c: c["mean"])
@@ -185,10 +185,14 @@ def finalize(study, base, args, out: Path) -> dict:
     return final
 
 
-def candidate(label, params: dict, first: list, runs: list[dict]) -> dict:
-    values = first + [r["accuracy"] for r in runs if r.get("accuracy") is not None]
-    return {"trial": label, "params": params, "values": values, "mean": statistics.fmean(values),
-            "std": statistics.pstdev(values), "runs": runs}
+def candidate(label, params: dict, first: list, runs: list[dict], first_epochs: list) -> dict:
+    """Validation accuracies over seeds (`first`: the run with run.seed, then the repeats) and the
+    epochs each trained in the budget (the machine's speed moves them from run to run)."""
+    ok = [r for r in runs if r.get("accuracy") is not None]
+    values = first + [r["accuracy"] for r in ok]
+    return {"trial": label, "params": params, "values": values, "mean": statistics.fmean(values) if values else 0.0,
+            "std": statistics.pstdev(values) if values else 0.0, "runs": runs,
+            "epochs": first_epochs[:len(first)] + [r.get("epochs") for r in ok]}
 
 
 def recipe_runs(base, seeds: list[int], out: Path) -> dict:
@@ -199,8 +203,9 @@ def recipe_runs(base, seeds: list[int], out: Path) -> dict:
     every = list(dict.fromkeys([base.run.seed, *seeds]))
     runs = {s: repeat(base, {}, s, out / "repeats" / f"recipe-seed{s}", "the recipe") for s in every}
     first = [] if base.run.seed in seeds else [runs[base.run.seed]]
-    rec = candidate("recipe", {}, [r["accuracy"] for r in first if r.get("accuracy") is not None],
-                    [runs[s] for s in seeds])
+    first = [r for r in first if r.get("accuracy") is not None]
+    rec = candidate("recipe", {}, [r["accuracy"] for r in first], [runs[s] for s in seeds],
+                    [r.get("epochs") for r in first])
     log(f"the recipe as written: validation accuracy {rec['mean']:.4f} +- {rec['std']:.4f} over "
         f"{len(rec['values'])} seeds")
     return rec
@@ -209,6 +214,9 @@ def recipe_runs(base, seeds: list[int], out: Path) -> dict:
 def decide(pick: dict, pick_test: dict | None, recipe: dict, recipe_test: dict | None) -> dict:
     """Whether the pick should replace the recipe: better mean validation accuracy over the same seeds
     AND better test accuracy on the same seed; the gap is also set against the seeds' spread."""
+    if not recipe["values"]:
+        return {"adopt": False, "val_gap": None, "seed_spread": None, "test_gap": None, "within_noise": None,
+                "text": "the recipe as written did not train (its runs failed: see the log); no comparison"}
     gap = pick["mean"] - recipe["mean"]
     noise = max(pick["std"], recipe["std"])
     tests = (pick_test or {}).get("test_accuracy"), (recipe_test or {}).get("test_accuracy")
@@ -230,13 +238,13 @@ def repeat(base, params: dict, seed: int, run_dir: Path, what: str) -> dict:
     if summary.is_file():
         r = json.loads(summary.read_text())
         return {"seed": seed, "accuracy": r.get("test_accuracy"), "train_time_s": r["train_time_s"],
-                "checkpoint": r["checkpoint"], "run_dir": str(run_dir)}
+                "epochs": r.get("epochs"), "checkpoint": r["checkpoint"], "run_dir": str(run_dir)}
     try:
         r = train_run(with_overrides(base, {**params, "run.seed": seed}), run_dir)
     except Exception as e:  # noqa: BLE001
         log(f"repeat of {what} with seed {seed} failed: {one_line(e)}")
         return {"seed": seed, "error": one_line(e), "run_dir": str(run_dir)}
-    return {"seed": seed, "accuracy": r["accuracy"], "train_time_s": r["train_time_s"],
+    return {"seed": seed, "accuracy": r["accuracy"], "train_time_s": r["train_time_s"], "epochs": r.get("epochs"),
             "checkpoint": r["checkpoint"], "run_dir": str(run_dir)}
 
 
@@ -248,9 +256,10 @@ def test_once(pick: dict, out: Path) -> dict | None:
     from .harness import log
     path = out / "test.json"
     history = json.loads(path.read_text()) if path.is_file() else []
+    picks = sum(h["trial"] != "recipe" for h in history)  # the recipe's evaluation is the comparison's
     for h in history:
         if h["trial"] == pick["trial"]:
-            return {**h, "evaluations": len(history)}
+            return {**h, "evaluations": picks}
     run = next((r for r in pick["runs"] if r.get("checkpoint")), None)
     if run is None:
         return None
@@ -261,4 +270,4 @@ def test_once(pick: dict, out: Path) -> dict | None:
     what = "the recipe as written" if pick["trial"] == "recipe" else f"the pick, trial {pick['trial']}"
     log(f"{what}: test accuracy {h['test_accuracy']:.4f} on {h['test_count']} images (seed {h['seed']}; "
         f"its one evaluation on the test set)")
-    return {**h, "evaluations": len(history) + 1}
+    return {**h, "evaluations": picks + (pick["trial"] != "recipe")}
