@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from vitscale.config import load_config
+
 SCRIPT = "scripts/gpu_session.sh"
 GPU_IMAGE = str(Path(__file__).parents[1] / "gpu_image")  # its sitecustomize simulates the image
 # what the GPU image lacks (scripts/gpu_wheels.sh carries them); open_clip: its vocabulary file
@@ -162,5 +164,8 @@ def test_bench_and_deepspeed_parts_on_the_image(tmp_path):
     assert "== bench_default_graphs skipped" in log
     b16, default = (json.loads((out / f).read_text()) for f in ("bench_b16.json", "bench_default.json"))
     assert b16["synthetic"] and b16["batch_size"] == 16 and b16["images_per_s"] > 0
-    assert default["config"]["data"]["name"] == "synthetic" and default["config"]["model"]["dim"] == 192
+    recipe = load_config()  # the default recipe (configs/fashion_mnist.toml), benched on synthetic images
+    assert default["config"]["data"]["name"] == "synthetic"
+    assert (default["config"]["model"]["dim"], default["config"]["model"]["depth"]) == (recipe.model.dim,
+                                                                                      recipe.model.depth)
     assert sorted(f.name for f in out.iterdir()) == ["bench_b16.json", "bench_default.json", "log.txt"]
