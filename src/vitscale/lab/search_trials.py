@@ -66,7 +66,7 @@ class Pruning:
 
     def __call__(self, tr, ev: dict) -> None:
         acc = ev.get(tr.task.metric)
-        step = min(99, int(100 * tr.train_time / self.budget))  # 100: the final value (run_trials)
+        step = int(100 * tr.train_time / self.budget)  # < LAST here; 100 is the final value (run_trials)
         if acc is None or step < self.last + self.EVERY or step >= self.LAST:
             return
         self.last = step
@@ -177,7 +177,7 @@ def finalize(study, base, args, out: Path) -> dict:
     pick = max(cands, key=lambda c: c["mean"])
     final = {"candidates": cands, "pick": pick, "seeds": [base.run.seed, *seeds] if args.seeds else [base.run.seed],
              "test": test_once(pick, out)}
-    if getattr(args, "recipe", True):
+    if args.recipe:
         recipe = recipe_runs(base, seeds, out)
         final.update(recipe=recipe, recipe_test=test_once(recipe, out))
         final["decision"] = decide(pick, final["test"], recipe, final["recipe_test"])
@@ -202,8 +202,8 @@ def recipe_runs(base, seeds: list[int], out: Path) -> dict:
     from .harness import log
     every = list(dict.fromkeys([base.run.seed, *seeds]))
     runs = {s: repeat(base, {}, s, out / "repeats" / f"recipe-seed{s}", "the recipe") for s in every}
-    first = [] if base.run.seed in seeds else [runs[base.run.seed]]
-    first = [r for r in first if r.get("accuracy") is not None]
+    first = [runs[base.run.seed]] if base.run.seed not in seeds and runs[base.run.seed].get("accuracy") is not None \
+        else []
     rec = candidate("recipe", {}, [r["accuracy"] for r in first], [runs[s] for s in seeds],
                     [r.get("epochs") for r in first])
     log(f"the recipe as written: validation accuracy {rec['mean']:.4f} +- {rec['std']:.4f} over "
@@ -237,13 +237,13 @@ def repeat(base, params: dict, seed: int, run_dir: Path, what: str) -> dict:
     summary = run_dir / "summary.json"
     if summary.is_file():
         r = json.loads(summary.read_text())
-        return {"seed": seed, "accuracy": r.get("test_accuracy"), "train_time_s": r["train_time_s"],
-                "epochs": r.get("epochs"), "checkpoint": r["checkpoint"], "run_dir": str(run_dir)}
-    try:
-        r = train_run(with_overrides(base, {**params, "run.seed": seed}), run_dir)
-    except Exception as e:  # noqa: BLE001
-        log(f"repeat of {what} with seed {seed} failed: {one_line(e)}")
-        return {"seed": seed, "error": one_line(e), "run_dir": str(run_dir)}
+        r["accuracy"] = r.get("test_accuracy")  # the run's evaluation split: validation (data.val_fraction)
+    else:
+        try:
+            r = train_run(with_overrides(base, {**params, "run.seed": seed}), run_dir)
+        except Exception as e:  # noqa: BLE001
+            log(f"repeat of {what} with seed {seed} failed: {one_line(e)}")
+            return {"seed": seed, "error": one_line(e), "run_dir": str(run_dir)}
     return {"seed": seed, "accuracy": r["accuracy"], "train_time_s": r["train_time_s"], "epochs": r.get("epochs"),
             "checkpoint": r["checkpoint"], "run_dir": str(run_dir)}
 
