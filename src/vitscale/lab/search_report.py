@@ -4,6 +4,7 @@ OUT/pareto.png (validation accuracy against training time, every trial, the fron
 OUT/importance.png and OUT/best.toml (the pick as a recipe, with the command that trains it)."""
 from __future__ import annotations
 
+import itertools
 import json
 import shlex
 import time
@@ -93,8 +94,7 @@ def write_best(out: Path, cfg, final: dict, args) -> Path:
     return path
 
 
-def draw(rows: list[dict], front: list[int], imp: dict, out: Path, budget_s: float = 0.0,
-         final: dict | None = None) -> list[str]:
+def draw(rows: list[dict], front: list[int], imp: dict, out: Path, budget_s: float, final: dict | None) -> list[str]:
     """pareto.png and importance.png (nothing where matplotlib is missing)."""
     try:
         import matplotlib
@@ -172,7 +172,7 @@ def zoom_panel(ax, rows: list[dict], budget_s: float, final: dict) -> None:
     lines = [(c, f"trial {c['trial']}, mean of {len(c['values'])} seeds") for c in final.get("candidates", [])]
     if final.get("recipe"):
         lines.append((final["recipe"], f"the recipe as written, mean of {len(final['recipe']['values'])} seeds"))
-    for (c, label), style in zip(lines, ("--", ":", "-.", (0, (1, 3)))):
+    for (c, label), style in zip(lines, itertools.cycle(("--", ":", "-.", (0, (1, 3))))):  # every mean drawn
         ax.axhline(c["mean"], color="k" if c.get("trial") != "recipe" else "tab:red", ls=style, lw=1,
                    label=f"{label}: {c['mean']:.4f}")
     lo = min([top[-1]["val_accuracy"]] + [c["mean"] for c, _ in lines]) - 0.02
