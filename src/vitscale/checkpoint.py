@@ -2,15 +2,21 @@
 
 A checkpoint is `checkpoints/step_N.pt`; an engine that keeps its big state in a folder of its own
 (DeepSpeed: `step_N.ds`, FSDP2 sharded: `step_N.dcp`) writes it next to the .pt first, and the .pt
-names its suffix under "engine". Optimizer states are index-keyed (torch.optim) or keyed by
+names its suffix under "engine". One process writes a run folder at a time (RunLock). Optimizer states are index-keyed (torch.optim) or keyed by
 parameter name (FSDP2's `torch.distributed.checkpoint.state_dict`); the helpers below convert.
 """
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
 import os
 import random
 import re
 import shutil
+import socket
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +24,7 @@ import torch
 
 from .errors import UserError
 
+log = logging.getLogger(__name__)
 CKPT_RE = re.compile(r"^step_(\d+)\.pt$")
 ENGINE_SUFFIXES = (".ds", ".dcp")  # DeepSpeed's engine folder, FSDP2's sharded one
 
@@ -97,8 +104,56 @@ def load_checkpoint(path: str | Path) -> dict:
     path = resolve_checkpoint(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # truncated / not a checkpoint
-        raise UserError(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    except Exception as e:  # truncated / not a checkpoint: the exception's first sentence, short
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        text = text.split(". ")[0][:120]
+        raise UserError(f"cannot read checkpoint {path}: {type(e).__name__}{': ' + text if text else ''}") from None
+
+
+class RunLock:
+    """One writer per run folder: an exclusive flock on RUN/.lock, held while the run trains. The
+    kernel releases it when the holder dies, however it dies (kill -9 included), so a live holder
+    is refused and a dead one's lock is taken over, with one line naming it; the file names the
+    holder (host, process, start time, command) for both messages."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / ".lock"
+        self.fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Takes the lock; returns a one-line refusal where a live process holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _holder(os.read(fd, 4096))
+            os.close(fd)
+            return (f"{self.path.parent} is being written by another live run ({holder}): stop it first, "
+                    "or train into another --out")
+        stale = _holder(os.read(fd, 4096))
+        if stale:
+            log.warning("%s: took over the lock of a run that is no longer running (%s)", self.path.parent, stale)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": " ".join(sys.argv)[:300]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        self.fd = fd
+        return None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # an empty lock file: released cleanly, nothing to take over
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+
+def _holder(raw: bytes) -> str:
+    try:
+        h = json.loads(raw.decode())
+        return f"process {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
+    except (ValueError, KeyError, TypeError):
+        return ""
 
 
 def export_safetensors(state_dict: dict, path: Path, metadata: dict[str, str]) -> Path:

@@ -107,10 +107,10 @@ LAB = ("bench", "sweep", "ladder", "tune", "predict", "search")
 
 
 def cmd_train(args) -> int:
-    from .checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint
-    from .strategy.resume import check_resume
-    from .config import load_config, saved_config
+    from .checkpoint import list_checkpoints
+    from .config import load_config
     from .loop import train
+    from .run_state import check_resumable, open_resume
     from .tasks import check_config, describe_result
     resume = args.resume
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -122,11 +122,10 @@ def cmd_train(args) -> int:
     elif resume and args.config:
         raise UserError("train: give either a CONFIG or --resume DIR (the run's own config is used)")
     if resume:
-        state = load_checkpoint(resume)
-        cfg = check_config(saved_config(state["config"], args.overrides, source=str(resume)))
-        check_resume(state, resolve_checkpoint(resume), cfg.strategy.name)  # before an engine starts
-        run_dir = Path(args.out) if args.out else (Path(resume) if Path(resume).is_dir()
-                                                   else Path(resume).parent.parent)
+        resume = open_resume(resume)  # read once: the newest readable checkpoint of a folder
+        cfg = check_config(resume.config(args.overrides))
+        check_resumable(resume, cfg)  # before an engine starts
+        run_dir = Path(args.out) if args.out else resume.run_dir
     else:
         cfg = check_config(load_config(args.config, args.overrides))
         run_dir = Path(args.out) if args.out else None

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from .checkpoint import export_safetensors, load_checkpoint, resolve_checkpoint
 from .config import Config, saved_config
-from .errors import ConfigError
+from .errors import ConfigError, TrainingError
 from .strategy import build_strategy, in_this_process
 from .strategy.resume import engine_folder, read_dcp
 from .tasks import build_task, check_config, export_use, kind_of
@@ -26,11 +28,19 @@ def _load(checkpoint, overrides=()) -> tuple[dict, Config, Path]:
     return state, cfg, path
 
 
-def _weights(state: dict, use_ema: bool) -> dict:
+def _weights(state: dict, use_ema: bool, path: Path) -> dict:
+    """The checkpoint's model weights (the EMA ones where chosen); a one-line refusal where any is
+    not finite (a checkpoint written before training checked its state when saving)."""
     sd = state["strategy"]
     if use_ema and "ema" in sd:  # AveragedModel keys: module.<name>, plus n_averaged
-        return {k[len("module."):]: v for k, v in sd["ema"].items() if k.startswith("module.")}
-    return sd["model"]
+        weights = {k[len("module."):]: v for k, v in sd["ema"].items() if k.startswith("module.")}
+    else:
+        weights = sd["model"]
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise TrainingError(f"{path} holds non-finite weights ({len(bad)} of {len(weights)} tensors, e.g. {bad[0]}): "
+                            "an update overflowed before it was written; use an earlier checkpoint of the run")
+    return weights
 
 
 def _rebuild(task, state: dict, weights: dict):
@@ -47,7 +57,7 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     strategy = build_strategy(in_this_process(cfg))
     task = build_task(cfg, kind_of(state))
     data = task.build_data(strategy)
-    model = _rebuild(task, state, _weights(state, cfg.train.ema_decay > 0 and cfg.train.ema_eval))
+    model = _rebuild(task, state, _weights(state, cfg.train.ema_decay > 0 and cfg.train.ema_eval, path))
     strategy.setup_eval(model)
     try:
         result = task.evaluate_all(strategy, data)
@@ -67,7 +77,7 @@ def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vi
     VisionTransformer with its hub-style config.json, OpenCLIP's CLIP), with the preprocessing
     the run evaluated with (`Task.run_preprocess`)."""
     state, cfg, path = _load(checkpoint)
-    weights = {k: v.float() for k, v in _weights(state, use_ema).items()}
+    weights = {k: v.float() for k, v in _weights(state, use_ema, path).items()}
     out = Path(out) if out else path.parent.parent / DEFAULT_OUT.get(fmt, f"model_{fmt}.safetensors")
     kind = kind_of(state)
     if fmt == "vitscale":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import list_checkpoints, save_checkpoint
+from .checkpoint import RunLock, list_checkpoints, save_checkpoint
 from .config import Config, micro_batch
 from .errors import DataError, TrainingError, UserError
 from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops, synchronizer
@@ -20,8 +20,8 @@ from .models import count_params
 from .optim import build_scheduler, scaled_lr
 from .strategy import build_strategy, check_launch
 from .precision import tf32_active
-from .strategy.devices import launch_env
-from .run_state import resume_run, run_state
+from .strategy.devices import LauncherWatch, launch_env
+from .run_state import Resume, check_resumable, open_resume, resume_run, run_state
 from .tasks import build_task, check_config
 
 
@@ -74,9 +74,10 @@ def any_rank(s, flag: bool) -> bool:
     return bool(s.all_reduce_sum(torch.tensor(float(flag), device=s.device)).item())
 
 
-def make_run_dir(cfg: Config, s, run_dir, resume) -> Path:
-    """The main process names the run folder (and checks it is free); every rank gets it."""
-    problem = None
+def make_run_dir(cfg: Config, s, run_dir, resume) -> tuple[Path, RunLock | None]:
+    """The main process names the run folder, checks it is free and takes its writer lock (one
+    live run per folder); every rank gets the folder."""
+    problem, lock = None, None
     if s.is_main:
         run_dir = Path(run_dir) if run_dir else \
             Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -84,29 +85,51 @@ def make_run_dir(cfg: Config, s, run_dir, resume) -> Path:
             problem = (f"{run_dir} already holds a run's checkpoints: continue it with "
                        f"`vitscale train --resume {run_dir}` or choose another --out")
         else:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(cfg.to_toml())
+            lock = RunLock(run_dir)
+            problem = lock.acquire()
+            if problem is None:  # what runs: a resumed run's config with its changes
+                (run_dir / "config.toml").write_text(cfg.to_toml())
     run_dir, problem = s.broadcast_object((str(run_dir), problem))
     if problem:
         raise UserError(problem)
-    return Path(run_dir)
+    return Path(run_dir), lock
 
 
 class Trainer:
     """Builds data, model and strategy from a config; `fit()` trains, evaluates and checkpoints."""
 
-    def __init__(self, cfg: Config, run_dir: Path | None = None, resume: str | Path | None = None):
+    def __init__(self, cfg: Config, run_dir: Path | None = None, resume: Resume | str | Path | None = None):
+        """`resume`: a checkpoint file or run folder, or one already opened (run_state.open_resume)."""
         self.cfg = cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
         check_config(cfg)  # the task's checks (model.init files), before an engine starts
         check_launch(cfg.strategy.name, launch_env(os.environ).world_size)  # N copies into one run folder
+        if resume is not None and not isinstance(resume, Resume):
+            resume = open_resume(resume)
+        changes = check_resumable(resume, cfg) if resume is not None else []  # before anything is written
         self.lr = scaled_lr(cfg.optim, cfg.data.batch_size)
         # the strategy builds its optimizer at the lr for this global batch; the saved config
         # keeps what the user wrote (lr, lr_scaling, lr_ref_batch)
         self.strategy = s = build_strategy(replace(cfg, optim=replace(cfg.optim, lr=self.lr)))
-        self.run_dir = make_run_dir(cfg, s, run_dir, resume)
+        self.run_dir, self.lock = make_run_dir(cfg, s, run_dir, resume)
+        self.launcher = LauncherWatch()
+        try:
+            self.build(cfg, s)
+            if resume is not None:
+                resume_run(self, resume, changes)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """The run folder's writer lock, given back (the run ended or failed)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def build(self, cfg: Config, s) -> None:
+        """Data, model, engine, schedule and counters of a new run."""
         micro_batch(cfg.data.batch_size, s.world_size, cfg.train.accum_steps)
         self.task = task = build_task(cfg)
         self.data = task.build_data(s)
@@ -139,8 +162,6 @@ class Trainer:
         self.steady = [0.0, 0]  # time and images of steps after each process's first (compile, warm-up)
         self.best_acc, self.last_eval = None, None
         self.last_ckpt: Path | None = None
-        if resume is not None:
-            resume_run(self, resume)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def check_finite(self) -> None:
@@ -150,14 +171,28 @@ class Trainer:
         if bad is None:
             return
         step, loss = bad
-        where = f"; last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
-            "; no checkpoint was written before it"
         raise TrainingError(f"loss is {loss} at step {step} (epoch {(step - 1) // self.steps_per_epoch}): "
-                            f"training stopped{where}")
+                            f"training stopped{self._last_good()}")
+
+    def check_state(self) -> None:
+        """check_finite, then the training state itself (weights, masters, optimizer state, EMA):
+        an update can overflow although its loss was finite. Collective; called before anything
+        is evaluated or saved (one reduction per tensor: never per step), so no checkpoint and no
+        evaluation ever holds a NaN."""
+        self.check_finite()
+        bad = self.strategy.count_nonfinite()
+        if bad:
+            raise TrainingError(f"the training state is not finite after step {self.step} ({bad} tensors hold "
+                                "NaN or inf although every loss was finite: an update overflowed; lower "
+                                f"optim.lr or set optim.grad_clip): training stopped{self._last_good()}")
+
+    def _last_good(self) -> str:
+        return f"; last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
+            "; no checkpoint was written before it"
 
     def save(self) -> Path:
         """Collective (every rank's RNG goes in); the main process writes."""
-        self.check_finite()
+        self.check_state()
         s = self.strategy
         suffix = s.engine_suffix  # DeepSpeed, FSDP2 sharded: big state in a folder every rank writes
         if suffix:
@@ -172,7 +207,7 @@ class Trainer:
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self) -> dict:
         """The task's metrics over the whole test set (every rank gets the same numbers)."""
-        self.check_finite()
+        self.check_state()
         self.strategy.sync_buffers()  # every rank evaluates the buffers that are saved (rank 0's)
         r = self.task.evaluate_all(self.strategy, self.data)
         self.last_eval = {"step": self.step, "epoch": self.step / self.steps_per_epoch,
@@ -236,6 +271,10 @@ class Trainer:
                 continue
             if n_local == 0:  # the loaders replace unreadable samples (data/): never an empty batch
                 raise DataError(f"step {self.step + 1}: the loader gave an empty batch")
+            if self.launcher.gone():  # an orphan must not go on training (and writing) the run
+                raise TrainingError(f"step {self.step + 1}: the launcher that started this process is gone "
+                                    "(killed or preempted): this rank stops; the last complete checkpoint "
+                                    f"is kept{self._last_good()}")
             loss, info = self.train_step(batch)
             self.scheduler.step()
             self.step += 1
@@ -370,5 +409,6 @@ def train(cfg: Config, run_dir: Path | None = None, resume: str | Path | None = 
         summary = trainer.fit()
     finally:
         trainer.data.close()  # stops decoding workers, also when training stops on an error
+        trainer.release()
     trainer.strategy.close()  # leave the process group cleanly (not after a failure: peers may be gone)
     return summary

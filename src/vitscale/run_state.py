@@ -3,12 +3,127 @@ from one (`vitscale train --resume`). The files themselves (atomic writes, keep-
 states) are checkpoint.py's; whether an engine can resume another's is strategy/resume.py's."""
 from __future__ import annotations
 
-from dataclasses import asdict
+import logging
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .checkpoint import load_checkpoint, resolve_checkpoint, rng_state, set_rng_state
-from .errors import UserError
+from .checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint, rng_state, set_rng_state
+from .config import Config, saved_config
+from .errors import ConfigError, UserError
 from .strategy.resume import check_resume, engine_folder
+
+log = logging.getLogger(__name__)
+
+# What a resumed run may not change, by key (a whole section: "model.*"), with the reason; every
+# other key takes effect from the resumed step (the optimizer's hyperparameters are re-applied over
+# the checkpoint's, the schedule is rebuilt for the new keys). tests/unit/test_resume.py checks
+# that every key of the schema is on one side or the other.
+FIXED_ON_RESUME = {
+    "model.*": "the checkpoint's weights have its architecture (start a new run from them with "
+               "model.init=<vitscale export of it>)",
+    "run.seed": "the data order and augmentation of the resumed epochs follow it",
+    "run.name": "--resume continues its own folder (name another one with --out)",
+    "run.out_dir": "--resume continues its own folder (name another one with --out)",
+    "data.name": "the data position and per-sample state count its samples",
+    "data.batch_size": "the checkpoint's data position counts batches of its size",
+    "data.drop_last": "the checkpoint's data position counts its batches",
+    "data.train_size": "the data position and per-sample state count its samples",
+    "data.val_fraction": "its split decides which samples train",
+    "data.val_seed": "its split decides which samples train",
+    "data.test_fraction": "its split decides which samples train",
+    "data.captions": "the model was trained on its kind of samples",
+    "data.image_size": "the model's position embeddings have its size",
+    "data.channels": "the model's patch embedding has its channels",
+    "data.num_classes": "the model's head has its classes",
+    "data.normalize": "the weights were trained on its inputs",
+    "data.reader": "the data position counts its order of samples",
+    "data.shuffle_buffer": "the data position counts its order of samples",
+    "optim.name": "the optimizer state is its optimizer's",
+    "optim.layer_decay": "the optimizer state is kept per parameter group, which it decides",
+    "train.master_weights": "the checkpoint's optimizer state belongs to its weights' copy",
+    "train.loss_scale": "the fp16 loss scale continues from the checkpoint's scaler",
+    "strategy.zero_stage": "DeepSpeed reads its engine checkpoint back only as written",
+    "strategy.offload_optimizer": "DeepSpeed reads its engine checkpoint back only as written",
+    "strategy.offload_params": "DeepSpeed reads its engine checkpoint back only as written",
+    "strategy.ds_config": "DeepSpeed reads its engine checkpoint back only as written",
+    "clip.*": "the per-sample loss state and the temperature continue from the checkpoint's",
+}
+# exceptions inside a fixed section: these take effect on a resumed run
+CHANGEABLE_ON_RESUME = {"model.drop_path", "model.dropout", "model.attention", "clip.prompt_templates"}
+# train.precision: autocast modes share one state; pure_* and fp16 keep other state (half weights,
+# a loss scaler)
+AUTOCAST_ONLY = {"fp32", "bf16"}
+
+
+def fixed_reason(key: str) -> str | None:
+    """Why a resumed run may not change `key` (section.key), or None where the change takes effect."""
+    if key in CHANGEABLE_ON_RESUME:
+        return None
+    return FIXED_ON_RESUME.get(key) or FIXED_ON_RESUME.get(key.split(".")[0] + ".*")
+
+
+def config_changes(saved: dict, cfg: Config) -> list[tuple[str, object, object]]:
+    """(key, saved value, new value) of every key where `cfg` differs from a checkpoint's config."""
+    old = saved_config(saved).to_dict()
+    return [(f"{sec}.{k}", old[sec][k], v) for sec, values in cfg.to_dict().items()
+            for k, v in values.items() if old[sec][k] != v]
+
+
+def check_changes(saved: dict, cfg: Config, path) -> list[str]:
+    """A one-line ConfigError naming the first key a resumed run may not change; else the changes
+    that take effect, as "key old -> new"."""
+    changes = config_changes(saved, cfg)
+    for key, old, new in changes:
+        reason = fixed_reason(key)
+        if key == "train.precision" and {old, new} <= AUTOCAST_ONLY:
+            reason = None
+        elif key == "train.precision":
+            reason = "pure half weights and fp16's loss scaler keep state that the other modes do not"
+        if reason:
+            raise ConfigError(f"resume: {key} cannot change on resume ({old!r} in {path}, {new!r} asked): {reason}")
+    return [f"{key} {old!r} -> {new!r}" for key, old, new in changes]
+
+
+@dataclass
+class Resume:
+    """A checkpoint to continue from, read once: the file and what it holds."""
+    path: Path
+    state: dict
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent.parent
+
+    def config(self, overrides=()) -> Config:
+        """The run's saved config with `overrides` (--set)."""
+        return saved_config(self.state["config"], overrides, source=str(self.path))
+
+
+def open_resume(resume) -> Resume:
+    """The checkpoint to resume: a file, or a run folder's newest READABLE checkpoint (a damaged
+    newest one, e.g. from a disk that filled up, is passed over with one line naming both)."""
+    path = Path(resume)
+    if not path.is_dir():
+        try:
+            return Resume(resolve_checkpoint(path), load_checkpoint(path))
+        except UserError as e:
+            older = [p for p in list_checkpoints(path.parent.parent) if p != path]
+            hint = f"; resume the one before it: `vitscale train --resume {older[-1]}`" if older else ""
+            raise UserError(f"{e}{hint}") from None
+    found = list_checkpoints(resolve_checkpoint(path).parent.parent)
+    bad = []
+    for candidate in reversed(found):
+        try:
+            state = load_checkpoint(candidate)
+        except UserError as e:
+            bad.append(str(e).removeprefix("cannot read checkpoint "))
+            continue
+        if bad and os.environ.get("RANK", "0") == "0":
+            log.warning("resume: cannot read %s; resuming from %s, the newest readable checkpoint",
+                        bad[0], candidate.name)
+        return Resume(candidate, state)
+    raise UserError(f"no readable checkpoint in {path}: {bad[0]}")
 
 
 def run_state(tr) -> dict:
@@ -22,24 +137,39 @@ def run_state(tr) -> dict:
             "kind": tr.task.kind, "task": tr.task.state_dict(), "preprocess": tr.task.preprocess}
 
 
-def resume_run(tr, resume: str | Path) -> None:
-    """A built Trainer continued from the checkpoint `resume` (a file or a run folder): the
-    engine's own folder (.ds, .dcp) where there is one, then everything run_state saved."""
-    path = resolve_checkpoint(resume)
-    state = load_checkpoint(path)
-    check_resume(state, path, tr.strategy.name)  # one line where the engines cannot resume each other
-    folder = engine_folder(path, state)  # the engine's own folder next to it (.ds, .dcp)
+def check_resumable(r: Resume, cfg: Config) -> list[str]:
+    """Before an engine starts: one line where this config cannot continue the checkpoint (another
+    engine's, a key that cannot change); else the changes that take effect."""
+    check_resume(r.state, r.path, cfg.strategy.name)  # where the engines cannot resume each other
+    return check_changes(r.state["config"], cfg, r.path)
+
+
+def resume_run(tr, r: Resume, changes: list[str]) -> None:
+    """A built Trainer continued from the checkpoint `r`: the engine's own folder (.ds, .dcp)
+    where there is one, then everything run_state saved; the optimizer's hyperparameters and the
+    schedule are this config's, so that the `changes` (check_resumable's) take effect: announced
+    in one line."""
+    s = tr.strategy
+    # what the optimizer was built with from this config (lr, weight decay, betas...): loading its
+    # state puts the checkpoint's values back, and a key changed on resume must take effect
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in s.optimizer.param_groups]
+    folder = engine_folder(r.path, r.state)  # the engine's own folder next to it (.ds, .dcp)
     if folder is not None:
-        tr.strategy.load_engine(folder)
-    restore_run(tr, state)
+        s.load_engine(folder)
+    restore_run(tr, r.state, hyper)
+    tr.last_ckpt = r.path
+    if changes and s.is_main:
+        log.warning("resume: %s from step %d with %s", r.run_dir, tr.step, ", ".join(changes))
 
 
-def restore_run(tr, state: dict) -> None:
+def restore_run(tr, state: dict, hyper: list[dict]) -> None:
     s, scheduler = tr.strategy, tr.scheduler
     s.load_state_dict(state["strategy"])
+    for group, h in zip(s.optimizer.param_groups, hyper):
+        group.update(h)
     scheduler.load_state_dict(state["scheduler"])
-    # the optimizer's lr came from the checkpoint; a resumed run may have a new schedule
-    # (e.g. more epochs), so set the lr this schedule gives at the restored step
+    # this config's base lrs and schedule (a new lr, more epochs) at the restored step
+    scheduler.base_lrs = [h["initial_lr"] for h in hyper]
     for group, base, fn in zip(s.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base * fn(scheduler.last_epoch)
     scheduler._last_lr = [g["lr"] for g in s.optimizer.param_groups]

@@ -273,9 +273,9 @@ class DeepSpeedStrategy(Distributed):
     def eval_module(self) -> nn.Module:
         return self.module  # ZeRO-3: its hooks gather the parameters in forward (every rank runs it)
 
-    def param_bytes(self, p: torch.Tensor) -> int:
+    def local_tensors(self, p: torch.Tensor) -> list[torch.Tensor]:
         # ZeRO-3: `p` is an empty placeholder while released; the rank's slice is `p.ds_tensor`
-        return super().param_bytes(p) + (self._local_bytes(p.ds_tensor) if hasattr(p, "ds_tensor") else 0)
+        return super().local_tensors(p) + ([p.ds_tensor] if hasattr(p, "ds_tensor") else [])
 
     # -- checkpoints ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict:

@@ -15,6 +15,7 @@ multi-node branches on a CPU machine; the strategies only apply what these retur
 """
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -87,6 +88,19 @@ def launch_env(env: Mapping[str, str]) -> Launch:
         return Launch(_int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS"), _int(env, "SLURM_LOCALID", 0),
                       "slurm", addr, port)
     return Launch(0, 1, 0, "none", env.get("MASTER_ADDR"), port)
+
+
+class LauncherWatch:
+    """Notices that the launcher which started this process (torchrun, the deepspeed launcher:
+    RANK and WORLD_SIZE in the environment) is gone, killed or preempted: the process was handed to
+    another parent, and is an orphan that must not go on training and writing its run folder."""
+
+    def __init__(self, env: Mapping[str, str] = os.environ):
+        self.parent = os.getppid() if launch_env(env).launcher == "torchrun" else None
+
+    def gone(self) -> bool:
+        """One system call: cheap enough for every step."""
+        return self.parent is not None and os.getppid() != self.parent
 
 
 def backend_for(device_type: str, backend: str = "auto") -> str:

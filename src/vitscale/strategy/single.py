@@ -186,9 +186,31 @@ class SingleDevice:  # implements base.Strategy
         t = t.to_local() if hasattr(t, "to_local") else t  # a sharded DTensor: this rank's shard
         return t.numel() * t.element_size()
 
+    def local_tensors(self, p: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors this rank holds of parameter `p` (its shard of a sharded DTensor)."""
+        return [p.to_local() if hasattr(p, "to_local") else p]
+
     def param_bytes(self, p: torch.Tensor) -> int:
         """Bytes this rank holds of parameter `p`."""
-        return self._local_bytes(p)
+        return sum(self._local_bytes(t) for t in self.local_tensors(p))
+
+    def held_tensors(self):
+        """Every floating-point tensor of the training state this rank holds: parameters (local
+        shards), fp32 masters, optimizer state and EMA weights."""
+        for p in self.module.parameters():
+            yield from self.local_tensors(p)
+        state = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        ema = list(self.ema.module.parameters()) if self.ema is not None else []
+        for t in [*(self.master or []), *state, *ema]:
+            yield t.to_local() if hasattr(t, "to_local") else t
+
+    def count_nonfinite(self) -> int:
+        """Collective: how many tensors of the training state, over all ranks, hold a NaN or an
+        infinity. One reduction per tensor and one read: for checkpoints, never per step."""
+        flags = [(~torch.isfinite(t).all()).to(self.device) for t in self.held_tensors()
+                 if t.is_floating_point() and t.numel()]
+        n = torch.stack(flags).float().sum() if flags else torch.zeros((), device=self.device)
+        return int(self.all_reduce_sum(n).item())
 
     def state_bytes(self) -> dict:
         """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
