@@ -7,6 +7,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+import torch
+
 from helpers import BASE, TINY, free_port, rel_diff, sets, torchrun, weights
 from vitscale import checkpoint as ckpt
 
@@ -102,3 +105,63 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     d = rel_diff(weights(out), weights(reference))
     print(f"relative weight difference restarted vs uninterrupted DDP: {d:.2e}")
     assert d <= 1e-6, d  # the restarted run ends where an uninterrupted one does
+
+
+# -- kill -9 of a launcher or of its ranks, then resume (issue 33) --------------------------------
+KILL_RUN = ["run.checkpoint_every=4", "run.keep_last=100", "train.epochs=10", "strategy.timeout_s=30"]
+ENGINES = {"single": ["strategy.name=single"], "ddp": ["strategy.name=ddp"], "fsdp": ["strategy.name=fsdp"],
+           "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"]}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _launch(out, extra, nproc):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "vitscale", "train", TINY, "--out", str(out), *sets(BASE + extra)]
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.parametrize("engine,kill", [("single", "ranks"), ("ddp", "launcher"), ("ddp", "ranks"),
+                                         ("fsdp", "ranks"), ("zero2", "ranks")])
+def test_kill_9_then_resume_is_bit_equal(tmp_path, engine, kill):
+    """kill -9 of the launcher alone (its ranks notice they are orphans and stop by themselves,
+    so that the resumed launch is the folder's only writer) or of every rank and the launcher;
+    the resumed run ends with the uninterrupted run's weights, bit for bit."""
+    if engine == "zero2":
+        pytest.importorskip("deepspeed")
+    nproc = 1 if engine == "single" else 2
+    extra = ENGINES[engine] + KILL_RUN
+    reference = tmp_path / "reference"
+    assert torchrun(reference, extra, nproc=nproc).returncode == 0
+    out = tmp_path / "killed"
+    agent = _launch(out, extra, nproc)
+    try:
+        wait_for_checkpoint(out, (agent,), limit=180)
+        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True,
+                                                text=True).stdout.split()]
+        assert ranks, "no rank processes found"
+        for pid in ([agent.pid] + ranks if kill == "ranks" else [agent.pid]):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.time() + 90  # orphans stop at their next step; a bound, not a timing
+        while any(_alive(p) for p in ranks) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in ranks), "orphaned ranks went on running"
+    finally:
+        try:
+            os.killpg(agent.pid, signal.SIGKILL)  # whatever is left of the launch
+        except ProcessLookupError:
+            pass
+        agent.wait()
+    assert 0 < ckpt.load_checkpoint(out)["step"] < 40
+    p = torchrun(None, [], nproc=nproc, resume=out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = weights(reference), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel_diff(b, a)
