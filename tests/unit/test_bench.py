@@ -274,3 +274,87 @@ def test_side_by_side_runs_each_configuration_under_its_own_flags(monkeypatch, c
         assert (matmul, conv, autotune, n) == (tf32, tf32, bench, threads)
     assert (devices.current_backend_flags(), torch.get_num_threads()) == before
     assert devices.readers_agree()
+
+
+# -- vitscale bench --peer timm (issue 32) ---------------------------------------------------------
+def _timm_or_skip():
+    from vitscale.errors import UserError
+    from vitscale.lab.peer import import_timm
+    try:
+        return import_timm()
+    except UserError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("extra", [[], ["model.head=pool", "train.label_smoothing=0.1", "optim.grad_clip=0.05",
+                                        "train.accum_steps=2", "model.attention=explicit"]])
+def test_the_timm_peer_computes_the_recipes_function(extra):
+    """The peer starts from vitscale's weights and trains the same way: the same weight decay per
+    parameter; float32 losses equal over three steps (AdamW); in float64 with SGD, whose update is
+    linear in the gradient, three steps make the same update to what vitscale's float32 LayerNorm
+    leaves (float32 rounding, 1e-7, of each gradient; a wrong decay, clip or smoothing is 1e-2). Label smoothing,
+    clipping (0.05: it clips), micro-batches and both heads and attentions alike."""
+    _timm_or_skip()
+    from vitscale.lab.peer import PeerBench
+    base = ["run.threads=1", "optim.warmup_steps=0", "optim.schedule=constant", *extra]
+    for dtype, opt in ((torch.float32, "adamw"), (torch.float64, "sgd")):
+        b = Bench(load_config(TINY, [*base, f"optim.name={opt}"]), synthetic=True)
+        try:
+            b.s.module.to(dtype)  # the same Parameter objects: the optimizer keeps them
+            b.fixed = (b.fixed[0].to(dtype), b.fixed[1])
+            p = PeerBench(b)
+            p.model.to(dtype).load_state_dict(b.s.module.state_dict())  # to_timm gave float32 copies
+            names = ({id(q): n for n, q in b.s.module.named_parameters()},
+                     {id(q): n for n, q in p.model.named_parameters()})
+            decay = [{names[i][id(q)]: g["weight_decay"] for g in o.param_groups for q in g["params"]}
+                     for i, o in enumerate((b.s.optimizer, p.opt))]
+            assert decay[0] == decay[1]
+            start = {k: v.clone() for k, v in b.s.module.state_dict().items()}
+            for _ in range(3):
+                ours, _ = b.trainer.train_step(b.fixed)
+                assert float(p.step()) == pytest.approx(float(ours), rel=1e-6)  # both loops sum in float32
+            if dtype is torch.float64:  # the two updates, apart by float32 rounding of each
+                peer, mine = p.model.state_dict(), b.s.module.state_dict()
+                rel = {k: float((peer[k] - v).norm() / (v - start[k]).norm().clamp_min(1e-30))
+                       for k, v in mine.items()}
+                assert max(rel.values()) < 1e-5, max(rel.items(), key=lambda kv: kv[1])
+        finally:
+            b.close()
+
+
+def test_bench_peer_timm_json(capsys):
+    _timm_or_skip()
+    assert main(["bench", TINY, "--peer", "timm", "--rounds", "3", "--json", *FAST]) == 0
+    r = json.loads(capsys.readouterr().out)["peer"]
+    assert r["name"] == "timm" and r["rounds"] == 3 and len(r["speedup_rounds"]) == 3
+    assert r["speedup"] == pytest.approx(sorted(r["speedup_rounds"])[1])
+    assert r["rounds_won"] == sum(x > 1 for x in r["speedup_rounds"])
+    for side in ("vitscale", "peer"):
+        assert r[side]["images_per_s"] > 0 and r[side]["mfu"] > 0
+    assert r["model"].startswith("timm.create_model('vit_base_patch16_224', img_size=8, patch_size=4, in_chans=1")
+    assert r["params"] == json.loads(json.dumps(r))["params"] > 0
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--set", "model.stem=conv"], "no timm ViT counterpart"),
+    (["--set", "model.arch=clip_tiny", "--set", "data.captions=true"], "compares ViT classifiers"),
+])
+def test_bench_peer_refusals_are_one_line(capsys, argv, expect):
+    _timm_or_skip()
+    assert main(["bench", TINY, "--peer", "timm", *FAST, *argv]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_peer_without_timm_says_so_in_one_line(capsys, monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_timm(name, *a, **k):
+        if name == "timm" or name.startswith("timm."):
+            raise ModuleNotFoundError("No module named 'timm'")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_timm)
+    assert main(["bench", TINY, "--peer", "timm", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "timm does not import here (ModuleNotFoundError" in err and len(err.strip().splitlines()) == 1

@@ -9,6 +9,7 @@ examples:
   vitscale bench                                   # the default recipe
   vitscale bench configs/vit_b16_imagenet.toml --synthetic --set train.precision=bf16
   torchrun --nproc-per-node 2 -m vitscale bench configs/tests/tiny.toml --set strategy.name=ddp --json
+  vitscale bench configs/vit_b16_imagenet.toml --peer timm --set train.precision=bf16   # beside timm's ViT
 """
 from __future__ import annotations
 
@@ -30,11 +31,16 @@ def add_arguments(p) -> None:
     p.add_argument("--split-steps", type=int, default=0,
                    help="steps of the instrumented split pass (default: min(steps, 5))")
     add_synthetic_argument(p)
+    p.add_argument("--peer", choices=("timm",), help="also time timm's VisionTransformer of the same function "
+                   "(same weights, batch, precision, compile) in a skilled user's plain loop, in interleaved "
+                   "paired rounds beside the recipe's step (implies --synthetic)")
+    p.add_argument("--rounds", type=int, default=5, help="paired rounds with --peer (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--out", help="also write the JSON result to this file")
 
 
-def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_steps: int = 0) -> dict:
+def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_steps: int = 0,
+            peer: str | None = None, rounds: int = 5) -> dict:
     import torch
 
     from ..metrics import mfu, peak_flops
@@ -84,6 +90,9 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
         }
         if "comm_total" in split:
             out["split"]["comm_total"] = max(d["comm_total"] for d in split_all)
+        if peer:
+            from .peer import peer_rounds
+            out["peer"] = peer_rounds(b, peer, steps, warmup, rounds, b.trainer.flops_per_image, peak)
     finally:
         b.close()
     s.close()  # leave the process group cleanly (multi-process runs)
@@ -135,16 +144,23 @@ def describe(r: dict) -> str:
             lines.append(f"comm        {kind}: {c[f'comm_{kind}_bytes_per_step'] / 2 ** 20:.2f} MiB in "
                          f"{c[f'comm_{kind}_calls_per_step']:.0f} calls per step, "
                          f"{ms(c[f'comm_{kind}_s_per_step'])} launch to completion")
-    lines += [f"note        {n}" for n in r["split_notes"]]
+    if "peer" in r:
+        from .peer import describe_peer
+        lines += describe_peer(r["peer"])
+    lines += [f"note        {n}" for n in r["split_notes"] + r.get("peer", {}).get("notes", [])]
     return "\n".join(lines)
 
 
 def run(args) -> int:
     from .harness import check_counts, lab_config
     check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0),
-                 split_steps=(args.split_steps, 0))
+                 split_steps=(args.split_steps, 0), rounds=(args.rounds, 1))
     cfg = lab_config(args.config, args.overrides)
-    r = measure(cfg, args.steps, args.warmup, args.trials, args.synthetic, args.split_steps)
+    if args.peer:
+        from .peer import import_timm
+        import_timm()  # one line before anything is built where it does not import
+    r = measure(cfg, args.steps, args.warmup, args.trials, args.synthetic or bool(args.peer), args.split_steps,
+                args.peer, args.rounds)
     if r["rank"] != 0:
         return 0
     text = json.dumps(r, indent=2, default=str)
