@@ -354,3 +354,27 @@ def test_side_by_side_drops_a_configuration_that_runs_out_of_gpu_memory():
     assert out[1] is None  # out of memory in its warm-up
     assert out[2] is None  # out of memory in the second round
     assert [b.closed for b in benches] == [False, True, True]
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_announced_once(tmp_path, monkeypatch, caplog):
+    """/proc/cpuinfo's flags say whether bf16 matmuls have instructions (AVX-512 BF16, AMX, ARM's
+    BF16); without them torch emulates bf16, tens of times slower than fp32: one line says so."""
+    from vitscale.strategy import devices
+    for i, (text, has) in enumerate([
+            ("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu avx2\n", False),
+            ("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n", True),
+            ("processor\t: 0\nFeatures\t: fp asimd bf16 sve\n", True)]):  # the last: aarch64
+        info = tmp_path / f"cpuinfo{i}"
+        info.write_text(text)
+        assert devices.cpu_has_bf16(str(info)) is has, text
+    assert devices.cpu_has_bf16(str(tmp_path / "absent")) is None
+    monkeypatch.setattr(devices, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(devices, "_warned", [])
+    for precision in ("bf16", "pure_bf16"):
+        devices.warn_slow_bf16("cpu", precision)
+    devices.warn_slow_bf16("cuda", "bf16")
+    said = [r.getMessage() for r in caplog.records if "without bf16 instructions" in r.getMessage()]
+    assert len(said) == 1 and "train.precision=fp32" in said[0]
+    monkeypatch.setattr(devices, "_warned", [])
+    devices.warn_slow_bf16("cpu", "fp32")
+    assert len([r for r in caplog.records if "without bf16" in r.getMessage()]) == 1

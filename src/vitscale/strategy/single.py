@@ -17,7 +17,8 @@ from torch import nn
 from ..config import OptimConfig, TrainConfig
 from ..errors import ConfigError
 from ..optim import build_optimizer, param_groups
-from .devices import CUDAGRAPH_MODES, apply_backend_flags, backend_flags, compile_kwargs, fp16_refusal
+from .devices import (CUDAGRAPH_MODES, apply_backend_flags, backend_flags, compile_kwargs, fp16_refusal,
+                      warn_slow_bf16)
 from ..precision import half_dtype
 
 
@@ -48,6 +49,7 @@ class SingleDevice:  # implements base.Strategy
         refusal = fp16_refusal(device.type, self.precision)
         if refusal:
             raise ConfigError(refusal)
+        warn_slow_bf16(device.type, self.precision)
         self.pure = self.precision.startswith("pure_")
         self.scaler = torch.amp.GradScaler(device.type, init_scale=train.loss_scale,
                                            enabled=self.half is torch.float16)
