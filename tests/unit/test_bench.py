@@ -358,3 +358,21 @@ def test_bench_peer_without_timm_says_so_in_one_line(capsys, monkeypatch):
     assert main(["bench", TINY, "--peer", "timm", *FAST]) == 2
     err = capsys.readouterr().err
     assert "timm does not import here (ModuleNotFoundError" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_synthetic_runs_an_image_text_recipe_without_its_shards(capsys):
+    """--synthetic for CLIP (issue 32): the recipe's shards (data.root unset) are replaced by random
+    images of its geometry captioned from their labels, tokens of its context length; the loss is
+    the recipe's own."""
+    small = ["--set", "model.arch=clip_tiny", "--set", "data.image_size=16", "--set", "model.patch_size=8",
+             "--set", "data.batch_size=8", "--set", "data.eval_batch_size=8", "--set", "strategy.name=single",
+             "--set", "train.precision=fp32", "--set", "model.context_length=16"]
+    assert main(["bench", "configs/clip_cc3m.toml", "--synthetic", "--json", *FAST, *small]) == 0
+    r = json.loads(capsys.readouterr().out)
+    d = r["config"]["data"]
+    assert (d["name"], d["captions"], d["image_size"], d["channels"], d["train_size"]) == ("synthetic", True, 16, 3, 8)
+    assert r["config"]["clip"]["loss"] == load_config("configs/clip_cc3m.toml").clip.loss
+    assert r["images_per_s"] > 0 and r["flops_per_image"] > 0
+    # without --synthetic the same recipe needs its shards: one line
+    assert main(["bench", "configs/clip_cc3m.toml", *FAST, *small]) == 2
+    assert "data.root must name the webdataset shards" in capsys.readouterr().err

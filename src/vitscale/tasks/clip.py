@@ -105,6 +105,20 @@ class ClipTask(Task):
         size, channels, _ = ClassificationTask(self.cfg).geometry()
         return size, channels, 0
 
+    def synthetic_overrides(self) -> dict | None:
+        """--synthetic for an image-text recipe: random images of its geometry captioned from their
+        labels (tokens of the recipe's context length: the towers' work per pair is the recipe's), one
+        global batch of them, so that `vitscale bench configs/clip_vit_b16.toml --synthetic` needs no
+        shards; None where the recipe's data is synthetic already."""
+        d = self.cfg.data
+        if d.name == "synthetic":
+            return None
+        # image-text shards: their images are RGB at data.image_size (no labels to count)
+        size, channels = (d.image_size or 224, 3) if d.name == "webdataset" else self.geometry()[:2]
+        return {"data.name": "synthetic", "data.captions": True, "data.root": "", "data.test_root": "",
+                "data.image_size": size, "data.channels": channels, "data.num_classes": 10,
+                "data.train_size": d.batch_size, "data.test_size": min(d.eval_batch_size, 256)}
+
     init_state: dict | None = None  # model.init's weights, adapted to the run (build_spec reads them)
 
     def build_spec(self, image_size: int, channels: int, num_classes: int = 0) -> ClipSpec:
