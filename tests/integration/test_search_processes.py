@@ -1,10 +1,12 @@
 """`vitscale search` as processes (issue 26): a search killed with SIGKILL mid-trial continues from
 its database when the same command runs again (the killed trial is failed by the heartbeat, not left
-RUNNING, and retried), and two workers on one SQLite database share one study."""
+RUNNING, its reason recorded, and retried), and two workers on one SQLite database share one study."""
 import datetime
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -69,7 +71,12 @@ def test_a_killed_search_continues_from_its_database(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     states = {t.number: t.state.name for t in trials(out)}
     assert states[killed] == "FAIL" and "RUNNING" not in states.values() and "WAITING" in states.values()
-    assert re.search(rf"^\| {killed}\*? \| fail \|", (out / "search.md").read_text(), re.M)
+    # with its reason, in the database, search.json and its row's note
+    why = f"worker {socket.gethostname()}:{p.pid} stopped: no heartbeat for over 3 s (killed or lost)"
+    assert next(t for t in trials(out) if t.number == killed).user_attrs["error"] == why
+    assert next(t for t in json.loads((out / "search.json").read_text())["trials"]
+                if t["number"] == killed)["error"] == why
+    assert re.search(rf"^\| {killed}\*? \| fail \|.* \| {re.escape(why)} \|$", (out / "search.md").read_text(), re.M)
     r = subprocess.run(command(tmp_path, out, 2, 2), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     after = trials(out)
@@ -80,6 +87,7 @@ def test_a_killed_search_continues_from_its_database(tmp_path):
     retries = [t for t in after if t.system_attrs.get("failed_trial") == killed]
     assert len(retries) == 1
     assert retries[0].params == next(t for t in after if t.number == killed).params  # the same keys again
+    assert retries[0].state.name == "COMPLETE" and "error" not in retries[0].user_attrs  # not its parent's reason
     assert (out / "search.md").is_file() and "trial" in r.stderr
 
 

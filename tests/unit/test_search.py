@@ -246,8 +246,91 @@ def test_a_failing_trial_is_failed_with_its_reason_and_the_search_goes_on(tmp_pa
     assert [t["state"] for t in rep["trials"]] == ["fail", "fail"]
     assert all("model.dim (32) must be divisible by model.heads (3)" in t["error"] for t in rep["trials"])
     assert rep["finish"]["pick"] is None and not (out / "best.toml").exists()
+    assert note_of(out, 0) == rep["trials"][0]["error"] == "config: model.dim (32) must be divisible by model.heads (3)"
     err = capsys.readouterr().err
     assert err.count("must be divisible by model.heads") == 2 and "no complete trial" in err
+
+
+def note_of(out, number: int) -> str:
+    """The note column of trial `number`'s row in OUT/search.md."""
+    rows = [r for r in (out / "search.md").read_text().splitlines() if r.startswith(f"| {number} |")
+            or r.startswith(f"| {number}* |")]
+    assert len(rows) == 1, rows
+    return rows[0].rsplit(" | ", 1)[1].removesuffix(" |")
+
+
+def test_a_nan_loss_fails_its_trial_with_the_step(tmp_path):
+    space = tmp_path / "space.toml"
+    space.write_text("[optim]\nlr = [1e12]\n")  # the first steps' loss is NaN
+    out = tmp_path / "search"
+    assert main(["search", TINY, "--space", str(space), "--budget-s", "1", "--trials", "1", "--out", str(out),
+                 "--repeat-top", "0", *sets(["run.threads=1"])]) == 0
+    (t,) = json.loads((out / "search.json").read_text())["trials"]
+    assert t["state"] == "fail" and t["error"].startswith("loss is nan at step ") and "\n" not in t["error"]
+    assert note_of(out, 0) == t["error"]
+
+
+@pytest.mark.parametrize("exc, reason", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0)\nsee the docs"),
+     "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0)"),
+    (RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"),
+     "RuntimeError: MPS backend out of memory (MPS allocated: 1 GB)"),
+    (KeyboardInterrupt(), "stopped by Ctrl-C (KeyboardInterrupt) during the trial"),
+])
+def test_a_trial_stopped_by_an_error_or_ctrl_c_records_why(tmp_path, monkeypatch, exc, reason):
+    from vitscale.lab import search_trials
+
+    def train_run(*a, **k):
+        raise exc
+    monkeypatch.setattr(search_trials, "train_run", train_run)
+    space = tmp_path / "space.toml"
+    space.write_text(SPACE)
+    out = tmp_path / "search"
+    assert main(["search", TINY, "--space", str(space), "--budget-s", "1", "--trials", "1", "--out", str(out),
+                 "--repeat-top", "0", *sets(["run.threads=1"])]) == 0
+    (t,) = json.loads((out / "search.json").read_text())["trials"]
+    assert (t["state"], t["error"]) == ("fail", reason) and note_of(out, 0) == reason
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_a_dead_workers_trial_records_why(tmp_path):
+    """A RUNNING trial whose heartbeat is old (its worker was killed), one killed before its first
+    heartbeat, and one failed without a reason (by another program, or an older vitscale): each
+    failed with its one-line reason, in the database, search.json and the row's note; the
+    retry of the first does not carry its reason."""
+    import sqlite3
+
+    from vitscale.lab.search import import_optuna, open_study, trial_config
+    from vitscale.lab.search_report import UNRECORDED, write_report
+    from vitscale.lab.search_space import load_space
+    from vitscale.lab.search_trials import fail_dead_trials
+    optuna = import_optuna()
+    (tmp_path / "space.toml").write_text(SPACE)
+    out = tmp_path / "search"
+    out.mkdir()
+    args = types.SimpleNamespace(config=TINY, overrides=[], budget_s=1.0, val_fraction=0.1, heartbeat_s=1,
+                                 storage=None, study="search", sampler_seed=0, pruner="none", out=str(out),
+                                 space=str(tmp_path / "space.toml"))
+    space = load_space(args.space)
+    study = open_study(optuna, args, trial_config(args), space, out)
+    stale, unborn, silent = study.ask(), study.ask(), study.ask()
+    stale.set_user_attr("worker", "host:123")
+    study._storage.record_heartbeat(stale._trial_id)
+    with sqlite3.connect(out / "search.db") as db:  # its worker stopped a minute ago
+        db.execute("UPDATE trial_heartbeats SET heartbeat = datetime('now', '-60 seconds')")
+    study.tell(silent, state=optuna.trial.TrialState.FAIL)
+    fail_dead_trials(optuna, study, 0.0)
+    ts = {t.number: t for t in optuna.load_study(study_name="search", storage=f"sqlite:///{out / 'search.db'}")
+          .get_trials()}
+    assert [ts[n].state.name for n in range(4)] == ["FAIL", "FAIL", "FAIL", "WAITING"]
+    why = "worker host:123 stopped: no heartbeat for over 3 s (killed or lost)"
+    assert ts[0].user_attrs["error"] == why
+    assert ts[1].user_attrs["error"].startswith("worker stopped before the trial's first heartbeat, ")
+    assert ts[3].system_attrs["failed_trial"] == 0 and "error" not in ts[3].user_attrs  # the retry, to run
+    write_report(study, space, args, out, None, None)
+    rows = {t["number"]: t for t in json.loads((out / "search.json").read_text())["trials"]}
+    assert [rows[n]["error"] for n in range(4)] == [why, ts[1].user_attrs["error"], UNRECORDED, None]
+    assert [note_of(out, n) for n in range(4)] == [why, ts[1].user_attrs["error"], UNRECORDED, "retry of 0"]
 
 
 def test_pruning_reports_percent_of_the_budget_and_never_prunes_the_end():

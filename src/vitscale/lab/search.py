@@ -7,10 +7,10 @@ Every trial trains the recipe with the trial's keys under the same training-time
 validation split of the TRAINING set (data.val_fraction); the test set is never read by a trial.
 The validation accuracy of each epoch goes to Optuna's pruner (Hyperband by default). The study
 lives in a database (SQLite in OUT by default; any SQLAlchemy URL), so a killed search continues
-where it stopped (its unfinished trial is marked failed by the heartbeat and retried once) and
-several workers, on one machine or many, share one search. At the end the best --repeat-top
-trials are retrained with --seeds other seeds, the best mean is the pick, and the pick alone is
-evaluated once on the test set; the recipe as written is trained under the same protocol and seeds
+where it stopped (its unfinished trial is marked failed by the heartbeat, that reason recorded,
+and retried once) and several workers, on one machine or many, share one search. At the end the
+best --repeat-top trials are retrained with --seeds other seeds, the best mean is the pick, and the
+pick alone is evaluated once on the test set; the recipe as written is trained under the same protocol and seeds
 and tested once too, and the report says whether the pick beats it. Writes OUT/search.md, search.json, pareto.png, importance.png and
 best.toml (`vitscale train OUT/best.toml` reproduces the pick on the full training set).
 
@@ -140,17 +140,21 @@ def storage_url(args, out: Path) -> str:
 def open_study(optuna, args, base, space, out: Path):
     """The study in its database (created, or loaded and checked to be the same search)."""
     from ..errors import UserError
+    from .search_trials import record_stale_reasons, retry_without_reason
     url = storage_url(args, out)
     engine = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {}
-    # a killed worker's RUNNING trial: failed once its heartbeat is 3 intervals old, and retried once
+    # a killed worker's RUNNING trial: failed once its heartbeat is 3 intervals old (the reason
+    # recorded), and retried once
     if hasattr(optuna.storages, "RetryHeartbeatStaleTrialCallback"):  # optuna >= 4.9
-        retry = {"heartbeat_stale_trial_callback": optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1)}
+        retry = {"heartbeat_stale_trial_callback": retry_without_reason(
+            optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))}
     else:
-        retry = {"failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)}
+        retry = {"failed_trial_callback": retry_without_reason(optuna.storages.RetryFailedTrialCallback(max_retry=1))}
     for attempt in range(5):  # workers starting together race to create the tables and the study
         try:
-            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=args.heartbeat_s,
-                                                 grace_period=3 * args.heartbeat_s, **retry)
+            storage = record_stale_reasons(optuna, optuna.storages.RDBStorage(
+                url, engine_kwargs=engine, heartbeat_interval=args.heartbeat_s, grace_period=3 * args.heartbeat_s,
+                **retry), 3 * args.heartbeat_s)
             study = optuna.create_study(storage=storage, study_name=args.study, direction="maximize",
                                         load_if_exists=True, sampler=sampler(optuna, args),
                                         pruner=make_pruner(optuna, args))

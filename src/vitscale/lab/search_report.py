@@ -11,12 +11,17 @@ import time
 from pathlib import Path
 
 
+UNRECORDED = "worker stopped: no reason recorded (killed or lost)"
+
+
 def trial_row(t) -> dict:
+    """A trial as the report lists it; a failed one's "error" is its one-line reason (a failure
+    without one was failed by another process: its worker is gone, UNRECORDED)."""
     from .search_trials import last_value
     u = t.user_attrs
     return {"number": t.number, "state": t.state.name.lower(), "val_accuracy": last_value(t),
             "train_time_s": u.get("train_time_s"), "epochs": u.get("epochs"), "steps": u.get("steps"),
-            "params": dict(t.params), "error": u.get("error") if t.state.name == "FAIL" else None,
+            "params": dict(t.params), "error": (u.get("error") or UNRECORDED) if t.state.name == "FAIL" else None,
             "worker": u.get("worker"), "retry_of": t.system_attrs.get("failed_trial"),
             "curve": sorted([int(k), float(v)] for k, v in t.intermediate_values.items())}
 

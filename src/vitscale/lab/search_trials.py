@@ -1,7 +1,8 @@
 """The trials of `vitscale search` (lab/search.py): each trains in this process under the time
 budget with its validation accuracy reported to Optuna at every evaluation (and pruned there), and
 a trial that cannot train (a shape the model refuses, out of memory, a NaN loss) is marked failed
-with its one-line reason while the search goes on. Then the finish: the best trials repeated with
+with its one-line reason while the search goes on (a killed worker's trial too, by the worker
+that finds its heartbeat stale: record_stale_reasons). Then the finish: the best trials repeated with
 other seeds, the pick by the best mean, and the pick's one evaluation on the test set."""
 from __future__ import annotations
 
@@ -83,11 +84,56 @@ def one_line(e: BaseException) -> str:
     return (text.strip().splitlines() or [type(e).__name__])[0][:300]
 
 
+STOPPED = "stopped by Ctrl-C (KeyboardInterrupt) during the trial"
+
+
+def stale_reason(worker: str | None, grace_s: float) -> str:
+    """Why a trial whose heartbeat went stale failed (its worker cannot say: it is gone)."""
+    return f"worker {worker + ' ' if worker else ''}stopped: no heartbeat for over {grace_s:g} s (killed or lost)"
+
+
+def note_failure(optuna, storage, trial_id: int, reason: str) -> None:
+    """`reason` as the "error" user attribute of a trial about to be failed (in the database: read
+    by every process); nothing where another worker has failed it already (with its reason)."""
+    try:
+        storage.set_trial_user_attr(trial_id, "error", reason)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        pass
+
+
+def record_stale_reasons(optuna, storage, grace_s: float):
+    """`storage` whose stale-heartbeat check (run by Optuna before every trial of every worker, and
+    by fail_dead_trials) writes each stale trial's reason before Optuna fails it: Optuna's
+    fail_stale_trials records none, and a failed trial's attributes can no longer be set."""
+    find = storage._get_stale_trial_ids
+
+    def stale_trial_ids(study_id: int) -> list[int]:
+        ids = find(study_id)
+        for trial_id in ids:
+            worker = storage.get_trial(trial_id).user_attrs.get("worker")
+            note_failure(optuna, storage, trial_id, stale_reason(worker, grace_s))
+        return ids
+    storage._get_stale_trial_ids = stale_trial_ids
+    return storage
+
+
+def retry_without_reason(retry):
+    """Optuna's retry callback, the failed trial's reason not copied to its retry (which has not
+    failed; its own failure, if any, records its own)."""
+    import copy
+
+    def callback(study, trial) -> None:
+        trial = copy.copy(trial)  # a cached trial is not changed
+        trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k != "error"}
+        retry(study, trial)
+    return callback
+
+
 def run_trials(optuna, study, base, space, args, out: Path) -> None:
     """This worker's --trials trials (0: until stopped); Ctrl-C stops between or inside one."""
     from .harness import free_memory, log, with_overrides
 
-    def objective(trial):
+    def train_trial(trial):
         study._storage.record_heartbeat(trial._trial_id)  # now, not when the heartbeat thread gets to it
         free_memory()  # what an earlier trial's error left referenced (its traceback) is gone now
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
@@ -96,11 +142,6 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
         trial.set_user_attr("run_dir", str(run_dir))
         try:
             r = train_run(with_overrides(base, params), run_dir, Pruning(optuna, trial, args.budget_s))
-        except optuna.TrialPruned:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure of one trial is that trial's
-            trial.set_user_attr("error", one_line(e))
-            raise TrialFailed(one_line(e)) from None
         finally:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the metrics stay
         for k in ("train_time_s", "steps", "epochs", "images_per_s"):
@@ -108,6 +149,20 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
         if r["accuracy"] is not None:
             trial.report(r["accuracy"], 100)  # the final point of its curve (never pruned there)
         return r["accuracy"]
+
+    def objective(trial):
+        """train_trial; any failure recorded as the trial's one-line "error" (a refused shape, out of
+        memory, a NaN loss, Ctrl-C) before Optuna marks it failed."""
+        try:
+            return train_trial(trial)
+        except optuna.TrialPruned:
+            raise
+        except KeyboardInterrupt:
+            trial.set_user_attr("error", STOPPED)
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of one trial is that trial's
+            trial.set_user_attr("error", one_line(e))
+            raise TrialFailed(one_line(e)) from None
     fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
     try:
         study.optimize(objective, n_trials=args.trials or None, catch=(TrialFailed,), callbacks=[progress_line],
@@ -118,10 +173,11 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
 
 
 def fail_dead_trials(optuna, study, grace_s: float) -> None:
-    """A killed worker's RUNNING trials, failed and retried once with the same keys: those whose
-    heartbeat is older than the grace period (Optuna's check, which it also runs before each trial)
-    and those killed before their first heartbeat (Optuna skips them; a live worker's trial has its
-    heartbeat and its "worker" attribute within milliseconds of starting)."""
+    """A killed worker's RUNNING trials, failed with their reason and retried once with the same keys:
+    those whose heartbeat is older than the grace period (Optuna's check, which it also runs before
+    each trial; record_stale_reasons writes the reason) and those killed before their first heartbeat
+    (Optuna skips them; a live worker's trial has its heartbeat and its "worker" attribute within
+    milliseconds of starting)."""
     import datetime
     optuna.storages.fail_stale_trials(study)
     storage, now = study._storage, datetime.datetime.now()
@@ -130,6 +186,8 @@ def fail_dead_trials(optuna, study, grace_s: float) -> None:
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         if "worker" in t.user_attrs or not t.datetime_start or (now - t.datetime_start).total_seconds() < grace_s:
             continue
+        note_failure(optuna, storage, t._trial_id, f"worker stopped before the trial's first heartbeat, "
+                     f"{(now - t.datetime_start).total_seconds():.0f} s after it started (killed or lost)")
         try:
             if storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.FAIL) and retry:
                 retry(study, storage.get_trial(t._trial_id))
