@@ -6,7 +6,8 @@
 # here), installed with pip --no-index --no-deps into /tmp/site and put on PYTHONPATH.
 #
 #   bash scripts/gpu_session.sh OUT_DIR [PARTS]   PARTS: all (default), or a comma list of
-#                                                 tests, bench, ladder, tune, deepspeed, run in that order
+#                                                 tests, bench, ladder, tune, deepspeed, peer, run in that order
+#                                                 (peer is not in all: ask for it)
 #
 # First, every time: the carried wheels installed; the machine and every package's version ("missing"
 # where absent) into log.txt; what the parts import checked (missing ones named in one line); then
@@ -20,21 +21,24 @@
 # Writes into OUT_DIR (at most 8 files, what the device tool brings back): log.txt (the machine,
 # versions and checks, then everything printed, the ladder's table too), tests.txt, bench_b16.json,
 # bench_default.json, bench_default_graphs.json (CUDA graphs), ladder/ladder.{json,png},
-# tuned_b16.toml. Scratch runs go to a temporary folder. docs/gpu.md gives each part's time on one
+# tuned_b16.toml; the peer part: bench_peer_b16.json (the recipe compiled beside timm's ViT compiled,
+# issue 32), bench_clip_v3.json and bench_clip_openclip.json (CLIP ViT-B/16 on synthetic pairs, FastCLIP-v3
+# and the OpenCLIP loss). Scratch runs go to a temporary folder. docs/gpu.md gives each part's time on one
 # H100 and the device-tool calls for a 30-minute budget. Knobs (environment):
 #   CFG=configs/vit_b16_imagenet.toml  BATCH=256  LAB_ARGS="--steps 10 --trials 3"  TUNE_BUDGET=240
+#   CLIP_CFG=configs/clip_vit_b16.toml  CLIP_BATCH=256  PEER_ROUNDS=5
 #   WHEELS=.whl  SITE=/tmp/site  PYTHON=python3  KILL_AFTER=15
 #   ALLOW_CPU=1 (run without a GPU: for the smoke tests; the GPU check then checks the flags only)
 #   SKIP_STEPS="bench_default_graphs ..." (steps to leave out, by the names log.txt gives them;
 #   the wheels, versions and GPU check steps always run)
 set -uo pipefail
-usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed]"
+usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer]"
 out=${1:?$usage}
 parts=${2:-all}
 [ "$parts" = all ] && parts=tests,deepspeed,bench,ladder,tune
 for p in ${parts//,/ }; do
-  case $p in tests|bench|ladder|tune|deepspeed) ;;
-    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed)" >&2; exit 2;;
+  case $p in tests|bench|ladder|tune|deepspeed|peer) ;;
+    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer)" >&2; exit 2;;
   esac
 done
 py=${PYTHON:-python3}
@@ -101,6 +105,7 @@ run_step versions 90 "$py" scripts/gpu_checks.py versions
 need="torch numpy rich safetensors"
 want tests && need="$need pytest"
 want ladder && need="$need matplotlib tensorboard"
+want peer && need="$need timm open_clip"  # open_clip: CLIP's vocabulary file
 missing=$("$py" -c "
 import sys
 missing = []
@@ -153,6 +158,16 @@ fi
 if want tune; then
   step tune 330 "$py" -m vitscale tune "$cfg" "${model[@]}" "${lab[@]}" --allow-precision bf16 \
     --budget-s "${TUNE_BUDGET:-240}" --out "$out/tuned_b16.toml"
+fi
+if want peer; then
+  # issue 32: ViT-B/16 bf16 compiled, vitscale's step beside timm's model in its plain loop, paired rounds
+  step bench_peer_b16 420 "$py" -m vitscale bench "$cfg" "${model[@]}" "${lab[@]}" --set train.precision=bf16 \
+    --set train.compile=true --peer timm --rounds "${PEER_ROUNDS:-5}" --json --out "$out/bench_peer_b16.json"
+  clip=(--synthetic --set strategy.name=single --set "data.batch_size=${CLIP_BATCH:-256}" --set data.num_workers=0)
+  for loss in fastclip_v3 openclip; do
+    step "bench_clip_${loss#fastclip_}" 180 "$py" -m vitscale bench "${CLIP_CFG:-configs/clip_vit_b16.toml}" \
+      "${clip[@]}" "${lab[@]}" --set clip.loss=$loss --json --out "$out/bench_clip_${loss#fastclip_}.json"
+  done
 fi
 rm -rf "$scratch"
 grep -E "^== .* (exit|skipped)|^[a-z_]+: (PASS|FAIL|SKIP)" "$log"

@@ -169,3 +169,25 @@ def test_bench_and_deepspeed_parts_on_the_image(tmp_path):
     assert (default["config"]["model"]["dim"], default["config"]["model"]["depth"]) == (recipe.model.dim,
                                                                                       recipe.model.depth)
     assert sorted(f.name for f in out.iterdir()) == ["bench_b16.json", "bench_default.json", "log.txt"]
+
+
+@NO_GPU
+def test_the_peer_part_on_the_image(tmp_path):
+    """The peer part (issue 32): vitscale's step beside timm's ViT (timm is on the GPU image), and a
+    CLIP recipe on synthetic pairs with FastCLIP-v3 and with the OpenCLIP loss; open_clip (the
+    vocabulary file) as a carried wheel would give it. Tiny recipes, eager, on the CPU here."""
+    pytest.importorskip("timm", reason="timm does not import here (see ../shared/tools/tv_cpu_stub)")
+    out = tmp_path / "o"
+    block = " ".join(n for n in NOT_ON_THE_GPU_IMAGE.split() if n not in ("open_clip", "ftfy", "wcwidth"))
+    p = run(out, "peer", block=block, ALLOW_CPU="1", CFG="configs/tests/tiny.toml", BATCH="16",
+            CLIP_CFG="configs/tests/clip_tiny.toml", CLIP_BATCH="16", PEER_ROUNDS="2",
+            LAB_ARGS="--steps 2 --trials 1 --warmup 1 --set run.threads=1 --set train.compile=false "
+                     "--set train.precision=fp32")
+    assert p.returncode == 0, p.stderr
+    log = (out / "log.txt").read_text()
+    for name in ("bench_peer_b16", "bench_clip_v3", "bench_clip_openclip"):
+        assert f"== {name} exit 0" in log, log[-3000:]
+    peer = json.loads((out / "bench_peer_b16.json").read_text())["peer"]
+    assert peer["name"] == "timm" and len(peer["speedup_rounds"]) == 2
+    losses = [json.loads((out / f"bench_clip_{x}.json").read_text())["config"]["clip"]["loss"] for x in ("v3", "openclip")]
+    assert losses == ["fastclip_v3", "openclip"]
