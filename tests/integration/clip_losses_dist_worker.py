@@ -16,6 +16,10 @@ from vitscale.losses import ClipLoss, FastClipLoss
 
 B, D, P, NDATA, STEPS = 3, 4, 6, 40, 2        # per-rank batch, feature dim, input dim, dataset size
 VARIANTS = ("openclip", "fastclip_v0", "fastclip_v1", "fastclip_v3", "fastclip_v2")
+T0_LOW, T0_SPAN = 0.03, 0.05                  # per-sample taus (v2) drawn in [T0_LOW, T0_LOW + T0_SPAN)
+TAU_INIT, TAU_LR, OPENCLIP_TAU = 0.05, 1e-3, 0.07
+# the smallest temperature any logit is divided by: Adam moves a tau by about TAU_LR per step at most
+TAU_MIN = min(T0_LOW, TAU_INIT, OPENCLIP_TAU) - STEPS * TAU_LR
 
 
 class Towers(nn.Module):
@@ -23,7 +27,7 @@ class Towers(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.img, self.txt = nn.Linear(P, D), nn.Linear(P, D)
-        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07))) if with_scale else None
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / OPENCLIP_TAU))) if with_scale else None
 
     def forward(self, xi, xt):
         return F.normalize(self.img(xi), dim=1), F.normalize(self.txt(xt), dim=1)
@@ -34,7 +38,7 @@ def data(k):
     xs = [(torch.randn(k * B, P, generator=g), torch.randn(k * B, P, generator=g),
            torch.randperm(NDATA, generator=g)[:k * B]) for _ in range(STEPS)]
     u0 = torch.rand(2, NDATA, generator=g, dtype=torch.float64) + 0.5
-    t0 = torch.rand(2, NDATA, generator=g) * 0.05 + 0.03
+    t0 = torch.rand(2, NDATA, generator=g) * T0_SPAN + T0_LOW
     return xs, u0, t0
 
 
@@ -42,9 +46,9 @@ def make_loss(variant, u0, t0, shard=False):
     if variant == "openclip":
         return ClipLoss()
     m = FastClipLoss(variant, dataset_size=NDATA, gamma_schedule="cosine", gamma_min=0.2,
-                     gamma_decay_epochs=4, tau_init=0.05, tau_lr=1e-3, rho=6.5, eps=1e-14, shard_state=shard)
+                     gamma_decay_epochs=4, tau_init=TAU_INIT, tau_lr=TAU_LR, rho=6.5, eps=1e-14, shard_state=shard)
     m.set_epoch(1)                                    # gamma < 1: the old u matters
-    sd = FastClipLoss(variant, dataset_size=NDATA, tau_init=0.05).state_dict()  # whole tables
+    sd = FastClipLoss(variant, dataset_size=NDATA, tau_init=TAU_INIT).state_dict()  # whole tables
     sd["lu1"], sd["lu2"] = u0[0].log().float(), u0[1].log().float()
     sd["lu1"][::7] = -math.inf                        # some samples never seen: u reset to g
     if m.individual:
@@ -129,7 +133,7 @@ def worker(rank, k, path, store):
                                      "comm": flags[0][4]}
     if rank == 0:
         with open(path, "w") as f:
-            json.dump({"k": k, "b": B, "d": D, "steps": STEPS, "results": results}, f, indent=1)
+            json.dump({"k": k, "b": B, "d": D, "steps": STEPS, "tau_min": TAU_MIN, "results": results}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 

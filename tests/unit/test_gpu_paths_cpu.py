@@ -151,14 +151,26 @@ def test_collective_time_on_cuda_comes_from_events_read_at_take(tmp_path, monkey
 # -- no host sync in the training step ------------------------------------------------------------
 def _count_host_reads(monkeypatch) -> dict:
     """Counts every read of a tensor's value on the host (what waits for a GPU) made by vitscale's
-    code (torch's optimizers read their step counters, which they keep on the CPU)."""
+    code (torch's optimizers read their step counters, which they keep on the CPU). vitscale's code
+    is the package's own folder, not any path containing "vitscale": in a clone named vitscale with
+    its virtualenv inside, torch's files lie under .../vitscale/.venv/ (issue 33)."""
     import sys
+    from pathlib import Path
+
+    import vitscale
+    package = Path(vitscale.__file__).resolve().parent
+    ours: dict[str, bool] = {}  # code file -> inside the package (resolved once per file)
+
+    def in_package(filename: str) -> bool:
+        if filename not in ours:
+            ours[filename] = Path(filename).resolve().is_relative_to(package)
+        return ours[filename]
     n = {"reads": 0}
     for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
         real = getattr(torch.Tensor, name)
 
         def counting(self, *a, _real=real, **k):
-            if "/vitscale/" in sys._getframe(1).f_code.co_filename:
+            if in_package(sys._getframe(1).f_code.co_filename):
                 n["reads"] += 1
             return _real(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, name, counting)
