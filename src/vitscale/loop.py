@@ -119,7 +119,9 @@ class Trainer:
             self.build(cfg, s)
             if resume is not None:
                 resume_run(self, resume, changes)
-        except BaseException:
+        except BaseException:  # a half-built run: its data workers stopped, its folder released
+            if hasattr(self, "data"):
+                self.data.close()
             self.release()
             raise
 
@@ -127,6 +129,12 @@ class Trainer:
         """The run folder's writer lock, given back (the run ended or failed)."""
         if self.lock is not None:
             self.lock.release()
+
+    def close(self) -> None:
+        """After training, or when it stopped on an error: the data's workers stopped, the run
+        folder's lock given back."""
+        self.data.close()
+        self.release()
 
     def build(self, cfg: Config, s) -> None:
         """Data, model, engine, schedule and counters of a new run."""
@@ -408,7 +416,6 @@ def train(cfg: Config, run_dir: Path | None = None, resume: str | Path | None = 
     try:
         summary = trainer.fit()
     finally:
-        trainer.data.close()  # stops decoding workers, also when training stops on an error
-        trainer.release()
+        trainer.close()  # stops decoding workers and releases the folder, also after an error
     trainer.strategy.close()  # leave the process group cleanly (not after a failure: peers may be gone)
     return summary

@@ -111,7 +111,8 @@ def open_resume(resume) -> Resume:
             older = [p for p in list_checkpoints(path.parent.parent) if p != path]
             hint = f"; resume the one before it: `vitscale train --resume {older[-1]}`" if older else ""
             raise UserError(f"{e}{hint}") from None
-    found = list_checkpoints(resolve_checkpoint(path).parent.parent)
+    resolve_checkpoint(path)  # one line where the folder holds none
+    found = list_checkpoints(path)
     bad = []
     for candidate in reversed(found):
         try:

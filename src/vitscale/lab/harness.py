@@ -261,7 +261,7 @@ class Bench:
         if self.closed:
             return
         if self.tmp is not None:  # a Bench that built its trainer
-            self.trainer.data.close()
+            self.trainer.close()
             self.tmp.cleanup()
         self.trainer = self.s = self.fixed = None
 

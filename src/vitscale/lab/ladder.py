@@ -105,7 +105,7 @@ def accuracy(cfg, steps: int) -> dict:
         try:
             s = t.fit()
         finally:
-            t.data.close()
+            t.close()
     return {k: s[k] for k in (t.task.metric, "steps", "images_seen") if k in s}
 
 

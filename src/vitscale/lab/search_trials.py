@@ -47,7 +47,7 @@ def train_run(cfg, run_dir: Path, on_eval=None) -> dict:
         tr.strategy.close()
         return {**summary, "accuracy": summary.get(tr.task.metric)}
     finally:
-        tr.data.close()
+        tr.close()
         del tr
         free_memory()  # the next trial starts from empty accelerator memory (also after an OOM)
 
