@@ -111,6 +111,10 @@ class ModelConfig:
                       "classes come from the data"})
     init_head: str = choice("auto", "auto", "keep", "reset", doc="model.init: keep the weights' classifier "
                             "(auto: when its class count matches the data's) or start a new one")
+    init_weights: str = choice("auto", "auto", "raw", "ema", doc="model.init of a training checkpoint that holds "
+                               "the weights and their EMA (timm's state_dict and state_dict_ema): which to read; "
+                               "auto = the raw ones where both are there (timm's validate.py without --use-ema), "
+                               "the EMA ones where only they are; the choice is announced")
     init_arch: str = field(default="", metadata={"doc": "model.init of timm ViT weights without timm's "
                            "config.json beside them: their timm architecture name (e.g. vit_base_patch16_224, "
                            "optionally with its pretrained tag, .augreg_in21k), which says what the weights do "

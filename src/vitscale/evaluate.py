@@ -28,7 +28,7 @@ def _load(checkpoint, overrides=()) -> tuple[dict, Config, Path]:
     return state, cfg, path
 
 
-def _weights(state: dict, use_ema: bool, path: Path) -> dict:
+def _weights(state: dict, use_ema: bool, path: Path | str = "the checkpoint") -> dict:
     """The checkpoint's model weights (the EMA ones where chosen); a one-line refusal where any is
     not finite (a checkpoint written before training checked its state when saving)."""
     sd = state["strategy"]

@@ -538,3 +538,75 @@ def test_register_tokens_keep_their_position_rows_at_another_geometry(tmp_path):
         from timm.layers import resample_abs_pos_embed
         torch.testing.assert_close(state["pos_embed"], resample_abs_pos_embed(src.pos_embed.detach(), [6, 6],
                                                                               num_prefix_tokens=3))
+
+
+# -- timm's training checkpoints (issue 35) -------------------------------------------------------
+def _timm_checkpoint(path, sd, ema=None, arch="vit_tiny_patch16_224", raw=True):
+    """What timm's train.py saves (checkpoint-N.pth.tar, model_best.pth.tar): the weights, their EMA,
+    the optimizer's state and the pickled argparse.Namespace of its arguments."""
+    import argparse
+    obj = {"epoch": 3, "arch": arch, "optimizer": {"state": {}, "param_groups": []}, "version": 2,
+           "args": argparse.Namespace(model=arch, lr=1e-3, model_ema=ema is not None), "metric": 71.2}
+    if raw:
+        obj["state_dict"] = sd
+    if ema is not None:
+        obj["state_dict_ema"] = ema
+    torch.save(obj, path)
+    return path
+
+
+def test_a_timm_training_checkpoint_is_read_safely_and_says_which_weights(tmp_path, caplog):
+    from vitscale.interop.files import read_weights
+    _, _, sd = fixture("token")
+    ema = {k: v + 1 for k, v in sd.items()}
+    path = _timm_checkpoint(tmp_path / "model_best.pth.tar", sd, ema)
+    with caplog.at_level("WARNING", logger="vitscale.interop"):
+        got, arch = read_weights(path)
+    assert arch == "vit_tiny_patch16_224" and all(torch.equal(got[k], sd[k]) for k in sd)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "reading its raw weights (state_dict); model.init_weights=ema reads the EMA ones" in line
+    got, _ = read_weights(path, "ema")
+    assert all(torch.equal(got[k], ema[k]) for k in sd)
+    only_ema = _timm_checkpoint(tmp_path / "checkpoint-7.pth.tar", sd, ema, raw=False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vitscale.interop"):
+        got, _ = read_weights(only_ema)
+    assert all(torch.equal(got[k], ema[k]) for k in sd)
+    assert "reading its EMA weights (state_dict_ema) (it holds no others)" in caplog.records[-1].getMessage()
+    for which, fn, message in [("ema", lambda: _timm_checkpoint(tmp_path / "raw.pth.tar", sd), "holds no EMA weights"),
+                               ("raw", lambda: only_ema, "holds only EMA weights")]:
+        with pytest.raises(UserError, match=message) as e:
+            read_weights(fn(), which)
+        assert "\n" not in str(e.value)
+
+
+def test_a_pickle_with_code_is_refused_in_one_plain_line(tmp_path):
+    from collections import OrderedDict as Code  # any class torch's weights-only loader does not allow
+    import fractions
+    _, _, sd = fixture("token")
+    torch.save({"state_dict": sd, "args": fractions.Fraction(1, 3)}, tmp_path / "ckpt.pth")
+    with pytest.raises(UserError) as e:
+        read_state_dict(tmp_path / "ckpt.pth")
+    text = str(e.value)
+    assert "holds a pickled fractions.Fraction, which a weights-only load does not run" in text, text
+    assert "\n" not in text and "\x1b" not in text and len(text) < 300
+    assert Code  # (the import above only names what such a class is)
+
+
+def test_model_init_of_a_timm_checkpoint_takes_its_architecture(tmp_path, caplog):
+    """model.init=model_best.pth.tar: the architecture from its `arch` entry (vit_tiny_patch16_224:
+    3 heads, announced), so no "timm's defaults" assumption line; the EMA choice by model.init_weights."""
+    import json as _json
+    from vitscale.cli import main
+    from vitscale.models.vit import VisionTransformer, ViTSpec
+    torch.manual_seed(0)
+    sd = VisionTransformer(ViTSpec(image_size=224, patch_size=16, dim=192, depth=12, heads=3,
+                                   num_classes=1000)).state_dict()
+    path = _timm_checkpoint(tmp_path / "model_best.pth.tar", sd, {k: v.clone() for k, v in sd.items()})
+    with caplog.at_level("WARNING"):
+        assert main(["info", "configs/tests/tiny.toml", "--set", f"model.init={path}", "--set",
+                     "model.init_weights=ema", "--set", "data.image_size=32", "--set", "model.heads=0", "--json"]) == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("the architecture is the one the checkpoint names, vit_tiny_patch16_224" in x for x in lines), lines
+    assert any("reading its EMA weights (state_dict_ema)" in x for x in lines), lines
+    assert not any("no config.json" in x for x in lines), lines

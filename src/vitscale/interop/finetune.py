@@ -9,6 +9,7 @@ them when it loads a checkpoint into another geometry:
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from ..models.vit import VisionTransformer, ViTSpec
-from .files import read_state_dict
+from .files import named_arch, read_state_dict
 from .timm_vit import read_hub_config, timm_source, timm_vit_spec, weights_in_folder
 
 log = logging.getLogger("vitscale.interop")
@@ -92,15 +93,34 @@ def vitscale_export_spec(path) -> ViTSpec | None:
     return ViTSpec(**json.loads(meta["spec"])) if meta.get("format") == "vitscale-vit" and "spec" in meta else None
 
 
+def init_arch(path: str, arch: str = "") -> str:
+    """model.init_arch, else the architecture a training checkpoint names (timm's `arch` entry or
+    `args.model`), announced in one line; "" where neither says."""
+    if arch:
+        return arch
+    file = weights_file(path)
+    named = named_arch(file) if file.is_file() else ""
+    if named:
+        _announce_arch(str(file), named)
+    return named
+
+
+@functools.lru_cache(maxsize=8)
+def _announce_arch(file: str, arch: str) -> None:  # once per file and process
+    log.warning("model.init: %s: the architecture is the one the checkpoint names, %s (model.init_arch "
+                "sets another)", file, arch)
+
+
 def init_weights(path: str, *, image_size: int, in_chans: int, num_classes: int, heads: int = 0,
-                 head_policy: str = "auto", arch: str = "", **overrides) -> tuple[ViTSpec, dict]:
+                 head_policy: str = "auto", arch: str = "", which: str = "auto",
+                 **overrides) -> tuple[ViTSpec, dict]:
     """(spec, state dict for it) from a `vitscale export` file (its spec in the metadata: any
     stem and head) or a timm ViT file or hub folder (the spec from the config.json beside the
     weights, or `arch`, timm's architecture name; else from the keys, with timm's defaults
     announced), for this run's image size, channels and classes. The head is dropped from the
     state dict when it is re-initialized."""
     file = weights_file(path)
-    sd = read_state_dict(file)
+    sd = read_state_dict(file, which)
     src = vitscale_export_spec(file)
     if src is not None and arch:
         raise UserError(f"model.init_arch={arch}: {path} is a vitscale export, which carries its own "

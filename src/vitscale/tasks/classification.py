@@ -87,8 +87,9 @@ class ClassificationTask(Task):
         """data.normalize=auto with model.init: the normalization the weights were trained with."""
         cfg = self.cfg
         if cfg.model.init and cfg.data.normalize == "auto":
-            from ..interop.finetune import weights_normalization
-            return replace(cfg.data, normalize=weights_normalization(cfg.model.init, cfg.model.init_arch))
+            from ..interop.finetune import init_arch, weights_normalization
+            arch = init_arch(cfg.model.init, cfg.model.init_arch)
+            return replace(cfg.data, normalize=weights_normalization(cfg.model.init, arch))
         return cfg.data
 
     def geometry(self) -> tuple[int, int, int]:
@@ -98,11 +99,11 @@ class ClassificationTask(Task):
     def build_spec(self, image_size: int, channels: int, num_classes: int) -> ViTSpec:
         m = self.cfg.model
         if m.init:  # the architecture from the weights, the geometry from the data
-            from ..interop.finetune import init_weights
+            from ..interop.finetune import init_arch, init_weights
             spec, self.init_state = init_weights(m.init, image_size=image_size, in_chans=channels,
                                                  num_classes=num_classes, heads=m.heads, head_policy=m.init_head,
-                                                 arch=m.init_arch, attention=m.attention, drop_path=m.drop_path,
-                                                 dropout=m.dropout)
+                                                 arch=init_arch(m.init, m.init_arch), which=m.init_weights,
+                                                 attention=m.attention, drop_path=m.drop_path, dropout=m.dropout)
             return spec
         try:
             spec = resolve_spec(m.arch, image_size=image_size, in_chans=channels, num_classes=num_classes,
