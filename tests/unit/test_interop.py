@@ -5,6 +5,7 @@ state dicts and the logits timm computed for them that tests/fixtures ships (mad
 depth=2, num_heads=2, ...)` with normal(0, 0.1) weights)."""
 from pathlib import Path
 
+import warnings
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -610,3 +611,55 @@ def test_model_init_of_a_timm_checkpoint_takes_its_architecture(tmp_path, caplog
     assert any("the architecture is the one the checkpoint names, vit_tiny_patch16_224" in x for x in lines), lines
     assert any("reading its EMA weights (state_dict_ema)" in x for x in lines), lines
     assert not any("no config.json" in x for x in lines), lines
+
+
+# -- files users have, one line each (issue 35 items 4-6) ----------------------------------------
+def test_a_hub_name_or_a_torchscript_archive_is_one_line_that_says_what_to_do(tmp_path):
+    from vitscale.interop.files import read_state_dict as read
+    with pytest.raises(UserError) as e:
+        read("vit_small_patch16_224.augreg_in21k_ft_in1k")
+    assert "vitscale reads local files, not a hub" in str(e.value)
+    assert "huggingface-cli download timm/vit_small_patch16_224.augreg_in21k_ft_in1k" in str(e.value)
+    with pytest.raises(UserError) as e:
+        read(tmp_path / "typo.safetensors")  # a file path that is wrong: no hub advice
+    assert str(e.value) == f"weights file not found: {tmp_path / 'typo.safetensors'}"
+    torch.jit.script(torch.nn.Linear(2, 2)).save(str(tmp_path / "ViT-B-32.pt"))
+    with pytest.raises(UserError) as e:
+        read(tmp_path / "ViT-B-32.pt")
+    assert "a TorchScript archive" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_info_with_model_init_is_one_line_named_after_the_weights(tmp_path, capsys):
+    """`vitscale info` with model.init: one line, no per-tensor torch warnings (the meta model is
+    not loaded), labelled by the architecture given for the weights, not the recipe's model.arch."""
+    from safetensors.torch import save_file
+    from vitscale.cli import main
+    from vitscale.models.vit import VisionTransformer, ViTSpec
+    sd = VisionTransformer(ViTSpec(image_size=224, patch_size=16, dim=192, depth=12, heads=3,
+                                   num_classes=1000)).state_dict()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "w.safetensors"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["info", "configs/tests/tiny.toml", "--set", f"model.init={tmp_path / 'w.safetensors'}",
+                     "--set", "model.init_arch=vit_tiny_patch16_224", "--set", "model.heads=0",
+                     "--set", "data.image_size=32"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"vit_tiny_patch16_224 ({tmp_path / 'w.safetensors'}): 5.")
+    assert not [w for w in caught if "non-meta" in str(w.message)]
+
+
+def test_an_open_clip_hub_folder_is_read_as_its_weights_file(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    from vitscale.cli import main
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    sd = {k: v for k, v in load_file(str(FIXTURES / "open_clip_tiny.safetensors")).items() if not k.startswith("__")}
+    save_file(sd, str(folder / "open_clip_model.safetensors"))
+    errs = []
+    for init in (folder / "open_clip_model.safetensors", folder):
+        assert main(["info", "configs/tests/clip_tiny.toml", "--set", f"model.init={init}"]) == 2
+        errs.append(capsys.readouterr().err)
+    assert errs[0] == errs[1] and "weights file not found" not in errs[1]  # (the fixture's 64-token vocabulary)
+    (tmp_path / "empty").mkdir()
+    assert main(["info", "configs/tests/clip_tiny.toml", "--set", f"model.init={tmp_path / 'empty'}"]) == 2
+    assert "no OpenCLIP weights file (open_clip_model.safetensors" in capsys.readouterr().err

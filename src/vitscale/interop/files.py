@@ -11,6 +11,7 @@ import argparse
 import functools
 import logging
 import re
+import zipfile
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ def read_weights(path: str | Path, which: str = "auto") -> tuple[dict[str, torch
     (what timm's validate.py reads without --use-ema), the EMA ones where only they are, announced."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"weights file not found: {path}")
+        raise missing_weights(path)
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -75,6 +76,10 @@ def _torch_load(path: Path):
     """torch.load without running pickled code: tensors, containers and argparse.Namespace (the
     `args` of timm's and many training scripts' checkpoints) only; one line where the file wants
     more, naming the object that a weights-only load refused."""
+    if _is_torchscript(path):
+        raise UserError(f"{path}: a TorchScript archive (a program, as OpenAI's original CLIP .pt files are), which "
+                        "vitscale does not read; save its state dict (torch.jit.load(path).state_dict()) to a "
+                        "safetensors file, or take OpenCLIP's converted weights")
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -87,6 +92,25 @@ def _torch_load(path: Path):
                             "safetensors) to use it") from None
         first = text.splitlines()[0] if text else type(e).__name__
         raise UserError(f"{path}: not a torch state dict file ({first[:200]})") from None
+
+
+def _is_torchscript(path: Path) -> bool:
+    """A TorchScript archive: a zip whose record holds compiled code (code/, constants.pkl)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(n.endswith("/constants.pkl") or "/code/" in n for n in z.namelist())
+
+
+def missing_weights(path) -> UserError:
+    """The one line for a model.init that names nothing on disk: vitscale reads local files; a hub
+    name (timm's vit_small_patch16_224.augreg_in21k_ft_in1k, hf-hub:org/name) must be downloaded."""
+    name = str(path).removeprefix("hf-hub:").removeprefix("hf_hub:")
+    repo = name if "/" in name else f"timm/{name}"
+    hint = "" if str(path).endswith(SUFFIXES) else (
+        f"; vitscale reads local files, not a hub: download it first, e.g. `huggingface-cli download {repo} "
+        f"--local-dir {Path(name).name}`, and give that folder")
+    return UserError(f"weights file not found: {path}{hint}")
 
 
 def _arch_of(obj) -> str:

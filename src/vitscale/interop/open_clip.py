@@ -118,6 +118,7 @@ def load_open_clip(path, config=None, *, quick_gelu: bool | None = None, vision_
     (OpenCLIP's hub folders keep one), else OpenCLIP's defaults, announced. The configuration is
     read, and checked against the file's keys and shapes, before the weights."""
     from .files import read_state_dict
+    path = weights_path(path)
     try:
         spec, assumed, _, _ = resolve(_header(path), config, quick_gelu=quick_gelu, vision_heads=vision_heads,
                                        text_heads=text_heads, weights=path)
@@ -294,9 +295,26 @@ def _refuse_tokenizer(mc: dict, where: str) -> None:
                             f"{t[key]!r}); vitscale tokenizes captions with CLIP's BPE")
 
 
+OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin", "model.safetensors",
+                     "pytorch_model.bin")  # an OpenCLIP hub folder's, in OpenCLIP's order of preference
+
+
+def weights_path(path) -> Path:
+    """model.init's weights file: the path given, or in an OpenCLIP hub folder (open_clip_config.json
+    beside it) its weights file."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    for name in OPEN_CLIP_WEIGHTS:
+        if (path / name).is_file():
+            return path / name
+    raise UserError(f"{path}: no OpenCLIP weights file ({', '.join(OPEN_CLIP_WEIGHTS)}) in this folder")
+
+
 def check_init(path, open_clip: str = "") -> None:
     """config's check of a CLIP model.init: a one-line UserError with the real cause where the file (with
     its configuration) cannot start vitscale's CLIP; reads the configuration and the file's keys only."""
+    path = weights_path(path)
     if not Path(path).is_file():
         return  # the run reports a missing file when it reads it
     try:
@@ -343,6 +361,7 @@ def init_weights(path, *, image_size: int, in_chans: int, context_length: int, v
     token). `quick_gelu` None: from the configuration, else from the file name (uses_quick_gelu)."""
     from .files import read_state_dict
     from .finetune import adapt_in_chans, resample_pos_embed
+    path = weights_path(path)
     try:
         mc, _, _ = read_config(open_clip, path)
         note = ""

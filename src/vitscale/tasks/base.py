@@ -112,14 +112,26 @@ class Task:
         """(spec, model) of the recipe's model on the meta device: structure and parameter
         counts without memory or initialization."""
         spec = self.build_spec(*self.geometry())
-        with torch.device("meta"):
-            return spec, self.build_model(spec)
+        # model.init's weights (build_spec read them): a meta model holds no values to copy them into
+        # (torch would warn once per tensor), and its structure and counts do not depend on them
+        state, self.init_state = getattr(self, "init_state", None), None
+        try:
+            with torch.device("meta"):
+                return spec, self.build_model(spec)
+        finally:
+            self.init_state = state
+
+    def arch_label(self) -> str:
+        """What `vitscale info` calls the model: model.arch, or where model.init's architecture came
+        from (the name given or the file itself), since the weights decide it then."""
+        m = self.cfg.model
+        return f"{m.init_arch or m.init_open_clip or 'model.init'} ({m.init})" if m.init else m.arch
 
     def info(self) -> dict:
         """Parameters and FLOPs of the recipe's model (`vitscale info --json`)."""
         spec, model = self.meta_model()
         flops = self.flops(spec)
-        return {"arch": self.cfg.model.arch, "kind": self.kind, **asdict(spec), "params": count_params(model),
+        return {"arch": self.arch_label(), "kind": self.kind, **asdict(spec), "params": count_params(model),
                 "macs_per_image": flops // 2, "flops_per_image": flops, "train_flops_per_image": 3 * flops,
                 **self.info_extra(spec, model)}
 
