@@ -3,9 +3,9 @@ torchvision: ../shared/tools/tv_cpu_stub makes that work on a CPU torch), else a
 state dicts and the logits timm computed for them that tests/fixtures ships (made by timm 1.0.31:
 `timm.create_model("vit_tiny_patch16_224", num_classes=5, img_size=32, patch_size=8, embed_dim=32,
 depth=2, num_heads=2, ...)` with normal(0, 0.1) weights)."""
+import warnings
 from pathlib import Path
 
-import warnings
 import pytest
 import torch
 from safetensors.torch import load_file
