@@ -663,3 +663,20 @@ def test_an_open_clip_hub_folder_is_read_as_its_weights_file(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["info", "configs/tests/clip_tiny.toml", "--set", f"model.init={tmp_path / 'empty'}"]) == 2
     assert "no OpenCLIP weights file (open_clip_model.safetensors" in capsys.readouterr().err
+
+
+def test_the_keys_only_line_names_the_pooling_it_assumes(caplog):
+    """fc_norm keys say the features are pooled, not how: timm's 'avg', 'max' and fc_norm=True with
+    the class token all leave them, and differ in function (issue 35 item 3): the line names the
+    pooling it assumes and says the file cannot confirm it."""
+    _, _, sd = fixture("avg")
+    with caplog.at_level("WARNING", logger="vitscale.interop"):
+        spec = timm_vit_spec(sd)
+    assert spec.head == "pool" and spec.fc_norm
+    text = caplog.records[-1].getMessage()
+    assert "the file cannot confirm it" in text and "\n" not in text
+    assert "the average of the patch tokens, then fc_norm as the feature (global_pool='avg', not 'max'" in text
+    _, _, sd = fixture("token")
+    with caplog.at_level("WARNING", logger="vitscale.interop"):
+        timm_vit_spec(sd)
+    assert "the class token's features, not the patch tokens' average" in caplog.records[-1].getMessage()

@@ -346,11 +346,16 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
         assumed.append(f"{heads} attention heads (model.heads)")
     if dim % heads:
         raise UserError(f"timm ViT: width {dim} is not divisible by {heads} heads")
-    assumed += ["exact GELU", "LayerNorm eps 1e-6"] + (["the class token's features, not the patch tokens' average"]
-                                                       if head == "token" else []) + ["pre-norm blocks"]
+    if head == "token":
+        pooling = "the class token's features, not the patch tokens' average"
+    else:  # fc_norm keys (or no class token) say pooling, not which: 'avg', 'max' and fc_norm with 'token' all fit
+        pooling = (f"the average of the patch tokens{', then fc_norm' if fc_norm else ''} as the feature "
+                   f"(global_pool='avg', not 'max'{' or the class token' if token else ''}, nor per-token outputs)")
+    assumed += ["exact GELU (not GELU-tanh or QuickGELU)", "LayerNorm eps 1e-6", pooling, "pre-norm blocks"]
     log.warning("%s: no config.json beside the weights and no architecture name, so what the weights leave open "
-                "is assumed: %s (timm's defaults; set model.init_arch to the timm architecture, e.g. "
-                "vit_base_patch16_224, or put the hub's config.json next to the file)", announce, ", ".join(assumed))
+                "is assumed, and the file cannot confirm it: %s (timm's defaults; set model.init_arch to the timm "
+                "architecture, e.g. vit_base_patch16_224, or put the hub's config.json next to the file)",
+                announce, ", ".join(assumed))
     hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
     return ViTSpec(image_size=grid * patch, patch_size=patch, in_chans=in_chans, num_classes=_num_classes(sd, num_classes),
                    dim=dim, depth=depth, heads=heads, mlp_ratio=_mlp_ratio(dim, hidden), head=head, fc_norm=fc_norm,
