@@ -167,9 +167,12 @@ def test_synthetic_swaps_in_images_of_the_datasets_shape():
     assert fm.data.train_size == fm.data.batch_size
     b16 = synthetic_data(load_config("configs/vit_b16_imagenet.toml", []))  # /data/imagenet need not exist
     assert (b16.data.name, b16.data.image_size, b16.data.channels, b16.data.num_classes) == ("synthetic", 224, 3, 1000)
-    for path in ("configs/tests/tiny.toml", "configs/clip_openclipart.toml"):  # synthetic already; image-text
+    for path in ("configs/tests/tiny.toml", "configs/tests/clip_tiny.toml"):  # synthetic already
         c = load_config(path, [])
         assert synthetic_data(c) is c
+    clip = synthetic_data(load_config("configs/clip_openclipart.toml", []))  # image-text: captioned images
+    d = clip.data
+    assert (d.name, d.captions, d.image_size, d.channels, d.train_size) == ("synthetic", True, 64, 3, d.batch_size)
 
 
 def test_bench_synthetic_runs_a_folder_recipe_without_its_folder(capsys, tmp_path):

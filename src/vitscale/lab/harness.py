@@ -83,7 +83,7 @@ def synthetic_data(cfg):
     """`cfg` with its image dataset swapped for synthetic images of the same shape (image size,
     channels, classes; data/sources/synthetic.py), one global batch of them: what `--synthetic` times, so
     that a machine without the dataset (an ImageNet folder on a rented GPU) measures the recipe's
-    step. Image-text data (CLIP) is kept, one batch of it reused."""
+    step. Image-text recipes (CLIP) get synthetic images captioned from their labels (ClipTask)."""
     from ..tasks import build_task
     overrides = build_task(cfg).synthetic_overrides()
     return cfg if overrides is None else with_overrides(cfg, overrides)
