@@ -71,6 +71,19 @@ def synthetic_stand_in(d, model_classes: int = 0) -> dict | None:
             "data.train_size": d.batch_size, "data.test_size": min(d.eval_batch_size, 256)}
 
 
+def synthetic_pairs_stand_in(d) -> dict | None:
+    """The data overrides of --synthetic for image-text training: random images of the geometry of
+    `d` captioned from their labels (tokens of the recipe's context length: the towers' work per
+    pair is the recipe's), one global batch of them; None where `d` is synthetic already. Image-text
+    shards are RGB at data.image_size (no labels to count)."""
+    if d.name == "synthetic":
+        return None
+    size, channels = (d.image_size or 224, 3) if d.name == "webdataset" else geometry(d)[:2]
+    return {"data.name": "synthetic", "data.captions": True, "data.root": "", "data.test_root": "",
+            "data.image_size": size, "data.channels": channels, "data.num_classes": 10,
+            "data.train_size": d.batch_size, "data.test_size": min(d.eval_batch_size, 256)}
+
+
 # ---------------------------------------------------------------- labelled sets
 def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> DataBundle:
     """Load `cfg.name` and build this rank's train/test loaders (see data/types.py)."""

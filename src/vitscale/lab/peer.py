@@ -69,11 +69,11 @@ class PeerBench:
         if peer not in PEERS:
             raise UserError(f"bench --peer {peer}: peers are {', '.join(PEERS)}")
         cfg, s = b.cfg, b.s
-        if s.world_size > 1 or cfg.strategy.name not in ("single",):
-            raise UserError("bench --peer: one process with strategy.name=single (the peer's loop is one "
-                            "device's)")
-        if b.trainer.task.kind != "vit":
-            raise UserError(f"bench --peer timm: compares ViT classifiers; this recipe trains a "
+        if s.world_size > 1:
+            raise UserError("bench --peer: one process (the peer's loop is one device's)")
+        if peer not in b.trainer.task.exports:  # the task says which libraries have its model
+            from ..tasks import export_use
+            raise UserError(f"bench --peer {peer}: compares {export_use(peer)}; this recipe trains a "
                             f"{b.trainer.task.kind} model")
         self.cfg, self.device, self.bench = cfg, s.device, b
         self.global_batch, self.sync = b.global_batch, b.sync

@@ -84,6 +84,11 @@ class Strategy(Protocol):
     def state_bytes(self) -> dict:
         """Bytes this rank holds: {'params', 'master_params', 'optimizer_state'} (local shards)."""
 
+    def count_nonfinite(self) -> int:
+        """Collective: how many tensors of the training state (weights, masters, optimizer state,
+        EMA; every rank's shards) hold a NaN or an infinity; called when a checkpoint is written or
+        an evaluation runs, never per step."""
+
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, sd: dict) -> None: ...

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import IMAGE_TEXT, build_image_text
-from ..data.build import eval_preprocess
+from ..data.build import eval_preprocess, synthetic_pairs_stand_in
 from ..data.tokenizer import get_tokenizer, tokenize
 from ..errors import ConfigError, UserError
 from ..losses import build_clip_loss, resolve_clip
@@ -106,18 +106,10 @@ class ClipTask(Task):
         return size, channels, 0
 
     def synthetic_overrides(self) -> dict | None:
-        """--synthetic for an image-text recipe: random images of its geometry captioned from their
-        labels (tokens of the recipe's context length: the towers' work per pair is the recipe's), one
-        global batch of them, so that `vitscale bench configs/clip_vit_b16.toml --synthetic` needs no
-        shards; None where the recipe's data is synthetic already."""
-        d = self.cfg.data
-        if d.name == "synthetic":
-            return None
-        # image-text shards: their images are RGB at data.image_size (no labels to count)
-        size, channels = (d.image_size or 224, 3) if d.name == "webdataset" else self.geometry()[:2]
-        return {"data.name": "synthetic", "data.captions": True, "data.root": "", "data.test_root": "",
-                "data.image_size": size, "data.channels": channels, "data.num_classes": 10,
-                "data.train_size": d.batch_size, "data.test_size": min(d.eval_batch_size, 256)}
+        """--synthetic for an image-text recipe: synthetic images of its geometry captioned from their
+        labels (data/build.py), so that `vitscale bench configs/clip_vit_b16.toml --synthetic` needs
+        no shards."""
+        return synthetic_pairs_stand_in(self.cfg.data)
 
     init_state: dict | None = None  # model.init's weights, adapted to the run (build_spec reads them)
 
