@@ -120,21 +120,16 @@ class Trainer:
             if resume is not None:
                 resume_run(self, resume, changes)
         except BaseException:  # a half-built run: its data workers stopped, its folder released
-            if hasattr(self, "data"):
-                self.data.close()
-            self.release()
+            self.close()
             raise
 
-    def release(self) -> None:
-        """The run folder's writer lock, given back (the run ended or failed)."""
+    def close(self) -> None:
+        """After training, or when it stopped on an error (also half-built): the data's workers
+        stopped, the run folder's writer lock given back."""
+        if hasattr(self, "data"):
+            self.data.close()
         if self.lock is not None:
             self.lock.release()
-
-    def close(self) -> None:
-        """After training, or when it stopped on an error: the data's workers stopped, the run
-        folder's lock given back."""
-        self.data.close()
-        self.release()
 
     def build(self, cfg: Config, s) -> None:
         """Data, model, engine, schedule and counters of a new run."""

@@ -19,12 +19,14 @@ log = logging.getLogger(__name__)
 # other key takes effect from the resumed step (the optimizer's hyperparameters are re-applied over
 # the checkpoint's, the schedule is rebuilt for the new keys). tests/unit/test_resume.py checks
 # that every key of the schema is on one side or the other.
+AS_WRITTEN = "DeepSpeed reads its engine checkpoint back only as written"
+OWN_FOLDER = "--resume continues its own folder (name another one with --out)"
 FIXED_ON_RESUME = {
     "model.*": "the checkpoint's weights have its architecture (start a new run from them with "
                "model.init=<vitscale export of it>)",
     "run.seed": "the data order and augmentation of the resumed epochs follow it",
-    "run.name": "--resume continues its own folder (name another one with --out)",
-    "run.out_dir": "--resume continues its own folder (name another one with --out)",
+    "run.name": OWN_FOLDER,
+    "run.out_dir": OWN_FOLDER,
     "data.name": "the data position and per-sample state count its samples",
     "data.batch_size": "the checkpoint's data position counts batches of its size",
     "data.drop_last": "the checkpoint's data position counts its batches",
@@ -43,10 +45,10 @@ FIXED_ON_RESUME = {
     "optim.layer_decay": "the optimizer state is kept per parameter group, which it decides",
     "train.master_weights": "the checkpoint's optimizer state belongs to its weights' copy",
     "train.loss_scale": "the fp16 loss scale continues from the checkpoint's scaler",
-    "strategy.zero_stage": "DeepSpeed reads its engine checkpoint back only as written",
-    "strategy.offload_optimizer": "DeepSpeed reads its engine checkpoint back only as written",
-    "strategy.offload_params": "DeepSpeed reads its engine checkpoint back only as written",
-    "strategy.ds_config": "DeepSpeed reads its engine checkpoint back only as written",
+    "strategy.zero_stage": AS_WRITTEN,
+    "strategy.offload_optimizer": AS_WRITTEN,
+    "strategy.offload_params": AS_WRITTEN,
+    "strategy.ds_config": AS_WRITTEN,
     "clip.*": "the per-sample loss state and the temperature continue from the checkpoint's",
 }
 # exceptions inside a fixed section: these take effect on a resumed run

@@ -23,6 +23,7 @@ import statistics
 import torch
 
 from ..errors import UserError
+from ..strategy.devices import CUDAGRAPH_MODES, compile_kwargs
 
 PEERS = ("timm",)
 
@@ -98,7 +99,6 @@ class PeerBench:
         self.dtype = AUTOCAST[t.precision]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype is torch.float16)
         if t.compile:
-            from ..strategy.devices import compile_kwargs
             self.model = torch.compile(self.model, **compile_kwargs(t.compile_mode))
         self.notes = [f"peer: {self.call}, same weights as vitscale's at the start; plain loop: "
                       f"{type(self.opt).__name__} (fused; timm's weight-decay groups), {'autocast ' + str(self.dtype).split('.')[-1] if self.dtype else 'fp32'}"
@@ -118,7 +118,7 @@ class PeerBench:
         if self.cfg.train.channels_last and x.ndim == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         A, total = self.cfg.train.accum_steps, torch.zeros((), device=x.device)
-        if self.cfg.train.compile and self.cfg.train.compile_mode in ("reduce-overhead", "max-autotune"):
+        if self.cfg.train.compile and self.cfg.train.compile_mode in CUDAGRAPH_MODES:
             torch.compiler.cudagraph_mark_step_begin()
         for xm, ym in zip(x.chunk(A), y.chunk(A)):
             with self.autocast():
