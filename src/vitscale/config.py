@@ -225,6 +225,11 @@ class TrainConfig:
                                "max-autotune-no-cudagraphs", doc="torch.compile mode: reduce-overhead "
                                "= CUDA graphs (one launch per step: small, launch-bound models on a GPU)")
     activation_checkpointing: bool = False
+    capture: str = choice("none", "none", "step", doc="step = the whole training step (forward, backward, "
+                          "clipping, AdamW with its lr and step count on the device, EMA, the non-finite "
+                          "watch) as one unit with static shapes: one CUDA graph replay per step on a GPU "
+                          "(small, launch-bound models); on a CPU the same step runs uncaptured, with the "
+                          "same numbers as none (docs/gpu.md)")
     tf32: bool = field(default=True, metadata={"doc": "CUDA: fp32 matmuls and convolutions in TF32 "
                        "(tensor cores, 10-bit mantissa); false = IEEE fp32. No effect on CPU"})
     cudnn_benchmark: bool = field(default=True, metadata={"doc": "CUDA: cuDNN times its convolution "
@@ -447,6 +452,26 @@ def micro_batch(batch_size: int, world_size: int = 1, accum_steps: int = 1, erro
     return per
 
 
+def check_capture(cfg: Config) -> None:
+    """train.capture=step: what a step replayed without host work cannot hold, refused in one line."""
+    t, why = cfg.train, None
+    if cfg.strategy.name != "single":
+        why = f"it is for one device (strategy.name=single), not {cfg.strategy.name}"
+    elif t.precision in ("fp16", "pure_fp16"):
+        why = (f"train.precision={t.precision}: the loss scaler decides on the host whether a step is "
+               "skipped; use bf16 or pure_bf16")
+    elif cfg.optim.name != "adamw":
+        why = (f"optim.name={cfg.optim.name}: its lr and step count live on the host; AdamW keeps them "
+               "on the device (capturable)")
+    elif cfg.optim.schedule_clock == "time":
+        why = "optim.schedule_clock=time reads the host clock each step; use schedule_clock=steps"
+    elif t.compile and t.compile_mode in ("reduce-overhead", "max-autotune"):
+        why = (f"train.compile_mode={t.compile_mode} captures CUDA graphs of its own; use compile_mode="
+               "default or max-autotune-no-cudagraphs inside the captured step")
+    if why:
+        raise ConfigError(f"config: train.capture=step is refused: {why}")
+
+
 def check(cfg: Config) -> None:
     """Cross-field checks that one key alone cannot express. What depends on the kind of model
     (its model.init files) is the task's check: tasks.check_config runs both."""
@@ -463,6 +488,8 @@ def check(cfg: Config) -> None:
             raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} (CUDA graphs) is for "
                               f"strategy.name=single (one GPU), not {cfg.strategy.name}; use "
                               "max-autotune-no-cudagraphs")
+    if cfg.train.capture == "step":
+        check_capture(cfg)
     if cfg.train.precision == "pure_fp16" and not cfg.train.master_weights:
         raise ConfigError("config: train.precision=pure_fp16 with train.master_weights=false is refused: "
                           "torch's loss scaler cannot unscale fp16 gradients, and fp16 optimizer state "

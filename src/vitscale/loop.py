@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .capture import WholeStep
 from .checkpoint import RunLock, list_checkpoints, save_checkpoint
 from .config import Config, micro_batch
 from .errors import DataError, TrainingError, UserError
@@ -51,12 +52,16 @@ class FiniteWatch:
     def __init__(self):
         self.first = None  # device tensors: step number (-1: none yet), its loss
 
-    def see(self, step: int, loss: torch.Tensor) -> None:
+    def see(self, step: int | torch.Tensor, loss: torch.Tensor) -> None:
+        """`step`: the step just taken (a host int, or a device counter: train.capture=step).
+        In place: the same two tensors every step (a captured step replays into them)."""
+        loss = loss.detach()
         if self.first is None:
-            self.first = (torch.full((), -1, dtype=torch.int64, device=loss.device), loss.detach().clone())
+            self.first = (torch.full((), -1, dtype=torch.int64, device=loss.device), loss.clone())
         first, bad_loss = self.first
         new = (first < 0) & ~torch.isfinite(loss)
-        self.first = (torch.where(new, step, first), torch.where(new, loss.detach(), bad_loss))
+        bad_loss.copy_(torch.where(new, loss, bad_loss))
+        first.copy_(torch.where(new, step, first))
 
     def bad(self) -> tuple[int, float] | None:
         """(step, loss) of the first non-finite loss, or None (reads the device: a sync)."""
@@ -162,6 +167,10 @@ class Trainer:
                                          self.steps_per_epoch, clock=lambda: self.train_time,
                                          budget_s=cfg.train.time_limit_s)
         self.watch = FiniteWatch()
+        # train.capture=step: the whole step as one unit (built at the first step: after a resume
+        # has loaded the state it captures), its batches prepared many at a time
+        self.whole: WholeStep | None = None
+        self.ahead = ahead_batches(cfg, self.data.train.batch_size, self.data) if cfg.train.capture == "step" else 1
         self.steady = [0.0, 0]  # time and images of steps after each process's first (compile, warm-up)
         self.best_acc, self.last_eval = None, None
         self.last_ckpt: Path | None = None
@@ -254,7 +263,7 @@ class Trainer:
         cfg, s = self.cfg, self.strategy
         epoch, start = divmod(self.step, self.steps_per_epoch)
         self.task.set_epoch(epoch)
-        batches = self.data.train.iterate(epoch, start_batch=start)
+        batches = self.data.train.iterate(epoch, start_batch=start, ahead=self.ahead)
         t_last = time.perf_counter()
         while self.step < self.total_steps:
             batch = next(batches, None)
@@ -278,10 +287,14 @@ class Trainer:
                 raise TrainingError(f"step {self.step + 1}: the launcher that started this process is gone "
                                     "(killed or preempted): this rank stops; the last complete checkpoint "
                                     f"is kept{self._last_good()}")
-            loss, info = self.train_step(batch)
+            if self.cfg.train.capture == "step":
+                self.whole = self.whole or WholeStep(self)
+                loss, info = self.whole.step(batch)  # the watch is updated inside
+            else:
+                loss, info = self.train_step(batch)
+                self.watch.see(self.step + 1, loss)
             self.scheduler.step()
             self.step += 1
-            self.watch.see(self.step, loss)
             log_now = self.step % cfg.run.log_every == 0 or self.step == self.total_steps
             if log_now:  # the GPU catches up here (and only here) before the clock is read
                 synchronizer(s.device)()
@@ -366,6 +379,17 @@ class Trainer:
         """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
         state; gradients, while they exist, take as many bytes as the parameters."""
         return {**self.strategy.state_bytes(), "loss_state": self.task.state_bytes()}
+
+
+# train.capture=step prepares this many bytes of float32 images at a time (the whole epoch of a
+# small set: Fashion-MNIST's at 32 px is 245 MiB), never fewer than one batch
+AHEAD_BYTES = 512 * 2**20
+
+
+def ahead_batches(cfg: Config, local_batch: int, data) -> int:
+    """Batches a train loader prepares at once under train.capture=step."""
+    per_batch = 4 * local_batch * data.channels * data.image_size ** 2
+    return max(1, AHEAD_BYTES // max(1, per_batch))
 
 
 def describe_run(tr: Trainer) -> str:

@@ -87,14 +87,17 @@ def with_lr(groups: list[dict], lr: float) -> list[dict]:
     return [{**g, "lr": lr * g["lr_scale"]} if "lr_scale" in g else g for g in groups]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, params=None) -> torch.optim.Optimizer:
-    """`params` (param groups) defaults to `param_groups(model)`; the strategy may pass master copies."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, params=None, capturable: bool = False) -> torch.optim.Optimizer:
+    """`params` (param groups) defaults to `param_groups(model)`; the strategy may pass master copies.
+    `capturable`: AdamW keeps its step count on the device and takes its lr as a device tensor, so
+    that a CUDA graph of the whole step replays it (train.capture=step on a GPU)."""
     groups = with_lr(params if params is not None else param_groups(model, cfg.weight_decay, cfg.layer_decay),
                      cfg.lr)
     impl = {"forloop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True),
             "auto": {}}[cfg.impl]
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+        extra = {"capturable": True} if capturable else {}
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl, **extra)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl)
     if cfg.name == "lamb":

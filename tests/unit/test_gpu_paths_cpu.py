@@ -177,7 +177,7 @@ def _count_host_reads(monkeypatch) -> dict:
     return n
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16 capture"])
 def test_training_steps_between_log_steps_read_nothing_from_the_device(tmp_path, monkeypatch, precision):
     """torchtitan's rule: the loss and gradient norm stay on the device and are read at log steps.
     Two runs of 4 and 12 steps logging only at their last step read the device equally often
@@ -190,7 +190,9 @@ def test_training_steps_between_log_steps_read_nothing_from_the_device(tmp_path,
     def reads(steps: int) -> tuple[int, dict]:
         cfg = load_config("configs/tests/tiny.toml", [f"run.max_steps={steps}", "run.log_every=1000",
                                                         "train.epochs=4", "run.eval_every=0",
-                                                        f"train.precision={precision}"])
+                                                        f"train.precision={precision.split()[0]}",
+                                                        "train.ema_decay=0.9", "optim.grad_clip=1.0",
+                                                        f"train.capture={'step' if 'capture' in precision else 'none'}"])
         out = tmp_path / f"r{steps}"
         n = _count_host_reads(monkeypatch)
         orig_fit = __import__("vitscale.loop", fromlist=["Trainer"]).Trainer.fit

@@ -240,10 +240,32 @@ class BatchAugment:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, p: AugParams):
         """x uint8 [B,C,H,W], y int64 [B] (same device) -> float32 [B,C,H,W], y or soft [B,K]."""
-        if p.offset is not None or p.flip is not None:
-            dev = x.device
-            x = crop_flip(x, None if p.offset is None else p.offset.to(dev),
-                          None if p.flip is None else p.flip.to(dev), self.pad)
+        return self.finish(self.geometry(x, p), y, p)
+
+    def geometry(self, x: torch.Tensor, p: AugParams) -> torch.Tensor:
+        """The per-sample crop and mirror (uint8 in, uint8 out: one gather)."""
+        if p.offset is None and p.flip is None:
+            return x
+        dev = x.device
+        return crop_flip(x, None if p.offset is None else p.offset.to(dev),
+                         None if p.flip is None else p.flip.to(dev), self.pad)
+
+    def block(self, x: torch.Tensor, y: torch.Tensor, params: list[AugParams], sizes: list[int]):
+        """Several batches at once (x, y: their samples in order; `params` and `sizes`: each
+        batch's draws and sample count): one crop/flip gather and, without RandAugment or mixing,
+        one normalization for all of them; yields each batch. Per-sample ops and a batch's own
+        mixing: the numbers of one batch at a time."""
+        cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+        whole = AugParams(offset=cat([p.offset for p in params]), flip=cat([p.flip for p in params]))
+        x = self.geometry(x, whole)
+        if not (self.k and self.m > 0) and not self.soft:
+            yield from zip(self.norm(x).split(sizes), y.split(sizes))
+            return
+        for xb, yb, p in zip(x.split(sizes), y.split(sizes), params):
+            yield self.finish(xb, yb, p)
+
+    def finish(self, x: torch.Tensor, y: torch.Tensor, p: AugParams):
+        """After the geometry: RandAugment, normalization, cutout, mixing."""
         if self.k and self.m > 0:
             x = rand_augment(x.float().div_(255), p.ops, p.signs, self.m)
             x = cutout(self.norm.from_unit(x), (p.ops == OP["cutout"]).any(1), p.centre, self.m)

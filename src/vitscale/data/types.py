@@ -26,8 +26,9 @@ class TrainLoader(Protocol):
     def __len__(self) -> int:
         """Optimizer steps per epoch (the same on every rank)."""
 
-    def iterate(self, epoch: int, start_batch: int = 0) -> Iterator[tuple]:
-        """The epoch's batches from `start_batch` on (exact resume)."""
+    def iterate(self, epoch: int, start_batch: int = 0, ahead: int = 1) -> Iterator[tuple]:
+        """The epoch's batches from `start_batch` on (exact resume); `ahead`: how many batches an
+        in-memory loader prepares at once (the same batches; loaders fed by workers ignore it)."""
 
     def close(self) -> None:
         """Stop decoding worker processes (a no-op for in-memory data)."""

@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..config import OptimConfig, TrainConfig
 from ..errors import ConfigError
@@ -78,11 +79,14 @@ class SingleDevice:  # implements base.Strategy
             self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
             it = iter(self.master)
             groups = [{**g, "params": [next(it) for _ in g["params"]]} for g in groups]
-        self.optimizer = build_optimizer(model, self.optim_cfg, params=groups)
+        self.optimizer = build_optimizer(model, self.optim_cfg, params=groups,
+                                         capturable=self.cfg.capture == "step" and self.device.type == "cuda")
         if self.cfg.ema_decay > 0:
             from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-            self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(self.cfg.ema_decay),
-                                     use_buffers=True)
+            # its count on the training device (torch's default is the CPU: a copy per step)
+            self.ema = AveragedModel(model, device=self.device,
+                                     multi_avg_fn=get_ema_multi_avg_fn(self.cfg.ema_decay), use_buffers=True)
+            self.ema_updates = 0  # the count as the host knows it: no device read per step
         if self.cfg.activation_checkpointing:
             model.set_grad_checkpointing(True)
         self.module = model  # plain module: checkpoints, export, eval
@@ -173,8 +177,25 @@ class SingleDevice:  # implements base.Strategy
                 torch._foreach_copy_(self.model_params, self.master)
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None and not bool(skipped):
-            self.ema.update_parameters(self.module)
+            self.update_ema()
         return {"grad_norm": norm.detach(), "skipped": skipped}
+
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        """AveragedModel.update_parameters' arithmetic (a copy the first time, then one foreach lerp
+        per device and dtype) without its two host reads of the count per step: the host keeps the
+        count it needs (`ema_updates`), so the update can be captured and replayed."""
+        ema = self.ema
+        mine = [t.detach() for t in (*ema.module.parameters(), *ema.module.buffers())]
+        theirs = [t.detach() for t in (*self.module.parameters(), *self.module.buffers())]
+        if self.ema_updates == 0:
+            torch._foreach_copy_(mine, theirs)
+        else:
+            groups = _group_tensors_by_device_and_dtype([mine, theirs])
+            for (device, _), ([avg, cur], _) in groups.items():
+                ema.multi_avg_fn(avg, cur, ema.n_averaged)
+        ema.n_averaged += 1
+        self.ema_updates += 1
 
     def sync_buffers(self) -> None:
         """One process: its buffers are the saved ones."""
@@ -261,6 +282,10 @@ class SingleDevice:  # implements base.Strategy
             if optim_keyed_by_name(osd):  # written by FSDP2: keyed by parameter name
                 osd = optim_state_by_index(osd, self.param_names())
             self.optimizer.load_state_dict(osd)
+            if self.cfg.capture == "step":  # a run saved uncaptured: the step counts to the device
+                for st in self.optimizer.state.values():
+                    if torch.is_tensor(st.get("step")):
+                        st["step"] = st["step"].to(self.device)
         self.scaler.load_state_dict(sd["scaler"])
         if self.master is not None and "master" in sd:
             with torch.no_grad():
@@ -272,3 +297,4 @@ class SingleDevice:  # implements base.Strategy
                     m.copy_(sd["model"][name])
         if self.ema is not None and "ema" in sd:
             self.ema.load_state_dict(sd["ema"])
+            self.ema_updates = int(self.ema.n_averaged)  # one read, at load

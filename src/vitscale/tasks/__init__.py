@@ -3,7 +3,7 @@ evaluation, log lines, own state). See tasks/base.py for the interface."""
 from __future__ import annotations
 
 from ..config import Config
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from ..models import is_clip_arch
 from .base import Task
 from .classification import ClassificationTask
@@ -31,7 +31,10 @@ def build_task(cfg: Config, kind: str | None = None) -> Task:
 def check_config(cfg: Config) -> Config:
     """The checks of a config that depend on its kind of model (the task's: its model.init options
     and files), after config.check's: every command runs it on its config before anything starts."""
-    build_task(cfg).check()
+    task = build_task(cfg)
+    task.check()
+    if cfg.train.capture == "step" and task.uncapturable:
+        raise ConfigError(f"config: train.capture=step is refused for {task.kind} models: {task.uncapturable}")
     return cfg
 
 

@@ -44,6 +44,8 @@ class Task:
     pairs: bool = False    # its data are image-text pairs (data/build.py's build_image_text)
     exports: dict = {}     # `vitscale export --format` -> the models its layout is for ("ViT classifiers")
     preprocess: dict | None = None  # how the test images reached the model (build_data); checkpoints keep it
+    # why its training step cannot be replayed as one captured unit (train.capture=step); "" = it can
+    uncapturable: str = ""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -74,6 +74,8 @@ class ClipTask(Task):
     kind, sample, samples, pairs = "clip", "pair", "pairs", True
     exports = {"open_clip": "CLIP models"}
     metric = "retrieval_r1"  # mean of image->text and text->image recall@1 on the held-out pairs
+    uncapturable = ("the contrastive losses advance their gamma and temperature schedules and per-sample "
+                    "state from the host after each step")
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -39,7 +39,8 @@ class FolderPairs:
     def close(self):
         self.inner.close()
 
-    def iterate(self, epoch: int = 0, start_batch: int = 0):
+    def iterate(self, epoch: int = 0, start_batch: int = 0, ahead: int = 1):
+        """`ahead` is for in-memory loaders; these batches come decoded from workers one at a time."""
         inner = self.inner
         if not self.train:
             for x, y, idx in inner.decoded():

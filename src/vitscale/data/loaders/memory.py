@@ -38,21 +38,35 @@ class TensorTrainLoader:
 
     def batch(self, epoch: int, b: int):
         """(x [B,C,H,W] float32, y [B] int64 or [B,K] float32) for batch b of `epoch`."""
+        return next(self.batches(epoch, range(b, b + 1)))
+
+    def draws(self, epoch: int, b: int):
+        """This rank's sample indices of batch b and their augmentation draws (drawn for the
+        global batch, so that they do not depend on the number of processes)."""
         g_idx = self.plan.global_batch(epoch, b)                         # [Bg]
         lo, hi = self.plan.local_range(len(g_idx))
         params = self.augment.draw(generator("aug", self.seed, epoch, b), len(g_idx))
-        idx = g_idx[lo:hi].to(self.x.device)
-        x, y = to_device(self.x[idx], self.device, self.pin), to_device(self.y[idx], self.device, self.pin)
-        return self.augment(x, y, params.take(slice(lo, hi)))  # on the device
+        return g_idx[lo:hi], params.take(slice(lo, hi))
+
+    def batches(self, epoch: int, bs: range):
+        """Batches `bs` of `epoch`, prepared together: one gather from the split, one copy to the
+        device and one crop/flip for all of them (the per-batch draws are those of one batch at a
+        time: the same numbers), then each batch's view."""
+        idx, params = zip(*(self.draws(epoch, b) for b in bs))
+        home = torch.cat(idx).to(self.x.device)
+        x, y = to_device(self.x[home], self.device, self.pin), to_device(self.y[home], self.device, self.pin)
+        yield from self.augment.block(x, y, list(params), [len(i) for i in idx])  # on the device
 
     def close(self):
         pass
 
-    def iterate(self, epoch: int, start_batch: int = 0):
+    def iterate(self, epoch: int, start_batch: int = 0, ahead: int = 1):
+        """`ahead`: batches prepared at once (train.capture=step: a step is then a copy and a
+        replay; the numbers do not depend on it)."""
         if start_batch < 0:
             raise DataError(f"data: start_batch must be >= 0, got {start_batch}")
-        for b in range(start_batch, len(self.plan)):
-            yield self.batch(epoch, b)
+        for b in range(start_batch, len(self.plan), ahead):
+            yield from self.batches(epoch, range(b, min(b + ahead, len(self.plan))))
 
 
 class TensorEvalLoader:
@@ -114,16 +128,14 @@ class PairTrainLoader(TensorTrainLoader):
     """In-memory pairs: x uint8 [N,C,H,W], y = tokens int64 [N,L] (same home), batches by
     EpochPlan; a batch is (images, tokens, dataset index)."""
 
-    def batch(self, epoch: int, b: int):
-        g_idx = self.plan.global_batch(epoch, b)
-        lo, hi = self.plan.local_range(len(g_idx))
-        params = self.augment.draw(generator("aug", self.seed, epoch, b), len(g_idx))
-        idx = g_idx[lo:hi]
-        home = idx.to(self.x.device)
-        x, tokens = to_device(self.x[home], self.device, self.pin), to_device(self.y[home], self.device, self.pin)
-        index = idx.to(self.device, non_blocking=True)
-        x, index = self.augment(x, index, params.take(slice(lo, hi)))
-        return x, tokens, index
+    def batches(self, epoch: int, bs: range):
+        for b in bs:
+            idx, params = self.draws(epoch, b)
+            home = idx.to(self.x.device)
+            x, tokens = to_device(self.x[home], self.device, self.pin), to_device(self.y[home], self.device, self.pin)
+            index = idx.to(self.device, non_blocking=True)
+            x, index = self.augment(x, index, params)
+            yield x, tokens, index
 
 
 class PairEvalLoader(TensorEvalLoader):

@@ -180,7 +180,8 @@ class StreamTrainLoader(_StreamLoader):
     def __len__(self) -> int:
         return len(self.plan)
 
-    def iterate(self, epoch: int, start_batch: int = 0):
+    def iterate(self, epoch: int, start_batch: int = 0, ahead: int = 1):
+        """`ahead` is for in-memory loaders; these batches come decoded from workers one at a time."""
         if start_batch < 0:
             raise DataError(f"data: start_batch must be >= 0, got {start_batch}")
         self.close()

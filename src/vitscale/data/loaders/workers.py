@@ -113,7 +113,8 @@ class FolderTrainLoader(_FolderLoader):
     def indices(self, epoch: int) -> torch.Tensor:
         return self.plan.indices(epoch)
 
-    def iterate(self, epoch: int, start_batch: int = 0):
+    def iterate(self, epoch: int, start_batch: int = 0, ahead: int = 1):
+        """`ahead` is for in-memory loaders; these batches come decoded from workers one at a time."""
         for x, rest, params in self.decoded(epoch, start_batch):
             yield self.emit(x, rest, params)
 

@@ -1,0 +1,112 @@
+"""train.capture=step: the whole training step as one unit with static shapes.
+
+Forward, backward, gradient clipping, AdamW (its lr read from a device table indexed by a device
+step counter; its step count on the device: torch's `capturable`), the EMA and the non-finite
+watch run in one function (`WholeStep.body`) that reads nothing from the device and takes nothing
+from the host that changes from step to step. On a GPU the function is captured once as a CUDA
+graph after a few eager warm-up steps and every later full batch is one copy into the static
+input buffers plus one replay; a batch of another shape (a last partial batch) runs the same
+function eagerly. On a CPU there is no graph: the function runs eagerly every step, with the
+numbers of train.capture=none (the lr from the table is the scheduler's own double).
+
+The graph is one object with three verbs (`warmup`, `capture`, `replay`), so that tests drive the
+capture logic on a CPU with a recorder that replays the recorded operations as a graph would.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class CudaGraph:
+    """torch.cuda.graph capture as torch's docs do it: warm-up steps on a side stream, then one
+    capture; `replay()` launches the whole step."""
+
+    def __init__(self):
+        self.graph = torch.cuda.CUDAGraph()
+        self.stream = torch.cuda.Stream()
+
+    def warmup(self, fn):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
+    def capture(self, fn):
+        with torch.cuda.graph(self.graph, stream=self.stream):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def graph_for(device: torch.device):
+    """The graph a device captures into; None where steps run eagerly (a CPU)."""
+    return CudaGraph() if device.type == "cuda" else None
+
+
+class WholeStep:
+    """One optimizer step of a Trainer as one unit: `step(batch) -> (loss, info)`, both device
+    tensors (static buffers once captured), the non-finite watch updated inside."""
+
+    WARMUP = 3  # eager steps before the capture (optimizer state, EMA and compile warm up)
+
+    def __init__(self, tr, graph=None):
+        self.tr, s = tr, tr.strategy
+        self.groups = s.optimizer.param_groups
+        device = s.device
+        # the lr of each parameter group at each step, as the scheduler computes it (base lr x its
+        # lambda, in double: exactly the float the scheduler would set); one column past the end
+        sched = tr.scheduler
+        dtype = torch.float64 if device.type == "cpu" else torch.float32  # CUDA's fused AdamW reads fp32
+        factors: dict[int, list[float]] = {}
+        rows = []
+        for lam, base in zip(sched.lr_lambdas, sched.base_lrs):
+            f = factors.setdefault(id(lam), [lam(i) for i in range(tr.total_steps + 1)])
+            rows.append([base * x for x in f])
+        self.table = torch.tensor(rows, dtype=dtype).to(device)             # [groups, steps + 1]
+        self.last = tr.total_steps
+        self.lr = torch.zeros(len(rows), dtype=dtype, device=device)
+        self.lrs = list(self.lr.unbind(0))                                   # 0-dim views, one per group
+        self.step_t = torch.tensor(tr.step, dtype=torch.int64, device=device)
+        self.graph = graph if graph is not None else graph_for(device)
+        self.eager = 0           # steps run eagerly so far (the warm-up)
+        self.static = None       # the captured step's input buffers
+        self.out = None          # and its outputs
+
+    def body(self, batch: tuple):
+        """The step on `batch`: lr from the table at the device step, the Trainer's step, the
+        counter and the non-finite watch. Nothing here reads the device."""
+        tr = self.tr
+        idx = self.step_t.clamp(max=self.last).view(1)
+        self.lr.copy_(self.table.index_select(1, idx).view(-1))
+        floats = [g["lr"] for g in self.groups]
+        for g, t in zip(self.groups, self.lrs):
+            g["lr"] = t
+        try:
+            loss, info = tr.train_step(batch)
+        finally:  # the scheduler and checkpoints keep seeing floats
+            for g, f in zip(self.groups, floats):
+                g["lr"] = f
+        self.step_t += 1
+        tr.watch.see(self.step_t, loss)
+        return loss, info
+
+    def step(self, batch: tuple):
+        if self.graph is None or (self.static is not None and not same_shapes(batch, self.static)):
+            return self.body(batch)
+        if self.eager < self.WARMUP:
+            self.eager += 1
+            return self.graph.warmup(lambda: self.body(batch))
+        if self.static is None:
+            self.static = tuple(t.clone() for t in batch)
+            self.out = self.graph.capture(lambda: self.body(self.static))
+        else:
+            for buf, t in zip(self.static, batch):
+                buf.copy_(t, non_blocking=True)
+        self.graph.replay()
+        return self.out
+
+
+def same_shapes(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(a, b))

@@ -1,0 +1,210 @@
+"""train.capture=step (issue 31) on a CPU.
+
+The CUDA graph's semantics are emulated by `ReplayGraph`: capture records every aten operation the
+step runs (below autograd and autocast: what a CUDA graph records as kernels) and a replay runs
+them again on the same tensors without running any Python of the step, writing each result into
+the tensor the capture produced (a graph's static memory). A value the step took from the host
+during the capture stays frozen in every replay, as on a GPU. So a captured run that equals the
+eager run bit for bit shows that the step takes nothing from the host that changes per step."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import vitscale.capture
+from vitscale.config import load_config
+from vitscale.errors import ConfigError
+from vitscale.loop import Trainer, train
+from vitscale.tasks import check_config
+
+TINY = "configs/tests/tiny.toml"
+# EMA, clipping, weight decay, warm-up and decay, mirrored images, label smoothing: every part of
+# the step that the capture must carry
+RECIPE = ["train.ema_decay=0.9", "optim.grad_clip=1.0", "optim.weight_decay=0.05", "optim.impl=fused",
+          "optim.schedule=cosine", "data.hflip=true", "data.crop_padding=1", "train.label_smoothing=0.1",
+          "train.epochs=3", "run.eval_every=1", "model.drop_path=0.1"]
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an aten operation writes in place (its schema's `Tensor(a!)` arguments)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        if a.alias_info is not None and a.alias_info.is_write and value is not None:
+            out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return out
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs and records each aten operation; the storages it writes that the capture did not
+    create are saved first, so that the capture can be undone (a CUDA graph capture runs nothing)."""
+
+    def __init__(self, ops: list):
+        super().__init__()
+        self.ops, self.born, self.saved = ops, set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _written(func, args, kwargs):
+            st = t.untyped_storage()
+            if st.data_ptr() not in self.born and st.data_ptr() not in self.saved:
+                self.saved[st.data_ptr()] = (st, st.clone())
+        out = func(*args, **kwargs)
+        if not any(r.alias_info is not None for r in func._schema.returns):  # new memory
+            self.born |= {t.untyped_storage().data_ptr() for t in tree_flatten(out)[0]
+                          if isinstance(t, torch.Tensor)}
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+class ReplayGraph:
+    """A CUDA graph's contract on a CPU: warm-up runs eagerly; capture records the step's
+    operations and leaves every pre-existing tensor and the RNG as they were (a capture runs
+    nothing); replay re-runs the recorded operations (no Python of the step) into the captured
+    tensors, as a graph's kernels write its static memory."""
+
+    def __init__(self):
+        self.ops: list = []
+        self.captures = self.replays = self.warmups = 0
+        self.host_reads = 0  # .item() and kin inside the captured step (a GPU would sync there)
+
+    def warmup(self, fn):
+        self.warmups += 1
+        return fn()
+
+    def capture(self, fn):
+        self.captures += 1
+        rng = torch.get_rng_state()
+        rec = _Recorder(self.ops)
+        with rec:
+            out = fn()
+        for st, before in rec.saved.values():
+            st.copy_(before)
+        torch.set_rng_state(rng)
+        self.host_reads = sum(f is torch.ops.aten._local_scalar_dense.default for f, *_ in self.ops)
+        return out
+
+    @torch.no_grad()
+    def replay(self):
+        self.replays += 1
+        for func, args, kwargs, out in self.ops:
+            new = func(*args, **kwargs)
+            for old_t, new_t in zip(tree_flatten(out)[0], tree_flatten(new)[0]):
+                if isinstance(old_t, torch.Tensor) and new_t is not old_t and \
+                        new_t.untyped_storage().data_ptr() != old_t.untyped_storage().data_ptr():
+                    old_t.copy_(new_t)
+
+
+def _run(tmp_path, name, sets, graph=None, monkeypatch=None, resume=None):
+    graphs = []
+    if monkeypatch is not None:
+        def make(device):
+            graphs.append(graph())
+            return graphs[-1]
+        monkeypatch.setattr(vitscale.capture, "graph_for", make)
+    cfg = load_config(TINY, [*RECIPE, *sets])
+    tr = Trainer(cfg, tmp_path / name, resume=resume)
+    try:
+        summary = tr.fit()
+    finally:
+        tr.close()
+    return tr, summary, graphs
+
+
+def _state(tr) -> dict:
+    s = tr.strategy
+    out = {f"model.{k}": v for k, v in s.module.state_dict().items()}
+    out |= {f"ema.{k}": v for k, v in s.ema.state_dict().items()}
+    for i, st in enumerate(s.optimizer.state.values()):
+        out |= {f"opt{i}.{k}": v for k, v in st.items()}
+    return out
+
+
+def _losses(run_dir) -> list:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["kind"], r.get("loss"), r.get("test_accuracy"), r.get("lr")) for r in recs]
+
+
+def _assert_equal_states(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    diff = [k for k in a if not torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k]))]
+    assert not diff, f"differ: {diff[:5]}"
+
+
+@pytest.mark.parametrize("extra", [[], ["data.drop_last=false", "data.train_size=72", "train.precision=bf16"]])
+def test_the_captured_step_replayed_equals_the_eager_step_bit_for_bit(tmp_path, monkeypatch, extra):
+    """capture=none against capture=step whose step is recorded once and replayed as a graph
+    would be: the same weights, EMA, optimizer state, losses, lr and accuracy at every log. With
+    drop_last=false the last partial batch of each epoch runs the same step eagerly; bf16 too."""
+    eager, s_eager, _ = _run(tmp_path, "eager", extra)
+    cap, s_cap, graphs = _run(tmp_path, "cap", ["train.capture=step", *extra], ReplayGraph, monkeypatch)
+    g, = graphs
+    steps = s_cap["steps"]
+    partial = 3 if extra else 0  # one partial batch per epoch
+    assert (g.warmups, g.captures, g.replays) == (3, 1, steps - 3 - partial)
+    assert g.host_reads == 0, "the captured step reads the device"
+    _assert_equal_states(_state(eager), _state(cap))
+    assert _losses(eager.run_dir) == _losses(cap.run_dir)
+    assert s_eager["test_accuracy"] == s_cap["test_accuracy"]
+
+
+def test_without_a_graph_the_capture_path_runs_eagerly_with_the_same_numbers(tmp_path):
+    """On a CPU (no graph) capture=step is the same function run every step, with the epoch's
+    batches prepared at once: bit-identical to capture=none."""
+    eager, _, _ = _run(tmp_path, "eager", [])
+    cap, _, _ = _run(tmp_path, "cap", ["train.capture=step"])
+    assert cap.ahead > 1 and cap.whole is not None and cap.whole.graph is None
+    _assert_equal_states(_state(eager), _state(cap))
+    assert _losses(eager.run_dir) == _losses(cap.run_dir)
+
+
+def test_a_captured_run_resumed_from_its_checkpoint_continues_exactly(tmp_path, monkeypatch):
+    """Resumed from its step-5 checkpoint (a new capture after the state is loaded), a captured
+    run ends where the uninterrupted one ended, bit for bit."""
+    sets = ["train.capture=step", "run.checkpoint_every=5", "run.keep_last=5"]
+    whole, _, _ = _run(tmp_path, "whole", sets, ReplayGraph, monkeypatch)
+    from vitscale.run_state import open_resume
+    ckpt = tmp_path / "whole" / "checkpoints" / "step_00000005.pt"
+    resumed, _, graphs = _run(tmp_path, "resumed", sets, ReplayGraph, monkeypatch, resume=open_resume(ckpt))
+    assert graphs[-1].captures == 1 and resumed.step == whole.step == 12
+    _assert_equal_states(_state(whole), _state(resumed))
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["train.precision=fp16"], "loss scaler"),
+    (["optim.name=sgd"], "optim.name=sgd"),
+    (["optim.schedule_clock=time", "train.time_limit_s=10"], "schedule_clock=time"),
+    (["train.compile=true", "train.compile_mode=reduce-overhead"], "CUDA graphs of its own"),
+    (["strategy.name=ddp"], "strategy.name=single"),
+])
+def test_what_a_captured_step_cannot_hold_is_refused_in_one_line(sets, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["train.capture=step", *sets])
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_clip_run_refuses_capture_naming_its_host_side_schedules():
+    cfg = load_config("configs/tests/clip_tiny.toml", ["train.capture=step"])
+    with pytest.raises(ConfigError, match="gamma and temperature"):
+        check_config(cfg)
+
+
+@pytest.mark.parametrize("aug", [["data.crop_padding=2", "data.hflip=true"],
+                                 ["data.randaugment_ops=2", "data.randaugment_magnitude=0.5", "data.hflip=true"],
+                                 ["data.mixup_alpha=0.8", "data.cutmix_alpha=1.0", "data.crop_padding=1"]])
+def test_batches_prepared_many_at_once_equal_batches_prepared_one_by_one(aug):
+    """The in-memory loader's `ahead`: the same batches, whatever the block (drop_last=false: the
+    short last batch too), from any start batch (exact resume)."""
+    from vitscale.data.build import build_data
+    cfg = load_config(TINY, ["data.train_size=70", "data.drop_last=false", "data.channels=3", *aug])
+    data = build_data(cfg.data, device="cpu", seed=3)
+    one = list(data.train.iterate(1, start_batch=1))
+    for ahead in (2, 3, 100):
+        many = list(data.train.iterate(1, start_batch=1, ahead=ahead))
+        assert len(many) == len(one) == len(data.train) - 1
+        for (x1, y1), (x2, y2) in zip(one, many):
+            assert torch.equal(x1, x2) and torch.equal(y1, y2)
