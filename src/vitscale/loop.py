@@ -257,6 +257,17 @@ class Trainer:
             mark("optimizer")
         return total, info
 
+    def run_step(self, batch: tuple) -> tuple[torch.Tensor, dict]:
+        """One optimizer step as training runs it (and the lab times it): `train_step`, or with
+        train.capture=step the whole step as one unit (capture.WholeStep: a graph replay on a
+        GPU); the non-finite watch sees its loss either way. Nothing here reads the device."""
+        if self.cfg.train.capture == "step":
+            self.whole = self.whole or WholeStep(self)
+            return self.whole.step(batch)  # the watch is updated inside
+        loss, info = self.train_step(batch)
+        self.watch.see(self.step + 1, loss)
+        return loss, info
+
     def train_epoch(self) -> str:
         """Steps from the current one to the end of its epoch (or of training); returns the stop
         reason: "done", or "time limit"."""
@@ -287,12 +298,7 @@ class Trainer:
                 raise TrainingError(f"step {self.step + 1}: the launcher that started this process is gone "
                                     "(killed or preempted): this rank stops; the last complete checkpoint "
                                     f"is kept{self._last_good()}")
-            if self.cfg.train.capture == "step":
-                self.whole = self.whole or WholeStep(self)
-                loss, info = self.whole.step(batch)  # the watch is updated inside
-            else:
-                loss, info = self.train_step(batch)
-                self.watch.see(self.step + 1, loss)
+            loss, info = self.run_step(batch)
             self.scheduler.step()
             self.step += 1
             log_now = self.step % cfg.run.log_every == 0 or self.step == self.total_steps

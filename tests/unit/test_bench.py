@@ -15,7 +15,7 @@ from vitscale.metrics import mfu
 from vitscale.cli import main
 from vitscale.config import load_config
 from vitscale.lab.harness import Bench
-from vitscale.loop import Trainer
+from vitscale.loop import FiniteWatch, Trainer
 
 from helpers import check_bench_schema
 
@@ -81,6 +81,7 @@ def fake_bench(world_size, name="ddp", accum=1):
     trainer = types.SimpleNamespace(cfg=load_config(TINY, [f"train.accum_steps={accum}"]), task=task, step=0,
                                     strategy=FakeStrategy(world_size, name))
     trainer.train_step = functools.partial(Trainer.train_step, trainer)
+    trainer.run_step, trainer.watch = functools.partial(Trainer.run_step, trainer), FiniteWatch()
     return Bench.around(trainer, (torch.zeros(4, 1), torch.zeros(4)))
 
 
@@ -379,3 +380,24 @@ def test_bench_synthetic_runs_an_image_text_recipe_without_its_shards(capsys):
     # without --synthetic the same recipe needs its shards: one line
     assert main(["bench", "configs/clip_cc3m.toml", *FAST, *small]) == 2
     assert "data.root must name the webdataset shards" in capsys.readouterr().err
+
+
+def test_bench_beside_times_the_recipe_and_a_candidate_override_in_paired_rounds(capsys):
+    """`--beside train.capture=step`: both sides in one process, round by round; the speedup is
+    the median of the per-round ratios; kernel time needs a GPU (None here)."""
+    import statistics
+    rc = main(["bench", TINY, "--synthetic", "--steps", "2", "--warmup", "1", "--trials", "1", "--rounds", "3",
+               "--beside", "train.capture=step", "--json"])
+    assert rc == 0
+    b = json.loads(capsys.readouterr().out)["beside"]
+    assert b["overrides"] == {"train.capture": "step"} and len(b["speedup_rounds"]) == 3
+    assert b["recipe"]["images_per_s"] > 0 and b["candidate"]["images_per_s"] > 0
+    assert b["speedup"] == statistics.median(b["speedup_rounds"]) and 0 <= b["rounds_won"] <= 3
+    assert b["candidate"]["kernel_s_per_step"] is None
+
+
+def test_bench_beside_refuses_a_candidate_that_does_not_validate_in_one_line(capsys):
+    rc = main(["bench", TINY, "--synthetic", "--steps", "1", "--trials", "1", "--set", "optim.name=sgd",
+               "--beside", "train.capture=step"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "train.capture=step is refused" in err and len(err.strip().splitlines()) == 1

@@ -23,7 +23,7 @@ def test_rungs_are_cumulative():
     cfg = load_config(TINY)
     rungs = build_rungs(cfg, world_size=1)
     assert [r.key for r in rungs] == ["baseline", "tf32", "precision", "foreach", "fused", "pool", "sdpa",
-                                      "compile", "cudagraphs", "batch", "sharding"]
+                                      "compile", "cudagraphs", "capture", "batch", "sharding"]
     assert rungs[0].overrides == BASELINE
     for prev, r in zip(rungs, rungs[1:]):
         if r.skip is None:
@@ -34,10 +34,11 @@ def test_rungs_are_cumulative():
     assert top == {"train.precision": "bf16", "train.tf32": False, "model.head": "pool", "optim.impl": "fused",
                    "model.attention": "sdpa", "train.compile": True, "train.compile_mode": "default",
                    "data.batch_size": 32}
-    assert [r.numerics for r in rungs] == [True, True, True, False, False, True, True, False, False, True, False]
+    assert [r.numerics for r in rungs] == [True, True, True, False, False, True, True, False, False, False, True,
+                                           False]
     assert rungs[-1].skip and "more than one process" in rungs[-1].skip
     # on a CPU the CUDA-only rungs are skipped with the reason (they would change nothing)
-    assert all("CUDA feature" in rungs[i].skip for i in (1, 8))
+    assert all("CUDA feature" in rungs[i].skip for i in (1, 8, 9))
     assert rungs[0].name.startswith("baseline (fp32,")
 
 
@@ -49,7 +50,10 @@ def test_rungs_on_a_gpu_add_tf32_and_cuda_graphs(monkeypatch):
     assert rungs["tf32"].skip is None and rungs["tf32"].overrides["train.tf32"] is True
     assert rungs["cudagraphs"].skip is None
     assert rungs["cudagraphs"].overrides["train.compile_mode"] == "reduce-overhead"
-    assert rungs["batch"].overrides["train.compile_mode"] == "reduce-overhead"
+    # the whole step captured replaces compile's own CUDA graphs (compile stays on, inside the capture)
+    assert rungs["capture"].skip is None
+    assert rungs["batch"].overrides["train.compile_mode"] == "default"
+    assert rungs["batch"].overrides["train.capture"] == "step" and rungs["batch"].overrides["train.compile"]
     # CUDA graphs are for one GPU: with the compile rung left out, the cudagraphs rung does not validate
     off = {r.key: r for r in build_rungs(load_config(TINY), world_size=1, skip=("compile",))}
     assert "needs train.compile=true" in off["cudagraphs"].skip
@@ -115,7 +119,7 @@ def test_ladder_times_each_rung_under_its_own_tf32_flags(monkeypatch, tmp_path, 
     from vitscale.lab import ladder as lab_ladder
     from vitscale.loop import Trainer
     from vitscale.strategy import devices, single
-    monkeypatch.setattr(lab_ladder, "CUDA_ONLY", ("cudagraphs",))
+    monkeypatch.setattr(lab_ladder, "CUDA_ONLY", ("cudagraphs", "capture"))
     cuda_flags = lambda device_type, tf32, bench: {"matmul_tf32": tf32, "conv_tf32": tf32,  # noqa: E731
                                                     "cudnn_benchmark": bench}
     monkeypatch.setattr(single, "backend_flags", cuda_flags)

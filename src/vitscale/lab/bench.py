@@ -13,6 +13,8 @@ examples:
 """
 from __future__ import annotations
 
+import statistics
+
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -34,13 +36,17 @@ def add_arguments(p) -> None:
     p.add_argument("--peer", choices=("timm",), help="also time timm's VisionTransformer of the same function "
                    "(same weights, batch, precision, compile) in a skilled user's plain loop, in interleaved "
                    "paired rounds beside the recipe's step (implies --synthetic)")
-    p.add_argument("--rounds", type=int, default=5, help="paired rounds with --peer (default 5)")
+    p.add_argument("--beside", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="also time the recipe with this override (repeatable: one candidate with all of "
+                        "them) in interleaved paired rounds beside the recipe's own step, e.g. "
+                        "--beside train.capture=step")
+    p.add_argument("--rounds", type=int, default=5, help="paired rounds with --peer or --beside (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--out", help="also write the JSON result to this file")
 
 
 def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_steps: int = 0,
-            peer: str | None = None, rounds: int = 5) -> dict:
+            peer: str | None = None, rounds: int = 5, beside: list | None = None) -> dict:
     import torch
 
     from ..metrics import mfu, peak_flops
@@ -93,10 +99,55 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
         if peer:
             from .peer import peer_rounds
             out["peer"] = peer_rounds(b, peer, steps, warmup, rounds, b.trainer.flops_per_image, peak)
+        if beside:
+            out["beside"] = beside_rounds(b, beside, steps, warmup, rounds, peak)
     finally:
         b.close()
     s.close()  # leave the process group cleanly (multi-process runs)
     return out
+
+
+def beside_rounds(b, overrides: list, steps: int, warmup: int, rounds: int, peak: float) -> dict:
+    """The recipe's Bench `b` and the recipe with `overrides` (["section.key=value"]) timed in
+    `rounds` interleaved paired rounds, each on its own fixed or loaded batches; each side's img/s,
+    MFU and (on a GPU) kernel time per step, and the candidate's speed over the recipe's (the
+    median of the per-round ratios)."""
+    from .harness import Bench, kernel_seconds, paired_rounds, rate, rounds_won, side_by_side, with_overrides
+    from ..config import parse_override
+    from ..errors import UserError
+    from ..metrics import mfu
+    over = dict(parse_override(o) for o in overrides)
+    # the recipe as the Bench was given it (a synthetic Bench swaps the dataset itself)
+    other = Bench(with_overrides(b.given, over), b.fixed is not None)
+    try:
+        times = side_by_side([b, other], steps, rounds, warmup)
+        if any(t is None for t in times):
+            raise UserError("bench --beside: a side ran out of memory; lower data.batch_size")
+        kernels = [kernel_seconds(x, steps) for x in (b, other)]
+    finally:
+        other.close()
+    speedups = paired_rounds(times, [b.global_batch] * 2)[1]  # the candidate's speed over the recipe's
+    sides = [rate(t, steps, b.global_batch) for t in times]
+    fpi = b.trainer.flops_per_image
+    return {"overrides": over, "rounds": rounds, "steps": steps, "warmup": warmup,
+            **{name: {**side, "mfu": mfu(fpi, side["images_per_s"], peak, 1), "kernel_s_per_step": k}
+               for name, side, k in zip(("recipe", "candidate"), sides, kernels)},
+            "speedup": statistics.median(speedups), "speedup_rounds": speedups,
+            "rounds_won": rounds_won(speedups)}
+
+
+def describe_beside(r: dict) -> list[str]:
+    ms = lambda v: "n/a" if v is None else f"{1e3 * v:.2f} ms"  # noqa: E731
+    cand = " ".join(f"{k}={v}" for k, v in r["overrides"].items())
+    rows = [f"beside      {r['rounds']} interleaved paired rounds x {r['steps']} steps after {r['warmup']} warm-up",
+            "            | candidate | median step | kernel time/step | img/s | MFU |",
+            "            |---|---:|---:|---:|---:|"]
+    for label, side in (("the recipe", r["recipe"]), (cand, r["candidate"])):
+        rows.append(f"            | {label} | {ms(side['step_time_s']['median'])} | {ms(side['kernel_s_per_step'])} | "
+                    f"{side['images_per_s']:.1f} | {100 * side['mfu']:.1f}% |")
+    rows.append(f"speedup     {cand} / the recipe: {r['speedup']:.3f}x (median of the per-round ratios; faster "
+                f"in {r['rounds_won']} of {r['rounds']} rounds)")
+    return rows
 
 
 def timed_steps(b, steps: int, warmup: int, trials: int) -> tuple[dict, dict]:
@@ -147,6 +198,8 @@ def describe(r: dict) -> str:
     if "peer" in r:
         from .peer import describe_peer
         lines += describe_peer(r["peer"])
+    if "beside" in r:
+        lines += describe_beside(r["beside"])
     lines += [f"note        {n}" for n in r["split_notes"] + r.get("peer", {}).get("notes", [])]
     return "\n".join(lines)
 
@@ -159,8 +212,12 @@ def run(args) -> int:
     if args.peer:
         from .peer import import_timm
         import_timm()  # one line before anything is built where it does not import
+    if args.beside:  # the candidate's refusal in one line before anything is timed
+        from ..config import parse_override
+        from .harness import with_overrides
+        with_overrides(cfg, dict(parse_override(o) for o in args.beside))
     r = measure(cfg, args.steps, args.warmup, args.trials, args.synthetic or bool(args.peer), args.split_steps,
-                args.peer, args.rounds)
+                args.peer, args.rounds, args.beside)
     if r["rank"] != 0:
         return 0
     text = json.dumps(r, indent=2, default=str)

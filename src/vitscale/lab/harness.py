@@ -125,6 +125,7 @@ class Bench:
 
     def __init__(self, cfg, synthetic: bool = False):
         from ..loop import Trainer
+        self.given = cfg  # the recipe as given (a synthetic Bench swaps the dataset)
         self.cfg = cfg = synthetic_data(cfg) if synthetic else cfg
         if cfg.train.compile:
             static_compiles()
@@ -137,7 +138,7 @@ class Bench:
         """A Bench of an existing trainer (anything with a Trainer's `cfg`, `strategy`, `task` and
         `train_step`) that times one fixed batch; closing it leaves the trainer alone."""
         b = cls.__new__(cls)
-        b.cfg, b.tmp = trainer.cfg, None
+        b.cfg, b.given, b.tmp = trainer.cfg, trainer.cfg, None
         b._attach(trainer)
         b.fixed = batch
         return b
@@ -188,7 +189,7 @@ class Bench:
             a = perf()
             batch = self.fixed if self.fixed is not None else self.fetch()
             data += perf() - a
-            self.trainer.train_step(batch)
+            self.trainer.run_step(batch)
         self.sync()
         return perf() - t0, data
 
@@ -300,6 +301,21 @@ def build_bench(cfg, synthetic: bool = False) -> tuple:
         return None, str(e)
     free_memory()  # the half-built trainer is garbage only now, outside the except block
     return None, why
+
+
+def kernel_seconds(b: Bench, steps: int) -> float | None:
+    """GPU kernel time per step over `steps` of Bench `b`'s steps (torch.profiler's CUDA activity:
+    the kernels and copies the GPU ran): beside the wall step time, how much of a step the GPU
+    computes and how much is launch overhead. None on a CPU or where the profiler gives nothing."""
+    if b.s.device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    with b.settings():
+        b.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            b.steps(steps)
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e6 / steps if total_us else None
 
 
 def gather_max(s, times: list) -> list:

@@ -41,8 +41,9 @@ class Rung:
     note: str = ""
 
 
-KEYS = ("tf32", "precision", "foreach", "fused", "pool", "sdpa", "compile", "cudagraphs", "batch", "sharding")
-CUDA_ONLY = ("tf32", "cudagraphs")  # rungs that change nothing on a CPU
+KEYS = ("tf32", "precision", "foreach", "fused", "pool", "sdpa", "compile", "cudagraphs", "capture", "batch",
+        "sharding")
+CUDA_ONLY = ("tf32", "cudagraphs", "capture")  # rungs that change nothing on a CPU
 
 
 def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
@@ -70,6 +71,8 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
         Rung("compile", "+ compile", {"train.compile": True}, False),
         Rung("cudagraphs", "+ CUDA graphs (compile mode reduce-overhead)", {"train.compile_mode": "reduce-overhead"},
              False),
+        Rung("capture", "+ the whole step captured (train.capture=step; compile without its own graphs)",
+             {"train.capture": "step", "train.compile_mode": "default"}, False),
         Rung("batch", f"+ larger batch ({per_device} -> {2 * per_device} per device)",
              {"data.batch_size": 2 * cfg.data.batch_size}, True),
         Rung("sharding", "+ sharding (fsdp)", {"strategy.name": "fsdp"}, False),

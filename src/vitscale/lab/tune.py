@@ -187,6 +187,9 @@ def search_space(cfg, args) -> dict:
                first("optim.impl", ["forloop", "foreach", "fused"]), "micro"]
     if not args.no_compile:
         choices.append(first("train.compile", [False, True]))
+    gpu = torch.cuda.is_available() and cfg.run.device != "cpu"
+    if gpu:  # the whole step as one CUDA graph (a candidate that does not validate is measured as None)
+        choices.append(first("train.capture", ["none", "step"]))
     accums = accum_choices(per_device, cfg.train.accum_steps)
     bn = batch_norm_layers(synthetic_data(cfg) if args.synthetic else cfg)  # --synthetic: no dataset read
     micro_note = ""
@@ -197,7 +200,7 @@ def search_space(cfg, args) -> dict:
                       f"batch statistics, so a smaller micro-batch would change the numerics "
                       f"(--allow-bn-micro-batch searches it anyway)")
     return {"allowed": allowed, "choices": choices, "accums": accums, "micro_note": micro_note, "world": world,
-            "per_device": per_device, "gpu": torch.cuda.is_available() and cfg.run.device != "cpu"}
+            "per_device": per_device, "gpu": gpu}
 
 
 class Measurer:
