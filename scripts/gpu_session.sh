@@ -6,8 +6,8 @@
 # here), installed with pip --no-index --no-deps into /tmp/site and put on PYTHONPATH.
 #
 #   bash scripts/gpu_session.sh OUT_DIR [PARTS]   PARTS: all (default), or a comma list of
-#                                                 tests, bench, ladder, tune, deepspeed, peer, run in that order
-#                                                 (peer is not in all: ask for it)
+#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, run in
+#                                                 that order (peer and capture are not in all: ask for them)
 #
 # First, every time: the carried wheels installed; the machine and every package's version ("missing"
 # where absent) into log.txt; what the parts import checked (missing ones named in one line); then
@@ -23,22 +23,27 @@
 # bench_default.json, bench_default_graphs.json (CUDA graphs), ladder/ladder.{json,png},
 # tuned_b16.toml; the peer part: bench_peer_b16.json (the recipe compiled beside timm's ViT compiled,
 # issue 32), bench_clip_v3.json and bench_clip_openclip.json (CLIP ViT-B/16 on synthetic pairs, FastCLIP-v3
-# and the OpenCLIP loss). Scratch runs go to a temporary folder. docs/gpu.md gives each part's time on one
+# and the OpenCLIP loss); the capture part (issue 31): capture_tests.txt (the captured step against the
+# eager one on the GPU), bench_capture.json (the default recipe eager beside train.capture=step, kernel
+# time per step), capture_summary.json and capture_metrics.jsonl (the default job captured, on
+# Fashion-MNIST from FMNIST_ROOT). Scratch runs go to a temporary folder. docs/gpu.md gives each part's time on one
 # H100 and the device-tool calls for a 30-minute budget. Knobs (environment):
 #   CFG=configs/vit_b16_imagenet.toml  BATCH=256  LAB_ARGS="--steps 10 --trials 3"  TUNE_BUDGET=240
 #   CLIP_CFG=configs/clip_vit_b16.toml  CLIP_BATCH=256  PEER_ROUNDS=5
+#   FMNIST_ROOT=data/fashion-mnist (the four .gz files, carried)  CAPTURE_SETS="--set train.compile=true"
+#   TRAIN_CFG=configs/fashion_mnist.toml (the job the capture part trains)
 #   WHEELS=.whl  SITE=/tmp/site  PYTHON=python3  KILL_AFTER=15
 #   ALLOW_CPU=1 (run without a GPU: for the smoke tests; the GPU check then checks the flags only)
 #   SKIP_STEPS="bench_default_graphs ..." (steps to leave out, by the names log.txt gives them;
 #   the wheels, versions and GPU check steps always run)
 set -uo pipefail
-usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer]"
+usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture]"
 out=${1:?$usage}
 parts=${2:-all}
 [ "$parts" = all ] && parts=tests,deepspeed,bench,ladder,tune
 for p in ${parts//,/ }; do
-  case $p in tests|bench|ladder|tune|deepspeed|peer) ;;
-    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer)" >&2; exit 2;;
+  case $p in tests|bench|ladder|tune|deepspeed|peer|capture) ;;
+    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture)" >&2; exit 2;;
   esac
 done
 py=${PYTHON:-python3}
@@ -167,6 +172,20 @@ if want peer; then
   for loss in fastclip_v3 openclip; do
     step "bench_clip_${loss#fastclip_}" 180 "$py" -m vitscale bench "${CLIP_CFG:-configs/clip_vit_b16.toml}" \
       "${clip[@]}" "${lab[@]}" --set clip.loss=$loss --json --out "$out/bench_clip_${loss#fastclip_}.json"
+  done
+fi
+if want capture; then
+  # issue 31: the whole step as one CUDA graph. The GPU tests of the captured step; the default recipe
+  # eager beside captured (one process, paired rounds, kernel time per step); the default job captured
+  read -r -a capsets <<< "${CAPTURE_SETS:-}"
+  step capture_tests 180 bash -c "'$py' -m pytest -q -rs -p no:cacheprovider tests/unit/test_gpu.py -k captured > '$out/capture_tests.txt' 2>&1"
+  step bench_capture 150 "$py" -m vitscale bench --synthetic "${lab[@]}" "${capsets[@]}" --beside train.capture=step \
+    --rounds "${PEER_ROUNDS:-5}" --json --out "$out/bench_capture.json"
+  step train_capture 240 "$py" -m vitscale train "${TRAIN_CFG:-configs/fashion_mnist.toml}" --out "$scratch/capture" \
+    --set "data.root=${FMNIST_ROOT:-data/fashion-mnist}" --set train.capture=step \
+    --set run.progress=off "${capsets[@]}"
+  for f in summary.json metrics.jsonl; do
+    [ -f "$scratch/capture/$f" ] && cp "$scratch/capture/$f" "$out/capture_$f"
   done
 fi
 rm -rf "$scratch"

@@ -191,3 +191,24 @@ def test_the_peer_part_on_the_image(tmp_path):
     assert peer["name"] == "timm" and len(peer["speedup_rounds"]) == 2
     losses = [json.loads((out / f"bench_clip_{x}.json").read_text())["config"]["clip"]["loss"] for x in ("v3", "openclip")]
     assert losses == ["fastclip_v3", "openclip"]
+
+
+@NO_GPU
+def test_the_capture_part_on_the_image(tmp_path):
+    """The capture part (issue 31) with tiny recipes on the CPU: the GPU tests of the captured step
+    run (skipped here, with the reason), the bench of the recipe beside train.capture=step and the
+    captured training run write their files."""
+    out = tmp_path / "o"
+    p = run(out, "capture", ALLOW_CPU="1", TRAIN_CFG="configs/tests/tiny.toml", PEER_ROUNDS="2",
+            LAB_ARGS="configs/tests/tiny.toml --steps 2 --trials 1 --warmup 1 --set run.threads=1")
+    assert p.returncode == 0, p.stderr
+    log = (out / "log.txt").read_text()
+    for name in ("capture_tests", "bench_capture", "train_capture"):
+        assert f"== {name} exit 0" in log, log[-3000:]
+    assert "needs a CUDA GPU" in (out / "capture_tests.txt").read_text()
+    beside = json.loads((out / "bench_capture.json").read_text())["beside"]
+    assert beside["overrides"] == {"train.capture": "step"} and len(beside["speedup_rounds"]) == 2
+    summary = json.loads((out / "capture_summary.json").read_text())
+    assert summary["steps"] > 0 and (out / "capture_metrics.jsonl").read_text().strip()
+    assert sorted(f.name for f in out.iterdir()) == ["bench_capture.json", "capture_metrics.jsonl",
+                                                      "capture_summary.json", "capture_tests.txt", "log.txt"]
