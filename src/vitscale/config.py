@@ -225,6 +225,10 @@ class TrainConfig:
                                "max-autotune-no-cudagraphs", doc="torch.compile mode: reduce-overhead "
                                "= CUDA graphs (one launch per step: small, launch-bound models on a GPU)")
     activation_checkpointing: bool = False
+    sdpa_backend: str = choice("auto", "auto", "flash", "cudnn", "efficient", "math", doc="model.attention="
+                               "sdpa: the kernel scaled_dot_product_attention may use (torch.nn.attention."
+                               "sdpa_kernel); auto = torch's choice. cudnn and efficient are CUDA kernels "
+                               "(refused on a CPU); the same function within the kernels' rounding")
     capture: str = choice("none", "none", "step", doc="step = the whole training step (forward, backward, "
                           "clipping, AdamW with its lr and step count on the device, EMA, the non-finite "
                           "watch) as one unit with static shapes: one CUDA graph replay per step on a GPU "
@@ -490,6 +494,9 @@ def check(cfg: Config) -> None:
                               "max-autotune-no-cudagraphs")
     if cfg.train.capture == "step":
         check_capture(cfg)
+    if cfg.train.sdpa_backend != "auto" and cfg.model.attention != "sdpa":
+        raise ConfigError(f"config: train.sdpa_backend={cfg.train.sdpa_backend} picks a kernel of fused attention: "
+                          f"it needs model.attention=sdpa (not {cfg.model.attention})")
     if cfg.train.precision == "pure_fp16" and not cfg.train.master_weights:
         raise ConfigError("config: train.precision=pure_fp16 with train.master_weights=false is refused: "
                           "torch's loss scaler cannot unscale fp16 gradients, and fp16 optimizer state "

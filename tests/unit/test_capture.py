@@ -208,3 +208,27 @@ def test_batches_prepared_many_at_once_equal_batches_prepared_one_by_one(aug):
         assert len(many) == len(one) == len(data.train) - 1
         for (x1, y1), (x2, y2) in zip(one, many):
             assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+def test_the_ema_update_without_host_reads_is_averaged_models_arithmetic():
+    """SingleDevice.update_ema (no read of the count per step) against torch's
+    AveragedModel.update_parameters on a copy: the same EMA weights and count, bit for bit, from
+    the first update (a copy) on."""
+    import copy
+
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    from vitscale.config import OptimConfig, TrainConfig
+    from vitscale.models import vit
+    from vitscale.strategy import SingleDevice
+    torch.manual_seed(0)
+    s = SingleDevice(TrainConfig(ema_decay=0.9), OptimConfig(), torch.device("cpu"))
+    s.setup(vit("vit_pico", image_size=8, patch_size=4, in_chans=1, num_classes=4, depth=1))
+    ref = AveragedModel(copy.deepcopy(s.module), multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    for _ in range(4):
+        s.backward(s.model(torch.randn(4, 1, 8, 8)).square().mean())
+        s.step()
+        ref.update_parameters(s.module)
+        for a, b in zip(ref.state_dict().values(), s.ema.state_dict().values()):
+            assert torch.equal(a, b)
+    assert int(s.ema.n_averaged) == s.ema_updates == 4

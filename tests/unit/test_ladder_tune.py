@@ -23,7 +23,8 @@ def test_rungs_are_cumulative():
     cfg = load_config(TINY)
     rungs = build_rungs(cfg, world_size=1)
     assert [r.key for r in rungs] == ["baseline", "tf32", "precision", "foreach", "fused", "pool", "sdpa",
-                                      "compile", "cudagraphs", "capture", "batch", "sharding"]
+                                      "sdpa_backend", "compile", "autotune", "cudagraphs", "capture", "batch",
+                                      "sharding"]
     assert rungs[0].overrides == BASELINE
     for prev, r in zip(rungs, rungs[1:]):
         if r.skip is None:
@@ -34,11 +35,11 @@ def test_rungs_are_cumulative():
     assert top == {"train.precision": "bf16", "train.tf32": False, "model.head": "pool", "optim.impl": "fused",
                    "model.attention": "sdpa", "train.compile": True, "train.compile_mode": "default",
                    "data.batch_size": 32}
-    assert [r.numerics for r in rungs] == [True, True, True, False, False, True, True, False, False, False, True,
-                                           False]
+    assert [r.numerics for r in rungs] == [True, True, True, False, False, True, True, True, False, False, False,
+                                           False, True, False]
     assert rungs[-1].skip and "more than one process" in rungs[-1].skip
     # on a CPU the CUDA-only rungs are skipped with the reason (they would change nothing)
-    assert all("CUDA feature" in rungs[i].skip for i in (1, 8, 9))
+    assert all("CUDA feature" in rungs[i].skip for i in (1, 7, 9, 10, 11))
     assert rungs[0].name.startswith("baseline (fp32,")
 
 
@@ -49,11 +50,17 @@ def test_rungs_on_a_gpu_add_tf32_and_cuda_graphs(monkeypatch):
     assert "TF32 off" in rungs["baseline"].name and rungs["baseline"].overrides["train.tf32"] is False
     assert rungs["tf32"].skip is None and rungs["tf32"].overrides["train.tf32"] is True
     assert rungs["cudagraphs"].skip is None
-    assert rungs["cudagraphs"].overrides["train.compile_mode"] == "reduce-overhead"
-    # the whole step captured replaces compile's own CUDA graphs (compile stays on, inside the capture)
+    # with the autotune rung taken, the graph rungs keep its kernels: max-autotune, then the whole
+    # step captured around compile without graphs of its own
+    assert rungs["sdpa_backend"].overrides["train.sdpa_backend"] == "cudnn"
+    assert rungs["autotune"].overrides["train.compile_mode"] == "max-autotune-no-cudagraphs"
+    assert rungs["cudagraphs"].overrides["train.compile_mode"] == "max-autotune"
     assert rungs["capture"].skip is None
-    assert rungs["batch"].overrides["train.compile_mode"] == "default"
+    assert rungs["batch"].overrides["train.compile_mode"] == "max-autotune-no-cudagraphs"
     assert rungs["batch"].overrides["train.capture"] == "step" and rungs["batch"].overrides["train.compile"]
+    plain = {r.key: r for r in build_rungs(load_config(TINY), world_size=1, skip=("autotune",))}
+    assert plain["cudagraphs"].overrides["train.compile_mode"] == "reduce-overhead"
+    assert plain["capture"].overrides["train.compile_mode"] == "default"
     # CUDA graphs are for one GPU: with the compile rung left out, the cudagraphs rung does not validate
     off = {r.key: r for r in build_rungs(load_config(TINY), world_size=1, skip=("compile",))}
     assert "needs train.compile=true" in off["cudagraphs"].skip
@@ -119,7 +126,7 @@ def test_ladder_times_each_rung_under_its_own_tf32_flags(monkeypatch, tmp_path, 
     from vitscale.lab import ladder as lab_ladder
     from vitscale.loop import Trainer
     from vitscale.strategy import devices, single
-    monkeypatch.setattr(lab_ladder, "CUDA_ONLY", ("cudagraphs", "capture"))
+    monkeypatch.setattr(lab_ladder, "CUDA_ONLY", ("cudagraphs", "capture", "sdpa_backend", "autotune"))
     cuda_flags = lambda device_type, tf32, bench: {"matmul_tf32": tf32, "conv_tf32": tf32,  # noqa: E731
                                                     "cudnn_benchmark": bench}
     monkeypatch.setattr(single, "backend_flags", cuda_flags)
@@ -478,3 +485,24 @@ def test_bad_input_one_line(capsys, argv, expect):
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 2 and expect in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_tune_tries_the_gpu_switches_only_on_a_gpu(monkeypatch):
+    """Issues 31 and 32: on a GPU tune also tries the attention kernel, inductor's autotuned
+    templates and the whole step captured; on a CPU none of them (they change nothing there or
+    cannot run)."""
+    import types
+
+    from vitscale.lab.tune import search_space
+    args = types.SimpleNamespace(allow_precision="", no_compile=False, synthetic=True, allow_bn_micro_batch=False)
+    cfg = load_config(TINY, ["model.attention=sdpa"])
+    keys = lambda space: [c[0] for c in space["choices"] if c != "micro"]  # noqa: E731
+    cpu = keys(search_space(cfg, args))
+    assert not {"train.sdpa_backend", "train.compile_mode", "train.capture"} & set(cpu)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    space = search_space(cfg, args)
+    gpu = dict(c for c in space["choices"] if c != "micro")
+    assert gpu["train.sdpa_backend"][0] == "auto" and "cudnn" in gpu["train.sdpa_backend"]
+    assert gpu["train.compile_mode"] == ["default", "max-autotune-no-cudagraphs"]
+    assert gpu["train.capture"] == ["none", "step"]
+    assert keys(space).index("train.compile_mode") > keys(space).index("train.compile")  # after compile is decided

@@ -176,7 +176,8 @@ class Bench:
         """The loader's next batch, on to the next epoch when one ends."""
         batch = next(self._it, None)
         while batch is None:
-            self._it = self.trainer.data.train.iterate(self._epoch)
+            # as training iterates (train.capture=step: many batches prepared at once)
+            self._it = self.trainer.data.train.iterate(self._epoch, ahead=getattr(self.trainer, "ahead", 1))
             self._epoch += 1
             batch = next(self._it, None)
         return batch

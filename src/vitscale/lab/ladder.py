@@ -41,9 +41,10 @@ class Rung:
     note: str = ""
 
 
-KEYS = ("tf32", "precision", "foreach", "fused", "pool", "sdpa", "compile", "cudagraphs", "capture", "batch",
-        "sharding")
-CUDA_ONLY = ("tf32", "cudagraphs", "capture")  # rungs that change nothing on a CPU
+KEYS = ("tf32", "precision", "foreach", "fused", "pool", "sdpa", "sdpa_backend", "compile", "autotune",
+        "cudagraphs", "capture", "batch", "sharding")
+# rungs that change nothing on a CPU, or cannot run there
+CUDA_ONLY = ("tf32", "sdpa_backend", "autotune", "cudagraphs", "capture")
 
 
 def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
@@ -68,17 +69,26 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
         Rung("fused", "+ fused optimizer", {"optim.impl": "fused"}, False),
         Rung("pool", "+ pooled head", {"model.head": "pool"}, True),
         Rung("sdpa", "+ fused attention (sdpa)", {"model.attention": "sdpa"}, True),
+        Rung("sdpa_backend", "+ cuDNN attention (train.sdpa_backend=cudnn)", {"train.sdpa_backend": "cudnn"}, True),
         Rung("compile", "+ compile", {"train.compile": True}, False),
-        Rung("cudagraphs", "+ CUDA graphs (compile mode reduce-overhead)", {"train.compile_mode": "reduce-overhead"},
-             False),
-        Rung("capture", "+ the whole step captured (train.capture=step; compile without its own graphs)",
+        Rung("autotune", "+ autotuned kernels (compile mode max-autotune-no-cudagraphs: bias + GELU in the "
+             "matmul's epilogue)", {"train.compile_mode": "max-autotune-no-cudagraphs"}, False),
+        Rung("cudagraphs", "+ CUDA graphs (compile mode reduce-overhead, or max-autotune after autotune)",
+             {"train.compile_mode": "reduce-overhead"}, False),
+        Rung("capture", "+ the whole step captured (train.capture=step; compile inside it without graphs of its own)",
              {"train.capture": "step", "train.compile_mode": "default"}, False),
         Rung("batch", f"+ larger batch ({per_device} -> {2 * per_device} per device)",
              {"data.batch_size": 2 * cfg.data.batch_size}, True),
         Rung("sharding", "+ sharding (fsdp)", {"strategy.name": "fsdp"}, False),
     ]
     acc: dict = {}
+    autotuned = False
     for r in rungs:
+        # the graph rungs keep the autotune rung's kernels where it was taken
+        if r.key == "cudagraphs" and autotuned:
+            r.delta = {"train.compile_mode": "max-autotune"}
+        if r.key == "capture" and autotuned:
+            r.delta = {"train.capture": "step", "train.compile_mode": "max-autotune-no-cudagraphs"}
         if r.key in skip:
             r.skip = "left out (--skip)"
         elif r.key in CUDA_ONLY and device_type != "cuda":
@@ -94,6 +104,7 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
                 r.skip = str(e)
         if r.skip is None:
             acc = {**acc, **r.delta}
+            autotuned = autotuned or r.key == "autotune"
         r.overrides = dict(acc)
     return rungs
 

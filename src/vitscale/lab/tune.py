@@ -188,8 +188,12 @@ def search_space(cfg, args) -> dict:
     if not args.no_compile:
         choices.append(first("train.compile", [False, True]))
     gpu = torch.cuda.is_available() and cfg.run.device != "cpu"
-    if gpu:  # the whole step as one CUDA graph (a candidate that does not validate is measured as None)
-        choices.append(first("train.capture", ["none", "step"]))
+    if gpu:  # GPU-only switches (a candidate that does not validate is measured as None)
+        # the attention kernel (issue 32: cuDNN vs flash on Hopper), where attention is fused
+        choices.insert(2, first("train.sdpa_backend", ["auto", "flash", "cudnn", "efficient"]))
+        if not args.no_compile:  # inductor's autotuned templates: bias + GELU in the matmul's epilogue
+            choices.append(first("train.compile_mode", ["default", "max-autotune-no-cudagraphs"]))
+        choices.append(first("train.capture", ["none", "step"]))  # the whole step as one CUDA graph
     accums = accum_choices(per_device, cfg.train.accum_steps)
     bn = batch_norm_layers(synthetic_data(cfg) if args.synthetic else cfg)  # --synthetic: no dataset read
     micro_note = ""

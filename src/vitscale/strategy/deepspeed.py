@@ -34,7 +34,7 @@ from torch import nn
 from ..config import OptimConfig, StrategyConfig, TrainConfig, micro_batch
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups, with_lr
-from .devices import backend_for, compile_kwargs
+from .devices import backend_for, compile_kwargs, sdpa_context
 from .dist import Distributed, env_world, free_port, launched
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -234,7 +234,7 @@ class DeepSpeedStrategy(Distributed):
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):
-        return contextlib.nullcontext()
+        return sdpa_context(self.cfg.sdpa_backend)  # precision lives in the ds_config
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layout(x)

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,6 +268,27 @@ def warn_slow_bf16(device_type: str, precision: str) -> None:
 
 
 _warned: list = []
+
+
+CUDA_SDPA = ("cudnn", "efficient")  # scaled_dot_product_attention kernels that exist on CUDA only
+
+
+def sdpa_refusal(device_type: str, backend: str) -> str | None:
+    """Why train.sdpa_backend cannot run on this device, or None."""
+    if backend in CUDA_SDPA and device_type != "cuda":
+        return (f"config: train.sdpa_backend={backend} is a CUDA kernel; on {device_type} use auto, flash or "
+                "math")
+    return None
+
+
+def sdpa_context(backend: str):
+    """The context that restricts scaled_dot_product_attention to train.sdpa_backend's kernel
+    (a null context for auto)."""
+    if backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]])
 
 
 def compile_kwargs(mode: str) -> dict:

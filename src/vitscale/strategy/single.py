@@ -19,7 +19,7 @@ from ..config import OptimConfig, TrainConfig
 from ..errors import ConfigError
 from ..optim import build_optimizer, param_groups
 from .devices import (CUDAGRAPH_MODES, apply_backend_flags, backend_flags, compile_kwargs, fp16_refusal,
-                      warn_slow_bf16)
+                      sdpa_context, sdpa_refusal, warn_slow_bf16)
 from ..precision import half_dtype
 
 
@@ -51,6 +51,9 @@ class SingleDevice:  # implements base.Strategy
         if refusal:
             raise ConfigError(refusal)
         warn_slow_bf16(device.type, self.precision)
+        refusal = sdpa_refusal(device.type, train.sdpa_backend)
+        if refusal:
+            raise ConfigError(refusal)
         self.pure = self.precision.startswith("pure_")
         self.scaler = torch.amp.GradScaler(device.type, init_scale=train.loss_scale,
                                            enabled=self.half is torch.float16)
@@ -59,6 +62,7 @@ class SingleDevice:  # implements base.Strategy
         # TF32 and cuDNN autotuning (process-wide; nothing on a CPU)
         apply_backend_flags(backend_flags(device.type, train.tf32, train.cudnn_benchmark))
         self.cudagraphs = train.compile and train.compile_mode in CUDAGRAPH_MODES
+        self.captured = train.capture == "step" and device.type == "cuda"  # the step as one CUDA graph
 
     # -- set-up ---------------------------------------------------------------------------------
     def place(self, model: nn.Module) -> None:
@@ -132,9 +136,17 @@ class SingleDevice:  # implements base.Strategy
         marks the start of a new step, so that the graphs' output buffers may be reused."""
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
+        kernel = sdpa_context(self.cfg.sdpa_backend)  # train.sdpa_backend (null for auto)
         if self.half is None or self.pure:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.half)
+            return kernel
+        # a CUDA graph capture (train.capture=step) must not keep autocast's cached weight casts
+        cast = torch.autocast(self.device.type, dtype=self.half, cache_enabled=not self.captured)
+        if self.cfg.sdpa_backend == "auto":
+            return cast
+        stack = contextlib.ExitStack()
+        stack.enter_context(kernel)
+        stack.enter_context(cast)
+        return stack
 
     def layout(self, x: torch.Tensor) -> torch.Tensor:
         """Images in channels-last memory when train.channels_last (other tensors unchanged)."""
