@@ -6,8 +6,8 @@
 # here), installed with pip --no-index --no-deps into /tmp/site and put on PYTHONPATH.
 #
 #   bash scripts/gpu_session.sh OUT_DIR [PARTS]   PARTS: all (default), or a comma list of
-#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, run in
-#                                                 that order (peer and capture are not in all: ask for them)
+#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, fp8, run
+#                                                 in that order (peer, capture and fp8 are not in all: ask for them)
 #
 # First, every time: the carried wheels installed; the machine and every package's version ("missing"
 # where absent) into log.txt; what the parts import checked (missing ones named in one line); then
@@ -26,7 +26,9 @@
 # and the OpenCLIP loss); the capture part (issue 31): capture_tests.txt (the captured step against the
 # eager one on the GPU), bench_capture.json (the default recipe eager beside train.capture=step, kernel
 # time per step), capture_summary.json and capture_metrics.jsonl (the default job captured, on
-# Fashion-MNIST from FMNIST_ROOT). Scratch runs go to a temporary folder. docs/gpu.md gives each part's time on one
+# Fashion-MNIST from FMNIST_ROOT); the fp8 part (issue 32): bench_fp8_{b16,l16,h14}.json (bf16 compiled beside
+# train.fp8=rowwise, and beside tensorwise where it is not refused; torchao carried as a wheel). Scratch runs
+# go to a temporary folder. docs/gpu.md gives each part's time on one
 # H100 and the device-tool calls for a 30-minute budget. Knobs (environment):
 #   CFG=configs/vit_b16_imagenet.toml  BATCH=256  LAB_ARGS="--steps 10 --trials 3"  TUNE_BUDGET=240
 #   CLIP_CFG=configs/clip_vit_b16.toml  CLIP_BATCH=256  PEER_ROUNDS=5
@@ -37,13 +39,13 @@
 #   SKIP_STEPS="bench_default_graphs ..." (steps to leave out, by the names log.txt gives them;
 #   the wheels, versions and GPU check steps always run)
 set -uo pipefail
-usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture]"
+usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture,fp8]"
 out=${1:?$usage}
 parts=${2:-all}
 [ "$parts" = all ] && parts=tests,deepspeed,bench,ladder,tune
 for p in ${parts//,/ }; do
-  case $p in tests|bench|ladder|tune|deepspeed|peer|capture) ;;
-    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture)" >&2; exit 2;;
+  case $p in tests|bench|ladder|tune|deepspeed|peer|capture|fp8) ;;
+    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture, fp8)" >&2; exit 2;;
   esac
 done
 py=${PYTHON:-python3}
@@ -111,6 +113,7 @@ need="torch numpy rich safetensors"
 want tests && need="$need pytest"
 want ladder && need="$need matplotlib tensorboard"
 want peer && need="$need timm open_clip"  # open_clip: CLIP's vocabulary file
+want fp8 && need="$need torchao"
 missing=$("$py" -c "
 import sys
 missing = []
@@ -186,6 +189,16 @@ if want capture; then
     --set run.progress=off "${capsets[@]}"
   for f in summary.json metrics.jsonl; do
     [ -f "$scratch/capture/$f" ] && cp "$scratch/capture/$f" "$out/capture_$f"
+  done
+fi
+if want fp8; then
+  # issue 32 item 3: float8 (torchao) beside bf16, both compiled, at the widths of ViT-B/16, L/16 and H/14;
+  # FP8_ARCHS="vit_base_patch16:b16 ..." picks them (the tensorwise candidate at a refused width is one line)
+  for pair in ${FP8_ARCHS:-vit_base_patch16:b16 vit_large_patch16:l16 vit_huge_patch14:h14}; do
+    arch=${pair%%:*} tag=${pair##*:}
+    step "bench_fp8_$tag" 300 "$py" -m vitscale bench "$cfg" "${model[@]}" "${lab[@]}" --set "model.arch=$arch" \
+      --set train.precision=bf16 --set train.compile=true --beside train.fp8=rowwise --rounds "${PEER_ROUNDS:-5}" \
+      --json --out "$out/bench_fp8_$tag.json"
   done
 fi
 rm -rf "$scratch"

@@ -33,6 +33,9 @@ DS_BUILD_OPS=0 .venv/bin/pip install -q -c constraints.txt -e ".[dev,deepspeed]"
 # ../shared/tools/tv_cpu_stub makes it (and so timm and open_clip) import on this CPU torch.
 if [ "${1:-}" = "--with-peers" ]; then
   .venv/bin/pip install -q -c constraints.txt torchvision==0.28.0 timm==1.0.31 open-clip-torch==3.3.0
+  # torchao: train.fp8's float8 conversion, tested on the CPU (its compiled kernels are for GPUs and
+  # other torch versions: they do not load here, and the float8 training path does not need them)
+  .venv/bin/pip install -q -c constraints.txt torchao==0.18.0
   stub=../shared/tools/tv_cpu_stub/install_tv_cpu_stub.sh
   if [ -f "$stub" ]; then
     bash "$stub" .venv

@@ -229,6 +229,10 @@ class TrainConfig:
                                "sdpa: the kernel scaled_dot_product_attention may use (torch.nn.attention."
                                "sdpa_kernel); auto = torch's choice. cudnn and efficient are CUDA kernels "
                                "(refused on a CPU); the same function within the kernels' rounding")
+    fp8: str = choice("none", "none", "tensorwise", "rowwise", doc="torchao float8 training of the transformer "
+                      "blocks' Linear layers (dynamic scales per tensor or per row) with train.precision=bf16 "
+                      "or pure_bf16 around them: a GPU with compute capability 8.9+; refused where it was "
+                      "measured slower than bf16 (docs/performance.md)")
     capture: str = choice("none", "none", "step", doc="step = the whole training step (forward, backward, "
                           "clipping, AdamW with its lr and step count on the device, EMA, the non-finite "
                           "watch) as one unit with static shapes: one CUDA graph replay per step on a GPU "
@@ -494,6 +498,13 @@ def check(cfg: Config) -> None:
                               "max-autotune-no-cudagraphs")
     if cfg.train.capture == "step":
         check_capture(cfg)
+    if cfg.train.fp8 != "none":
+        if cfg.train.precision not in ("bf16", "pure_bf16"):
+            raise ConfigError(f"config: train.fp8={cfg.train.fp8} runs float8 matmuls inside bf16 training: set "
+                              f"train.precision=bf16 or pure_bf16 (not {cfg.train.precision})")
+        if cfg.strategy.name not in ("single", "ddp"):
+            raise ConfigError(f"config: train.fp8={cfg.train.fp8} is for strategy.name=single or ddp (not "
+                              f"{cfg.strategy.name}: its sharded or partitioned weights are not float8-converted here)")
     if cfg.train.sdpa_backend != "auto" and cfg.model.attention != "sdpa":
         raise ConfigError(f"config: train.sdpa_backend={cfg.train.sdpa_backend} picks a kernel of fused attention: "
                           f"it needs model.attention=sdpa (not {cfg.model.attention})")

@@ -26,3 +26,23 @@ def half_dtype(precision: str) -> torch.dtype | None:
     """The half dtype of a mixed or pure half precision (None for fp32)."""
     name = compute_dtype_name(precision)
     return None if name == "fp32" else DTYPES[name]
+
+
+# train.fp8: (recipe, model width) -> the float8 step's speed over bf16's, measured side by side on
+# one GPU (strategy/fp8.py converts; a width as narrow as one measured slower is refused)
+FP8_MEASURED = {
+    # issue 32: timm's vit_base_patch16_224, torch 2.11 + torchao 0.17, compiled, batch 256, one H100
+    ("tensorwise", 768): (0.805, "timm ViT-B/16 on one H100, torchao 0.17"),
+}
+
+
+def fp8_slower(recipe: str, width: int) -> str | None:
+    """The one-line refusal of train.fp8=`recipe` for a model `width` wide where a width at least
+    as wide was measured slower than bf16 (a narrower model does relatively more scaling work per
+    matmul), or None."""
+    slower = sorted((w, r, src) for (rec, w), (r, src) in FP8_MEASURED.items() if rec == recipe and r < 1 and w >= width)
+    if not slower:
+        return None
+    w, ratio, src = slower[0]
+    return (f"config: train.fp8={recipe} is refused at model width {width}: float8 measured {ratio:.3f}x bf16's "
+            f"speed at width {w} ({src}; docs/performance.md); use bf16")

@@ -498,11 +498,11 @@ def test_tune_tries_the_gpu_switches_only_on_a_gpu(monkeypatch):
     cfg = load_config(TINY, ["model.attention=sdpa"])
     keys = lambda space: [c[0] for c in space["choices"] if c != "micro"]  # noqa: E731
     cpu = keys(search_space(cfg, args))
-    assert not {"train.sdpa_backend", "train.compile_mode", "train.capture"} & set(cpu)
+    assert not {"train.sdpa_backend", "train.compile_mode", "train.capture", "train.fp8"} & set(cpu)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     space = search_space(cfg, args)
     gpu = dict(c for c in space["choices"] if c != "micro")
     assert gpu["train.sdpa_backend"][0] == "auto" and "cudnn" in gpu["train.sdpa_backend"]
     assert gpu["train.compile_mode"] == ["default", "max-autotune-no-cudagraphs"]
-    assert gpu["train.capture"] == ["none", "step"]
+    assert gpu["train.capture"] == ["none", "step"] and gpu["train.fp8"] == ["none", "rowwise", "tensorwise"]
     assert keys(space).index("train.compile_mode") > keys(space).index("train.compile")  # after compile is decided

@@ -127,7 +127,7 @@ def test_every_config_key_either_takes_effect_or_is_refused_on_resume():
                   "lr_ref_batch"},
         "train": {"epochs", "time_limit_s", "precision", "accum_steps", "label_smoothing", "ema_decay", "ema_eval",
                   "compile", "compile_mode", "activation_checkpointing", "tf32", "cudnn_benchmark",
-                  "channels_last", "eval_hflip_tta", "capture", "sdpa_backend"},
+                  "channels_last", "eval_hflip_tta", "capture", "sdpa_backend", "fp8"},
         "strategy": {"name", "backend", "timeout_s", "bucket_mb", "grad_compression", "reduce_dtype",
                      "reshard_after_forward", "cpu_offload", "checkpoint_format", "wall_clock_breakdown",
                      "comms_logger", "flops_profiler"},

@@ -194,6 +194,8 @@ def search_space(cfg, args) -> dict:
         if not args.no_compile:  # inductor's autotuned templates: bias + GELU in the matmul's epilogue
             choices.append(first("train.compile_mode", ["default", "max-autotune-no-cudagraphs"]))
         choices.append(first("train.capture", ["none", "step"]))  # the whole step as one CUDA graph
+        # float8 matmuls in the blocks (torchao): refused where measured slower, so measured as None there
+        choices.append(first("train.fp8", ["none", "rowwise", "tensorwise"]))
     accums = accum_choices(per_device, cfg.train.accum_steps)
     bn = batch_norm_layers(synthetic_data(cfg) if args.synthetic else cfg)  # --synthetic: no dataset read
     micro_note = ""

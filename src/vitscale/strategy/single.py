@@ -21,6 +21,7 @@ from ..optim import build_optimizer, param_groups
 from .devices import (CUDAGRAPH_MODES, apply_backend_flags, backend_flags, compile_kwargs, fp16_refusal,
                       sdpa_context, sdpa_refusal, warn_slow_bf16)
 from ..precision import half_dtype
+from .fp8 import convert_fp8, fp8_refusal
 
 
 def resolve_device(name: str) -> torch.device:
@@ -51,6 +52,10 @@ class SingleDevice:  # implements base.Strategy
         if refusal:
             raise ConfigError(refusal)
         warn_slow_bf16(device.type, self.precision)
+        refusal = fp8_refusal(train.fp8, device.type,
+                              torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+        if refusal:
+            raise ConfigError(refusal)
         refusal = sdpa_refusal(device.type, train.sdpa_backend)
         if refusal:
             raise ConfigError(refusal)
@@ -76,6 +81,8 @@ class SingleDevice:  # implements base.Strategy
 
     def setup(self, model: nn.Module) -> None:
         self.place(model)
+        if self.cfg.fp8 != "none":  # the blocks' Linear layers in float8 (torchao); same parameters
+            convert_fp8(model, self.cfg.fp8)
         groups = param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay)
         if self.pure and self.cfg.master_weights:
             # the optimizer sees fp32 copies; model params stay half and get refreshed from them

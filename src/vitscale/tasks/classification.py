@@ -13,6 +13,7 @@ from ..data import geometry as data_geometry
 from ..errors import ConfigError, UserError
 from ..models import VisionTransformer, ViTSpec, resolve_spec, vit_forward_flops
 from ..optim import block_index
+from ..precision import fp8_slower
 from .base import Task, padding_forwards
 
 
@@ -68,6 +69,10 @@ class ClassificationTask(Task):
                 raise ConfigError(f"config: {e}") from None
         if m.init_open_clip:
             raise init_open_clip_misplaced(m)
+        if self.cfg.train.fp8 != "none":  # refused where measured slower, before anything is built
+            refusal = fp8_slower(self.cfg.train.fp8, resolve_spec(m.arch, dim=m.dim).dim)
+            if refusal:
+                raise ConfigError(refusal)
 
     def build_data(self, s):
         cfg = self.cfg
