@@ -6,7 +6,7 @@
 # /work/.library/device/KINDS.md). Never torch, nor anything that pulls it in: the image's torch is
 # used as it is. Run here (needs PyPI), from any folder:
 #
-#   bash scripts/gpu_wheels.sh [DEST=.whl]
+#   bash scripts/gpu_wheels.sh [DEST=.whl]        WITH_TORCHAO=1 adds torchao (the fp8 part)
 #
 # The image runs Python 3.12 on x86-64, so binary wheels are fetched for cp312 manylinux; DeepSpeed
 # publishes no wheel, so its sdist is built into a pure-Python one here with DS_BUILD_OPS=0 (its
@@ -25,6 +25,9 @@ WHEELS=(
   hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   typing-extensions==4.16.0               # pydantic 2.14 needs >= 4.16 (the image's may be older; it only adds)
 )
+# WITH_TORCHAO=1: torchao for train.fp8 (gpu_session.sh's fp8 part); 0.17.0 is the release built for the
+# image's torch 2.11; about 19 MiB, so carry it only for that part (Fashion-MNIST for the capture part is 30 MB)
+[ "${WITH_TORCHAO:-0}" = 1 ] && WHEELS+=(torchao==0.17.0)
 DEEPSPEED=deepspeed==0.19.8               # its other needs (ninja, msgpack, psutil, py-cpuinfo, einops, tqdm) are on the image
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)

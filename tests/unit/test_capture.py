@@ -232,3 +232,22 @@ def test_the_ema_update_without_host_reads_is_averaged_models_arithmetic():
         for a, b in zip(ref.state_dict().values(), s.ema.state_dict().values()):
             assert torch.equal(a, b)
     assert int(s.ema.n_averaged) == s.ema_updates == 4
+
+
+def test_evaluation_reads_the_device_a_fixed_number_of_times_whatever_its_batches(tmp_path, monkeypatch):
+    """Issue 31 item 3: evaluation sums on the device and reads once at the end: 4 batches of 8 and
+    1 batch of 32 read the device equally often (checkpoints' and evaluations' state check aside)."""
+    from test_gpu_paths_cpu import _count_host_reads
+    reads = []
+    for eval_batch in (8, 32):
+        cfg = load_config(TINY, [f"data.eval_batch_size={eval_batch}", "train.eval_hflip_tta=true"])
+        tr = Trainer(cfg, tmp_path / f"e{eval_batch}")
+        try:
+            n = _count_host_reads(monkeypatch)
+            r = tr.task.evaluate_all(tr.strategy, tr.data)
+            monkeypatch.undo()
+            reads.append(n["reads"])
+        finally:
+            tr.close()
+        assert r["test_count"] == 32
+    assert reads[0] == reads[1], reads
