@@ -502,9 +502,6 @@ def check(cfg: Config) -> None:
         if cfg.train.precision not in ("bf16", "pure_bf16"):
             raise ConfigError(f"config: train.fp8={cfg.train.fp8} runs float8 matmuls inside bf16 training: set "
                               f"train.precision=bf16 or pure_bf16 (not {cfg.train.precision})")
-        if cfg.strategy.name not in ("single", "ddp"):
-            raise ConfigError(f"config: train.fp8={cfg.train.fp8} is for strategy.name=single or ddp (not "
-                              f"{cfg.strategy.name}: its sharded or partitioned weights are not float8-converted here)")
     if cfg.train.sdpa_backend != "auto" and cfg.model.attention != "sdpa":
         raise ConfigError(f"config: train.sdpa_backend={cfg.train.sdpa_backend} picks a kernel of fused attention: "
                           f"it needs model.attention=sdpa (not {cfg.model.attention})")

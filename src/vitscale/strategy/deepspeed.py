@@ -157,6 +157,8 @@ class DeepSpeedStrategy(Distributed):
              "bf16 weights with fp32 master weights in the optimizer)", train.precision.startswith("pure_")),
             ("train.ema_decay > 0 (no EMA of ZeRO-sharded weights; use strategy.name=ddp or single)",
              train.ema_decay > 0),
+            (f"train.fp8={train.fp8} (its partitioned weights are not float8-converted; use strategy.name=ddp "
+             "or single)", train.fp8 != "none"),
             (f"optim.name=lamb with ZeRO stage {self.stage} (LAMB's per-tensor trust ratio would see flat "
              "shards; use strategy.zero_stage=0)", optim.name == "lamb" and self.stage > 0),
         ) if on]

@@ -52,7 +52,8 @@ class FSDPStrategy(Distributed):
     def __init__(self, train, optim, scfg, device_type):
         unsupported = [name for name, on in (("train.ema_decay", train.ema_decay > 0),
                                              ("train.precision=fp16", train.precision == "fp16"),
-                                             (f"train.precision={train.precision}", train.precision.startswith("pure_")))
+                                             (f"train.precision={train.precision}", train.precision.startswith("pure_")),
+                                             (f"train.fp8={train.fp8}", train.fp8 != "none"))
                        if on]
         if unsupported:
             raise ConfigError(f"config: strategy.name=fsdp does not support {', '.join(unsupported)} yet "
