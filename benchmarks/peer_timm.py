@@ -56,8 +56,8 @@ def build(case, precision):
                    f"data.num_classes={classes}", "run.progress=off", "run.tensorboard=false",
                    "train.eval_hflip_tta=false", "optim.warmup_epochs=0"]
     cfg = load_config(str(ROOT / path), sets)
-    from vitscale.config import _set
-    _set(cfg, "data.train_size", cfg.data.batch_size * 2)
+    from vitscale.config import set_value
+    set_value(cfg, "data.train_size", cfg.data.batch_size * 2)
     info = model_info(cfg)
     spec = ViTSpec(**{k: info[k] for k in ViTSpec.__dataclass_fields__ if k in info})
     def timm_vit():

@@ -13,7 +13,7 @@ import torch
 
 from helpers import TINY, sets
 from vitscale.cli import main
-from vitscale.config import Config, _set, load_config
+from vitscale.config import Config, load_config, set_value
 from vitscale.errors import ConfigError, UserError
 
 pytest.importorskip("optuna")
@@ -45,7 +45,7 @@ def test_stratified_split_is_disjoint_proportional_and_seeded():
 def fmnist_cfg(root, **keys):
     cfg = Config()
     for k, v in {"data.name": "fashion_mnist", "data.root": str(root), "data.batch_size": 8, **keys}.items():
-        _set(cfg, k, v)
+        set_value(cfg, k, v)
     return cfg.data
 
 

@@ -43,28 +43,28 @@ def log(msg: str) -> None:
 def lab_config(path, overrides):
     """The recipe + overrides, quiet (no progress bar, no TensorBoard); under a multi-process
     launcher a `single` strategy would train N independent copies, so it becomes `ddp`."""
-    from ..config import _set, check, load_config
+    from ..config import check, load_config, set_value
     from ..strategy import default_for, needs_processes
     from ..tasks import check_config
     cfg = load_config(path, overrides)
-    _set(cfg, "run.progress", "off")
-    _set(cfg, "run.tensorboard", False)
+    set_value(cfg, "run.progress", "off")
+    set_value(cfg, "run.tensorboard", False)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not needs_processes(cfg.strategy.name):
         log(f"launched with several processes and strategy.name={cfg.strategy.name}: using "
             f"strategy.name={default_for(world_size)}")
-        _set(cfg, "strategy.name", default_for(world_size))
+        set_value(cfg, "strategy.name", default_for(world_size))
     check(cfg)
     return check_config(cfg)
 
 
 def with_overrides(cfg, overrides: dict):
     """A copy of `cfg` with {dotted key: value} set and checked (ConfigError if it does not validate)."""
-    from ..config import _set, check
+    from ..config import check, set_value
     from ..tasks import check_config
     out = copy.deepcopy(cfg)
     for k, v in overrides.items():
-        _set(out, k, v)
+        set_value(out, k, v)
     check(out)
     return check_config(out)
 

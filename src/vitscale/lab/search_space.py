@@ -132,13 +132,13 @@ def key_type(key: str, source: str) -> type:
     """The schema type of `section.key`; ConfigError naming the key (and the closest) if there is none."""
     from typing import get_type_hints
 
-    from ..config import SECTIONS, Config, _set
+    from ..config import SECTIONS, Config, set_value
     from ..errors import ConfigError
     sec, _, name = key.partition(".")
     section = getattr(Config(), sec, None) if sec in SECTIONS else None
     if section is None or name not in {f.name for f in fields(section)}:
         try:
-            _set(Config(), key, None)  # the schema's own message: unknown section/key, did you mean
+            set_value(Config(), key, None)  # the schema's own message: unknown section/key, did you mean
         except ConfigError as e:
             raise ConfigError(str(e).replace("config:", f"{source}:", 1)) from None
     return get_type_hints(type(section))[name]
@@ -146,12 +146,12 @@ def key_type(key: str, source: str) -> type:
 
 def check_value(key: str, value, source: str):
     """`value` as the schema takes it for `key` (ConfigError naming the key if it does not)."""
-    from ..config import Config, _set
+    from ..config import Config, set_value
     from ..errors import ConfigError
     cfg = Config()
     sec, name = key.split(".")
     try:
-        _set(cfg, key, value)
+        set_value(cfg, key, value)
     except ConfigError as e:
         raise ConfigError(str(e).replace("config:", f"{source}:", 1)) from None
     return getattr(getattr(cfg, sec), name)
