@@ -49,7 +49,7 @@ def build(case, precision):
 
     from vitscale.config import load_config
     from vitscale.tasks import model_info
-    from vitscale.lab.harness import Bench
+    from vitscale.lab.timing import Bench
     from vitscale.models.vit import VisionTransformer, ViTSpec
     path, sets, chans, classes = case
     sets = sets + [f"train.precision={precision}", "data.name=synthetic", f"data.channels={chans}",
@@ -150,7 +150,7 @@ def main() -> int:
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
-    from vitscale.lab.harness import machine_line
+    from vitscale.lab.machine import machine_line
     print(f"# vitscale vs timm {timm.__version__}, torch {torch.__version__}, {machine_line(torch.device('cpu'))}, "
           f"{torch.get_num_threads()} threads; {args.rounds} interleaved rounds x {args.steps} steps after "
           f"{args.warmup} warm-up; command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
