@@ -1,5 +1,5 @@
 """How noisy side-by-side timing is on this machine, and what tune's rules make of it: the same
-configuration built N times and timed in interleaved rounds (the lab's harness), so every
+configuration built N times and timed in interleaved rounds (the lab's rounds.py), so every
 difference is noise. Prints each copy's round-by-round ratios to the first copy, their median, and
 whether `vitscale tune` would have taken the copy for a gain (more than 2/3 of the rounds faster and
 a median above 1.01); then the optimizer step alone for each `optim.impl` on the recipe's model.
@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from vitscale.lab.harness import lab_config, measure_configs
+from vitscale.lab.recipes import lab_config
+from vitscale.lab.rounds import measure_configs
 from vitscale.tasks import build_task
 from vitscale.optim import build_optimizer
 from vitscale.lab.tune import beats_first
@@ -32,7 +33,7 @@ def optimizer_steps(cfg, reps: int = 20, rounds: int = 3) -> dict:
         opts[impl] = build_optimizer(model, dataclasses.replace(cfg.optim, impl=impl))
         opts[impl].step()
     ms = {impl: [] for impl in opts}
-    for _ in range(rounds):  # interleaved, like the harness
+    for _ in range(rounds):  # interleaved, like lab/rounds.py
         for impl, o in opts.items():
             t = time.perf_counter()
             for _ in range(reps):

@@ -267,7 +267,7 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from vitscale.lab.harness import machine_line
+    from vitscale.lab.machine import machine_line
     torch.set_num_threads(1)
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="vitscale-loader-")
     base = Path(args.dir or tmp.name)

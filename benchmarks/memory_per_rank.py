@@ -1,7 +1,7 @@
 """Memory each rank really holds, per engine and model size, against the 16-bytes-per-parameter formula.
 
 For every (model, engine) point this launches 2 processes with torchrun (gloo, CPU) on synthetic data,
-runs a few training steps (the loop's own `Trainer.train_step`, through `lab.harness.Bench`), then one
+runs a few training steps (the loop's own `Trainer.train_step`, through `lab.timing.Bench`), then one
 more step taken apart so that it can look between backward and the optimizer step. Per rank it records:
 
 - `state`: the trainer's `state_bytes()` after the step, as `summary.json`'s `state_bytes_per_rank`
@@ -104,7 +104,9 @@ def worker(config: str, sets: list[str], warmup: int) -> None:
 
     import torch
 
-    from vitscale.lab.harness import Bench, lab_config, max_rss_bytes, micros
+    from vitscale.lab.machine import max_rss_bytes
+    from vitscale.lab.recipes import lab_config
+    from vitscale.lab.timing import Bench, micros
     cfg = lab_config(config, sets)
     rss0, rss_start = max_rss_bytes(), rss_bytes()
     b = Bench(cfg, synthetic=True)

@@ -49,15 +49,15 @@ def build(case, precision):
 
     from vitscale.config import load_config
     from vitscale.tasks import model_info
-    from vitscale.lab.harness import Bench
+    from vitscale.lab.timing import Bench
     from vitscale.models.vit import VisionTransformer, ViTSpec
     path, sets, chans, classes = case
     sets = sets + [f"train.precision={precision}", "data.name=synthetic", f"data.channels={chans}",
                    f"data.num_classes={classes}", "run.progress=off", "run.tensorboard=false",
                    "train.eval_hflip_tta=false", "optim.warmup_epochs=0"]
     cfg = load_config(str(ROOT / path), sets)
-    from vitscale.config import _set
-    _set(cfg, "data.train_size", cfg.data.batch_size * 2)
+    from vitscale.config import set_value
+    set_value(cfg, "data.train_size", cfg.data.batch_size * 2)
     info = model_info(cfg)
     spec = ViTSpec(**{k: info[k] for k in ViTSpec.__dataclass_fields__ if k in info})
     def timm_vit():
@@ -150,7 +150,7 @@ def main() -> int:
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
-    from vitscale.lab.harness import machine_line
+    from vitscale.lab.machine import machine_line
     print(f"# vitscale vs timm {timm.__version__}, torch {torch.__version__}, {machine_line(torch.device('cpu'))}, "
           f"{torch.get_num_threads()} threads; {args.rounds} interleaved rounds x {args.steps} steps after "
           f"{args.warmup} warm-up; command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")

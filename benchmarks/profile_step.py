@@ -18,7 +18,8 @@ import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
 from vitscale.metrics import peak_flops
-from vitscale.lab.harness import Bench, lab_config
+from vitscale.lab.recipes import lab_config
+from vitscale.lab.timing import Bench
 
 GROUPS = [  # (part of the step, test on the event name), first match wins
     ("linear layers (mm, addmm)", lambda n: n in ("aten::mm", "aten::addmm", "aten::linear")),

@@ -7,7 +7,8 @@ images/s of each and the second's ratio to the first, round by round. Used for d
 """
 import argparse
 
-from vitscale.lab.harness import lab_config, measure_configs
+from vitscale.lab.recipes import lab_config
+from vitscale.lab.rounds import measure_configs
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("first")

@@ -19,7 +19,9 @@ import types
 
 import torch
 
-from vitscale.lab.harness import Bench, lab_config, paired_rounds, rate, rounds_won, side_by_side
+from vitscale.lab.recipes import lab_config
+from vitscale.lab.rounds import paired_rounds, rate, rounds_won, side_by_side
+from vitscale.lab.timing import Bench
 
 
 def transposed_view(self, x):

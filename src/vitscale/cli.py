@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config import add_overrides, add_recipe_arguments
 from .errors import UserError
-from .lab import add_synthetic_argument
+from .lab import commands as lab_commands
 
 EPILOG = """examples:
   vitscale train                                   # default recipe: ViT on Fashion-MNIST
@@ -96,14 +96,9 @@ def _add_data_commands(sub) -> None:
 
 
 def _add_lab_commands(sub) -> None:
-    """The performance lab: each module of LAB declares its own arguments (HELP, add_arguments, run)."""
-    for name in LAB:
-        mod = importlib.import_module(f".lab.{name}", __package__)
-        mod.add_arguments(sub.add_parser(name, help=mod.HELP, description=mod.__doc__,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter))
-
-
-LAB = ("bench", "sweep", "ladder", "tune", "predict", "search")
+    """The performance lab: lab/commands.py declares each command's help and arguments (light: no
+    torch); the command's module, with its `run(args)`, is imported only when the command runs."""
+    lab_commands.add_parsers(sub)
 
 
 def cmd_train(args) -> int:
@@ -213,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "export": cmd_export, "config": cmd_config,
                "data": cmd_data}.get(args.command)
-    if handler is None:  # a performance-lab command
+    if handler is None:  # a performance-lab command (lab/commands.py): its module, imported now
         handler = importlib.import_module(f".lab.{args.command}", __package__).run
     where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:

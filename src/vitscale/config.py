@@ -356,7 +356,9 @@ def _coerce(key: str, value: Any, typ: type, meta) -> Any:
     return value
 
 
-def _set(cfg: Config, dotted: str, value: Any) -> None:
+def set_value(cfg: Config, dotted: str, value: Any) -> None:
+    """Set `section.key` of `cfg` to `value`, coerced and checked against the schema (ConfigError
+    naming the key where the key or the value is not valid; cross-field checks are `check`'s)."""
     parts = dotted.split(".")
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"config: key '{dotted}' must look like section.key (sections: {', '.join(SECTIONS)})")
@@ -380,7 +382,7 @@ def apply_dict(cfg: Config, data: dict, source: str = "config") -> Config:
             raise ConfigError(f"{source}: [{sec}] must be a table of keys")
         for key, value in values.items():
             try:
-                _set(cfg, f"{sec}.{key}", value)
+                set_value(cfg, f"{sec}.{key}", value)
             except ConfigError as e:
                 raise ConfigError(str(e).replace("config:", f"{source}:", 1)) from None
     return cfg
@@ -429,7 +431,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
     apply_dict(cfg, data, source=str(path))
     for text in overrides:
-        _set(cfg, *parse_override(text))
+        set_value(cfg, *parse_override(text))
     check(cfg)
     return cfg
 
@@ -444,7 +446,7 @@ def saved_config(saved: dict, overrides=(), source: str = "checkpoint") -> Confi
     """The config a checkpoint saved (`state["config"]`), with `--set` overrides, checked."""
     cfg = apply_dict(Config(), saved, source=f"{source} (saved config)")
     for text in overrides:
-        _set(cfg, *parse_override(text))
+        set_value(cfg, *parse_override(text))
     check(cfg)
     return cfg
 

@@ -14,7 +14,7 @@ import torch
 from vitscale.metrics import mfu
 from vitscale.cli import main
 from vitscale.config import load_config
-from vitscale.lab.harness import Bench
+from vitscale.lab.timing import Bench
 from vitscale.loop import FiniteWatch, Trainer
 
 from helpers import check_bench_schema
@@ -162,7 +162,7 @@ def test_gpu_peak_table_picks_the_specific_variant(name, dtype, peak):
 
 
 def test_synthetic_swaps_in_images_of_the_datasets_shape():
-    from vitscale.lab.harness import synthetic_data
+    from vitscale.lab.recipes import synthetic_data
     fm = synthetic_data(load_config(None, []))  # the default recipe: Fashion-MNIST resized to 32 px
     assert (fm.data.name, fm.data.image_size, fm.data.channels, fm.data.num_classes) == ("synthetic", 32, 1, 10)
     assert fm.data.train_size == fm.data.batch_size
@@ -201,7 +201,7 @@ def test_lab_compiles_each_shape_statically():
     import torch._dynamo.config as dynamo
     from torch._dynamo.utils import counters
 
-    from vitscale.lab.harness import static_compiles
+    from vitscale.lab.timing import static_compiles
 
     def graphs_for_three_shapes():
         torch._dynamo.reset()
@@ -264,7 +264,7 @@ def test_side_by_side_runs_each_configuration_under_its_own_flags(monkeypatch, c
     built; the benches are built first and timed together, so every one used to run under the
     last one's settings: the ladder's fp32 IEEE baseline ran in TF32. Now each bench's warm-up
     and rounds run under its own, and the process's are back as they were afterwards."""
-    from vitscale.lab.harness import measure_configs
+    from vitscale.lab.rounds import measure_configs
     from vitscale.strategy import devices
     seen = flags_seen_by_steps(monkeypatch)
     before = devices.current_backend_flags(), torch.get_num_threads()

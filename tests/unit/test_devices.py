@@ -325,7 +325,7 @@ def test_cuda_asked_for_without_a_gpu_is_one_line():
 def test_side_by_side_drops_a_configuration_that_runs_out_of_gpu_memory():
     """A rung or candidate that hits CUDA OOM (in warm-up or in a round) is reported as such and
     the others go on (tune and ladder on a GPU)."""
-    from vitscale.lab.harness import side_by_side
+    from vitscale.lab.rounds import side_by_side
     from vitscale.strategy import SingleDevice
 
     import contextlib

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from vitscale.lab import harness as lab_harness
+from vitscale.lab import rounds as lab_rounds
+from vitscale.lab import timing as lab_timing
 from vitscale.cli import main
 from vitscale.config import load_config
 from vitscale.lab.ladder import BASELINE, build_rungs
@@ -166,7 +167,7 @@ def test_ladder_frees_each_rung_and_writes_its_row_at_once(monkeypatch, tmp_path
     import weakref
     alive, most = weakref.WeakSet(), []
 
-    class CountingBench(lab_harness.Bench):
+    class CountingBench(lab_timing.Bench):
         def __init__(self, *a, **k):
             if len(most) == 3:  # the baseline and two rungs were built (and measured): stop here
                 raise KeyboardInterrupt
@@ -174,7 +175,7 @@ def test_ladder_frees_each_rung_and_writes_its_row_at_once(monkeypatch, tmp_path
             alive.add(self)
             gc.collect()
             most.append(len(alive))
-    monkeypatch.setattr(lab_harness, "Bench", CountingBench)
+    monkeypatch.setattr(lab_timing, "Bench", CountingBench)
     out = tmp_path / "ladder"
     rc = main(["ladder", TINY, "--set", "run.threads=1", "--steps", "1", "--trials", "2", "--warmup", "1",
                "--train-steps", "1", "--skip", "compile", "--out", str(out)])
@@ -218,8 +219,8 @@ def test_measure_against_first_when_memory_runs_out(monkeypatch):
 
     def fake_build(cfg, synthetic=False):
         return (None, "out of memory") if cfg == "huge" else (FakeBench(cfg), None)
-    monkeypatch.setattr(lab_harness, "build_bench", fake_build)
-    res = lab_harness.measure_against_first(["base", "huge", "big", "ok", "ok2"], steps=3, rounds=3, warmup=2,
+    monkeypatch.setattr(lab_rounds, "build_bench", fake_build)
+    res = lab_rounds.measure_against_first(["base", "huge", "big", "ok", "ok2"], steps=3, rounds=3, warmup=2,
                                             on_result=lambda i, r: emitted.append(i), reference_steps=1)
     assert emitted == [1, 2, 0, 3, 4]  # the baseline's own row comes from the first pair it completed
     assert res[1] == {"error": "out of memory"}
@@ -310,7 +311,7 @@ def test_tune_writes_recipe_with_gain(capsys, tmp_path, monkeypatch):
             out.append({"images_per_s": speed_of(over), "flops_per_image": 1e6, "world_size": 1,
                         "device": torch.device("cpu"), "step_time_s": {}})
         return out
-    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    monkeypatch.setattr(lab_rounds, "measure_configs", fake_measure_configs)
     out = tmp_path / "tuned.toml"
     rc = main(["tune", TINY, "--set", "data.batch_size=64", "--set", "data.train_size=128",
                "--allow-precision", "fp32", "--out", str(out)])
@@ -332,7 +333,7 @@ def test_tune_keeps_the_recipe_when_the_winner_loses_the_final_comparison(capsys
         return [{"images_per_s": (200.0 if final and i == 0 else 100.0 + 10 * (c.model.attention == "sdpa")),
                  "flops_per_image": 1e6, "world_size": 1, "device": torch.device("cpu"), "step_time_s": {}}
                 for i, c in enumerate(cfgs)]
-    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    monkeypatch.setattr(lab_rounds, "measure_configs", fake_measure_configs)
     out = tmp_path / "tuned.toml"
     rc = main(["tune", TINY, "--set", "data.batch_size=64", "--set", "data.train_size=128", "--no-compile",
                "--out", str(out)])
@@ -351,24 +352,24 @@ def test_paired_speedups_cancel_drift_between_rounds():
     times = [[(1.0, 0), (1.0, 0), (10.0, 0)],   # bench 0: 1 s per round, then a slow round
              [(2.0, 0), (20.0, 0), (20.0, 0)],  # bench 1: 2x bench 0 in every round; slow from round 2
              [(1.0, 0), (1.0, 0), (10.0, 0)]]   # bench 2: the same as bench 0 but twice the batch
-    assert lab_harness.paired_speedups(times, [8, 8, 16]) == [1.0, 0.5, 2.0]
-    assert lab_harness.rate(times[1], 1, 8)["images_per_s"] / lab_harness.rate(times[0], 1, 8)["images_per_s"] == 0.05
-    assert lab_harness.paired_speedups([None, times[1]], [8, 8]) == [None, None]
-    assert lab_harness.paired_speedups([times[0], None], [8, 8]) == [1.0, None]
+    assert lab_rounds.paired_speedups(times, [8, 8, 16]) == [1.0, 0.5, 2.0]
+    assert lab_rounds.rate(times[1], 1, 8)["images_per_s"] / lab_rounds.rate(times[0], 1, 8)["images_per_s"] == 0.05
+    assert lab_rounds.paired_speedups([None, times[1]], [8, 8]) == [None, None]
+    assert lab_rounds.paired_speedups([times[0], None], [8, 8]) == [1.0, None]
 
 
 def test_paired_rounds_and_the_consistency_rule():
     times = [[(1.0, 0), (2.0, 0), (1.0, 0)],   # bench 0, 8 images per step
              [(0.5, 0), (2.5, 0), (0.8, 0)]]   # bench 1: 2x, 0.8x, 1.25x bench 0
-    rounds = lab_harness.paired_rounds(times, [8, 8])
+    rounds = lab_rounds.paired_rounds(times, [8, 8])
     assert rounds[0] == [1.0, 1.0, 1.0] and rounds[1] == pytest.approx([2.0, 0.8, 1.25])
-    assert lab_harness.paired_speedups(times, [8, 8])[1] == pytest.approx(1.25)  # the median
-    assert not lab_harness.faster_in_most_rounds(rounds[1])   # 2 of 3 rounds: not more than 2/3
-    assert lab_harness.faster_in_most_rounds([1.1, 1.02, 1.3])
-    assert lab_harness.faster_in_most_rounds([1.1, 0.9, 1.3, 1.2, 1.05])      # 4 of 5
-    assert not lab_harness.faster_in_most_rounds([1.1, 0.9, 1.3, 0.99, 1.05])  # 3 of 5
-    assert not lab_harness.faster_in_most_rounds([]) and not lab_harness.faster_in_most_rounds(None)
-    assert lab_harness.paired_rounds([None, times[1]], [8, 8]) == [None, None]
+    assert lab_rounds.paired_speedups(times, [8, 8])[1] == pytest.approx(1.25)  # the median
+    assert not lab_rounds.faster_in_most_rounds(rounds[1])   # 2 of 3 rounds: not more than 2/3
+    assert lab_rounds.faster_in_most_rounds([1.1, 1.02, 1.3])
+    assert lab_rounds.faster_in_most_rounds([1.1, 0.9, 1.3, 1.2, 1.05])      # 4 of 5
+    assert not lab_rounds.faster_in_most_rounds([1.1, 0.9, 1.3, 0.99, 1.05])  # 3 of 5
+    assert not lab_rounds.faster_in_most_rounds([]) and not lab_rounds.faster_in_most_rounds(None)
+    assert lab_rounds.paired_rounds([None, times[1]], [8, 8]) == [None, None]
 
 
 def test_beats_first_is_the_rule_the_tune_test_below_applies():
@@ -391,7 +392,7 @@ def test_tune_needs_a_gain_in_most_rounds(capsys, tmp_path, monkeypatch):
                         "flops_per_image": 1e6, "world_size": 1, "device": torch.device("cpu"),
                         "step_time_s": {}})
         return out
-    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    monkeypatch.setattr(lab_rounds, "measure_configs", fake_measure_configs)
     out = tmp_path / "tuned.toml"
     over = ["data.batch_size=64", "model.attention=explicit", "optim.impl=fused"]
     rc = main(["tune", TINY, "--no-compile", "--out", str(out)] + [x for o in over for x in ("--set", o)])
@@ -411,7 +412,7 @@ def test_tune_decides_by_the_round_by_round_ratio(capsys, tmp_path, monkeypatch)
         return [{"images_per_s": 150.0 if i else 100.0, "paired_vs_first": 0.9 if i else 1.0,
                  "flops_per_image": 1e6, "world_size": 1, "device": torch.device("cpu"), "step_time_s": {}}
                 for i, c in enumerate(cfgs)]
-    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    monkeypatch.setattr(lab_rounds, "measure_configs", fake_measure_configs)
     out = tmp_path / "tuned.toml"
     over = ["data.batch_size=64", "model.attention=explicit"]
     rc = main(["tune", TINY, "--no-compile", "--out", str(out)] + [x for o in over for x in ("--set", o)])
@@ -433,7 +434,7 @@ def test_tune_keeps_its_pick_when_the_recipe_itself_fails_the_final_comparison(c
                 {"images_per_s": 100.0 + 10 * (c.model.attention == "sdpa"), "flops_per_image": 1e6,
                  "world_size": 1, "device": torch.device("cpu"), "step_time_s": {}}
                 for i, c in enumerate(cfgs)]
-    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    monkeypatch.setattr(lab_rounds, "measure_configs", fake_measure_configs)
     out = tmp_path / "tuned.toml"
     argv = ["tune", TINY, "--set", "model.attention=explicit", "--no-compile", "--out", str(out)]
     rc = main(argv)
@@ -458,7 +459,7 @@ def test_tune_keeps_the_micro_batch_of_a_batch_norm_model(capsys, tmp_path, monk
         accums.update(c.train.accum_steps for c in cfgs)
         return [{"images_per_s": 100.0 * c.train.accum_steps, "flops_per_image": 1e6, "world_size": 1,
                  "device": torch.device("cpu"), "step_time_s": {}} for c in cfgs]  # accumulation "wins"
-    monkeypatch.setattr(lab_harness, "measure_configs", fake_measure_configs)
+    monkeypatch.setattr(lab_rounds, "measure_configs", fake_measure_configs)
     out = tmp_path / "tuned.toml"
     rc = main(["tune", TINY, "--set", "model.stem=conv", "--set", "data.batch_size=64", "--no-compile",
                "--out", str(out)] + (["--allow-bn-micro-batch"] if allow else []))

@@ -12,11 +12,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "vitscale"
 
 
-def _imports(path: Path) -> set[str]:
-    """Absolute names of the modules a file imports (relative imports resolved), at any depth."""
+def _imports(path: Path, top: bool = False) -> set[str]:
+    """Absolute names of the modules a file imports (relative imports resolved), at any depth (`top`:
+    in the module's own body only, what importing it runs)."""
     package = list(path.relative_to(SRC.parent).with_suffix("").parts)[:-1]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in (tree.body if top else ast.walk(tree)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -132,3 +134,41 @@ def test_the_layer_check_fails_on_an_upward_import():
     swapped[top], swapped[bottom] = rows[bottom], rows[top]  # tasks/ below data/: tasks -> data goes up
     assert any("imports vitscale.data" in v for v in layer_violations(swapped))
     assert any("is in no row" in v for v in layer_violations([r for r in rows if "lab" not in r]))
+
+
+# -- the lab's rooms ---------------------------------------------------------------------------------
+LAB = SRC / "lab"
+# under the commands (bench, ladder, tune, ...), top first: a room imports only rooms of lower rows
+LAB_ROOMS = [["rounds"], ["timing"], ["recipes", "machine"]]
+LIGHT = ("vitscale.config", "vitscale.errors")  # what the CLI's parser may import besides the standard library
+
+
+def _light(module: str) -> bool:
+    return module.split(".")[0] in sys.stdlib_module_names or module == "vitscale" or any(
+        module == m or module.startswith(m + ".") for m in LIGHT)
+
+
+def test_the_lab_commands_module_is_light():
+    """lab/commands.py (each command's help and arguments) is all the CLI imports of the lab to build
+    its parser: no torch, no other lab module, so `vitscale --help` and `vitscale config` stay fast."""
+    for path in (LAB / "commands.py", LAB / "__init__.py"):
+        bad = sorted(m for m in _imports(path) if not _light(m))
+        assert not bad, f"{path.relative_to(SRC)} imports {bad}: it must stay light (argparse, config, errors)"
+    bad = sorted(m for m in _imports(SRC / "cli.py", top=True)
+                 if not _light(m) and m != "vitscale.lab" and not m.startswith("vitscale.lab.commands"))
+    assert not bad, f"cli.py imports {bad} at its top: a lab command's module is imported when it runs"
+
+
+def test_the_lab_rooms_import_down():
+    """rounds (side by side, paired statistics) -> timing (one trainer timed) -> recipes, machine:
+    no room imports a command module or a room of its own row or above."""
+    rank = {name: i for i, row in enumerate(LAB_ROOMS) for name in row}
+    assert {p.stem for p in LAB.glob("*.py")} >= set(rank), "a room named in LAB_ROOMS is missing from lab/"
+    bad = []
+    for room, i in rank.items():
+        for m in sorted(_imports(LAB / f"{room}.py")):
+            if m.startswith("vitscale.lab.") and m.split(".")[2] != room:
+                other = m.split(".")[2]
+                if rank.get(other, -1) <= i:
+                    bad.append(f"lab/{room}.py imports {m}: {other} is not a room below {room}")
+    assert not bad, "\n".join(bad)

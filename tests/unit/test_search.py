@@ -13,7 +13,7 @@ import torch
 
 from helpers import TINY, sets
 from vitscale.cli import main
-from vitscale.config import Config, _set, load_config
+from vitscale.config import Config, load_config, set_value
 from vitscale.errors import ConfigError, UserError
 
 pytest.importorskip("optuna")
@@ -45,7 +45,7 @@ def test_stratified_split_is_disjoint_proportional_and_seeded():
 def fmnist_cfg(root, **keys):
     cfg = Config()
     for k, v in {"data.name": "fashion_mnist", "data.root": str(root), "data.batch_size": 8, **keys}.items():
-        _set(cfg, k, v)
+        set_value(cfg, k, v)
     return cfg.data
 
 
@@ -81,7 +81,7 @@ def test_val_fraction_is_refused_where_no_split_is_carved(tmp_path):
 
 # ------------------------------------------------------------------ the space file
 def test_space_ranges_log_int_and_choices(tmp_path):
-    from vitscale.lab.search_space import load_space, parse_space
+    from vitscale.lab.search.space import load_space, parse_space
     dims = {d.key: d for d in parse_space({
         "optim": {"lr": {"low": 1e-4, "high": 1e-2, "log": True}, "weight_decay": {"low": 0, "high": 0.1, "step": 0.05}},
         "model": {"depth": {"low": 2, "high": 6}, "stem": ["patch", "conv"], "dim": {"choices": [64, 128]}},
@@ -112,7 +112,7 @@ def test_space_ranges_log_int_and_choices(tmp_path):
     ({}, "the space has no keys"),
 ])
 def test_a_bad_space_is_a_one_line_error_naming_the_key(space, message):
-    from vitscale.lab.search_space import parse_space
+    from vitscale.lab.search.space import parse_space
     with pytest.raises(ConfigError) as e:
         parse_space(space, "space.toml")
     assert message in str(e.value) and "\n" not in str(e.value)
@@ -278,7 +278,7 @@ def test_a_nan_loss_fails_its_trial_with_the_step(tmp_path):
     (KeyboardInterrupt(), "stopped by Ctrl-C (KeyboardInterrupt) during the trial"),
 ])
 def test_a_trial_stopped_by_an_error_or_ctrl_c_records_why(tmp_path, monkeypatch, exc, reason):
-    from vitscale.lab import search_trials
+    from vitscale.lab.search import trials as search_trials
 
     def train_run(*a, **k):
         raise exc
@@ -301,9 +301,9 @@ def test_a_dead_workers_trial_records_why(tmp_path):
     import sqlite3
 
     from vitscale.lab.search import import_optuna, open_study, trial_config
-    from vitscale.lab.search_report import UNRECORDED, write_report
-    from vitscale.lab.search_space import load_space
-    from vitscale.lab.search_trials import fail_dead_trials
+    from vitscale.lab.search.report import UNRECORDED, write_report
+    from vitscale.lab.search.space import load_space
+    from vitscale.lab.search.trials import fail_dead_trials
     optuna = import_optuna()
     (tmp_path / "space.toml").write_text(SPACE)
     out = tmp_path / "search"
@@ -335,7 +335,7 @@ def test_a_dead_workers_trial_records_why(tmp_path):
 
 def test_pruning_reports_percent_of_the_budget_and_never_prunes_the_end():
     import optuna
-    from vitscale.lab.search_trials import Pruning
+    from vitscale.lab.search.trials import Pruning
 
     class FakeTrial:
         def __init__(self):

@@ -1,14 +1,14 @@
-"""The performance lab: timing harness, bench, ladder, tune, sweep, predict, reports and the
-communication model. It drives the training core (config, tasks, trainer, strategies) and is
-never imported by it.
+"""The performance lab: it drives the training core (config, tasks, trainer, strategies) and is
+never imported by it. Its rooms:
 
-Each command module (bench, ladder, tune, sweep, predict) imports torch and the training core
-inside its functions, not at the top: the CLI imports every command module to build its parser,
-and `vitscale --help` or `vitscale config` must not pay for importing torch, which only the
-commands that build models need."""
+  commands.py   each lab command's help, description and arguments (light: the CLI's parser)
+  recipes.py    the recipe as the lab runs it: quiet, with overrides, with synthetic data
+  machine.py    the machine and the software a measurement ran on
+  timing.py     one trainer timed: Bench (the loop's own step), its step split, out of memory
+  rounds.py     several side by side in interleaved rounds, and their paired statistics
+  bench.py ladder.py tune.py sweep.py predict.py search/   the commands (each `run(args)`)
+  peer.py report.py comm_model.py linkbench.py             what they use: timm's loop beside
+                the recipe's, tables and plots, the communication model and its measured link
 
-
-def add_synthetic_argument(p) -> None:
-    """`--synthetic`, one definition for bench, ladder, tune and sweep (which passes it to bench)."""
-    p.add_argument("--synthetic", action="store_true",
-                   help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost")
+The CLI imports commands.py alone to build its parser; a command's module is imported when it
+runs, and imports torch and the training core at its top."""

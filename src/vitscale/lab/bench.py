@@ -1,57 +1,29 @@
-"""Time the training step of a recipe: images/s, step time over trials, MFU, peak memory and the
-step split (data / forward / backward / communication / optimizer).
-
-The headline numbers come from un-instrumented steps (`Trainer.train_step`, exactly what training
-runs; warm-up excluded; synchronized timers). The split comes from a separate instrumented pass on
-one batch, with a sync between phases.
-
-examples:
-  vitscale bench                                   # the default recipe
-  vitscale bench configs/vit_b16_imagenet.toml --synthetic --set train.precision=bf16
-  torchrun --nproc-per-node 2 -m vitscale bench configs/tests/tiny.toml --set strategy.name=ddp --json
-  vitscale bench configs/vit_b16_imagenet.toml --peer timm --set train.precision=bf16   # beside timm's ViT
-"""
+"""`vitscale bench`: the recipe's training step timed (its Bench, timing.py), the split, MFU, memory
+and communication, and beside it a peer's loop (--peer, peer.py) or the recipe with other settings
+(--beside) in paired rounds (rounds.py). What it reports and its arguments: commands.py."""
 from __future__ import annotations
 
-import statistics
-
 import json
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 
-HELP = "time the training step: img/s, MFU, memory, forward/backward/comm/optimizer split"
-
-
-def add_arguments(p) -> None:
-    from ..config import add_recipe_arguments
-    from . import add_synthetic_argument
-    add_recipe_arguments(p)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per trial (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")
-    p.add_argument("--trials", type=int, default=3, help="trials of --steps steps (default 3)")
-    p.add_argument("--split-steps", type=int, default=0,
-                   help="steps of the instrumented split pass (default: min(steps, 5))")
-    add_synthetic_argument(p)
-    p.add_argument("--peer", choices=("timm",), help="also time timm's VisionTransformer of the same function "
-                   "(same weights, batch, precision, compile) in a skilled user's plain loop, in interleaved "
-                   "paired rounds beside the recipe's step (implies --synthetic)")
-    p.add_argument("--beside", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="also time the recipe with this override (repeatable: one candidate with all of "
-                        "them) in interleaved paired rounds beside the recipe's own step, e.g. "
-                        "--beside train.capture=step")
-    p.add_argument("--rounds", type=int, default=5, help="paired rounds with --peer or --beside (default 5)")
-    p.add_argument("--json", action="store_true", help="print JSON only")
-    p.add_argument("--out", help="also write the JSON result to this file")
+from ..config import parse_override
+from ..errors import UserError
+from ..metrics import mfu, peak_flops
+from ..precision import tf32_active
+from ..strategy.comm import KINDS
+from .machine import hardware_info, max_rss_bytes, versions
+from .peer import describe_peer, import_timm, peer_rounds
+from .recipes import check_counts, lab_config, with_overrides
+from .rounds import gather_max, paired_rounds, rate, rounds_won, side_by_side
+from .timing import Bench, kernel_seconds
 
 
 def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_steps: int = 0,
             peer: str | None = None, rounds: int = 5, beside: list | None = None) -> dict:
-    import torch
-
-    from ..metrics import mfu, peak_flops
-    from ..precision import tf32_active
-    from .harness import Bench, hardware_info, max_rss_bytes, versions
     rss0 = max_rss_bytes()
     cuda = torch.cuda.is_available() and cfg.run.device != "cpu"
     if cuda:
@@ -97,7 +69,6 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
         if "comm_total" in split:
             out["split"]["comm_total"] = max(d["comm_total"] for d in split_all)
         if peer:
-            from .peer import peer_rounds
             out["peer"] = peer_rounds(b, peer, steps, warmup, rounds, b.trainer.flops_per_image, peak)
         if beside:
             out["beside"] = beside_rounds(b, beside, steps, warmup, rounds, peak)
@@ -112,10 +83,6 @@ def beside_rounds(b, overrides: list, steps: int, warmup: int, rounds: int, peak
     `rounds` interleaved paired rounds, each on its own fixed or loaded batches; each side's img/s,
     MFU and (on a GPU) kernel time per step, and the candidate's speed over the recipe's (the
     median of the per-round ratios)."""
-    from .harness import Bench, kernel_seconds, paired_rounds, rate, rounds_won, side_by_side, with_overrides
-    from ..config import parse_override
-    from ..errors import UserError
-    from ..metrics import mfu
     over = dict(parse_override(o) for o in overrides)
     # the recipe as the Bench was given it (a synthetic Bench swaps the dataset itself)
     other = Bench(with_overrides(b.given, over), b.fixed is not None)
@@ -152,8 +119,7 @@ def describe_beside(r: dict) -> list[str]:
 
 def timed_steps(b, steps: int, warmup: int, trials: int) -> tuple[dict, dict]:
     """`trials` timings of `steps` steps of Bench `b` after `warmup` (the slowest rank's, per
-    trial): (harness.rate's throughput and step times, the communication counted per step)."""
-    from .harness import gather_max, rate
+    trial): (rounds.rate's throughput and step times, the communication counted per step)."""
     s = b.s
     if warmup:
         b.steps(warmup)
@@ -170,7 +136,6 @@ def _max_or_none(values):
 
 
 def describe(r: dict) -> str:
-    from ..strategy.comm import KINDS
     ms = lambda v: "n/a" if v is None else f"{1e3 * v:.1f} ms"  # noqa: E731
     st, sp, h = r["step_time_s"], r["split"], r["hardware"]
     c = r["config"]
@@ -196,7 +161,6 @@ def describe(r: dict) -> str:
                          f"{c[f'comm_{kind}_calls_per_step']:.0f} calls per step, "
                          f"{ms(c[f'comm_{kind}_s_per_step'])} launch to completion")
     if "peer" in r:
-        from .peer import describe_peer
         lines += describe_peer(r["peer"])
     if "beside" in r:
         lines += describe_beside(r["beside"])
@@ -205,16 +169,12 @@ def describe(r: dict) -> str:
 
 
 def run(args) -> int:
-    from .harness import check_counts, lab_config
     check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0),
                  split_steps=(args.split_steps, 0), rounds=(args.rounds, 1))
     cfg = lab_config(args.config, args.overrides)
     if args.peer:
-        from .peer import import_timm
         import_timm()  # one line before anything is built where it does not import
     if args.beside:  # the candidate's refusal in one line before anything is timed
-        from ..config import parse_override
-        from .harness import with_overrides
         with_overrides(cfg, dict(parse_override(o) for o in args.beside))
     r = measure(cfg, args.steps, args.warmup, args.trials, args.synthetic or bool(args.peer), args.split_steps,
                 args.peer, args.rounds, args.beside)
@@ -227,4 +187,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["HELP", "add_arguments", "run", "measure", "describe", "asdict"]
+__all__ = ["run", "measure", "describe", "asdict"]

@@ -1,30 +1,29 @@
-"""Ablation ladder: from a plain fp32 baseline, add one speed-up at a time (cumulative) and measure
-every rung against the baseline in one run: the baseline's Trainer stays in this process, and each
-rung's Trainer is built, timed in interleaved rounds with it (round r runs N steps of the
-baseline, then N of the rung, each under its own TF32 / cuDNN flags), and freed before the next
-rung is built, so at most two rungs are resident (ViT-B/16 rungs with their optimizer state and
-CUDA-graph pools would not all fit) and machine noise hits the rung and the baseline alike. Each
-rung's row is written (ladder.json, ladder.md) as soon as it is measured, so a time limit loses
-nothing. Rungs that change numerics (precision, head, attention kernel, batch) can also be trained
-for the same number of steps from the same seed and tested (--train-steps). A rung may be slower
-than the one before it: the ladder reports what it measures.
-
-examples:
-  vitscale ladder --out runs/ladder                # the default recipe
-  vitscale ladder configs/vit_b16_imagenet.toml --synthetic --train-steps 0
-  torchrun --nproc-per-node 2 -m vitscale ladder configs/tests/tiny.toml   # + the sharding rung
-"""
+"""`vitscale ladder`: the rungs (cumulative speed-ups from an fp32 baseline), each timed beside the
+baseline (rounds.measure_against_first), its row written as soon as it is known; numerics-changing
+rungs trained and tested. What it measures and its arguments: commands.py."""
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HELP = "ablation ladder: cumulative speed-ups measured side by side, speedups + accuracy, table + PNG"
+import torch
+
+from ..errors import UserError
+from ..loop import Trainer
+from ..optim import build_optimizer
+from ..strategy import IN_PROCESS, needs_processes
+from ..strategy.dist import env_world
+from .commands import LADDER_RUNGS
+from .machine import hardware_info, versions
+from .recipes import check_counts, lab_config, log, with_overrides
+from .rounds import measure_against_first
+
 
 BASELINE = {"train.precision": "fp32", "train.tf32": False, "model.head": "token", "optim.impl": "forloop",
             "model.attention": "explicit", "train.compile": False, "train.compile_mode": "default"}
@@ -41,8 +40,6 @@ class Rung:
     note: str = ""
 
 
-KEYS = ("tf32", "precision", "foreach", "fused", "pool", "sdpa", "sdpa_backend", "compile", "autotune",
-        "cudagraphs", "capture", "batch", "sharding")
 # rungs that change nothing on a CPU, or cannot run there
 CUDA_ONLY = ("tf32", "sdpa_backend", "autotune", "cudagraphs", "capture")
 
@@ -51,12 +48,6 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
     """The cumulative rungs for this config and process count; a rung whose config does not
     validate (e.g. fused optimizer for LAMB) or named in `skip` is skipped with the reason and
     adds nothing."""
-    import torch
-
-    from ..errors import UserError
-    from .harness import with_overrides
-    from ..optim import build_optimizer
-    from ..strategy import IN_PROCESS, needs_processes
     per_device = cfg.data.batch_size // world_size
     half = "bf16"  # bf16 autocast: the fast path on CPUs with AVX-512 bf16 and on Ampere+ GPUs
     device_type = "cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu"
@@ -111,8 +102,6 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
 
 def accuracy(cfg, steps: int) -> dict:
     """Train `steps` steps from the config's seed (a temp run folder) and test."""
-    from .harness import with_overrides
-    from ..loop import Trainer
     cfg = with_overrides(cfg, {"run.max_steps": steps, "run.eval_every": 0, "run.checkpoint_every": steps + 1})
     with tempfile.TemporaryDirectory(prefix="vitscale-ladder-") as tmp:
         t = Trainer(cfg, Path(tmp) / "run")
@@ -138,7 +127,7 @@ def skipped_row(r: Rung, why: str | None = None) -> dict:
 
 
 def measured_row(r: Rung, m: dict, prev: float | None, prev_rounds: list | None) -> dict:
-    """A measured rung's row (`m`: its result from harness.measure_against_first); `prev`,
+    """A measured rung's row (`m`: its result from rounds.measure_against_first); `prev`,
     `prev_rounds`: the last measured rung's speedup over the baseline and its per-round ratios
     (None for the first measured rung)."""
     row = skipped_row(r)
@@ -192,8 +181,7 @@ class LadderRows:
             self.rows[self.index[id(later)]] = skipped_row(later)
 
     def measured(self, k: int, m: dict) -> None:
-        """harness.measure_against_first's `on_result`: live rung k's result `m`."""
-        from .harness import log, with_overrides
+        """rounds.measure_against_first's `on_result`: live rung k's result `m`."""
         r = self.live[k]
         i = self.index[id(r)]
         self.rows[i] = row = measured_row(r, m, self.prev, self.prev_rounds)
@@ -216,15 +204,10 @@ class LadderRows:
 
 def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, synthetic: bool = False,
            skip: tuple = (), on_update=None) -> dict:
-    """Measure the rungs (`harness.measure_against_first`: the baseline resident, one rung at a
+    """Measure the rungs (`rounds.measure_against_first`: the baseline resident, one rung at a
     time beside it) and return the result; `on_update(result so far)` is called after every row
     (a rung measured, skipped or failed, or its accuracy added), rows in rung order, the result
     marked "complete": false until the last one."""
-    import torch
-
-    from . import harness
-    from .harness import hardware_info, log, versions, with_overrides
-    from ..strategy.dist import env_world
     world = env_world()[1]
     rungs = build_rungs(cfg, world, skip)
     for r in rungs:
@@ -232,7 +215,7 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
                                   " ".join(f"{k}={v}" for k, v in r.overrides.items())))
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu")
     # the baseline (fp32 IEEE: the slowest rung) runs a third of the steps per round as the drift
-    # reference beside the rungs after the first (harness.measure_against_first)
+    # reference beside the rungs after the first (rounds.measure_against_first)
     reference_steps = max(1, steps // 3)
     out = {"rungs": [], "steps": steps, "rounds": rounds, "warmup": warmup, "reference_steps": reference_steps,
            "train_steps": train_steps,
@@ -244,9 +227,9 @@ def ladder(cfg, steps: int, rounds: int, warmup: int, train_steps: int, syntheti
     rows = LadderRows(cfg, rungs, out, train_steps, on_update)
     t0 = time.perf_counter()
     rows.update()
-    harness.measure_against_first([with_overrides(cfg, r.overrides) for r in rows.live], steps, rounds, warmup,
-                                  synthetic, names=[r.name for r in rows.live], on_result=rows.measured,
-                                  reference_steps=reference_steps)
+    measure_against_first([with_overrides(cfg, r.overrides) for r in rows.live], steps, rounds, warmup,
+                          synthetic, names=[r.name for r in rows.live], on_result=rows.measured,
+                          reference_steps=reference_steps)
     log(f"timed {len(rows.live)} rungs, each beside the baseline: {rounds} rounds x {steps} steps in "
         f"{time.perf_counter() - t0:.0f}s")
     return rows.finish()
@@ -287,7 +270,7 @@ def table(r: dict) -> str:
 
 
 def plot(r: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # here: optional, and the plot alone needs it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [x for x in r["rungs"] if not x.get("skipped")]
@@ -328,23 +311,6 @@ def markdown(r: dict, command: str) -> str:
             + f"\n\n{table(r)}\n\n![ladder](ladder.png)\n")
 
 
-def add_arguments(p) -> None:
-    from ..config import add_recipe_arguments
-    from . import add_synthetic_argument
-    add_recipe_arguments(p)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per rung per round (default 3)")
-    p.add_argument("--trials", type=int, default=10,
-                   help="interleaved rounds (default 10: short rounds pair well for the round-by-round columns)")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up steps per rung (compile happens here)")
-    p.add_argument("--train-steps", type=int, default=100,
-                   help="train numerics-changing rungs this many steps and test them (0 = off; default 100)")
-    add_synthetic_argument(p)
-    p.add_argument("--skip", default="", metavar="RUNG,...",
-                   help=f"leave rungs out (the later ones stay cumulative): {','.join(KEYS)}")
-    p.add_argument("--json", action="store_true", help="print JSON only")
-    p.add_argument("--out", default="runs/ladder", help="folder for ladder.md, ladder.png, ladder.json")
-
-
 def write_atomic(path: Path, text: str) -> None:
     """Replace `path` with `text` in one rename: a run stopped mid-write leaves the previous version."""
     tmp = path.with_name(f".{path.name}.tmp")
@@ -359,16 +325,12 @@ def write_rows(out: Path, r: dict, command: str) -> None:
 
 
 def run(args) -> int:
-    import shlex
-
-    from ..errors import UserError
-    from .harness import check_counts, lab_config
     check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0),
                  train_steps=(args.train_steps, 0))
     skip = tuple(k.strip() for k in args.skip.split(",") if k.strip())
-    bad = [k for k in skip if k not in KEYS]
+    bad = [k for k in skip if k not in LADDER_RUNGS]
     if bad:
-        raise UserError(f"--skip: unknown rung {', '.join(bad)} (rungs: {', '.join(KEYS)})")
+        raise UserError(f"--skip: unknown rung {', '.join(bad)} (rungs: {', '.join(LADDER_RUNGS)})")
     cfg = lab_config(args.config, args.overrides)
     main = os.environ.get("RANK", "0") == "0"
     out = Path(args.out)

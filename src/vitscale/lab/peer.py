@@ -1,6 +1,6 @@
 """`vitscale bench CONFIG --peer timm`: the recipe's own training step beside timm's
 VisionTransformer of the same function, in the plain loop a skilled timm user writes, timed in
-interleaved paired rounds in one process (harness.side_by_side: machine noise hits both alike).
+interleaved paired rounds in one process (rounds.side_by_side: machine noise hits both alike).
 
 The peer is built by `timm.create_model` from the recipe's model (interop/timm_vit.py: the
 architecture and model_args that `vitscale export --format timm` writes) and starts from the same
@@ -23,7 +23,12 @@ import statistics
 import torch
 
 from ..errors import UserError
+from ..interop.timm_vit import timm_export_arch, timm_kwargs, to_timm
+from ..metrics import mfu
 from ..strategy.devices import CUDAGRAPH_MODES, compile_kwargs
+from ..tasks import export_use
+from .rounds import paired_rounds, rate, rounds_won, side_by_side
+from .timing import perf
 
 PEERS = ("timm",)
 
@@ -43,7 +48,6 @@ def import_timm():
 def timm_peer(spec, module: torch.nn.Module):
     """timm's VisionTransformer of `spec`'s function holding `module`'s weights, and its
     create_model call as text."""
-    from ..interop.timm_vit import timm_export_arch, timm_kwargs, to_timm
     timm = import_timm()
     arch = timm_export_arch(spec)  # one line where timm has no counterpart (a conv stem)
     kwargs = {**timm_kwargs(spec, arch), "drop_path_rate": spec.drop_path}
@@ -73,7 +77,6 @@ class PeerBench:
         if s.world_size > 1:
             raise UserError("bench --peer: one process (the peer's loop is one device's)")
         if peer not in b.trainer.task.exports:  # the task says which libraries have its model
-            from ..tasks import export_use
             raise UserError(f"bench --peer {peer}: compares {export_use(peer)}; this recipe trains a "
                             f"{b.trainer.task.kind} model")
         self.cfg, self.device, self.bench = cfg, s.device, b
@@ -85,7 +88,7 @@ class PeerBench:
         o, t = cfg.optim, cfg.train
         fused = {"fused": True} if self.device.type in ("cuda", "cpu") else {}
         # timm's train.py: no weight decay on 1-d parameters and the model's no_weight_decay() names
-        from timm.optim import param_groups_weight_decay
+        from timm.optim import param_groups_weight_decay  # timm is optional: imported where it is compared
         groups = param_groups_weight_decay(model, weight_decay=o.weight_decay,
                                            no_weight_decay_list=model.no_weight_decay())
         if o.name == "adamw":
@@ -135,7 +138,6 @@ class PeerBench:
 
     def steps(self, n: int) -> tuple[float, float]:
         """n steps: (wall seconds, data seconds = 0: the batch is fixed on the device)."""
-        from .harness import perf
         self.sync()
         t0 = perf()
         for _ in range(n):
@@ -150,8 +152,6 @@ class PeerBench:
 def peer_rounds(b, peer: str, steps: int, warmup: int, rounds: int, flops_per_image: float, peak: float) -> dict:
     """The vitscale Bench `b` and the peer timed in `rounds` interleaved paired rounds; each side's
     img/s and MFU and vitscale's speed over the peer's (the median of the per-round ratios)."""
-    from .harness import paired_rounds, rate, rounds_won, side_by_side
-    from ..metrics import mfu
     p = PeerBench(b, peer)
     try:
         times = side_by_side([b, p], steps, rounds, warmup)

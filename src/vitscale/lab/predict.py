@@ -1,48 +1,23 @@
-"""Predict data-parallel scaling (2 to 512 GPUs) from one single-device step.
-
-The step's compute comes from a `vitscale bench --json` result (--bench FILE) or, without one, is
-estimated as train FLOPs per image x batch / (GPU peak x MFU) with forward:backward = 1:2 and no
-optimizer or data time. Gradient bytes = parameters x bytes of the reduce dtype. Collectives follow
-the ring / hierarchical model of vitscale.lab.comm_model (formulas in its docstrings):
-
-  DDP        all-reduce 2(K-1)/K x B, overlapped with backward: exposed = max(0, comm - overlap x bwd)
-  ZeRO-1/2   reduce-scatter (overlapped) + all-gather after the step: the same 2(K-1)/K x B
-  ZeRO-3     all-gather in forward and backward + reduce-scatter: 3(K-1)/K x B
-
-examples:
-  vitscale predict configs/vit_b16_imagenet.toml --gpu H100 --mfu 0.4 --link nvlink+infiniband,pcie
-  vitscale bench configs/fashion_mnist.toml --json --out b.json && vitscale predict configs/fashion_mnist.toml --bench b.json
-"""
+"""`vitscale predict`: data-parallel scaling predicted from one step (a bench result or an estimate)
+with the ring / hierarchical communication model of comm_model.py; the table, JSON and plot. The
+model's formulas and the command's arguments: commands.py."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from ..config import load_config
 from ..errors import UserError
+from ..metrics import gpu_peak
+from ..precision import compute_dtype_name
+from ..tasks import check_config, model_info
+from . import comm_model as cm
+from .comm_model import StepCost
+from .linkbench import measure_gloo
+from .report import plot_predicted_speedup
 
-HELP = "predict DDP / ZeRO / FSDP scaling to 512 GPUs from one measured or estimated step"
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 STRATEGY_NAMES = {"ddp": "DDP", "zero12": "ZeRO-1/2", "zero3": "ZeRO-3 / FSDP2"}
-
-
-def add_arguments(p) -> None:
-    from ..config import add_recipe_arguments
-    add_recipe_arguments(p, help="TOML recipe (its model, batch and precision)")
-    p.add_argument("--bench", metavar="FILE.json", help="a single-device `vitscale bench --json` result")
-    p.add_argument("--link", default=None, metavar="LIST",
-                   help="comma list of links, each NAME or INTRA+INTER (names: nvlink, pcie, pcie3, infiniband, "
-                        "infiniband_ndr, ethernet, ethernet10, loopback = a gloo all-reduce measured here between 2 local processes, or GBPS[:LATENCY_US]); default "
-                        "nvlink+infiniband,pcie+infiniband,pcie+ethernet,ethernet10")
-    p.add_argument("--gpus", default="2,4,8,16,32,64,128,256,512", metavar="LIST")
-    p.add_argument("--per-node", type=int, default=8, help="GPUs per node (intra-node link up to this many)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (latency term per bucket)")
-    p.add_argument("--overlap", type=float, default=0.7, help="share of backward time that hides communication")
-    p.add_argument("--strategy", default="ddp", metavar="LIST", help="comma list of ddp, zero12, zero3")
-    p.add_argument("--reduce-dtype", choices=sorted(DTYPE_BYTES), help="default: fp32, or bf16 when the "
-                   "config compresses gradients (strategy.grad_compression / reduce_dtype)")
-    p.add_argument("--gpu", default="H100", help="without --bench: GPU whose peak (metrics.GPU_PEAKS) is used")
-    p.add_argument("--mfu", type=float, default=0.4, help="without --bench: assumed model FLOPs utilization")
-    p.add_argument("--out", metavar="DIR", help="write predict.md, predict.json and predict_speedup.png here")
 
 
 def _ints(text: str) -> list[int]:
@@ -59,7 +34,6 @@ def step_cost_from_bench(bench: dict, accum: int = 1):
     """StepCost from a bench JSON whose total is its median step: the split's phases (scaled down when
     the instrumented pass took longer than the median step, the remainder added to backward when it
     took less), else the median step with fwd:bwd = 1:2."""
-    from .comm_model import StepCost
     if int(bench.get("world_size", 1)) != 1:
         raise UserError("--bench: give a single-device bench result (world_size 1)")
     step = float(bench["step_time_s"]["median"])
@@ -81,7 +55,6 @@ def step_cost_from_bench(bench: dict, accum: int = 1):
 
 def step_cost_estimate(train_flops_per_image: float, batch: int, peak: float, mfu: float, accum: int = 1):
     """compute = train FLOPs per image x batch / (peak x MFU), split 1/3 forward, 2/3 backward."""
-    from .comm_model import StepCost
     t = train_flops_per_image * batch / (peak * mfu)
     return StepCost(batch, t / 3, 2 * t / 3, 0.0, 0.0, accum)
 
@@ -89,10 +62,6 @@ def step_cost_estimate(train_flops_per_image: float, batch: int, peak: float, mf
 def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2, 4, 8), per_node: int = 8,
             bucket_mb: float = 25.0, overlap: float = 0.7, strategies=("ddp",), reduce_dtype: str | None = None,
             gpu: str = "H100", mfu: float = 0.4) -> dict:
-    from . import comm_model as cm
-    from ..tasks import model_info
-    from ..metrics import gpu_peak
-    from ..precision import compute_dtype_name
     info = model_info(cfg)
     if reduce_dtype is None:
         s = cfg.strategy
@@ -147,8 +116,6 @@ def markdown(result: dict) -> str:
 
 
 def run(args) -> int:
-    from ..config import load_config
-    from ..tasks import check_config
     cfg = check_config(load_config(args.config, args.overrides))
     bench = None
     if args.bench:
@@ -158,12 +125,10 @@ def run(args) -> int:
             raise UserError(f"--bench {args.bench}: not JSON ({e})") from None
     links, measured = args.link, None
     if links and "loopback" in links:  # measure this machine's gloo all-reduce and use it as a link
-        from .comm_model import LINKS, Link
-        from .linkbench import measure_gloo
         m = measure_gloo(2)
         measured = m
-        LINKS["loopback"] = Link(f"gloo loopback, measured {m['bw'] / 1e9:.2f} GB/s, {1e6 * m['latency']:.0f} us",
-                                 m["bw"], m["latency"])
+        cm.LINKS["loopback"] = cm.Link(f"gloo loopback, measured {m['bw'] / 1e9:.2f} GB/s, "
+                                       f"{1e6 * m['latency']:.0f} us", m["bw"], m["latency"])
         print(f"measured gloo all-reduce between 2 local processes: bandwidth {m['bw'] / 1e9:.3f} GB/s, latency "
               f"{1e6 * m['latency']:.1f} us per ring step; " +
               ", ".join(f"{b / 2**20:g} MiB {1e3 * t:.2f} ms" for b, t in m["rows"]))
@@ -176,7 +141,6 @@ def run(args) -> int:
     text = markdown(result)
     print(text)
     if args.out:
-        from .report import plot_predicted_speedup
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "predict.md").write_text(text + "\n")

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import Config, apply_dict
+from ..tasks import model_info
+
 SPLIT = ("data", "forward", "backward", "comm_exposed", "optimizer")
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # here: optional, and the plots alone need it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -38,8 +41,6 @@ def grad_bytes(bench: dict) -> float | None:
     params = bench.get("params")
     if params is None and bench.get("config"):
         try:
-            from ..config import Config, apply_dict
-            from ..tasks import model_info
             params = model_info(apply_dict(Config(), bench["config"], source="bench config"))["params"]
         except Exception:  # noqa: BLE001 - a table column, not worth failing the report for
             return None

@@ -1,21 +1,6 @@
-"""Run `vitscale bench` over a grid of config overrides and process counts; tables and plots.
-
-Each point is a subprocess `vitscale bench CONFIG --json` (through torchrun when nproc > 1, with
-strategy.name=ddp unless the point sets a strategy). A failing point is recorded with its one-line
-error and the sweep goes on. Results go to OUT/results.jsonl (one line per point), results.md and
-PNG plots; points already in results.jsonl are skipped, so an interrupted sweep resumes.
-
-studies (presets; --grid/--nproc refine them):
-  strong  fixed global batch (the config's), nproc 1..N             speedup and efficiency vs ideal
-  weak    fixed per-device batch b: data.batch_size = b x nproc      efficiency vs ideal
-  batch   data.batch_size in b/4, b/2, b, 2b                          images/s vs batch
-  accum   train.accum_steps in 1, 2, 4, 8 at the same global batch   gradient bytes sent per sample
-  memory  nproc 2: ddp, deepspeed ZeRO 0/1/2/3, fsdp                   peak memory and images/s
-
-examples:
-  vitscale sweep configs/tests/tiny.toml --grid data.batch_size=16,32 --steps 5
-  vitscale sweep configs/fashion_mnist.toml --study strong --nproc 1,2 --set run.threads=1 --out runs/strong
-"""
+"""`vitscale sweep`: `vitscale bench` run over a grid of overrides and process counts, one subprocess
+per point (resumable: OUT/results.jsonl), and the report (report.py). The studies and the
+command's arguments: commands.py."""
 from __future__ import annotations
 
 import itertools
@@ -26,28 +11,15 @@ import sys
 import time
 from pathlib import Path
 
+from ..config import load_config
 from ..errors import UserError
+from ..strategy import default_for
+from ..strategy.dist import free_port
+from ..tasks import check_config
+from .report import write_report
 
-HELP = "benchmark a grid of configs / process counts (strong, weak, batch, accum, memory studies)"
-STUDIES = ("strong", "weak", "batch", "accum", "memory")
 MEMORY_POINTS = [{"strategy.name": "ddp"}] + [{"strategy.name": "deepspeed", "strategy.zero_stage": z}
                                                for z in range(4)] + [{"strategy.name": "fsdp"}]
-
-
-def add_arguments(p) -> None:
-    from ..config import add_recipe_arguments
-    from . import add_synthetic_argument
-    add_recipe_arguments(p, set_help="override one config value for every point (repeatable)")
-    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                   help="a swept config key (or nproc); repeatable: the cartesian product is run")
-    p.add_argument("--nproc", default=None, metavar="LIST", help="process counts, e.g. 1,2 (default 1)")
-    p.add_argument("--study", choices=STUDIES, help="a built-in study (see above)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per point (bench's default if absent)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per point")
-    p.add_argument("--trials", type=int, default=None, help="bench trials per point")
-    add_synthetic_argument(p)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a point is killed")
-    p.add_argument("--out", default=None, metavar="DIR", help="results folder (default runs/sweep-<study|grid>)")
 
 
 def parse_grid(text: str) -> tuple[str, list[str]]:
@@ -114,13 +86,11 @@ def bench_argv(config: str | None, point: dict, base_sets: list[str], bench_flag
     over = dict(point["overrides"])
     base_keys = {b.partition("=")[0].strip() for b in base_sets}
     if point["nproc"] > 1 and "strategy.name" not in over and "strategy.name" not in base_keys:
-        from ..strategy import default_for
         over["strategy.name"] = default_for(point["nproc"])
     sets = [a for s in [*base_sets, *(f"{k}={v}" for k, v in over.items())] for a in ("--set", s)]
     tail = ["bench", *([config] if config else []), *sets, "--json", *bench_flags]
     if point["nproc"] <= 1:
         return [sys.executable, "-m", "vitscale", *tail]
-    from ..strategy.dist import free_port  # torch.distributed: not at import (the CLI imports the lab)
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(point["nproc"]),
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "vitscale", *tail]
 
@@ -212,14 +182,11 @@ def run_sweep(config: str | None, points: list[dict], out: Path, *, base_sets=()
                 if bench else f"FAILED: {error}")
         log(f"[{i}/{len(points)}] {desc}: {what} ({rec['wall_s']:.0f}s)")
     records = [done[point_key(p)] for p in points if point_key(p) in done]
-    from .report import write_report
     write_report(records, out, study)
     return records
 
 
 def run(args) -> int:
-    from ..config import load_config
-    from ..tasks import check_config
     cfg = check_config(load_config(args.config, args.overrides))  # validates the base config once, up front
     grids = [parse_grid(g) for g in args.grid]
     try:

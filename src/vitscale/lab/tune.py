@@ -1,24 +1,25 @@
-"""Find the fastest settings of a recipe on this machine that keep the numerics it allows:
-precision (within --allow-precision), attention kernel, optimizer implementation, micro-batch
-(the global batch is kept through train.accum_steps; not searched when the model has BatchNorm
-layers, as the default recipe's conv stem does, whose batch statistics would then come from smaller
-micro-batches, unless --allow-bn-micro-batch) and torch.compile. Candidates are measured
-side by side (interleaved rounds, the ladder's harness), one knob at a time, starting from the
-recipe's own values; a candidate replaces the incumbent only if it was faster in more than 2/3 of
-the rounds (round by round) and by more than 1% in their median; the micro-batch doubles from a
-small one until images/s improves by less than 3% (CPU) or memory runs out (GPU). Writes the tuned
-TOML with the measured gain in its header.
-
-examples:
-  vitscale tune                                    # the default recipe, its own precision only
-  vitscale tune configs/cifar10.toml --allow-precision bf16,fp32 --budget-s 600 --out tuned.toml
-"""
+"""`vitscale tune`: a coordinate search over a recipe's speed settings, each group of candidates
+timed side by side (rounds.measure_configs), then the recipe and the winner compared once more and
+the tuned recipe written. What it searches and its arguments: commands.py."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
-HELP = "search the fastest attention/compile/optimizer/precision/micro-batch for a recipe on this machine"
+import torch
+from torch import nn
+
+from ..config import TrainConfig
+from ..errors import UserError
+from ..metrics import mfu, peak_flops
+from ..strategy.dist import broadcast_object, env_world
+from ..tasks import build_task
+from . import rounds as lab_rounds  # rounds.measure_configs looked up when called (tests replace it)
+from .machine import machine_line
+from .recipes import check_counts, lab_config, log, synthetic_data, with_overrides
+from .rounds import faster_in_most_rounds, rounds_won
+
 
 THRESHOLD = 0.03  # a larger micro-batch must be this much faster (CPU)
 MARGIN = 0.01  # a candidate's median round-by-round ratio must exceed 1 + MARGIN
@@ -100,7 +101,6 @@ def beats_first(paired: float | None, per_round: list | None, margin: float = MA
     """tune's rule for one candidate against its group's first (the incumbent), as `run`'s measure
     and `search` apply it together: faster in more than 2/3 of the rounds and a median
     round-by-round ratio above 1 + margin (benchmarks/harness_noise.py asks it of identical copies)."""
-    from .harness import faster_in_most_rounds
     return bool(paired) and paired > 1 + margin and (not per_round or faster_in_most_rounds(per_round))
 
 
@@ -108,9 +108,6 @@ def batch_norm_layers(cfg) -> list[str]:
     """The recipe model's layers that normalize with batch statistics (BatchNorm, e.g. the conv
     stem's): with them, a smaller micro-batch changes what a training step computes, so
     accumulation does not keep the recipe's numerics. Built on the meta device (no memory)."""
-    from torch import nn
-
-    from ..tasks import build_task
     return [n for n, m in build_task(cfg).meta_model()[1].named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
@@ -118,32 +115,7 @@ def describe(over: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in over.items()) or "(the recipe as written)"
 
 
-def add_arguments(p) -> None:
-    from ..config import add_recipe_arguments
-    from . import add_synthetic_argument
-    add_recipe_arguments(p)
-    p.add_argument("--allow-precision", default="", metavar="P1,P2",
-                   help="precisions the search may use (default: the recipe's own only)")
-    p.add_argument("--budget-s", type=float, default=300.0, help="stop searching after this many seconds")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per candidate per round (default 2)")
-    p.add_argument("--trials", type=int, default=9,
-                   help="interleaved rounds (default 9: short rounds pair well; a candidate must win more "
-                        "than 2/3 of them)")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per candidate (default 2)")
-    p.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the search")
-    p.add_argument("--allow-bn-micro-batch", action="store_true",
-                   help="search the micro-batch even when the model has BatchNorm layers (their batch "
-                        "statistics then come from the smaller micro-batch: not the recipe's numerics)")
-    add_synthetic_argument(p)
-    p.add_argument("--out", default="tuned.toml", help="where to write the tuned recipe")
-
-
 def run(args) -> int:
-    import torch
-
-    from ..errors import UserError
-    from .harness import check_counts, lab_config, log, machine_line
-    from ..strategy.dist import broadcast_object
     check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0))
     if args.budget_s <= 0:
         raise UserError(f"--budget-s must be > 0, got {args.budget_s}")
@@ -166,12 +138,6 @@ def run(args) -> int:
 def search_space(cfg, args) -> dict:
     """What the search may change: the allowed precisions, attention, optimizer implementation,
     the micro-batch (accumulation steps; kept where BatchNorm would change the numerics), compile."""
-    import torch
-
-    from ..config import TrainConfig
-    from ..errors import UserError
-    from ..strategy.dist import env_world
-    from .harness import synthetic_data
     valid = TrainConfig.__dataclass_fields__["precision"].metadata["choices"]
     allowed = [p.strip() for p in args.allow_precision.split(",") if p.strip()] or [cfg.train.precision]
     bad = [p for p in allowed if p not in valid]
@@ -217,8 +183,6 @@ class Measurer:
         self.cfg, self.args, self.last = cfg, args, {}
 
     def __call__(self, cands: list[dict], rounds: int | None = None) -> list:
-        from ..errors import UserError
-        from .harness import faster_in_most_rounds, log, measure_configs, rounds_won, with_overrides
         args, rounds = self.args, rounds or self.args.trials
         cfgs, idx, out = [], [], [None] * len(cands)
         for i, c in enumerate(cands):
@@ -227,8 +191,8 @@ class Measurer:
                 idx.append(i)
             except UserError as e:
                 log(f"  {describe(c)}: not valid here ({e})")
-        results = measure_configs(cfgs, args.steps, rounds, args.warmup, args.synthetic,
-                                  names=[describe(cands[i]) for i in idx])
+        results = lab_rounds.measure_configs(cfgs, args.steps, rounds, args.warmup, args.synthetic,
+                                             names=[describe(cands[i]) for i in idx])
         ref = results[0].get("images_per_s") if results else None
         for k, (i, r) in enumerate(zip(idx, results)):
             own, paired, per_round = r.get("images_per_s"), r.get("paired_vs_first"), r.get("paired_rounds")
@@ -246,12 +210,6 @@ class Measurer:
 
 def final_comparison(cfg, args, measure: Measurer, chosen: dict, space: dict, candidates: int) -> int:
     """The recipe and the search's winner side by side; the tuned recipe written (main process)."""
-    import os
-
-    from ..errors import UserError
-    from ..metrics import mfu, peak_flops
-    from ..strategy.dist import broadcast_object
-    from .harness import log, machine_line, with_overrides
     log(f"final side-by-side: the recipe vs {describe(chosen)}")
     measure.last = {}
     ips = measure([{}, chosen] if chosen else [{}], rounds=max(args.trials, 3))

@@ -8,8 +8,10 @@ import itertools
 import json
 import shlex
 import time
+import warnings
 from pathlib import Path
 
+from .trials import last_value
 
 UNRECORDED = "worker stopped: no reason recorded (killed or lost)"
 
@@ -17,7 +19,6 @@ UNRECORDED = "worker stopped: no reason recorded (killed or lost)"
 def trial_row(t) -> dict:
     """A trial as the report lists it; a failed one's "error" is its one-line reason (a failure
     without one was failed by another process: its worker is gone, UNRECORDED)."""
-    from .search_trials import last_value
     u = t.user_attrs
     return {"number": t.number, "state": t.state.name.lower(), "val_accuracy": last_value(t),
             "train_time_s": u.get("train_time_s"), "epochs": u.get("epochs"), "steps": u.get("steps"),
@@ -41,9 +42,7 @@ def pareto(rows: list[dict]) -> list[int]:
 def importances(study) -> dict:
     """optuna.importance over the complete trials, with PED-ANOVA (no scikit-learn needed; optuna
     5's default); {"error": why} where it cannot say (fewer than two complete trials, ...)."""
-    import warnings
-
-    import optuna
+    import optuna  # here: optional (vitscale[search]); this runs only where the search did
     make = getattr(optuna.importance, "PedAnovaImportanceEvaluator", None)
     try:
         with warnings.catch_warnings():
@@ -102,7 +101,7 @@ def write_best(out: Path, cfg, final: dict, args) -> Path:
 def draw(rows: list[dict], front: list[int], imp: dict, out: Path, budget_s: float, final: dict | None) -> list[str]:
     """pareto.png and importance.png (nothing where matplotlib is missing)."""
     try:
-        import matplotlib
+        import matplotlib  # here: optional
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -16,13 +16,17 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-SPACES = Path(__file__).resolve().parents[1] / "configs" / "search"
+from ...config import SECTIONS, Config, set_value
+from ...errors import ConfigError
+
+SPACES = Path(__file__).resolve().parents[2] / "configs" / "search"
 DEFAULT_SPACE = SPACES / "vit_default.toml"
 RANGE_FIELDS = {"low", "high", "log", "step"}
 
@@ -58,7 +62,6 @@ class Dim:
 
 def resolve_space(path: str | None) -> Path:
     """A space file by path, or by name among the shipped ones (configs/search/NAME.toml); None = the default."""
-    from ..errors import ConfigError
     if not path:
         return DEFAULT_SPACE
     p = Path(path)
@@ -70,7 +73,6 @@ def resolve_space(path: str | None) -> Path:
 
 def load_space(path: str | Path | None) -> list[Dim]:
     """The space in a file (see the module doc); ConfigError (one line) on anything wrong."""
-    from ..errors import ConfigError
     src = resolve_space(str(path) if path else None)
     try:
         data = tomllib.loads(src.read_text())
@@ -80,7 +82,6 @@ def load_space(path: str | Path | None) -> list[Dim]:
 
 
 def parse_space(data: dict, source: str = "space") -> list[Dim]:
-    from ..errors import ConfigError
     dims = []
     for sec, keys in data.items():
         if not isinstance(keys, dict):
@@ -94,7 +95,6 @@ def parse_space(data: dict, source: str = "space") -> list[Dim]:
 
 def parse_dim(key: str, spec, source: str) -> Dim:
     """One key's range or choices, checked against the schema (the key exists, every value validates)."""
-    from ..errors import ConfigError
     typ = key_type(key, source)
     if isinstance(spec, list):
         spec = {"choices": spec}
@@ -130,15 +130,11 @@ def parse_dim(key: str, spec, source: str) -> Dim:
 
 def key_type(key: str, source: str) -> type:
     """The schema type of `section.key`; ConfigError naming the key (and the closest) if there is none."""
-    from typing import get_type_hints
-
-    from ..config import SECTIONS, Config, _set
-    from ..errors import ConfigError
     sec, _, name = key.partition(".")
     section = getattr(Config(), sec, None) if sec in SECTIONS else None
     if section is None or name not in {f.name for f in fields(section)}:
         try:
-            _set(Config(), key, None)  # the schema's own message: unknown section/key, did you mean
+            set_value(Config(), key, None)  # the schema's own message: unknown section/key, did you mean
         except ConfigError as e:
             raise ConfigError(str(e).replace("config:", f"{source}:", 1)) from None
     return get_type_hints(type(section))[name]
@@ -146,12 +142,10 @@ def key_type(key: str, source: str) -> type:
 
 def check_value(key: str, value, source: str):
     """`value` as the schema takes it for `key` (ConfigError naming the key if it does not)."""
-    from ..config import Config, _set
-    from ..errors import ConfigError
     cfg = Config()
     sec, name = key.split(".")
     try:
-        _set(cfg, key, value)
+        set_value(cfg, key, value)
     except ConfigError as e:
         raise ConfigError(str(e).replace("config:", f"{source}:", 1)) from None
     return getattr(getattr(cfg, sec), name)

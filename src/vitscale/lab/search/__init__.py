@@ -1,90 +1,40 @@
-"""The best model this machine trains in a time budget: an Optuna search over recipe keys
-(docs/search.md).
-
-Every trial trains the recipe with the trial's keys under the same training-time budget
-(train.time_limit_s = --budget-s) with its lr schedule fitted to that budget
-(optim.schedule_clock = time: the decay ends when the budget ends), scored on a seeded, stratified
-validation split of the TRAINING set (data.val_fraction); the test set is never read by a trial.
-The validation accuracy of each epoch goes to Optuna's pruner (Hyperband by default). The study
-lives in a database (SQLite in OUT by default; any SQLAlchemy URL), so a killed search continues
-where it stopped (its unfinished trial is marked failed by the heartbeat, that reason recorded,
-and retried once) and several workers, on one machine or many, share one search. At the end the
-best --repeat-top trials are retrained with --seeds other seeds, the best mean is the pick, and the
-pick alone is evaluated once on the test set; the recipe as written is trained under the same protocol and seeds
-and tested once too, and the report says whether the pick beats it. Writes OUT/search.md, search.json, pareto.png, importance.png and
-best.toml (`vitscale train OUT/best.toml` reproduces the pick on the full training set).
-
-examples:
-  vitscale search --budget-s 300 --trials 40 --out search/fmnist      # the default recipe and space
-  vitscale search configs/cifar10.toml --space my_space.toml --budget-s 600 --trials 0   # until Ctrl-C
-  vitscale search --budget-s 300 --storage postgresql://host/db --study fm --repeat-top 0   # a worker
-  vitscale search --budget-s 300 --storage postgresql://host/db --study fm --report-only    # finish
-"""
+"""`vitscale search`: the best model this machine trains in a time budget, an Optuna search over
+recipe keys (docs/search.md). This module is the command: the study in its database, the recipe
+every trial trains; space.py reads the space, trials.py trains the trials and the finish (repeats,
+the pick, its one test evaluation), report.py writes the report. The protocol and the command's
+arguments: lab/commands.py."""
 from __future__ import annotations
 
 import hashlib
 import json
 import random
 import time
+import warnings
 from pathlib import Path
 
-HELP = "search recipe keys for the best accuracy in a fixed training-time budget (Optuna, resumable, multi-worker)"
+from ...config import load_config
+from ...errors import UserError
+from ..recipes import lab_config, log, with_overrides
+from .report import write_report
+from .space import load_space
+from .trials import fail_dead_trials, finalize, record_stale_reasons, retry_without_reason, run_trials
 
 BIG_EPOCHS = 100_000.0  # trials end on the time budget, never on epochs
 
 
-def add_arguments(p) -> None:
-    from ..config import add_recipe_arguments
-    add_recipe_arguments(p)
-    p.add_argument("--space", help="the space: a TOML file of ranges and choices, or the name of a shipped one "
-                   "(default: configs/search/vit_default.toml)")
-    p.add_argument("--budget-s", type=float, default=300.0,
-                   help="training seconds of every trial (train.time_limit_s; evaluation not counted; default 300)")
-    p.add_argument("--trials", type=int, default=20, help="trials this worker runs (0 = until stopped; default 20)")
-    p.add_argument("--out", default="search", help="the search folder: trial runs, report, best.toml (default: search)")
-    p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///OUT/search.db); a server database "
-                   "(postgresql://, mysql://) for workers on several machines")
-    p.add_argument("--study", default="search", help="study name in the storage (default: search)")
-    p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="share of the training set held out to score trials, when the recipe's "
-                        "data.val_fraction is 0 (default 0.1)")
-    p.add_argument("--pruner", choices=("hyperband", "halving", "none"), default="hyperband",
-                   help="stops poor trials early on their validation accuracy at each epoch (default hyperband)")
-    p.add_argument("--repeat-top", type=int, default=3, help="retrain the best K trials with other seeds, pick the "
-                   "best mean, evaluate it once on the test set (0 = no repeats, no test evaluation: a worker)")
-    p.add_argument("--seeds", type=int, default=2, help="other seeds per repeated trial (default 2)")
-    p.add_argument("--no-recipe", dest="recipe", action="store_false",
-                   help="do not train the recipe as written beside the pick (by default it is trained under the "
-                        "same budget, validation split and seeds, tested once on the pick's seed, and the report "
-                        "says whether the pick beats it)")
-    p.add_argument("--report-only", action="store_true",
-                   help="no new trials: the repeats still missing, the test evaluation and the report")
-    p.add_argument("--heartbeat-s", type=int, default=10, help="a worker's heartbeat; a RUNNING trial "
-                   "silent for 3 heartbeats (a killed worker's) is marked failed and retried once (default 10)")
-    p.add_argument("--sampler-seed", type=int, default=None, help="seed of the TPE sampler (default: random; "
-                   "give workers different seeds)")
-
-
 def import_optuna():
     """optuna, imported here only (the rest of vitscale runs without it)."""
-    from ..errors import UserError
     try:
         import optuna
     except ImportError:
         raise UserError("vitscale search needs optuna: pip install 'vitscale[search]' (or: pip install optuna)") \
             from None
-    import warnings
-    optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial is ours (search_trials.py)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial is ours (trials.py)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # heartbeats
     return optuna
 
 
 def run(args) -> int:
-    from ..errors import UserError
-    from .harness import log
-    from .search_space import load_space
-    from .search_report import write_report
-    from .search_trials import fail_dead_trials, finalize, run_trials
     if args.budget_s <= 0 or args.heartbeat_s < 1 or min(args.trials, args.repeat_top, args.seeds) < 0:
         raise UserError("search: --budget-s must be > 0, --heartbeat-s >= 1; --trials, --repeat-top, --seeds >= 0")
     if not 0 < args.val_fraction <= 0.5:
@@ -111,7 +61,6 @@ def run(args) -> int:
 def trial_config(args):
     """The recipe as every trial trains it: quiet, the time budget, the time-fitted schedule, the
     validation split, no checkpoints but the last, an evaluation every epoch (for the pruner)."""
-    from .harness import lab_config, with_overrides
     cfg = lab_config(args.config, args.overrides)
     return with_overrides(cfg, {**budget_keys(args), "data.val_fraction": cfg.data.val_fraction or args.val_fraction,
                                 "run.checkpoint_every": 2 ** 62, "run.keep_last": 1,
@@ -125,8 +74,6 @@ def budget_keys(args) -> dict:
 def recipe_config(args, final):
     """The pick as a recipe (best.toml): the user's recipe, the budget, the pick's keys, the FULL
     training set (data.val_fraction = 0: evaluation on the test set). None without a pick."""
-    from ..config import load_config
-    from .harness import with_overrides
     if not final or not final.get("pick"):
         return None
     return with_overrides(load_config(args.config, args.overrides),
@@ -139,8 +86,6 @@ def storage_url(args, out: Path) -> str:
 
 def open_study(optuna, args, base, space, out: Path):
     """The study in its database (created, or loaded and checked to be the same search)."""
-    from ..errors import UserError
-    from .search_trials import record_stale_reasons, retry_without_reason
     url = storage_url(args, out)
     engine = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {}
     # a killed worker's RUNNING trial: failed once its heartbeat is 3 intervals old (the reason

@@ -1,4 +1,4 @@
-"""The trials of `vitscale search` (lab/search.py): each trains in this process under the time
+"""The trials of `vitscale search` (lab/search/): each trains in this process under the time
 budget with its validation accuracy reported to Optuna at every evaluation (and pruned there), and
 a trial that cannot train (a shape the model refuses, out of memory, a NaN loss) is marked failed
 with its one-line reason while the search goes on (a killed worker's trial too, by the worker
@@ -6,6 +6,8 @@ that finds its heartbeat stale: record_stale_reasons). Then the finish: the best
 other seeds, the pick by the best mean, and the pick's one evaluation on the test set."""
 from __future__ import annotations
 
+import copy
+import datetime
 import json
 import os
 import shutil
@@ -13,7 +15,11 @@ import socket
 import statistics
 from pathlib import Path
 
-from ..loop import Trainer
+from ... import evaluate  # evaluate.evaluate_checkpoint looked up when called (tests wrap it)
+from ...errors import UserError
+from ...loop import Trainer
+from ..recipes import log, with_overrides
+from ..timing import free_memory
 
 
 class TrialFailed(Exception):
@@ -40,7 +46,6 @@ def train_run(cfg, run_dir: Path, on_eval=None) -> dict:
     run_dir = Path(run_dir)
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    from .harness import free_memory
     tr = SearchTrainer(cfg, run_dir, on_eval)
     try:
         summary = tr.fit()
@@ -79,7 +84,6 @@ class Pruning:
 
 
 def one_line(e: BaseException) -> str:
-    from ..errors import UserError
     text = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
     return (text.strip().splitlines() or [type(e).__name__])[0][:300]
 
@@ -120,8 +124,6 @@ def record_stale_reasons(optuna, storage, grace_s: float):
 def retry_without_reason(retry):
     """Optuna's retry callback, the failed trial's reason not copied to its retry (which has not
     failed; its own failure, if any, records its own)."""
-    import copy
-
     def callback(study, trial) -> None:
         trial = copy.copy(trial)  # a cached trial is not changed
         trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k != "error"}
@@ -131,8 +133,6 @@ def retry_without_reason(retry):
 
 def run_trials(optuna, study, base, space, args, out: Path) -> None:
     """This worker's --trials trials (0: until stopped); Ctrl-C stops between or inside one."""
-    from .harness import free_memory, log, with_overrides
-
     def train_trial(trial):
         study._storage.record_heartbeat(trial._trial_id)  # now, not when the heartbeat thread gets to it
         free_memory()  # what an earlier trial's error left referenced (its traceback) is gone now
@@ -166,7 +166,7 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
     fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
     try:
         study.optimize(objective, n_trials=args.trials or None, catch=(TrialFailed,), callbacks=[progress_line],
-                       gc_after_trial=True)  # (and harness.free_memory: a failed trial's traceback is gone by then)
+                       gc_after_trial=True)  # (and timing.free_memory: a failed trial's traceback is gone by then)
     except KeyboardInterrupt:
         log("search: stopped; the unfinished trial is marked failed")
     fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
@@ -178,7 +178,6 @@ def fail_dead_trials(optuna, study, grace_s: float) -> None:
     each trial; record_stale_reasons writes the reason) and those killed before their first heartbeat
     (Optuna skips them; a live worker's trial has its heartbeat and its "worker" attribute within
     milliseconds of starting)."""
-    import datetime
     optuna.storages.fail_stale_trials(study)
     storage, now = study._storage, datetime.datetime.now()
     retry = storage.get_heartbeat_stale_trial_callback() if hasattr(storage, "get_heartbeat_stale_trial_callback") \
@@ -204,7 +203,6 @@ def last_value(t):
 
 def progress_line(study, t) -> None:
     """One line per finished trial: number, state, validation accuracy, training time, params."""
-    from .harness import log
     acc, secs, ep = last_value(t), t.user_attrs.get("train_time_s"), t.user_attrs.get("epochs")
     params = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.params.items())
     err = f" | {t.user_attrs['error']}" if t.state.name == "FAIL" and "error" in t.user_attrs else ""
@@ -218,7 +216,6 @@ def finalize(study, base, args, out: Path) -> dict:
     kept in OUT/repeats/, done once); the pick = the best mean validation accuracy; its one test
     evaluation. Unless --no-recipe: the recipe as written trained under the same protocol (the same
     budget, validation split and seeds), tested once on the same seed as the pick, and the decision."""
-    from .harness import log
     done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.value is not None]
     top = sorted(done, key=lambda t: -t.value)[:args.repeat_top]
     if not top:
@@ -257,7 +254,6 @@ def recipe_runs(base, seeds: list[int], out: Path) -> dict:
     """The recipe as written, none of the space's keys changed, under the trials' protocol: run.seed
     (the trials' seed) and every repeat seed. Its `runs` are the repeat seeds' (in their order), so
     its test evaluation is of the same seed as the pick's."""
-    from .harness import log
     every = list(dict.fromkeys([base.run.seed, *seeds]))
     runs = {s: repeat(base, {}, s, out / "repeats" / f"recipe-seed{s}", "the recipe") for s in every}
     first = [runs[base.run.seed]] if base.run.seed not in seeds and runs[base.run.seed].get("accuracy") is not None \
@@ -291,7 +287,6 @@ def decide(pick: dict, pick_test: dict | None, recipe: dict, recipe_test: dict |
 def repeat(base, params: dict, seed: int, run_dir: Path, what: str) -> dict:
     """`params` with run.seed = `seed`, trained once into `run_dir` (a finished run's summary is
     reused: a killed finish continues)."""
-    from .harness import log, with_overrides
     summary = run_dir / "summary.json"
     if summary.is_file():
         r = json.loads(summary.read_text())
@@ -310,8 +305,6 @@ def test_once(pick: dict, out: Path) -> dict | None:
     """The pick's ONE evaluation on the test set: its first repeat's model (trained on the training
     set minus the validation split), evaluated with data.val_fraction = 0. Kept in OUT/test.json with
     every earlier pick's, so the report can say how often this folder's search looked at the test set."""
-    from ..evaluate import evaluate_checkpoint
-    from .harness import log
     path = out / "test.json"
     history = json.loads(path.read_text()) if path.is_file() else []
     picks = sum(h["trial"] != "recipe" for h in history)  # the recipe's evaluation is the comparison's
@@ -321,7 +314,7 @@ def test_once(pick: dict, out: Path) -> dict | None:
     run = next((r for r in pick["runs"] if r.get("checkpoint")), None)
     if run is None:
         return None
-    r = evaluate_checkpoint(run["checkpoint"], ["data.val_fraction=0"])
+    r = evaluate.evaluate_checkpoint(run["checkpoint"], ["data.val_fraction=0"])
     h = {"trial": pick["trial"], "seed": run["seed"], "run_dir": run["run_dir"], "checkpoint": run["checkpoint"],
          "test_accuracy": r["test_accuracy"], "test_loss": r["test_loss"], "test_count": r["test_count"]}
     path.write_text(json.dumps(history + [h], indent=2))

@@ -1,0 +1,58 @@
+"""The recipe as the lab's commands run it: read quietly (`lab_config`), changed by dotted keys
+(`with_overrides`), its dataset swapped for synthetic images (`synthetic_data`); the commands'
+count checks and progress lines (`log`)."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+from ..config import check, load_config, set_value
+from ..errors import UserError
+from ..strategy import default_for, needs_processes
+from ..tasks import build_task, check_config
+
+
+def log(msg: str) -> None:
+    """Progress for humans: stderr, main process only."""
+    if os.environ.get("RANK", "0") == "0":
+        print(msg, file=sys.stderr, flush=True)
+
+
+def lab_config(path, overrides):
+    """The recipe + overrides, quiet (no progress bar, no TensorBoard); under a multi-process
+    launcher a `single` strategy would train N independent copies, so it becomes `ddp`."""
+    cfg = load_config(path, overrides)
+    set_value(cfg, "run.progress", "off")
+    set_value(cfg, "run.tensorboard", False)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not needs_processes(cfg.strategy.name):
+        log(f"launched with several processes and strategy.name={cfg.strategy.name}: using "
+            f"strategy.name={default_for(world_size)}")
+        set_value(cfg, "strategy.name", default_for(world_size))
+    check(cfg)
+    return check_config(cfg)
+
+
+def with_overrides(cfg, overrides: dict):
+    """A copy of `cfg` with {dotted key: value} set and checked (ConfigError if it does not validate)."""
+    out = copy.deepcopy(cfg)
+    for k, v in overrides.items():
+        set_value(out, k, v)
+    check(out)
+    return check_config(out)
+
+
+def check_counts(**counts) -> None:
+    for name, (value, lo) in counts.items():
+        if value < lo:
+            raise UserError(f"--{name.replace('_', '-')} must be >= {lo}, got {value}")
+
+
+def synthetic_data(cfg):
+    """`cfg` with its image dataset swapped for synthetic images of the same shape (image size,
+    channels, classes; data/sources/synthetic.py), one global batch of them: what `--synthetic` times, so
+    that a machine without the dataset (an ImageNet folder on a rented GPU) measures the recipe's
+    step. Image-text recipes (CLIP) get synthetic images captioned from their labels (ClipTask)."""
+    overrides = build_task(cfg).synthetic_overrides()
+    return cfg if overrides is None else with_overrides(cfg, overrides)
