@@ -105,8 +105,8 @@ def cmd_train(args) -> int:
     from .checkpoint import list_checkpoints
     from .config import load_config
     from .loop import train
-    from .run_state import check_resumable, open_resume
-    from .tasks import check_config, describe_result
+    from .run_state import resume_request
+    from .tasks import describe_result
     resume = args.resume
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not resume and args.out and restarts and list_checkpoints(args.out):
@@ -116,14 +116,10 @@ def cmd_train(args) -> int:
                   file=sys.stderr)
     elif resume and args.config:
         raise UserError("train: give either a CONFIG or --resume DIR (the run's own config is used)")
-    if resume:
-        resume = open_resume(resume)  # read once: the newest readable checkpoint of a folder
-        cfg = check_config(resume.config(args.overrides))
-        check_resumable(resume, cfg)  # before an engine starts
-        run_dir = Path(args.out) if args.out else resume.run_dir
+    if resume:  # the checkpoint read and checked once; the Trainer runs the config's checks
+        cfg, run_dir, resume = resume_request(resume, args.overrides, args.out)
     else:
-        cfg = check_config(load_config(args.config, args.overrides))
-        run_dir = Path(args.out) if args.out else None
+        cfg, run_dir = load_config(args.config, args.overrides), Path(args.out) if args.out else None
     summary = train(cfg, run_dir, resume=resume)
     if summary["rank"] != 0:
         return 0
@@ -194,15 +190,6 @@ def cmd_data(args) -> int:
     return 0
 
 
-def _is_comm_failure(e: BaseException) -> bool:
-    """A collective failed: a peer process died, hung past the timeout or the network broke."""
-    import torch.distributed as dist
-    text = str(e).lower()
-    return isinstance(e, getattr(dist, "DistError", ())) or any(
-        k in text for k in ("gloo", "nccl", "connection reset", "connection closed", "timed out",
-                            "timeout", "pair closure"))
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="vitscale: warning: %(message)s")
     args = _parser().parse_args(argv)
@@ -220,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vitscale: error: {where}{e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return 2
     except Exception as e:
-        if not (where and _is_comm_failure(e)):
+        from .strategy.dist import is_comm_failure
+        if not (where and is_comm_failure(e)):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"vitscale: error: {where}lost contact with another process ({first[:300]}); stopping. "

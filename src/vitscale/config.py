@@ -484,8 +484,9 @@ def check_capture(cfg: Config) -> None:
 
 def check(cfg: Config) -> None:
     """Cross-field checks that one key alone cannot express. What depends on the kind of model
-    (its model.init files) is the task's check: tasks.check_config runs both."""
-    micro_batch(cfg.data.batch_size, 1, cfg.train.accum_steps)
+    (its model.init files) is the task's check: tasks.check_config runs both. That the global
+    batch splits over processes and micro-batches is checked once, where the number of processes is
+    known (the Trainer: `micro_batch`)."""
     if cfg.train.compile_mode != "default" and not cfg.train.compile:
         raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} needs train.compile=true")
     if cfg.train.compile_mode in ("reduce-overhead", "max-autotune"):  # the modes with CUDA graphs

@@ -22,7 +22,7 @@ from .optim import build_scheduler, scaled_lr
 from .strategy import build_strategy, check_launch
 from .precision import tf32_active
 from .strategy.devices import LauncherWatch, launch_env
-from .run_state import Resume, check_resumable, open_resume, resume_run, run_state
+from .run_state import Resume, RunProgress, check_resumable, open_resume, resume_run, run_state
 from .tasks import build_task, check_config
 
 
@@ -100,20 +100,43 @@ def make_run_dir(cfg: Config, s, run_dir, resume) -> tuple[Path, RunLock | None]
     return Path(run_dir), lock
 
 
+class Progressed:
+    """A Trainer attribute kept in its progress record (`Trainer.progress`, run_state.RunProgress),
+    which saves and restores itself with the checkpoint."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, tr, owner=None):
+        return self if tr is None else getattr(tr.progress, self.name)
+
+    def __set__(self, tr, value) -> None:
+        setattr(tr.progress, self.name, value)
+
+
 class Trainer:
     """Builds data, model and strategy from a config; `fit()` trains, evaluates and checkpoints."""
 
+    step, train_time, images_seen = Progressed(), Progressed(), Progressed()
+    steady, best_acc, last_eval = Progressed(), Progressed(), Progressed()
+
     def __init__(self, cfg: Config, run_dir: Path | None = None, resume: Resume | str | Path | None = None):
-        """`resume`: a checkpoint file or run folder, or one already opened (run_state.open_resume)."""
+        """`resume`: a checkpoint file or run folder, or one already opened and checked
+        (run_state.resume_request: `vitscale train --resume`), which is taken as it is."""
         self.cfg = cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
         check_config(cfg)  # the task's checks (model.init files), before an engine starts
-        check_launch(cfg.strategy.name, launch_env(os.environ).world_size)  # N copies into one run folder
+        world = launch_env(os.environ).world_size
+        check_launch(cfg.strategy.name, world)  # N copies into one run folder
+        # the one check that the global batch splits over processes x micro-batches (before an engine
+        # starts: DeepSpeed's config and the data plan divide by it)
+        micro_batch(cfg.data.batch_size, world, cfg.train.accum_steps)
         if resume is not None and not isinstance(resume, Resume):
             resume = open_resume(resume)
-        changes = check_resumable(resume, cfg) if resume is not None else []  # before anything is written
+        if resume is not None and resume.changes is None:  # before anything is written
+            resume.changes = check_resumable(resume, cfg)
         self.lr = scaled_lr(cfg.optim, cfg.data.batch_size)
         # the strategy builds its optimizer at the lr for this global batch; the saved config
         # keeps what the user wrote (lr, lr_scaling, lr_ref_batch)
@@ -123,7 +146,7 @@ class Trainer:
         try:
             self.build(cfg, s)
             if resume is not None:
-                resume_run(self, resume, changes)
+                resume_run(self, resume)
         except BaseException:  # a half-built run: its data workers stopped, its folder released
             self.close()
             raise
@@ -138,7 +161,6 @@ class Trainer:
 
     def build(self, cfg: Config, s) -> None:
         """Data, model, engine, schedule and counters of a new run."""
-        micro_batch(cfg.data.batch_size, s.world_size, cfg.train.accum_steps)
         self.task = task = build_task(cfg)
         self.data = task.build_data(s)
         if cfg.data.batch_size > self.data.train_size:
@@ -161,7 +183,7 @@ class Trainer:
         self.total_steps = min(total, cfg.run.max_steps) if cfg.run.max_steps else total
         task.setup_training(lr=self.lr, dataset_size=self.data.train_size, total_steps=self.total_steps,
                             steps_per_epoch=self.steps_per_epoch, device=s.device)
-        self.step, self.train_time, self.images_seen = 0, 0.0, 0
+        self.progress = RunProgress()  # step, training time, samples seen, best metric, last evaluation
         # optim.schedule_clock=time: the decay follows self.train_time to train.time_limit_s
         self.scheduler = build_scheduler(self.strategy.optimizer, cfg.optim, self.total_steps,
                                          self.steps_per_epoch, clock=lambda: self.train_time,
@@ -171,8 +193,6 @@ class Trainer:
         # has loaded the state it captures), its batches prepared many at a time
         self.whole: WholeStep | None = None
         self.ahead = ahead_batches(cfg, self.data.train.batch_size, self.data) if cfg.train.capture == "step" else 1
-        self.steady = [0.0, 0]  # time and images of steps after each process's first (compile, warm-up)
-        self.best_acc, self.last_eval = None, None
         self.last_ckpt: Path | None = None
 
     # -- checkpoints ------------------------------------------------------------------------------

@@ -158,6 +158,16 @@ def time_schedule(cfg: OptimConfig, budget_s: float, steps_per_epoch: int, clock
     return factor
 
 
+def continue_schedule(scheduler, state: dict, base_lrs: list[float]) -> None:
+    """A scheduler put back at a checkpoint's step (its saved `state`) with this run's base lrs and
+    schedule: one step from the step before sets every group's lr, and the last lr it reports,
+    from them (a resumed run whose lr or schedule changed takes the change from that step on)."""
+    scheduler.load_state_dict(state)
+    scheduler.base_lrs = list(base_lrs)
+    scheduler.last_epoch -= 1
+    scheduler.step()
+
+
 def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int, steps_per_epoch: int, *,
                     clock=None, budget_s: float = 0.0):
     """A LambdaLR of `schedule` (steps), or of `time_schedule` (optim.schedule_clock = time: `clock`

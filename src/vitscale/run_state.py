@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint, rng_state, set_rng_state
 from .config import Config, saved_config
 from .errors import ConfigError, UserError
+from .optim import continue_schedule
 from .strategy.resume import check_resume, engine_folder
 
 log = logging.getLogger(__name__)
@@ -88,10 +89,33 @@ def check_changes(saved: dict, cfg: Config, path) -> list[str]:
 
 
 @dataclass
+class RunProgress:
+    """A Trainer's progress counters, saved in every checkpoint (as top-level keys) and restored
+    from one: optimizer steps taken, training seconds (evaluation and checkpoints not counted),
+    samples seen, the steady-state time and samples (each process's first step left out), the best
+    evaluated metric and the last evaluation."""
+    step: int = 0
+    train_time: float = 0.0
+    images_seen: int = 0
+    steady: list = field(default_factory=lambda: [0.0, 0])
+    best_acc: float | None = None
+    last_eval: dict | None = None
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            setattr(self, f.name, state[f.name])
+
+
+@dataclass
 class Resume:
-    """A checkpoint to continue from, read once: the file and what it holds."""
+    """A checkpoint to continue from, read once: the file and what it holds; `changes`: the keys
+    this run changes on resume ("key old -> new"), once they are checked (None before)."""
     path: Path
     state: dict
+    changes: list[str] | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -129,14 +153,24 @@ def open_resume(resume) -> Resume:
     raise UserError(f"no readable checkpoint in {path}: {bad[0]}")
 
 
+def resume_request(resume, overrides=(), out=None) -> tuple[Config, Path, Resume]:
+    """`vitscale train --resume RUN [--set KEY=VALUE ...] [--out DIR]` in one step: the checkpoint
+    (a file, or the folder's newest readable one) read once, the run's saved config with the
+    overrides, checked against the checkpoint once (what may change on resume, and whether this
+    engine can continue it), and the run folder (its own, or --out). The Trainer takes the result
+    as it is: nothing is read or checked twice."""
+    r = open_resume(resume)
+    cfg = r.config(overrides)
+    r.changes = check_resumable(r, cfg)
+    return cfg, Path(out) if out else r.run_dir, r
+
+
 def run_state(tr) -> dict:
     """The checkpoint of a Trainer at its current step (collective: every rank's RNG goes in)."""
     s = tr.strategy
     return {"version": 1, "config": tr.cfg.to_dict(), "strategy": s.state_dict(),
             "scheduler": tr.scheduler.state_dict(), "rng": s.gather_objects(rng_state()),
-            "world_size": s.world_size, "step": tr.step,
-            "train_time": tr.train_time, "images_seen": tr.images_seen, "steady": tr.steady,
-            "best_acc": tr.best_acc, "last_eval": tr.last_eval, "spec": asdict(tr.spec),
+            "world_size": s.world_size, **tr.progress.state_dict(), "spec": asdict(tr.spec),
             "kind": tr.task.kind, "task": tr.task.state_dict(), "preprocess": tr.task.preprocess}
 
 
@@ -147,7 +181,7 @@ def check_resumable(r: Resume, cfg: Config) -> list[str]:
     return check_changes(r.state["config"], cfg, r.path)
 
 
-def resume_run(tr, r: Resume, changes: list[str]) -> None:
+def resume_run(tr, r: Resume) -> None:
     """A built Trainer continued from the checkpoint `r`: the engine's own folder (.ds, .dcp)
     where there is one, then everything run_state saved; the optimizer's hyperparameters and the
     schedule are this config's, so that the `changes` (check_resumable's) take effect: announced
@@ -161,27 +195,20 @@ def resume_run(tr, r: Resume, changes: list[str]) -> None:
         s.load_engine(folder)
     restore_run(tr, r.state, hyper)
     tr.last_ckpt = r.path
-    if changes and s.is_main:
-        log.warning("resume: %s from step %d with %s", r.run_dir, tr.step, ", ".join(changes))
+    if r.changes and s.is_main:
+        log.warning("resume: %s from step %d with %s", r.run_dir, tr.step, ", ".join(r.changes))
 
 
 def restore_run(tr, state: dict, hyper: list[dict]) -> None:
-    s, scheduler = tr.strategy, tr.scheduler
+    s = tr.strategy
     s.load_state_dict(state["strategy"])
     for group, h in zip(s.optimizer.param_groups, hyper):
         group.update(h)
-    scheduler.load_state_dict(state["scheduler"])
+    tr.progress.load_state_dict(state)  # before the schedule: a time-clock schedule reads train_time
     # this config's base lrs and schedule (a new lr, more epochs) at the restored step
-    scheduler.base_lrs = [h["initial_lr"] for h in hyper]
-    for group, base, fn in zip(s.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["lr"] = base * fn(scheduler.last_epoch)
-    scheduler._last_lr = [g["lr"] for g in s.optimizer.param_groups]
+    continue_schedule(tr.scheduler, state["scheduler"], [h["initial_lr"] for h in hyper])
     rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
     set_rng_state(rngs[s.rank] if len(rngs) == s.world_size else rngs[0])
-    tr.step, tr.train_time = state["step"], state["train_time"]
-    tr.images_seen, tr.best_acc = state["images_seen"], state["best_acc"]
-    tr.steady = state["steady"]
-    tr.last_eval = state["last_eval"]
     try:
         tr.task.load_state_dict(state.get("task", {}))
     except (ValueError, KeyError) as e:  # e.g. a loss state from another version or dataset

@@ -58,9 +58,12 @@ def test_invalid_toml_and_missing_file(tmp_path):
         load_config(tmp_path / "nope.toml")
 
 
-def test_cross_field_check():
+def test_cross_field_check(tmp_path):
+    """The batch's split over processes x micro-batches: checked once, by the Trainer, before data
+    or an engine is built (the number of processes is known there)."""
+    from vitscale.loop import Trainer
     with pytest.raises(ConfigError, match=r"batch_size \(10\) must be a multiple of processes \(1\) x train.accum_steps \(3\)"):
-        load_config(None, ["data.batch_size=10", "train.accum_steps=3"])
+        Trainer(load_config(None, ["data.batch_size=10", "train.accum_steps=3"]), tmp_path / "run")
 
 
 def test_resolved_config_round_trips(tmp_path):

@@ -172,3 +172,18 @@ def test_the_lab_rooms_import_down():
                 if rank.get(other, -1) <= i:
                     bad.append(f"lab/{room}.py imports {m}: {other} is not a room below {room}")
     assert not bad, "\n".join(bad)
+
+def test_models_import_only_torch_the_standard_library_and_their_own_package():
+    """ARCHITECTURE.md: a model is plain torch (engines, tasks and the lab apply everything else to
+    it from outside), so models/ imports nothing else of vitscale and no other third-party package."""
+    bad = [f"{p.relative_to(SRC)}: {m}" for p in sorted((SRC / "models").rglob("*.py")) for m in sorted(_imports(p))
+           if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "torch"
+           and not (m == "vitscale.models" or m.startswith("vitscale.models."))]
+    assert not bad, f"models/ imports {bad}"
+
+
+def test_strategy_names_no_model_class():
+    """strategy/ asks a model for its shard units (`shard_units()`) instead of importing its classes."""
+    bad = [f"{p.relative_to(SRC)}: {m}" for p in sorted((SRC / "strategy").rglob("*.py")) for m in sorted(_imports(p))
+           if m == "vitscale.models" or m.startswith("vitscale.models.")]
+    assert not bad, f"strategy/ imports models/: {bad}"

@@ -187,3 +187,38 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tmp_path, capsy
     a = ckpt.load_checkpoint(full)["strategy"]["model"]
     b = ckpt.load_checkpoint(part)["strategy"]["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_train_resume_reads_and_checks_the_checkpoint_once(tmp_path, capsys, monkeypatch):
+    """Issue 34: `vitscale train --resume RUN --set ...` reads the checkpoint once, checks what may
+    change on resume once and runs the config's checks once; the progress record comes back whole."""
+    import vitscale.loop
+    import vitscale.run_state
+    import vitscale.tasks
+    out = tmp_path / "run"
+    run(capsys, "train", TINY, "--out", str(out), "--set", "run.max_steps=4", "--set", "run.checkpoint_every=2")
+    saved = ckpt.load_checkpoint(out / "checkpoints" / "step_00000004.pt")
+    counts = {"load": 0, "resumable": 0, "config": 0}
+
+    def counting(name, real):
+        def f(*a, **k):
+            counts[name] += 1
+            return real(*a, **k)
+        return f
+    monkeypatch.setattr(vitscale.run_state, "load_checkpoint", counting("load", vitscale.run_state.load_checkpoint))
+    monkeypatch.setattr(vitscale.run_state, "check_resumable",
+                        counting("resumable", vitscale.run_state.check_resumable))
+    monkeypatch.setattr(vitscale.loop, "check_resumable", counting("resumable", vitscale.loop.check_resumable))
+    checks = counting("config", vitscale.tasks.check_config)  # the CLI's import and the Trainer's
+    monkeypatch.setattr(vitscale.tasks, "check_config", checks)
+    monkeypatch.setattr(vitscale.loop, "check_config", checks)
+    seen = {}
+    real_fit = vitscale.loop.Trainer.fit
+
+    def fit(self):
+        seen.update(self.progress.state_dict())  # the record as restored, before training on
+        return real_fit(self)
+    monkeypatch.setattr(vitscale.loop.Trainer, "fit", fit)
+    run(capsys, "train", "--resume", str(out), "--set", "run.max_steps=6")
+    assert counts == {"load": 1, "resumable": 1, "config": 1}
+    assert seen == {k: saved[k] for k in seen} and seen["step"] == 4 and seen["images_seen"] > 0

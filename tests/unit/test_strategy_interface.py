@@ -135,3 +135,16 @@ def test_the_scan_sees_branches_not_docstrings():
     src = '"""ddp, fsdp and folder are named here."""\nif cfg.strategy.name == "fsdp" or d.name in ("folder", "csv"):\n' \
           '    x = {"vit": 1, "clip": 2}[kind]\nname = "ddp"\n'
     assert sorted(v for _, v in _branch_literals(ast.parse(src))) == ["clip", "csv", "folder", "fsdp", "vit"]
+
+
+def test_only_strategy_and_the_losses_collectives_use_torch_distributed():
+    """Issue 34: the CLI and the lab reach the process group through strategy/ (the CLIP losses keep
+    their own collectives, with the group passed in)."""
+    import re
+    allowed = ("strategy", "losses")
+    for path in SRC.rglob("*.py"):
+        if path.relative_to(SRC).parts[0] in allowed:
+            continue
+        code = re.sub(r'"""[\s\S]*?"""|#.*', "", path.read_text())
+        assert not re.search(r"import torch\.(distributed|multiprocessing)|from torch\.(distributed|multiprocessing)",
+                             code), f"{path.relative_to(SRC)} imports torch.distributed or torch.multiprocessing"

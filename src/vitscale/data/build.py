@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import micro_batch
-from ..errors import DataError, UserError
+from ..errors import ConfigError, DataError, UserError
 from .loaders.captions import as_pairs
 from .loaders.memory import memory_bundle, tensor_bundle
 from .loaders.stream import loaders as stream_loaders
@@ -88,7 +87,9 @@ def synthetic_pairs_stand_in(d) -> dict | None:
 def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> DataBundle:
     """Load `cfg.name` and build this rank's train/test loaders (see data/types.py)."""
     device = torch.device(device)
-    micro_batch(cfg.batch_size, world_size, error=DataError)
+    if cfg.name in PAIRS_ONLY:
+        raise ConfigError(f"config: data.name={cfg.name} holds image-text pairs: train a CLIP model "
+                          f"(model.arch=clip_mini, clip_vit_b32, ...)")
     kw = dict(device=device, seed=seed, rank=rank, world_size=world_size)
     if cfg.val_fraction and cfg.name not in (*NATIVE_GEOMETRY, "synthetic"):
         raise DataError(f"data.val_fraction: a validation split is carved from in-memory labelled sets "
@@ -181,10 +182,12 @@ def _stream_labelled(cfg, *, device, seed: int, rank: int = 0, world_size: int =
 def build_image_text(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1,
                      context_length: int = 77) -> DataBundle:
     """Load `cfg.name` as image-text pairs and build this rank's loaders (see data/types.py)."""
+    if cfg.name not in IMAGE_TEXT and not cfg.captions:
+        raise ConfigError(f"config: a CLIP model needs image-text pairs: data.name=openclipart|csv|"
+                          f"webdataset, or data.captions=true to caption {cfg.name}'s labels")
     if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
         raise DataError("data.mixup_alpha / data.cutmix_alpha: mixing images makes no sense for "
                         "image-text pairs (CLIP); set them to 0")
-    micro_batch(cfg.batch_size, world_size, error=DataError)
     kw = dict(device=torch.device(device), seed=seed, rank=rank, world_size=world_size,
               context_length=context_length)
     if cfg.name == "openclipart":

@@ -10,7 +10,6 @@ import hashlib
 
 import torch
 
-from ..config import micro_batch
 from ..errors import DataError
 
 
@@ -34,13 +33,14 @@ def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 class EpochPlan:
-    """Global batches of `batch_size` over `n` samples, and this rank's slice of each."""
+    """Global batches of `batch_size` over `n` samples, and this rank's slice of each. That the
+    batch splits evenly over the ranks (and their micro-batches) is the Trainer's one check
+    (config.micro_batch, where the world size is known)."""
 
     def __init__(self, n: int, batch_size: int, *, seed: int, drop_last: bool,
                  rank: int = 0, world_size: int = 1):
         if world_size < 1 or not 0 <= rank < world_size:
             raise DataError(f"data: rank {rank} is not in [0, {world_size})")
-        micro_batch(batch_size, world_size, error=DataError)
         if batch_size > n:
             raise DataError(f"data.batch_size ({batch_size}) is larger than the training set "
                             f"({n} images): lower data.batch_size")

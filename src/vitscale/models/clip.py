@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import did_you_mean
 from .layers import PatchEmbed, activation
 from .text import TextSpec, TextTransformer, text_forward_macs
-from .vit import VisionTransformer, ViTSpec
+from .vit import VisionTransformer, ViTSpec, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -128,6 +127,10 @@ class CLIP(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.visual.set_grad_checkpointing(enable)
         self.text.grad_checkpointing = enable
+
+    def shard_units(self) -> list[nn.Module]:
+        """The modules a sharding engine wraps one by one: both towers' transformer blocks."""
+        return [*self.visual.shard_units(), *self.text.shard_units()]
 
     def no_weight_decay(self) -> set[str]:
         return ({f"visual.{n}" for n in self.visual.no_weight_decay()}

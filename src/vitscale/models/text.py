@@ -53,6 +53,10 @@ class TextTransformer(nn.Module):
         self.grad_checkpointing = False
         self.reset_parameters()
 
+    def shard_units(self) -> list[nn.Module]:
+        """The modules a sharding engine wraps one by one: the transformer blocks."""
+        return list(self.blocks)
+
     def reset_parameters(self) -> None:
         """OpenCLIP's text init: token 0.02, positions 0.01, then width- and depth-scaled stds."""
         W, L = self.spec.dim, self.spec.depth

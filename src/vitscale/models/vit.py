@@ -1,13 +1,13 @@
 """Vision Transformer (ViT) with a registry of the standard sizes and small-image variants."""
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import did_you_mean
 from .layers import Block, ConvStem, PatchEmbed, drop_path
 
 
@@ -178,6 +178,11 @@ class VisionTransformer(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
 
+    def shard_units(self) -> list[nn.Module]:
+        """The modules a sharding engine wraps one by one (FSDP2 shards each unit, then the root):
+        the transformer blocks (torchtitan's convention: the model names them)."""
+        return list(self.blocks)
+
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token"} | ({"reg_token"} if self.reg_token is not None else set())
 
@@ -210,6 +215,13 @@ class VisionTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+def did_you_mean(name: str, options) -> str:
+    """' (did you mean 'X'?)' for the closest registry name (models import only torch, the
+    standard library and their own package)."""
+    m = difflib.get_close_matches(name, list(options), n=1, cutoff=0.0)
+    return f" (did you mean '{m[0]}'?)" if m else ""
 
 
 def resolve_spec(arch: str, **overrides) -> ViTSpec:

@@ -241,3 +241,41 @@ def install() -> Counter:
             setattr(funcol, name, COUNTER.wrap(fn, kind, pos, arg, completes=False))
     _installed = True
     return COUNTER
+
+
+# -- the link between local processes (vitscale.lab.linkbench) -----------------------------------------
+def _all_reduce_worker(rank: int, world: int, init_file: str, sizes, iters: int, out_file: str) -> None:
+    """One of `world` local gloo processes: each size all-reduced `iters` times after two warm-up
+    calls, a barrier before each; rank 0 writes the median seconds per size."""
+    import statistics
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    rows = []
+    for n in sizes:
+        x = torch.ones(n // 4)
+        for _ in range(2):
+            dist.all_reduce(x)
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        rows.append((n, statistics.median(times)))
+    if rank == 0:
+        with open(out_file, "w") as f:
+            f.write("\n".join(f"{b} {t}" for b, t in rows))
+    dist.destroy_process_group()
+
+
+def time_all_reduce(world: int, sizes: list[int], iters: int) -> list[tuple[int, float]]:
+    """[(bytes, median seconds)] of an fp32 gloo all-reduce of each size between `world` local
+    processes (spawned here, a file rendezvous in a temporary folder)."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+        mp.spawn(_all_reduce_worker, args=(world, init, list(sizes), iters, out), nprocs=world, join=True)
+        return [(int(b), float(t)) for b, t in (ln.split() for ln in open(out).read().splitlines())]

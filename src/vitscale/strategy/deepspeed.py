@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import OptimConfig, StrategyConfig, TrainConfig, micro_batch
+from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups, with_lr
 from .devices import backend_for, compile_kwargs, sdpa_context
@@ -66,7 +66,7 @@ def build_ds_config(train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig
     """The ds_config for this run: generated from the vitscale config, the user's file merged over
     it, then checked. Raises ConfigError (one line) on a conflict."""
     A = train.accum_steps
-    micro = micro_batch(batch_size, world, A)
+    micro = batch_size // (world * A)  # it splits evenly: the Trainer checked (config.micro_batch)
     stage = scfg.zero_stage
     zero: dict = {"stage": stage}
     if scfg.offload_optimizer:

@@ -78,6 +78,14 @@ def init_process_group(device_type: str, backend: str = "auto", timeout_s: float
     dist.init_process_group(store=dist.PrefixStore(f"vitscale/attempt_{attempt}", store), **kw)
 
 
+def is_comm_failure(e: BaseException) -> bool:
+    """A collective failed: a peer process died, hung past the timeout or the network broke."""
+    text = str(e).lower()
+    return isinstance(e, getattr(dist, "DistError", ())) or any(
+        k in text for k in ("gloo", "nccl", "connection reset", "connection closed", "timed out",
+                            "timeout", "pair closure"))
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         with COUNTER.paused():  # vitscale's bookkeeping, not the engine's communication

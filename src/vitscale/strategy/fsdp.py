@@ -39,6 +39,16 @@ from ..precision import DTYPES, half_dtype
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules the model names as its shard units (`model.shard_units()`: its transformer
+    blocks); a model without them is refused in one line (FSDP2 would shard it as one unit)."""
+    units = getattr(model, "shard_units", None)
+    if units is None:
+        raise ConfigError(f"strategy.name=fsdp: {type(model).__name__} names no shard units "
+                          "(a shard_units() method listing its blocks)")
+    return units()
+
+
 def mp_policy(precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
     """FSDP2's precision for train.precision: parameters all-gathered and computed in bf16 (None:
     fp32), gradients reduce-scattered in strategy.reduce_dtype (fp32 by default)."""
@@ -73,8 +83,7 @@ class FSDPStrategy(Distributed):
         mp = mp_policy(self.cfg.precision, self.scfg.reduce_dtype)
         offload = CPUOffloadPolicy() if self.scfg.cpu_offload else OffloadPolicy()
         kw = dict(mp_policy=mp, offload_policy=offload, reshard_after_forward=self.scfg.reshard_after_forward)
-        from ..models.layers import Block
-        for block in [m for m in model.modules() if isinstance(m, Block)]:  # both towers of a CLIP
+        for block in shard_units(model):  # the model names them (both towers of a CLIP)
             if self.cfg.compile:  # each block's forward compiled in place (names unchanged)
                 block.compile(**compile_kwargs(self.cfg.compile_mode))
             fully_shard(block, **kw)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data import PAIRS_ONLY, build_data, synthetic_stand_in
+from ..data import build_data, synthetic_stand_in
 from ..data.build import eval_preprocess
 from ..data import geometry as data_geometry
 from ..errors import ConfigError, UserError
@@ -76,9 +76,6 @@ class ClassificationTask(Task):
 
     def build_data(self, s):
         cfg = self.cfg
-        if cfg.data.name in PAIRS_ONLY:
-            raise ConfigError(f"config: data.name={cfg.data.name} holds image-text pairs: train a CLIP model "
-                              f"(model.arch=clip_mini, clip_vit_b32, ...)")
         dcfg = self.data_config()
         data = build_data(dcfg, device=s.device, seed=cfg.run.seed, rank=s.rank, world_size=s.world_size)
         self.preprocess = eval_preprocess(dcfg, data.mean, data.std, data.image_size)

@@ -15,7 +15,7 @@ from dataclasses import fields, replace
 import torch
 import torch.nn.functional as F
 
-from ..data import IMAGE_TEXT, build_image_text
+from ..data import build_image_text
 from ..data.build import eval_preprocess, synthetic_pairs_stand_in
 from ..data.tokenizer import get_tokenizer, tokenize
 from ..errors import ConfigError, UserError
@@ -93,9 +93,6 @@ class ClipTask(Task):
         if cfg.train.accum_steps > 1:
             raise ConfigError("config: train.accum_steps > 1 is not supported for CLIP: contrastive losses "
                               "need the whole batch at once (lower data.batch_size or add processes)")
-        if cfg.data.name not in IMAGE_TEXT and not cfg.data.captions:
-            raise ConfigError(f"config: a CLIP model needs image-text pairs: data.name=openclipart|csv|"
-                              f"webdataset, or data.captions=true to caption {cfg.data.name}'s labels")
         get_tokenizer()  # the vocabulary, read here: a missing file is one line before anything starts
         data = build_image_text(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank,
                                 world_size=s.world_size, context_length=cfg.model.context_length)
