@@ -173,6 +173,7 @@ def test_the_lab_rooms_import_down():
                     bad.append(f"lab/{room}.py imports {m}: {other} is not a room below {room}")
     assert not bad, "\n".join(bad)
 
+
 def test_models_import_only_torch_the_standard_library_and_their_own_package():
     """ARCHITECTURE.md: a model is plain torch (engines, tasks and the lab apply everything else to
     it from outside), so models/ imports nothing else of vitscale and no other third-party package."""

@@ -19,7 +19,7 @@ import torch
 
 @runtime_checkable
 class TrainLoader(Protocol):
-    """This rank's training batches: what loop.py and lab/harness.py call."""
+    """This rank's training batches: what loop.py and lab/timing.py call."""
     batch_size: int        # this rank's samples per batch
     skipped: int           # unreadable samples replaced so far
 
