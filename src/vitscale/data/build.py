@@ -183,8 +183,8 @@ def build_image_text(cfg, *, device, seed: int, rank: int = 0, world_size: int =
                      context_length: int = 77) -> DataBundle:
     """Load `cfg.name` as image-text pairs and build this rank's loaders (see data/types.py)."""
     if cfg.name not in IMAGE_TEXT and not cfg.captions:
-        raise ConfigError(f"config: a CLIP model needs image-text pairs: data.name=openclipart|csv|"
-                          f"webdataset, or data.captions=true to caption {cfg.name}'s labels")
+        raise DataError(f"data.name={cfg.name} holds no image-text pairs, which a CLIP model needs: use "
+                        f"data.name=openclipart|csv|webdataset, or data.captions=true to caption its labels")
     if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
         raise DataError("data.mixup_alpha / data.cutmix_alpha: mixing images makes no sense for "
                         "image-text pairs (CLIP); set them to 0")
