@@ -90,8 +90,7 @@ class SingleDevice:  # implements base.Strategy
             self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
             it = iter(self.master)
             groups = [{**g, "params": [next(it) for _ in g["params"]]} for g in groups]
-        self.optimizer = build_optimizer(model, self.optim_cfg, params=groups,
-                                         capturable=self.cfg.capture == "step" and self.device.type == "cuda")
+        self.optimizer = build_optimizer(model, self.optim_cfg, params=groups, capturable=self.captured)
         if self.cfg.ema_decay > 0:
             from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
             # its count on the training device (torch's default is the CPU: a copy per step)
