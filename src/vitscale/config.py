@@ -213,7 +213,10 @@ class TrainConfig:
     epochs: float = num(10.0, min=0.0)
     time_limit_s: float = num(0.0, min=0.0, doc="stop training after this many seconds (0 = off; with "
                               "several processes checked at log steps)")
-    precision: str = choice("fp32", "fp32", "bf16", "fp16", "pure_bf16", "pure_fp16")
+    precision: str = choice("fp32", "fp32", "bf16", "fp16", "pure_bf16", "pure_fp16", "auto",
+                            doc="auto = bf16 where the device computes bf16 in hardware (a CUDA GPU of compute "
+                            "capability 8.0+, a CPU with avx512_bf16 or amx_bf16), fp32 elsewhere; the choice is "
+                            "announced and written to the run's config.toml and summary.json")
     master_weights: bool = True     # pure_* modes: keep an fp32 master copy for the optimizer
     loss_scale: float = num(65536.0, min=1.0, doc="initial dynamic loss scale (fp16)")
     accum_steps: int = num(1, min=1, doc="micro-batches per optimizer step")
@@ -233,11 +236,12 @@ class TrainConfig:
                       "blocks' Linear layers (dynamic scales per tensor or per row) with train.precision=bf16 "
                       "or pure_bf16 around them: a GPU with compute capability 8.9+; refused where it was "
                       "measured slower than bf16 (docs/performance.md)")
-    capture: str = choice("none", "none", "step", doc="step = the whole training step (forward, backward, "
+    capture: str = choice("auto", "auto", "none", "step", doc="step = the whole training step (forward, backward, "
                           "clipping, AdamW with its lr and step count on the device, EMA, the non-finite "
                           "watch) as one unit with static shapes: one CUDA graph replay per step on a GPU "
                           "(small, launch-bound models); on a CPU the same step runs uncaptured, with the "
-                          "same numbers as none (docs/gpu.md)")
+                          "same numbers as none (docs/gpu.md). auto = step on one CUDA GPU in one process "
+                          "for a recipe the capture takes, none otherwise (the reason announced)")
     tf32: bool = field(default=True, metadata={"doc": "CUDA: fp32 matmuls and convolutions in TF32 "
                        "(tensor cores, 10-bit mantissa); false = IEEE fp32. No effect on CPU"})
     cudnn_benchmark: bool = field(default=True, metadata={"doc": "CUDA: cuDNN times its convolution "
@@ -464,6 +468,13 @@ def micro_batch(batch_size: int, world_size: int = 1, accum_steps: int = 1, erro
 
 def check_capture(cfg: Config) -> None:
     """train.capture=step: what a step replayed without host work cannot hold, refused in one line."""
+    why = capture_refusal(cfg)
+    if why:
+        raise ConfigError(f"config: train.capture=step is refused: {why}")
+
+
+def capture_refusal(cfg: Config) -> str | None:
+    """Why the recipe's step cannot be captured as one unit (train.capture=step), or None."""
     t, why = cfg.train, None
     if cfg.strategy.name != "single":
         why = f"it is for one device (strategy.name=single), not {cfg.strategy.name}"
@@ -478,8 +489,7 @@ def check_capture(cfg: Config) -> None:
     elif t.compile and t.compile_mode in ("reduce-overhead", "max-autotune"):
         why = (f"train.compile_mode={t.compile_mode} captures CUDA graphs of its own; use compile_mode="
                "default or max-autotune-no-cudagraphs inside the captured step")
-    if why:
-        raise ConfigError(f"config: train.capture=step is refused: {why}")
+    return why
 
 
 def check(cfg: Config) -> None:
@@ -502,7 +512,7 @@ def check(cfg: Config) -> None:
     if cfg.train.capture == "step":
         check_capture(cfg)
     if cfg.train.fp8 != "none":
-        if cfg.train.precision not in ("bf16", "pure_bf16"):
+        if cfg.train.precision not in ("bf16", "pure_bf16", "auto"):  # auto: checked where it is resolved
             raise ConfigError(f"config: train.fp8={cfg.train.fp8} runs float8 matmuls inside bf16 training: set "
                               f"train.precision=bf16 or pure_bf16 (not {cfg.train.precision})")
     if cfg.train.sdpa_backend != "auto" and cfg.model.attention != "sdpa":

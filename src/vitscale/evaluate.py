@@ -11,6 +11,7 @@ import torch
 from .checkpoint import export_safetensors, load_checkpoint, resolve_checkpoint
 from .config import Config, saved_config
 from .errors import ConfigError, TrainingError
+from .fastpaths import resolve as resolve_fast_paths
 from .strategy import build_strategy, in_this_process
 from .strategy.resume import engine_folder, read_dcp
 from .tasks import build_task, check_config, export_use, kind_of
@@ -54,7 +55,7 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     """The run's own metrics for a checkpoint (the task's: accuracy for a ViT; held-out retrieval
     and zero-shot accuracy for a CLIP model), in this one process whatever trained it."""
     state, cfg, path = _load(checkpoint, overrides)
-    strategy = build_strategy(in_this_process(cfg))
+    strategy = build_strategy(resolve_fast_paths(in_this_process(cfg)).cfg)  # an auto asked here: this machine's
     task = build_task(cfg, kind_of(state))
     data = task.build_data(strategy)
     model = _rebuild(task, state, _weights(state, cfg.train.ema_decay > 0 and cfg.train.ema_eval, path))

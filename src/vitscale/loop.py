@@ -16,6 +16,7 @@ from .capture import WholeStep
 from .checkpoint import RunLock, list_checkpoints, save_checkpoint
 from .config import Config, micro_batch
 from .errors import DataError, TrainingError, UserError
+from .fastpaths import resolve as resolve_fast_paths
 from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops, synchronizer
 from .models import count_params
 from .optim import build_scheduler, scaled_lr
@@ -123,7 +124,9 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path | None = None, resume: Resume | str | Path | None = None):
         """`resume`: a checkpoint file or run folder, or one already opened and checked
         (run_state.resume_request: `vitscale train --resume`), which is taken as it is."""
-        self.cfg = cfg
+        # train.precision / train.capture = auto answered for this machine: what the run saves
+        self.fast = resolve_fast_paths(cfg)
+        self.cfg = cfg = self.fast.cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
@@ -382,6 +385,7 @@ class Trainer:
         self.log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard) if main else NullLog()
         self.bar = Progress(self.total_steps, cfg.run.progress if main else "off", start=self.step,
                             every=cfg.run.log_every)
+        self.bar.message(self.fast.line())
         self.bar.message(describe_run(self))
         self.window, self._first, self._bar_text = Window(), True, ""
         stop_reason = "done"
@@ -447,7 +451,8 @@ def run_summary(tr: Trainer, stop_reason: str) -> dict:
             "peak_flops": peak, "peak_source": peak_src, "world_size": s.world_size,
             "steps": tr.step, "epochs": tr.step / tr.steps_per_epoch, "eval_split": tr.data.eval_split,
             "images_seen": tr.images_seen, "stop_reason": stop_reason,
-            "precision": cfg.train.precision, "tf32": tf32_active(s.device.type, cfg.train.precision, cfg.train.tf32),
+            "precision": cfg.train.precision, "capture": cfg.train.capture, "auto": tr.fast.record(),
+            "tf32": tf32_active(s.device.type, cfg.train.precision, cfg.train.tf32),
             "lr": tr.lr, "device": str(s.device),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "checkpoint": str(tr.last_ckpt), "run_dir": str(tr.run_dir), "rank": s.rank,

@@ -11,6 +11,7 @@ from pathlib import Path
 from .checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint, rng_state, set_rng_state
 from .config import Config, saved_config
 from .errors import ConfigError, UserError
+from .fastpaths import resolve as resolve_fast_paths
 from .optim import continue_schedule
 from .strategy.resume import check_resume, engine_folder
 
@@ -160,7 +161,7 @@ def resume_request(resume, overrides=(), out=None) -> tuple[Config, Path, Resume
     engine can continue it), and the run folder (its own, or --out). The Trainer takes the result
     as it is: nothing is read or checked twice."""
     r = open_resume(resume)
-    cfg = r.config(overrides)
+    cfg = resolve_fast_paths(r.config(overrides)).cfg  # an auto asked on resume: this machine's answer
     r.changes = check_resumable(r, cfg)
     return cfg, Path(out) if out else r.run_dir, r
 

@@ -26,7 +26,8 @@ from .rounds import measure_against_first
 
 
 BASELINE = {"train.precision": "fp32", "train.tf32": False, "model.head": "token", "optim.impl": "forloop",
-            "model.attention": "explicit", "train.compile": False, "train.compile_mode": "default"}
+            "model.attention": "explicit", "train.compile": False, "train.compile_mode": "default",
+            "train.capture": "none"}  # the capture is a rung of its own (train.capture=auto takes it on a GPU)
 
 
 @dataclass

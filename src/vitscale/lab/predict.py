@@ -71,7 +71,10 @@ def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2
     if bench is not None:
         cost, source = step_cost_from_bench(bench, cfg.train.accum_steps)
     else:
-        dtype = compute_dtype_name(cfg.train.precision, cfg.train.tf32)  # a GPU: TF32 when on
+        precision = cfg.train.precision
+        if precision == "auto":  # bf16 on a GPU that has bf16 tensor cores (a bf16 peak), else fp32
+            precision = "bf16" if gpu_peak(gpu, "bf16") else "fp32"
+        dtype = compute_dtype_name(precision, cfg.train.tf32)  # a GPU: TF32 when on
         peak = gpu_peak(gpu, dtype)
         if not peak:
             raise UserError(f"--gpu {gpu}: no {dtype} peak in hardware.GPU_PEAKS")

@@ -1,4 +1,5 @@
-"""The recipe as the lab's commands run it: read quietly (`lab_config`), changed by dotted keys
+"""The recipe as the lab's commands run it: read quietly, its auto keys answered for this machine
+(`lab_config`), changed by dotted keys
 (`with_overrides`), its dataset swapped for synthetic images (`synthetic_data`); the commands'
 count checks and progress lines (`log`)."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ import sys
 
 from ..config import check, load_config, set_value
 from ..errors import UserError
+from ..fastpaths import resolve as resolve_fast_paths
 from ..strategy import default_for, needs_processes
 from ..tasks import build_task, check_config
 
@@ -31,16 +33,20 @@ def lab_config(path, overrides):
             f"strategy.name={default_for(world_size)}")
         set_value(cfg, "strategy.name", default_for(world_size))
     check(cfg)
-    return check_config(cfg)
+    fast = resolve_fast_paths(cfg)  # the lab measures what training would run on this machine
+    if fast.chosen:
+        log(fast.line())
+    return check_config(fast.cfg)
 
 
 def with_overrides(cfg, overrides: dict):
-    """A copy of `cfg` with {dotted key: value} set and checked (ConfigError if it does not validate)."""
+    """A copy of `cfg` with {dotted key: value} set and checked (ConfigError if it does not validate);
+    an auto key set here is answered for this machine, as training would."""
     out = copy.deepcopy(cfg)
     for k, v in overrides.items():
         set_value(out, k, v)
     check(out)
-    return check_config(out)
+    return check_config(resolve_fast_paths(out).cfg)
 
 
 def check_counts(**counts) -> None:

@@ -14,6 +14,7 @@ multi-node branches on a CPU machine; the strategies only apply what these retur
 - `compile_kwargs`: torch.compile's mode (CUDA graphs: "reduce-overhead").
 - `fp16_refusal`, `warn_slow_bf16`: half precisions on a CPU (fp16 refused; bf16 announced where the
   CPU has no bf16 instructions, as /proc/cpuinfo says).
+- `auto_precision`: what train.precision=auto means on a device (bf16 where it is hardware, else fp32).
 """
 from __future__ import annotations
 
@@ -254,6 +255,24 @@ def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
         return None
     flags = {f for line in text.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
     return bool(flags & BF16_CPU_FLAGS)
+
+
+def auto_precision(device_type: str, capability: tuple[int, int] | None = None,
+                   cpu_bf16: bool | None = None) -> tuple[str, str]:
+    """train.precision=auto: (the precision, why in a few words). bf16 where the device computes
+    bf16 in hardware: a CUDA GPU of compute capability 8.0 and up (Ampere and later: bf16 tensor
+    cores), a CPU with bf16 instructions (`cpu_bf16`: `cpu_has_bf16()`, AVX512_BF16 or AMX on x86);
+    fp32 everywhere else (a CPU without them emulates bf16 matmuls, tens of times slower than fp32)."""
+    if device_type == "cuda":
+        cc = "compute capability " + (".".join(map(str, capability)) if capability else "unknown")
+        if capability is not None and tuple(capability) >= (8, 0):
+            return "bf16", f"{cc}: bf16 tensor cores"
+        return "fp32", f"{cc}: no bf16 tensor cores (8.0+)"
+    if cpu_bf16:
+        return "bf16", "the CPU has bf16 instructions"
+    if cpu_bf16 is None:
+        return "fp32", "the CPU's flags cannot be read (no /proc/cpuinfo)"
+    return "fp32", "the CPU has no bf16 instructions (avx512_bf16, amx_bf16): bf16 would be emulated"
 
 
 def warn_slow_bf16(device_type: str, precision: str) -> None:

@@ -1,0 +1,112 @@
+"""The one resolver of a recipe's `auto` speed keys for the machine it runs on (issue 39).
+
+- train.precision=auto: bf16 where the device computes bf16 in hardware (a CUDA GPU of compute
+  capability 8.0+, a CPU with avx512_bf16 or amx_bf16 in its flags), fp32 elsewhere
+  (`strategy.devices.auto_precision`).
+- train.capture=auto: the whole step captured as one CUDA graph (`step`) on one CUDA device in one
+  process for a recipe the capture takes (config.capture_refusal, the task's `uncapturable`);
+  `none` otherwise, with the reason.
+
+`resolve` returns the config with every `auto` replaced by its answer, which is what the run
+saves (config.toml, every checkpoint) and reports (summary.json's "auto"), so a run is reproduced
+from its own config on any machine; keys the user named are never touched. Idempotent: a resolved
+config resolves to itself. The Trainer, a resumed run's checks (run_state) and the lab's recipes
+all ask here, so the decision is made in one place.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .config import Config, capture_refusal, check
+from .strategy import resolve_device
+from .strategy.devices import auto_precision, cpu_has_bf16, device_for, launch_env
+from .tasks import build_task
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the auto keys depend on: the device type, its compute capability and name (CUDA),
+    whether the CPU has bf16 instructions, and the number of processes."""
+    device_type: str
+    capability: tuple[int, int] | None = None
+    name: str = ""
+    cpu_bf16: bool | None = None
+    world_size: int = 1
+
+    def describe(self) -> str:
+        if self.device_type == "cuda":
+            cc = f", sm_{self.capability[0]}{self.capability[1]}" if self.capability else ""
+            return f"cuda ({self.name}{cc})" if self.name else "cuda"
+        flags = {True: "bf16 instructions", False: "no bf16 instructions", None: "flags unknown"}[self.cpu_bf16]
+        return f"cpu ({flags})"
+
+
+def this_machine(cfg: Config, env: Mapping[str, str] = os.environ) -> Machine:
+    """The machine this process trains on, as the strategy will choose its device."""
+    launch = launch_env(env)
+    device_type = resolve_device(cfg.run.device).type
+    if device_type == "cuda":
+        dev = device_for("cuda", launch.local_rank, torch.cuda.device_count())
+        return Machine("cuda", tuple(torch.cuda.get_device_capability(dev)), torch.cuda.get_device_name(dev),
+                       world_size=launch.world_size)
+    return Machine("cpu", cpu_bf16=cpu_has_bf16(), world_size=launch.world_size)
+
+
+def auto_capture(cfg: Config, machine: Machine) -> tuple[str, str]:
+    """train.capture=auto on `machine` for `cfg` (its precision already resolved): (step or none, why)."""
+    if machine.world_size > 1 or cfg.strategy.name != "single":
+        return "none", f"{machine.world_size} processes ({cfg.strategy.name}): the captured step is for one device"
+    if machine.device_type != "cuda":
+        return "none", "a CUDA graph needs a GPU (on a CPU capture=step runs the same uncaptured step)"
+    why = capture_refusal(replace(cfg, train=replace(cfg.train, capture="step")))
+    task = build_task(cfg)
+    if why is None and task.uncapturable:
+        why = f"{task.kind} models: {task.uncapturable}"
+    if why:
+        return "none", why
+    return "step", "one GPU, one process, a step the capture takes"
+
+
+@dataclass
+class FastPaths:
+    """A config with its auto keys resolved, what they became and why, and the machine."""
+    cfg: Config
+    machine: Machine
+    chosen: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (value, why): auto keys only
+
+    def record(self) -> dict:
+        """summary.json's "auto": {key: {"value", "why"}} of the keys resolved from auto."""
+        return {k: {"value": v, "why": why} for k, (v, why) in self.chosen.items()}
+
+    def line(self) -> str:
+        """The device and the fast paths the run takes, in one line (auto ones with their reason)."""
+        t = self.cfg.train
+
+        def say(key: str, value: str) -> str:
+            short = key.split(".")[1]
+            if key in self.chosen:
+                return f"{short} {value} (auto: {self.chosen[key][1]})"
+            return f"{short} {value}"
+        compile_ = f"compile {t.compile_mode}" if t.compile else "compile off"
+        return (f"fast paths on {self.machine.describe()}: {say('train.precision', t.precision)}; "
+                f"{say('train.capture', t.capture)}; {compile_}")
+
+
+def resolve(cfg: Config, machine: Machine | None = None) -> FastPaths:
+    """`cfg` with train.precision=auto and train.capture=auto answered for `machine` (this one by
+    default), checked again (config.check: a resolved key meets the others' rules)."""
+    t = cfg.train
+    machine = machine or this_machine(cfg)
+    chosen = {}
+    if t.precision == "auto":
+        chosen["train.precision"] = auto_precision(machine.device_type, machine.capability, machine.cpu_bf16)
+        cfg = replace(cfg, train=replace(cfg.train, precision=chosen["train.precision"][0]))
+    if t.capture == "auto":
+        chosen["train.capture"] = auto_capture(cfg, machine)
+        cfg = replace(cfg, train=replace(cfg.train, capture=chosen["train.capture"][0]))
+    check(cfg)
+    return FastPaths(cfg, machine, chosen)
