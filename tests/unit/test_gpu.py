@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from vitscale.capture import CudaGraph
 from vitscale.cli import main
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
@@ -80,20 +81,68 @@ def test_fused_adamw_on_pure_bf16_weights_without_masters(tmp_path, capsys):
     assert s["test_accuracy"] > 0.3
 
 
+def _fit(tmp_path, name, sets, eager_whole=False):
+    """A tiny run on the GPU through the Trainer; `eager_whole`: the captured step's function run
+    eagerly every step (capture.WholeStep(eager=True)) instead of replayed as a graph."""
+    from vitscale.capture import WholeStep
+    from vitscale.config import load_config
+    from vitscale.loop import Trainer
+    tr = Trainer(load_config("configs/tests/tiny.toml", ["run.device=cuda", *sets]), tmp_path / name)
+    if eager_whole:
+        tr.whole = WholeStep(tr, eager=True)
+    try:
+        summary = tr.fit()
+    finally:
+        tr.close()
+    s = tr.strategy
+    state = {f"model.{k}": v for k, v in s.module.state_dict().items()}
+    state |= {f"ema.{k}": v for k, v in s.ema.state_dict().items()}
+    for i, st in enumerate(s.optimizer.state.values()):
+        state |= {f"opt{i}.{k}": v for k, v in st.items()}
+    recs = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    losses = [(r["step"], r["loss"]) for r in recs if r["kind"] == "train"]
+    return tr, summary, state, losses
+
+
+# TF32 off, no drop-path or dropout (a captured step's RNG is the graph's own), EMA and clipping on,
+# 6 epochs of 4 steps: 3 eager warm-up steps, one capture, 20 replays
+CAPTURE_RECIPE = ("train.tf32=false", "train.ema_decay=0.9", "optim.grad_clip=1.0", "optim.impl=fused",
+                  "train.epochs=6", "train.capture=step")
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_captured_step_on_a_gpu_trains_as_the_eager_step(tmp_path, capsys, precision):
-    """train.capture=step on CUDA (issue 31): the step replayed as one CUDA graph after 3 eager
-    warm-up steps ends near the eager run. Not bit-equal: the lr reaches the fused AdamW kernel as
-    an fp32 tensor (the eager run passes the double), so the weights may differ by the lr's
-    rounding (2^-24 relative) times the steps: far below the 1e-3 asked here. TF32 off, no
-    drop-path or dropout (the captured RNG is the graph's own)."""
-    sets = ("train.tf32=false", f"train.precision={precision}", "train.ema_decay=0.9", "optim.grad_clip=1.0",
-            "train.epochs=4")
-    eager = _train(tmp_path, capsys, "eager", *sets)
-    captured = _train(tmp_path, capsys, "captured", *sets, "train.capture=step")
-    assert captured["steps"] == eager["steps"] > 4
-    assert captured["test_loss"] == pytest.approx(eager["test_loss"], rel=1e-3)
-    from vitscale.checkpoint import load_checkpoint
-    a, b = (load_checkpoint(s["checkpoint"])["strategy"]["model"] for s in (eager, captured))
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5, msg=k)
+def test_the_captured_step_replays_exactly_what_it_runs_eagerly(tmp_path, precision):
+    """train.capture=step on CUDA (issues 31, 39): the step replayed as one CUDA graph against the
+    very same step function run eagerly on the same GPU (the same fp32 lr table, the same capturable
+    fused AdamW, the same kernels): bit-equal weights, EMA, optimizer state and losses after 20
+    replays. The comparison with capture=none is not exact by design (there the fused AdamW takes
+    the lr as a host double, here as an fp32 tensor: 2^-24 relative per step), and AdamW turns
+    such last-bit differences in gradients that are only rounding noise (the key bias of attention,
+    which softmax ignores) into full-size steps: so that comparison is the run-level one below."""
+    sets = (*CAPTURE_RECIPE, f"train.precision={precision}")
+    graphed, s_graph, a, loss_a = _fit(tmp_path, "graphed", sets)
+    eager, s_eager, b, loss_b = _fit(tmp_path, "eager", sets, eager_whole=True)
+    assert isinstance(graphed.whole.graph, CudaGraph)
+    assert graphed.whole.static is not None and eager.whole.graph is None  # one captured, one not
+    assert s_graph["steps"] == s_eager["steps"] == 24
+    assert a.keys() == b.keys()
+    diff = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a if not torch.equal(a[k], b[k])}
+    assert not diff, f"graph replay differs from the same step run eagerly: {sorted(diff.items())[:5]}"
+    assert loss_a == loss_b
+    assert s_graph["test_loss"] == s_eager["test_loss"] and s_graph["test_accuracy"] == s_eager["test_accuracy"]
+
+
+def test_the_captured_run_trains_as_the_uncaptured_one_within_what_seeds_move(tmp_path):
+    """Run level: capture=step against capture=none (bf16, the default recipe's precision on a
+    GPU): its loss curve stays within the spread that changing the seed gives the uncaptured run,
+    and so does its test accuracy."""
+    sets = (*CAPTURE_RECIPE, "train.precision=bf16")
+    _, cap, _, loss_cap = _fit(tmp_path, "cap", sets)
+    _, none0, _, loss_0 = _fit(tmp_path, "none0", (*sets, "train.capture=none"))
+    _, none1, _, loss_1 = _fit(tmp_path, "none1", (*sets, "train.capture=none", "run.seed=1"))
+    assert [s for s, _ in loss_cap] == [s for s, _ in loss_0] == [s for s, _ in loss_1]
+    seeds = max(abs(x - y) for (_, x), (_, y) in zip(loss_0, loss_1))
+    capture = max(abs(x - y) for (_, x), (_, y) in zip(loss_cap, loss_0))
+    assert capture <= seeds, (capture, seeds)
+    assert abs(cap["test_accuracy"] - none0["test_accuracy"]) <= \
+        max(abs(none1["test_accuracy"] - none0["test_accuracy"]), 1 / 32) + 1e-9  # one image of 32
