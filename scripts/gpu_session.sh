@@ -6,8 +6,8 @@
 # here), installed with pip --no-index --no-deps into /tmp/site and put on PYTHONPATH.
 #
 #   bash scripts/gpu_session.sh OUT_DIR [PARTS]   PARTS: all (default), or a comma list of
-#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, fp8, run
-#                                                 in that order (peer, capture and fp8 are not in all: ask for them)
+#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, fp8, default
+#                                                 in that order (peer, capture, fp8 and default are not in all: ask for them)
 #
 # First, every time: the carried wheels installed; the machine and every package's version ("missing"
 # where absent) into log.txt; what the parts import checked (missing ones named in one line); then
@@ -27,25 +27,30 @@
 # eager one on the GPU), bench_capture.json (the default recipe eager beside train.capture=step, kernel
 # time per step), capture_summary.json and capture_metrics.jsonl (the default job captured, on
 # Fashion-MNIST from FMNIST_ROOT); the fp8 part (issue 32): bench_fp8_{b16,l16,h14}.json (bf16 compiled beside
-# train.fp8=rowwise, and beside tensorwise where it is not refused; torchao carried as a wheel). Scratch runs
+# train.fp8=rowwise, and beside tensorwise where it is not refused; torchao carried as a wheel); the default part
+# (issue 39): default_runs.tar, the summary.json and metrics.jsonl of plain `vitscale train` (the user's
+# command: only data.root set) with run.seed 0, 1 and 2, and of the same job with train.capture=none
+# (seed 0, the eager step beside), under default_seed{0,1,2}/ and default_eager/ (one file: the device tool
+# brings back 8), and their accuracy and training time in log.txt. Scratch runs
 # go to a temporary folder. docs/gpu.md gives each part's time on one
 # H100 and the device-tool calls for a 30-minute budget. Knobs (environment):
 #   CFG=configs/vit_b16_imagenet.toml  BATCH=256  LAB_ARGS="--steps 10 --trials 3"  TUNE_BUDGET=240
 #   CLIP_CFG=configs/clip_vit_b16.toml  CLIP_BATCH=256  PEER_ROUNDS=5
 #   FMNIST_ROOT=data/fashion-mnist (the four .gz files, carried)  CAPTURE_SETS="--set train.compile=true"
 #   TRAIN_CFG=configs/fashion_mnist.toml (the job the capture part trains)
+#   DEFAULT_SETS="--set run.max_steps=20" (the default part's runs shortened: smoke tests only)
 #   WHEELS=.whl  SITE=/tmp/site  PYTHON=python3  KILL_AFTER=15
 #   ALLOW_CPU=1 (run without a GPU: for the smoke tests; the GPU check then checks the flags only)
 #   SKIP_STEPS="bench_default_graphs ..." (steps to leave out, by the names log.txt gives them;
 #   the wheels, versions and GPU check steps always run)
 set -uo pipefail
-usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture,fp8]"
+usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture,fp8,default]"
 out=${1:?$usage}
 parts=${2:-all}
 [ "$parts" = all ] && parts=tests,deepspeed,bench,ladder,tune
 for p in ${parts//,/ }; do
-  case $p in tests|bench|ladder|tune|deepspeed|peer|capture|fp8) ;;
-    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture, fp8)" >&2; exit 2;;
+  case $p in tests|bench|ladder|tune|deepspeed|peer|capture|fp8|default) ;;
+    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture, fp8, default)" >&2; exit 2;;
   esac
 done
 py=${PYTHON:-python3}
@@ -182,7 +187,7 @@ if want capture; then
   # eager beside captured (one process, paired rounds, kernel time per step); the default job captured
   read -r -a capsets <<< "${CAPTURE_SETS:-}"
   step capture_tests 180 bash -c "'$py' -m pytest -q -rs -p no:cacheprovider tests/unit/test_gpu.py -k captured > '$out/capture_tests.txt' 2>&1"
-  step bench_capture 150 "$py" -m vitscale bench --synthetic "${lab[@]}" "${capsets[@]}" --beside train.capture=step \
+  step bench_capture 150 "$py" -m vitscale bench --synthetic "${lab[@]}" "${capsets[@]}" --set train.capture=none --beside train.capture=step \
     --rounds "${PEER_ROUNDS:-5}" --json --out "$out/bench_capture.json"
   step train_capture 240 "$py" -m vitscale train "${TRAIN_CFG:-configs/fashion_mnist.toml}" --out "$scratch/capture" \
     --set "data.root=${FMNIST_ROOT:-data/fashion-mnist}" --set train.capture=step \
@@ -200,6 +205,27 @@ if want fp8; then
       --set train.precision=bf16 --set train.compile=true --beside train.fp8=rowwise --rounds "${PEER_ROUNDS:-5}" \
       --json --out "$out/bench_fp8_$tag.json"
   done
+fi
+if want default; then
+  # issue 39: the default job as a user runs it (plain `vitscale train`: precision and capture auto),
+  # 3 seeds, and seed 0 with the capture off (the eager step) for the accuracy beside
+  read -r -a defsets <<< "${DEFAULT_SETS:-}"  # a smoke run's shortening (e.g. --set run.max_steps=20); none on a GPU
+  runs=()
+  for seed in 0 1 2 eager; do
+    name=default_seed$seed sets=(--set "run.seed=$seed")
+    [ "$seed" = eager ] && name=default_eager sets=(--set run.seed=0 --set train.capture=none)
+    step "$name" 240 "$py" -m vitscale train --out "$scratch/$name" \
+      --set "data.root=${FMNIST_ROOT:-data/fashion-mnist}" "${sets[@]}" "${defsets[@]}"
+    [ -f "$scratch/$name/summary.json" ] && runs+=("$name/summary.json" "$name/metrics.jsonl" "$name/config.toml")
+  done
+  [ ${#runs[@]} -gt 0 ] && tar -C "$scratch" -cf "$out/default_runs.tar" "${runs[@]}"
+  "$py" - "$scratch" >> "$log" 2>&1 <<'PY'
+import json, pathlib, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob("default_*/summary.json")):
+    s = json.loads(p.read_text())
+    print(f"{p.parent.name}: test accuracy {100 * s['test_accuracy']:.2f}%, training {s['train_time_s']:.1f} s, "
+          f"{s['images_per_s']:.0f} img/s, precision {s['precision']}, capture {s.get('capture')}, {s['device']}")
+PY
 fi
 rm -rf "$scratch"
 grep -E "^== .* (exit|skipped)|^[a-z_]+: (PASS|FAIL|SKIP)" "$log"

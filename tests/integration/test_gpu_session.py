@@ -212,3 +212,27 @@ def test_the_capture_part_on_the_image(tmp_path):
     assert summary["steps"] > 0 and (out / "capture_metrics.jsonl").read_text().strip()
     assert sorted(f.name for f in out.iterdir()) == ["bench_capture.json", "capture_metrics.jsonl",
                                                       "capture_summary.json", "capture_tests.txt", "log.txt"]
+
+
+@NO_GPU
+def test_the_default_part_on_the_image(tmp_path):
+    """The default part (issue 39): plain `vitscale train` with 3 seeds and the eager run beside,
+    shortened here to a few steps of synthetic images (DEFAULT_SETS), in one tar with each run's
+    summary, metrics and resolved config, and one line per run in log.txt."""
+    import tarfile
+    out = tmp_path / "o"
+    p = run(out, "default", ALLOW_CPU="1", DEFAULT_SETS="--set data.name=synthetic --set data.channels=1 "
+            "--set data.train_size=256 --set data.test_size=64 --set run.max_steps=2 --set run.threads=1")
+    assert p.returncode == 0, p.stderr
+    log = (out / "log.txt").read_text()
+    names = ["default_seed0", "default_seed1", "default_seed2", "default_eager"]
+    for name in names:
+        assert f"== {name} exit 0" in log, log[-3000:]
+    assert sorted(f.name for f in out.iterdir()) == ["default_runs.tar", "log.txt"]
+    with tarfile.open(out / "default_runs.tar") as tar:
+        files = set(tar.getnames())
+        summaries = {n: json.load(tar.extractfile(f"{n}/summary.json")) for n in names}
+    assert files == {f"{n}/{f}" for n in names for f in ("summary.json", "metrics.jsonl", "config.toml")}
+    assert summaries["default_eager"]["capture"] == "none"
+    assert "train.capture" in summaries["default_seed0"]["auto"]  # the plain command: auto, answered
+    assert [line for line in log.splitlines() if line.startswith("default_seed2: test accuracy")]
