@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .config import Config, capture_refusal, check
-from .strategy import resolve_device
+from .strategy import needs_processes, resolve_device
 from .strategy.devices import auto_precision, cpu_has_bf16, device_for, launch_env
 from .tasks import build_task
 
@@ -58,7 +58,7 @@ def this_machine(cfg: Config, env: Mapping[str, str] = os.environ) -> Machine:
 
 def auto_capture(cfg: Config, machine: Machine) -> tuple[str, str]:
     """train.capture=auto on `machine` for `cfg` (its precision already resolved): (step or none, why)."""
-    if machine.world_size > 1 or cfg.strategy.name != "single":
+    if machine.world_size > 1 or needs_processes(cfg.strategy.name):
         return "none", f"{machine.world_size} processes ({cfg.strategy.name}): the captured step is for one device"
     if machine.device_type != "cuda":
         return "none", "a CUDA graph needs a GPU (on a CPU capture=step runs the same uncaptured step)"
@@ -75,7 +75,7 @@ def auto_capture(cfg: Config, machine: Machine) -> tuple[str, str]:
 class FastPaths:
     """A config with its auto keys resolved, what they became and why, and the machine."""
     cfg: Config
-    machine: Machine
+    machine: Machine | None = None  # None: not asked (nothing was auto), `line` asks
     chosen: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (value, why): auto keys only
 
     def record(self) -> dict:
@@ -92,7 +92,8 @@ class FastPaths:
                 return f"{short} {value} (auto: {self.chosen[key][1]})"
             return f"{short} {value}"
         compile_ = f"compile {t.compile_mode}" if t.compile else "compile off"
-        return (f"fast paths on {self.machine.describe()}: {say('train.precision', t.precision)}; "
+        machine = self.machine or this_machine(self.cfg)
+        return (f"fast paths on {machine.describe()}: {say('train.precision', t.precision)}; "
                 f"{say('train.capture', t.capture)}; {compile_}")
 
 
@@ -100,6 +101,8 @@ def resolve(cfg: Config, machine: Machine | None = None) -> FastPaths:
     """`cfg` with train.precision=auto and train.capture=auto answered for `machine` (this one by
     default), checked again (config.check: a resolved key meets the others' rules)."""
     t = cfg.train
+    if "auto" not in (t.precision, t.capture):  # nothing to answer: the machine is not asked
+        return FastPaths(cfg, machine)
     machine = machine or this_machine(cfg)
     chosen = {}
     if t.precision == "auto":

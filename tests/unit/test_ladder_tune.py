@@ -9,6 +9,7 @@ import torch
 from vitscale.lab import rounds as lab_rounds
 from vitscale.lab import timing as lab_timing
 from vitscale.cli import main
+from vitscale.fastpaths import resolve
 from vitscale.config import load_config
 from vitscale.lab.ladder import BASELINE, build_rungs
 from vitscale.lab.tune import accum_choices, search
@@ -35,7 +36,7 @@ def test_rungs_are_cumulative():
     top = rungs[-2].overrides
     assert top == {"train.precision": "bf16", "train.tf32": False, "model.head": "pool", "optim.impl": "fused",
                    "model.attention": "sdpa", "train.compile": True, "train.compile_mode": "default",
-                   "data.batch_size": 32}
+                   "train.capture": "none", "data.batch_size": 32}
     assert [r.numerics for r in rungs] == [True, True, True, False, False, True, True, True, False, False, False,
                                            False, True, False]
     assert rungs[-1].skip and "more than one process" in rungs[-1].skip
@@ -342,7 +343,7 @@ def test_tune_keeps_the_recipe_when_the_winner_loses_the_final_comparison(capsys
     text = out.read_text()
     assert "# chosen overrides: none" in text and "# rejected (slower than the recipe" in text
     tuned, recipe = load_config(out), load_config(TINY, ["data.batch_size=64", "data.train_size=128"])
-    assert tuned.to_dict() == recipe.to_dict()  # the recipe, unchanged
+    assert tuned.to_dict() == resolve(recipe).cfg.to_dict()  # the recipe, unchanged (its auto keys answered)
     assert "(1.00x round by round)" in printed.out and "keeping the recipe" in printed.err
 
 
@@ -418,7 +419,7 @@ def test_tune_decides_by_the_round_by_round_ratio(capsys, tmp_path, monkeypatch)
     rc = main(["tune", TINY, "--no-compile", "--out", str(out)] + [x for o in over for x in ("--set", o)])
     printed = capsys.readouterr()
     assert rc == 0, printed.err
-    assert load_config(out).to_dict() == load_config(TINY, over).to_dict()  # the median rounds said otherwise
+    assert load_config(out).to_dict() == resolve(load_config(TINY, over)).cfg.to_dict()  # the median rounds said otherwise
     assert "# chosen overrides: none" in out.read_text()
     assert "model.attention=sdpa: 150.0 img/s (0.900x the first, round by round)" in printed.err
 

@@ -33,10 +33,8 @@ def lab_config(path, overrides):
             f"strategy.name={default_for(world_size)}")
         set_value(cfg, "strategy.name", default_for(world_size))
     check(cfg)
-    fast = resolve_fast_paths(cfg)  # the lab measures what training would run on this machine
-    if fast.chosen:
-        log(fast.line())
-    return check_config(fast.cfg)
+    # the lab measures what training would run on this machine (its reports hold the resolved config)
+    return check_config(resolve_fast_paths(cfg).cfg)
 
 
 def with_overrides(cfg, overrides: dict):
