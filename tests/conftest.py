@@ -4,6 +4,11 @@ tests/unit/: fast tests in one process; tests/integration/: tests that launch pr
 the deepspeed launcher, the CLI in a subprocess, multiprocessing spawn), all marked `integration`
 here, so `pytest -m "not integration"` is the fast set for development (a slow unit test may carry
 the mark by hand: test_data_stream.py's training runs).
+
+Two tiers (issue 40, docs/testing.md): `pytest` runs the fast tier, every test but those tests/tiers.py
+lists as slow by their measured time; `pytest --full` runs everything (CI runs the slow tier after
+the fast one: `pytest -m slow`). A test named on the command line (`pytest path::test`) always runs,
+and so does everything under an explicit `-m` expression.
 Test module basenames are unique across the two folders (no __init__.py: pytest's default import
 mode puts this folder on sys.path, which is how `from helpers import ...` resolves)."""
 from pathlib import Path
@@ -12,6 +17,7 @@ import pytest
 import torch
 
 from helpers import BASE, TINY, sets, write_shards
+from tiers import is_slow
 from vitscale.cli import main
 
 
@@ -45,14 +51,42 @@ def shards(tmp_path_factory):
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="vitscale: run the slow tier too (the whole suite, as "
+                     "CI does); without it the slow tests of tests/tiers.py are deselected")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "integration: launches processes (torchrun, deepspeed, the CLI in a "
                                        "subprocess); deselect with -m 'not integration' for the fast set")
+    config.addinivalue_line("markers", "slow: the slow tier (tests/tiers.py, by measured time); `pytest` leaves "
+                                       "it out, `pytest --full` or `-m slow` runs it")
 
 
 def pytest_collection_modifyitems(config, items):
     """Every test under tests/integration/ is an integration test (tests/unit/test_suite_layout.py
-    checks that the unit tests launch no processes)."""
+    checks that the unit tests launch no processes); the slow tier (tiers.py) is marked `slow` and,
+    unless --full, an explicit -m, or the test named by its node id, deselected."""
     for item in items:
         if INTEGRATION in item.path.resolve().parents:
             item.add_marker(pytest.mark.integration)
+        if is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+    if config.getoption("--full") or config.getoption("markexpr"):
+        return
+    named = {a.split("[")[0] for a in config.args if "::" in a}
+    keep, drop = [], []
+    for item in items:
+        slow = item.get_closest_marker("slow") is not None
+        (drop if slow and item.nodeid.split("[")[0] not in named and item.nodeid not in named else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+        config._vitscale_slow_left_out = len(drop)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = getattr(config, "_vitscale_slow_left_out", 0)
+    if n:
+        terminalreporter.write_line(f"vitscale: the fast tier ran; {n} slow tests left out (run everything with "
+                                    "`pytest --full`: docs/testing.md)")

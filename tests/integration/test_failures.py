@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,9 +130,25 @@ def _launch(out, extra, nproc):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted run of an engine, trained once per module and shared by the kill modes
+    (ddp's launcher and ranks cases compare against the same run)."""
+    runs = {}
+
+    def get(engine: str, nproc: int) -> Path:
+        if engine not in runs:
+            out = tmp_path_factory.mktemp(f"uninterrupted_{engine}") / "run"
+            p = torchrun(out, ENGINES[engine] + KILL_RUN, nproc=nproc)
+            assert p.returncode == 0, p.stderr[-3000:]
+            runs[engine] = out
+        return runs[engine]
+    return get
+
+
 @pytest.mark.parametrize("engine,kill", [("single", "ranks"), ("ddp", "launcher"), ("ddp", "ranks"),
                                          ("fsdp", "ranks"), ("zero2", "ranks")])
-def test_kill_9_then_resume_is_bit_equal(tmp_path, engine, kill):
+def test_kill_9_then_resume_is_bit_equal(tmp_path, uninterrupted, engine, kill):
     """kill -9 of the launcher alone (its ranks notice they are orphans and stop by themselves,
     so that the resumed launch is the folder's only writer) or of every rank and the launcher;
     the resumed run ends with the uninterrupted run's weights, bit for bit."""
@@ -139,8 +156,7 @@ def test_kill_9_then_resume_is_bit_equal(tmp_path, engine, kill):
         pytest.importorskip("deepspeed")
     nproc = 1 if engine == "single" else 2
     extra = ENGINES[engine] + KILL_RUN
-    reference = tmp_path / "reference"
-    assert torchrun(reference, extra, nproc=nproc).returncode == 0
+    reference = uninterrupted(engine, nproc)
     out = tmp_path / "killed"
     agent = _launch(out, extra, nproc)
     try:

@@ -55,8 +55,12 @@ MUST_BE_REFUSED = {"deit_base_distilled_patch16_224": "distillation token",
                    "vit_base_patch16_siglip_224": "attention pooling"}
 
 
-def configurations():
+def configurations(scope: str = "all"):
+    """Every configuration (`all`), or the quick subset of the fast tier (`quick`: the ones that
+    must be exact or refused, and the argument variants)."""
     names = timm.list_models(module="vision_transformer") + timm.list_models(module="deit")
+    if scope == "quick":
+        names = [n for n in [*MUST_BE_EXACT, *MUST_BE_REFUSED] if n in names]
     return [(n, {}) for n in names] + VARIANTS
 
 
@@ -133,7 +137,8 @@ def check_one(name, extra, tmp_path, announced):
     return "exact", keys
 
 
-def test_every_timm_vit_is_exact_or_refused_with_its_cause(tmp_path, capsys):
+@pytest.mark.parametrize("scope", ["quick", "all"])  # all: the slow tier (tests/tiers.py)
+def test_every_timm_vit_is_exact_or_refused_with_its_cause(tmp_path, capsys, scope):
     import logging
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: one thread is as fast, and a busy machine does not stall it
@@ -143,7 +148,7 @@ def test_every_timm_vit_is_exact_or_refused_with_its_cause(tmp_path, capsys):
     logging.getLogger("vitscale.interop").addHandler(handler)
     try:
         start = time.perf_counter()
-        both = {label(n, e): check_one(n, e, tmp_path, announced) for n, e in configurations()}
+        both = {label(n, e): check_one(n, e, tmp_path, announced) for n, e in configurations(scope)}
         seconds = time.perf_counter() - start
     finally:
         torch.set_num_threads(threads)
@@ -161,14 +166,17 @@ def test_every_timm_vit_is_exact_or_refused_with_its_cause(tmp_path, capsys):
     exact = sum(r == "exact" for r in results.values())
     keys = collections.Counter(k if k in ("exact", "announced") else "refused" for _, k in both.values())
     with capsys.disabled():
-        print(f"\ntimm {timm.__version__} zoo sweep: {len(results)} configurations, {exact} exact, "
+        print(f"\ntimm {timm.__version__} zoo sweep ({scope}): {len(results)} configurations, {exact} exact, "
               f"{len(results) - exact} refused ({', '.join(f'{k} {n}' for k, n in kinds.most_common())}), "
               f"0 silently different, {seconds:.0f} s; without config.json: {keys['exact']} exact, "
               f"{keys['announced']} other functions announced, {keys['refused']} refused")
     assert [n for n in MUST_BE_EXACT if results[n] != "exact"] == []
     for name, word in MUST_BE_REFUSED.items():
         assert CAUSES[word] in results[name], results[name]
-    assert exact >= 131  # 127 of the zoo's 179 names and every variant above (timm 1.0.31)
+    if scope == "all":
+        assert exact >= 131  # 127 of the zoo's 179 names and every variant above (timm 1.0.31)
+    else:
+        assert len(results) == len(MUST_BE_EXACT) + len(MUST_BE_REFUSED) + len(VARIANTS) - 1  # +global_pool=avg is a variant
 
 
 def test_the_architecture_table_is_timms():
