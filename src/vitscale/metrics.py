@@ -144,15 +144,34 @@ def gpu_peak(name: str, dtype: str) -> float | None:
     return None
 
 
+def fitted_size(n: int, budget: float, seconds_at, smallest: int = 128) -> int:
+    """The largest of n, n/2, n/4, ... (not below `smallest`) whose matmul takes at most `budget`
+    seconds (`seconds_at(size)` runs one and says how long it took); the last one tried stays set up."""
+    while seconds_at(n) > budget and n > smallest:
+        n //= 2
+    return n
+
+
 def measure_matmul_peak(device: torch.device, dtype: str = "fp32", n: int = 1024, seconds: float = 1.0) -> float:
-    """Best FLOP/s of square n x n matmuls over about `seconds` (the machine's usable peak)."""
+    """Best FLOP/s of square n x n matmuls over about `seconds` (the machine's usable peak). Where one
+    n x n matmul alone takes over seconds / 8 (bf16 emulated on a CPU without bf16 instructions:
+    about 1 s at n = 1024, 1-2 GFLOP/s), n is halved until it does not (down to 128), so that the
+    measurement stays near `seconds` instead of costing several seconds at the end of every run."""
     dt = DTYPES[dtype]
-    a = torch.randn(n, n, device=device).to(dt)
-    b = torch.randn(n, n, device=device).to(dt)
     sync = synchronizer(device)
-    for _ in range(2):
+
+    def one_matmul(size: int) -> float:
+        nonlocal a, b
+        a = torch.randn(size, size, device=device).to(dt)
+        b = torch.randn(size, size, device=device).to(dt)
+        a @ b  # the first call: library and kernel set-up
+        sync()
+        t0 = time.perf_counter()
         a @ b
-    sync()
+        sync()
+        return time.perf_counter() - t0
+    a = b = None
+    n = fitted_size(n, seconds / 8, one_matmul)
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         t0 = time.perf_counter()

@@ -378,3 +378,23 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_announced_once(tmp_path, mon
     monkeypatch.setattr(devices, "_warned", [])
     devices.warn_slow_bf16("cpu", "fp32")
     assert len([r for r in caplog.records if "without bf16" in r.getMessage()]) == 1
+
+
+def test_the_matmul_peak_measurement_shrinks_its_matrices_on_a_slow_path():
+    """metrics.measure_matmul_peak ends every run (MFU): on a CPU without bf16 instructions a bf16
+    1024^3 matmul takes about 1 s (1-2 GFLOP/s), so the measurement halves n until one matmul fits
+    an eighth of its time; a fast path keeps n."""
+    from vitscale.metrics import fitted_size, measure_matmul_peak
+    tried = []
+
+    def at(gflops):
+        def seconds(n):
+            tried.append(n)
+            return 2 * n ** 3 / (gflops * 1e9)
+        return seconds
+    assert fitted_size(1024, 1 / 8, at(2)) == 256 and tried == [1024, 512, 256]  # emulated bf16
+    tried.clear()
+    assert fitted_size(1024, 1 / 8, at(90)) == 1024 and tried == [1024]          # fp32, AVX2 EPYC
+    tried.clear()
+    assert fitted_size(1024, 1 / 8, at(1e-3)) == 128 and tried[-1] == 128           # never below 128
+    assert measure_matmul_peak(torch.device("cpu"), "fp32", n=256, seconds=0.01) > 0

@@ -58,3 +58,40 @@ def test_module_names_are_unique_across_the_folders():
     names = [f.name for d in ("unit", "integration") for f in (TESTS / d).glob("*.py")]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
     assert not list(TESTS.glob("test_*.py")), "test modules go in tests/unit/ or tests/integration/"
+
+
+# -- the tiers (tests/tiers.py, issue 40) ---------------------------------------------------------
+def _functions(path: Path) -> set[str]:
+    return {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+
+
+def test_every_slow_entry_names_a_test_that_exists(request):
+    """A stale entry would silently move nothing (or a renamed test would silently be fast)."""
+    from tiers import KEEP_FAST, SLOW
+    root = TESTS.parent
+    missing = [i for i in [*SLOW, *KEEP_FAST.values()]
+               if not (root / i.split("::")[0]).is_file()
+               or i.split("::")[1].split("[")[0] not in _functions(root / i.split("::")[0])]
+    assert not missing, f"tests/tiers.py names tests that do not exist: {missing}"
+    # where this session collected a listed test's module whole, a parametrized id must be one of its items
+    collected = {item.nodeid for item in request.session.items}
+    files = {i.split("::")[0] for i in collected}
+    stale = [i for i in [*SLOW, *KEEP_FAST.values()] if "[" in i and i.split("::")[0] in files
+             and i not in collected and request.config.getoption("--full")]
+    assert not stale, f"tests/tiers.py names parametrizations that do not exist: {stale}"
+
+
+def test_every_engine_task_format_and_failure_mode_keeps_a_fast_test():
+    from tiers import KEEP_FAST, is_slow
+    for need in ("single", "ddp", "fsdp", "zero2", "clip", "kill -9 resume", "timm zoo", "open_clip zoo",
+                 "webdataset", "csv"):
+        assert need in KEEP_FAST, f"tests/tiers.py: no fast test named for {need}"
+    slow = {k: v for k, v in KEEP_FAST.items() if is_slow(v)}
+    assert not slow, f"these must stay in the fast tier: {slow}"
+
+
+def test_the_readme_names_both_tiers():
+    readme = (TESTS.parent / "README.md").read_text()
+    ci = (TESTS.parent / ".ci" / "run").read_text()
+    assert ".venv/bin/python -m pytest --cov " in readme.splitlines()[4] + " "  # the second command: the fast tier
+    assert "pytest --cov --full" in readme and "-m slow" in ci and "pytest --cov\n" in ci
