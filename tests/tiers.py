@@ -1,15 +1,91 @@
 """The test tiers (issue 40; docs/testing.md): `pytest` runs the fast tier, `pytest --full` everything.
 
 A test is in the slow tier only because of its measured time: SLOW maps its node id (a parametrized
-test's id without the brackets covers every parametrization) to the seconds it took in the full run
-recorded in docs/testing.md. KEEP_FAST names the tests that keep every engine, task, data format and
+test's id without the brackets covers every parametrization) to the seconds it took (setup included)
+in the full run recorded in docs/testing.md: `pytest --cov --durations=0` on 2 cores of an AVX-512
+EPYC made to compute as an AVX2-only CPU (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2, the CPU
+flags read as without bf16), 2026-11-27. Every unit test stays fast but the zoo sweeps' full runs
+(their quick subsets stay); an integration test moved here took 7.5 s or more, unless KEEP_FAST
+names it. KEEP_FAST names the tests that keep every engine, task, data format and
 failure mode in the fast tier whatever their time; tests/unit/test_suite_layout.py checks that none of
 them is slow and that every SLOW entry names a test that exists."""
 
-SLOW: dict[str, float] = {}
+SLOW: dict[str, float] = {
+    "tests/integration/test_gpu_session.py::test_the_default_part_on_the_image": 97.7,
+    "tests/integration/test_gpu_session.py::test_the_peer_part_on_the_image": 73.2,
+    "tests/integration/test_deepspeed.py::test_engine_checkpoint_resumes_exactly": 56.6,
+    "tests/integration/test_gpu_session.py::test_bench_and_deepspeed_parts_on_the_image": 44.9,
+    "tests/unit/test_zoo_open_clip.py::test_every_open_clip_configuration_is_exact_or_refused[all]": 41.39,
+    "tests/integration/test_checkpoints_dist.py::test_single_resumes_under_fsdp_and_back": 35.4,
+    "tests/integration/test_failures.py::test_kill_9_then_resume_is_bit_equal[fsdp-ranks]": 35.3,
+    "tests/integration/test_failures.py::test_kill_9_then_resume_is_bit_equal[zero2-ranks]": 35.0,
+    "tests/integration/test_search_processes.py::test_a_killed_search_continues_from_its_database": 33.9,
+    "tests/unit/test_zoo_timm.py::test_every_timm_vit_is_exact_or_refused_with_its_cause[all]": 33.01,
+    "tests/integration/test_deepspeed.py::test_deepspeed_two_ranks_match_single_process[extra7-1e-05]": 28.1,
+    "tests/integration/test_failures.py::test_torchrun_restart_resumes_from_the_last_checkpoint": 26.6,
+    "tests/integration/test_failures.py::test_kill_9_then_resume_is_bit_equal[ddp-launcher]": 24.7,
+    "tests/integration/test_gpu_session.py::test_the_capture_part_on_the_image": 24.5,
+    "tests/integration/test_failures.py::test_kill_9_then_resume_is_bit_equal[single-ranks]": 24.5,
+    "tests/integration/test_deepspeed.py::test_deepspeed_two_ranks_match_single_process[extra6-0.02]": 22.3,
+    "tests/integration/test_distributed_eval.py::test_live_checkpoint_and_resumed_evaluations_agree[deepspeed-True]": 22.3,
+    "tests/integration/test_distributed.py::test_ddp_two_ranks_match_single_process[extra5-0.05]": 21.0,
+    "tests/integration/test_checkpoints_dist.py::test_sharded_resumes_on_one_rank": 20.3,
+    "tests/integration/test_distributed.py::test_ddp_two_ranks_match_single_process[extra6-1e-05]": 19.9,
+    "tests/integration/test_deepspeed.py::test_deepspeed_two_ranks_match_single_process[extra3-1e-05]": 16.5,
+    "tests/integration/test_distributed.py::test_fsdp_checkpoint_resumes_on_another_world_size": 16.0,
+    "tests/integration/test_clip_train_dist.py::test_two_ranks_match_single_process[fastclip_v3-extra4-1e-05]": 15.8,
+    "tests/integration/test_deepspeed.py::test_deepspeed_two_ranks_match_single_process[extra2-1e-05]": 15.3,
+    "tests/integration/test_launchers.py::test_deepspeed_launcher_two_ranks_match_single_process": 15.0,
+    "tests/integration/test_search_processes.py::test_two_workers_share_one_study": 14.9,
+    "tests/integration/test_distributed_eval.py::test_live_checkpoint_and_resumed_evaluations_agree[ddp-True]": 14.8,
+    "tests/integration/test_failures.py::test_hung_rank_times_out_instead_of_hanging": 13.9,
+    "tests/integration/test_deepspeed.py::test_deepspeed_two_ranks_match_single_process[extra4-1e-05]": 13.7,
+    "tests/integration/test_gpu_session.py::test_carried_wheels_go_to_a_target_folder_on_the_path": 12.2,
+    "tests/integration/test_clip_train_dist.py::test_two_ranks_match_single_process[fastclip_v2-extra2-1e-05]": 11.6,
+    "tests/integration/test_deepspeed.py::test_deepspeed_two_ranks_match_single_process[extra0-1e-05]": 11.6,
+    "tests/integration/test_deepspeed.py::test_zero3_matches_single_process_and_user_config_is_merged": 11.0,
+    "tests/integration/test_gpu_session.py::test_a_failing_tf32_check_stops_the_script": 10.8,
+    "tests/integration/test_deepspeed.py::test_deepspeed_two_ranks_match_single_process[extra5-1e-05]": 10.8,
+    "tests/integration/test_clip_train_dist.py::test_two_ranks_match_single_process[fastclip_v3-extra1-1e-05]": 10.8,
+    "tests/integration/test_clip_train_dist.py::test_two_ranks_match_single_process[fastclip_v2-extra3-1e-05]": 10.3,
+    "tests/integration/test_clip_losses_dist.py::test_gradients_state_and_temperatures_match_single_process[3]": 10.0,
+    "tests/integration/test_checkpoints_dist.py::test_sharded_layout": 9.7,
+    "tests/integration/test_distributed.py::test_ddp_two_ranks_match_single_process[extra4-1e-05]": 9.7,
+    "tests/integration/test_distributed_eval.py::test_live_checkpoint_and_resumed_evaluations_agree[fsdp-False]": 9.4,
+    "tests/integration/test_clip_train_dist.py::test_two_ranks_get_full_batches_despite_a_corrupt_image[stream]": 9.1,
+    "tests/integration/test_deepspeed.py::test_one_process_without_a_launcher": 9.0,
+    "tests/integration/test_distributed.py::test_ddp_two_ranks_match_single_process[extra2-0.02]": 8.8,
+    "tests/integration/test_multinode.py::test_sbatch_script_two_nodes_match_single_process": 8.7,
+    "tests/integration/test_distributed.py::test_ddp_two_ranks_match_single_process[extra1-1e-05]": 8.2,
+    "tests/integration/test_bench_dist.py::test_bench_two_processes_ddp": 8.2,
+    "tests/integration/test_distributed_eval.py::test_an_epoch_ending_in_fewer_samples_than_processes_skips_that_step_on_every_rank": 8.0,
+    "tests/integration/test_distributed.py::test_fsdp_uneven_eval_shards_do_not_hang": 7.9,
+    "tests/integration/test_gpu_session.py::test_missing_package_named_in_one_line": 7.8,
+    "tests/integration/test_multinode.py::test_srun_without_torchrun_two_tasks_match_single_process": 7.7,
+    # quick themselves, but they share a module fixture with slow tests above: in the fast tier alone
+    # they would pay its run (the seconds are the fixture's)
+    "tests/integration/test_checkpoints_dist.py::test_sharded_resumes_under_single_and_exports": 9.7,
+    "tests/integration/test_deepspeed.py::test_eval_and_export_of_a_deepspeed_run": 10.9,
+    "tests/integration/test_clip_losses_dist.py::test_comm_elements_follow_the_formulas[3]": 10.0,
+    "tests/integration/test_clip_losses_dist.py::test_sharded_state_is_bit_identical_to_replicated[3]": 10.0,
+}
 
 # one test per engine, task, data format and failure mode stays in the fast tier
-KEEP_FAST: dict[str, str] = {}
+KEEP_FAST: dict[str, str] = {
+    "single": "tests/unit/test_train.py::test_resumed_run_ends_with_the_same_weights",
+    "ddp": "tests/integration/test_distributed.py::test_ddp_two_ranks_match_single_process[extra0-1e-05]",
+    "fsdp": "tests/integration/test_distributed.py::test_ddp_two_ranks_match_single_process[extra3-1e-05]",
+    "zero2": "tests/integration/test_deepspeed.py::test_deepspeed_two_ranks_match_single_process[extra1-1e-05]",
+    "clip": "tests/integration/test_clip_train_dist.py::test_two_ranks_match_single_process[openclip-extra0-1e-05]",
+    "kill -9 resume": "tests/integration/test_failures.py::test_kill_9_then_resume_is_bit_equal[ddp-ranks]",
+    "dead rank": "tests/integration/test_failures.py::test_killed_rank_stops_the_other_with_a_clear_error",
+    "corrupt sample": "tests/integration/test_clip_train_dist.py::test_two_ranks_get_full_batches_despite_a_corrupt_image[csv]",
+    "csv": "tests/integration/test_clip_train_dist.py::test_two_ranks_get_full_batches_despite_a_corrupt_image[csv]",
+    "webdataset": "tests/integration/test_data_stream_dist.py::test_two_ranks_stream_disjoint_shards_under_ddp",
+    "timm zoo": "tests/unit/test_zoo_timm.py::test_every_timm_vit_is_exact_or_refused_with_its_cause[quick]",
+    "open_clip zoo": "tests/unit/test_zoo_open_clip.py::test_every_open_clip_configuration_is_exact_or_refused[quick]",
+    "gpu_session": "tests/integration/test_gpu_session.py::test_dry_run_on_the_image_records_versions_and_stops_at_the_gpu_check",
+}
 
 
 def is_slow(nodeid: str) -> bool:
