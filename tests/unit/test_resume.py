@@ -177,7 +177,8 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tmp_path, capsy
     newest.write_bytes(newest.read_bytes()[:1000])  # a disk that filled up
     # a file given by name: refused with the command that resumes the one before
     rc, _, err = run(capsys, "train", "--resume", str(newest))
-    assert rc == 2 and len(err.strip().splitlines()) == 1 and len(err) < 400, err
+    # short, whatever folder the test runs in (the message names the two paths in full)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and len(err.replace(str(part), "RUN")) < 300, err
     assert f"vitscale train --resume {part / 'checkpoints' / 'step_00000004.pt'}" in err
     # the run folder: the newest readable one, with one line naming both
     rc, _, err = run(capsys, "train", "--resume", str(part))
