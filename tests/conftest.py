@@ -74,11 +74,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     if config.getoption("--full") or config.getoption("markexpr"):
         return
-    named = {a.split("[")[0] for a in config.args if "::" in a}
+    named = {a.split("[")[0] for a in config.args if "::" in a}  # a test named by its id (any parametrization)
     keep, drop = [], []
     for item in items:
         slow = item.get_closest_marker("slow") is not None
-        (drop if slow and item.nodeid.split("[")[0] not in named and item.nodeid not in named else keep).append(item)
+        (drop if slow and item.nodeid.split("[")[0] not in named else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -33,6 +33,16 @@ BASE = ["run.threads=1", "train.epochs=2", "optim.grad_clip=1.0"]
 RED, BLUE = (220, 20, 20), (20, 20, 220)
 
 
+def trainer_state(tr) -> dict:
+    """A Trainer's weights, EMA weights and optimizer state, by name (what bit-equality tests compare)."""
+    s = tr.strategy
+    out = {f"model.{k}": v for k, v in s.module.state_dict().items()}
+    out |= {f"ema.{k}": v for k, v in s.ema.state_dict().items()}
+    for i, st in enumerate(s.optimizer.state.values()):
+        out |= {f"opt{i}.{k}": v for k, v in st.items()}
+    return out
+
+
 def rel_diff(a, b):
     num = sum((a[k].double() - b[k].double()).square().sum() for k in a)
     den = sum(b[k].double().square().sum() for k in b)

@@ -24,7 +24,7 @@ import torch
 from .config import Config, capture_refusal, check
 from .strategy import needs_processes, resolve_device
 from .strategy.devices import auto_precision, cpu_has_bf16, device_for, launch_env
-from .tasks import build_task
+from .tasks import build_task, task_capture_refusal
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,7 @@ def auto_capture(cfg: Config, machine: Machine) -> tuple[str, str]:
         return "none", f"{machine.world_size} processes ({cfg.strategy.name}): the captured step is for one device"
     if machine.device_type != "cuda":
         return "none", "a CUDA graph needs a GPU (on a CPU capture=step runs the same uncaptured step)"
-    why = capture_refusal(replace(cfg, train=replace(cfg.train, capture="step")))
-    task = build_task(cfg)
-    if why is None and task.uncapturable:
-        why = f"{task.kind} models: {task.uncapturable}"
+    why = capture_refusal(replace(cfg, train=replace(cfg.train, capture="step"))) or task_capture_refusal(build_task(cfg))
     if why:
         return "none", why
     return "step", "one GPU, one process, a step the capture takes"

@@ -146,7 +146,7 @@ def gpu_peak(name: str, dtype: str) -> float | None:
 
 def fitted_size(n: int, budget: float, seconds_at, smallest: int = 128) -> int:
     """The largest of n, n/2, n/4, ... (not below `smallest`) whose matmul takes at most `budget`
-    seconds (`seconds_at(size)` runs one and says how long it took); the last one tried stays set up."""
+    seconds (`seconds_at(size)` runs one and says how long it took)."""
     while seconds_at(n) > budget and n > smallest:
         n //= 2
     return n
@@ -160,18 +160,21 @@ def measure_matmul_peak(device: torch.device, dtype: str = "fp32", n: int = 1024
     dt = DTYPES[dtype]
     sync = synchronizer(device)
 
+    def operands(size: int):
+        return torch.randn(size, size, device=device).to(dt), torch.randn(size, size, device=device).to(dt)
+
     def one_matmul(size: int) -> float:
-        nonlocal a, b
-        a = torch.randn(size, size, device=device).to(dt)
-        b = torch.randn(size, size, device=device).to(dt)
+        a, b = operands(size)
         a @ b  # the first call: library and kernel set-up
         sync()
         t0 = time.perf_counter()
         a @ b
         sync()
         return time.perf_counter() - t0
-    a = b = None
     n = fitted_size(n, seconds / 8, one_matmul)
+    a, b = operands(n)
+    a @ b
+    sync()
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vitscale.capture
+from helpers import trainer_state
 from vitscale.config import load_config
 from vitscale.errors import ConfigError
 from vitscale.loop import Trainer, train
@@ -115,13 +116,7 @@ def _run(tmp_path, name, sets, graph=None, monkeypatch=None, resume=None):
     return tr, summary, graphs
 
 
-def _state(tr) -> dict:
-    s = tr.strategy
-    out = {f"model.{k}": v for k, v in s.module.state_dict().items()}
-    out |= {f"ema.{k}": v for k, v in s.ema.state_dict().items()}
-    for i, st in enumerate(s.optimizer.state.values()):
-        out |= {f"opt{i}.{k}": v for k, v in st.items()}
-    return out
+_state = trainer_state
 
 
 def _losses(run_dir) -> list:

@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from helpers import trainer_state
 from vitscale.capture import CudaGraph
 from vitscale.cli import main
 
@@ -94,11 +95,7 @@ def _fit(tmp_path, name, sets, eager_whole=False):
         summary = tr.fit()
     finally:
         tr.close()
-    s = tr.strategy
-    state = {f"model.{k}": v for k, v in s.module.state_dict().items()}
-    state |= {f"ema.{k}": v for k, v in s.ema.state_dict().items()}
-    for i, st in enumerate(s.optimizer.state.values()):
-        state |= {f"opt{i}.{k}": v for k, v in st.items()}
+    state = trainer_state(tr)
     recs = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     losses = [(r["step"], r["loss"]) for r in recs if r["kind"] == "train"]
     return tr, summary, state, losses

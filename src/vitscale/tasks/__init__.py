@@ -33,9 +33,16 @@ def check_config(cfg: Config) -> Config:
     and files), after config.check's: every command runs it on its config before anything starts."""
     task = build_task(cfg)
     task.check()
-    if cfg.train.capture == "step" and task.uncapturable:
-        raise ConfigError(f"config: train.capture=step is refused for {task.kind} models: {task.uncapturable}")
+    why = task_capture_refusal(task)
+    if cfg.train.capture == "step" and why:
+        raise ConfigError(f"config: train.capture=step is refused for {why}")
     return cfg
+
+
+def task_capture_refusal(task: Task) -> str | None:
+    """Why this kind of model's step cannot be captured as one unit ("<kind> models: why"), or None
+    (train.capture=step refuses it; train.capture=auto runs uncaptured with it as the reason)."""
+    return f"{task.kind} models: {task.uncapturable}" if task.uncapturable else None
 
 
 def kind_of(state: dict) -> str:
@@ -57,5 +64,5 @@ def describe_result(r: dict) -> str:
     return task_class(r.get("task", ClassificationTask.kind)).describe_metrics(r)
 
 
-__all__ = ["Task", "TASKS", "ClassificationTask", "ClipTask", "build_task", "check_config", "task_class",
+__all__ = ["Task", "TASKS", "ClassificationTask", "ClipTask", "build_task", "check_config", "task_capture_refusal", "task_class",
            "task_kind", "kind_of", "export_use", "model_info", "describe_result"]
