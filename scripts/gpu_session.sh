@@ -6,7 +6,7 @@
 # here), installed with pip --no-index --no-deps into /tmp/site and put on PYTHONPATH.
 #
 #   bash scripts/gpu_session.sh OUT_DIR [PARTS]   PARTS: all (default), or a comma list of
-#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, fp8, default
+#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default
 #                                                 in that order (peer, capture, fp8 and default are not in all: ask for them)
 #
 # First, every time: the carried wheels installed; the machine and every package's version ("missing"
@@ -31,7 +31,8 @@
 # (issue 39): default_runs.tar, the summary.json and metrics.jsonl of plain `vitscale train` (the user's
 # command: only data.root set) with run.seed 0, 1 and 2, and of the same job with train.capture=none
 # (seed 0, the eager step beside), under default_seed{0,1,2}/ and default_eager/ (one file: the device tool
-# brings back 8), and their accuracy and training time in log.txt. Scratch runs
+# brings back 8), and their accuracy and training time in log.txt; the skip part (issue 41): bench_skip_{b16,l16}.json
+# (ViT-B/16 at drop_path 0.1 and L/16 at 0.4, bf16 compiled: drop_path_mode=skip beside timm and beside the mask form). Scratch runs
 # go to a temporary folder. docs/gpu.md gives each part's time on one
 # H100 and the device-tool calls for a 30-minute budget. Knobs (environment):
 #   CFG=configs/vit_b16_imagenet.toml  BATCH=256  LAB_ARGS="--steps 10 --trials 3"  TUNE_BUDGET=240
@@ -44,13 +45,13 @@
 #   SKIP_STEPS="bench_default_graphs ..." (steps to leave out, by the names log.txt gives them;
 #   the wheels, versions and GPU check steps always run)
 set -uo pipefail
-usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture,fp8,default]"
+usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture,fp8,skip,default]"
 out=${1:?$usage}
 parts=${2:-all}
 [ "$parts" = all ] && parts=tests,deepspeed,bench,ladder,tune
 for p in ${parts//,/ }; do
-  case $p in tests|bench|ladder|tune|deepspeed|peer|capture|fp8|default) ;;
-    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture, fp8, default)" >&2; exit 2;;
+  case $p in tests|bench|ladder|tune|deepspeed|peer|capture|fp8|skip|default) ;;
+    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default)" >&2; exit 2;;
   esac
 done
 py=${PYTHON:-python3}
@@ -118,6 +119,7 @@ need="torch numpy rich safetensors"
 want tests && need="$need pytest"
 want ladder && need="$need matplotlib tensorboard"
 want peer && need="$need timm open_clip"  # open_clip: CLIP's vocabulary file
+want skip && need="$need timm"
 want fp8 && need="$need torchao"
 missing=$("$py" -c "
 import sys
@@ -204,6 +206,18 @@ if want fp8; then
     step "bench_fp8_$tag" 300 "$py" -m vitscale bench "$cfg" "${model[@]}" "${lab[@]}" --set "model.arch=$arch" \
       --set train.precision=bf16 --set train.compile=true --beside train.fp8=rowwise --rounds "${PEER_ROUNDS:-5}" \
       --json --out "$out/bench_fp8_$tag.json"
+  done
+fi
+if want skip; then
+  # issue 41: stochastic depth that skips the dropped rows' work, bf16 compiled: the recipe with
+  # model.drop_path_mode=skip beside timm's ViT at the same drop-path rate (--peer), and beside the
+  # mask form (--beside: its speedup is mask over skip). SKIP_ARCHS="arch:tag:drop_path:batch ..."
+  for quad in ${SKIP_ARCHS:-vit_base_patch16:b16:0.1:256 vit_large_patch16:l16:0.4:128}; do
+    IFS=: read -r arch tag rate batch <<< "$quad"
+    step "bench_skip_$tag" "${SKIP_LIMIT:-270}" "$py" -m vitscale bench "$cfg" --synthetic --set data.num_workers=0 \
+      --set "data.batch_size=$batch" --set "model.arch=$arch" --set "model.drop_path=$rate" "${lab[@]}" \
+      --set train.precision=bf16 --set train.compile=true --set train.capture=none --set model.drop_path_mode=skip --peer timm \
+      --beside model.drop_path_mode=mask --rounds "${PEER_ROUNDS:-3}" --json --out "$out/bench_skip_$tag.json"
   done
 fi
 if want default; then

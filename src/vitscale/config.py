@@ -143,6 +143,9 @@ class ModelConfig:
     attention: str = choice("sdpa", "sdpa", "explicit")
     stem: str = choice("patch", "patch", "conv", doc="patch = ViT's stride-p conv; conv = 3x3 conv stages")
     drop_path: float = num(0.0, min=0.0, max=1.0)
+    drop_path_mode: str = choice("mask", "mask", "skip", doc="stochastic depth: mask = every sample's branch "
+                                 "computed, then zeroed with probability p (timm); skip = round(p x batch) rows "
+                                 "dropped per block and step, their branch not computed (docs/performance.md)")
     dropout: float = num(0.0, min=0.0, max=1.0)
     # CLIP models (arch clip_*): the text tower and the shared embedding
     embed_dim: int = num(0, min=0, doc="CLIP: shared embedding size (0 = the arch's default)")

@@ -54,7 +54,7 @@ FIXED_ON_RESUME = {
     "clip.*": "the per-sample loss state and the temperature continue from the checkpoint's",
 }
 # exceptions inside a fixed section: these take effect on a resumed run
-CHANGEABLE_ON_RESUME = {"model.drop_path", "model.dropout", "model.attention", "clip.prompt_templates"}
+CHANGEABLE_ON_RESUME = {"model.drop_path", "model.drop_path_mode", "model.dropout", "model.attention", "clip.prompt_templates"}
 # train.precision: autocast modes share one state; pure_* and fp16 keep other state (half weights,
 # a loss scaler)
 AUTOCAST_ONLY = {"fp32", "bf16"}

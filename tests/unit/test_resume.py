@@ -121,7 +121,7 @@ def test_every_config_key_either_takes_effect_or_is_refused_on_resume():
         "data": {"root", "test_root", "csv_image_key", "csv_caption_key", "caption_template", "test_size",
                  "eval_batch_size", "num_workers", "decoder", "on_device", "pin_memory", "crop_padding", "hflip",
                  "randaugment_ops", "randaugment_magnitude", "mixup_alpha", "cutmix_alpha", "mix_prob"},
-        "model": {"drop_path", "dropout", "attention"},
+        "model": {"drop_path", "drop_path_mode", "dropout", "attention"},
         "optim": {"impl", "lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "nesterov", "schedule",
                   "schedule_clock", "warmup_epochs", "warmup_steps", "min_lr_ratio", "grad_clip", "lr_scaling",
                   "lr_ref_batch"},

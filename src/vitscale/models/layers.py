@@ -205,8 +205,63 @@ def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return x * mask / keep
 
 
+DROP_PATH_MODES = ("mask", "skip")
+
+
+def dropped_count(batch: int, p: float) -> int:
+    """How many of a batch's rows the skip form drops in a block of rate p: round(p x batch), so the
+    shapes are the same in every step (torch.compile, CUDA graphs)."""
+    return round(p * batch)
+
+
+def kept_rows(batch: int, n_drop: int, device) -> torch.Tensor:
+    """The rows whose branch the skip form computes: batch - n_drop of them, drawn uniformly without
+    replacement from the device's default generator (the run's seeded stream), in ascending order."""
+    return torch.rand(batch, device=device).argsort()[n_drop:].sort().values
+
+
+def skip_residual(x: torch.Tensor, branch, rows: torch.Tensor) -> torch.Tensor:
+    """x + branch(x) * B / len(rows) on `rows`, x elsewhere, computing the branch for `rows` only: the
+    mask form's sum given the same dropped rows, with the kept rows scaled by the kept fraction."""
+    out = branch(x.index_select(0, rows))
+    return x.index_add(0, rows, out.to(x.dtype), alpha=x.shape[0] / rows.numel())
+
+
+def residual(x: torch.Tensor, branch, p: float, training: bool, mode: str = "mask") -> torch.Tensor:
+    """x + branch(x) under stochastic depth of rate p. "mask": the branch computed for every sample and
+    multiplied by a Bernoulli(1 - p) mask / (1 - p) (timm's DropPath). "skip": a fixed count of rows,
+    round(p x batch), dropped at random and their branch never computed; the kept rows are scaled by
+    batch / kept, so each sample's expected output is the same. A rate that rounds to no dropped row
+    drops none."""
+    if p == 0.0 or not training:
+        return x + branch(x)
+    if mode == "mask":
+        return x + drop_path(branch(x), p, training)
+    B = x.shape[0]
+    n_drop = dropped_count(B, p)
+    if n_drop == 0:
+        return x + branch(x)
+    if n_drop >= B:
+        return x
+    return skip_residual(x, branch, kept_rows(B, n_drop, x.device))
+
+
+def set_drop_path_mode(model: nn.Module, mode: str) -> nn.Module:
+    """Every Block of `model` computes its stochastic depth in `mode` (DROP_PATH_MODES); nothing else
+    changes (no parameter, no state-dict key)."""
+    if mode not in DROP_PATH_MODES:
+        raise ValueError(f"unknown drop-path mode '{mode}' (expected one of {', '.join(DROP_PATH_MODES)})")
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.drop_path_mode = mode
+    return model
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)). Stochastic depth of rate
+    `drop_path` on both branches, in `drop_path_mode` (residual)."""
+
+    drop_path_mode = "mask"
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, fused_attn: bool = True,
                  drop_path: float = 0.0, dropout: float = 0.0, causal: bool = False,
@@ -218,6 +273,12 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), dropout=dropout, act=act)
         self.drop_path = drop_path
 
+    def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.norm1(x))
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm2(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + drop_path(self.attn(self.norm1(x)), self.drop_path, self.training)
-        return x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+        x = residual(x, self.attn_branch, self.drop_path, self.training, self.drop_path_mode)
+        return residual(x, self.mlp_branch, self.drop_path, self.training, self.drop_path_mode)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import Block, ConvStem, PatchEmbed, drop_path
+from .layers import Block, ConvStem, PatchEmbed
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,11 @@ class LayerScaleBlock(Block):
         self.ls1 = LayerScale(dim)
         self.ls2 = LayerScale(dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + drop_path(self.ls1(self.attn(self.norm1(x))), self.drop_path, self.training)
-        return x + drop_path(self.ls2(self.mlp(self.norm2(x))), self.drop_path, self.training)
+    def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ls1(self.attn(self.norm1(x)))
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ls2(self.mlp(self.norm2(x)))
 
 
 class VisionTransformer(nn.Module):

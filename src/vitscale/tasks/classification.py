@@ -11,7 +11,7 @@ from ..data import build_data, synthetic_stand_in
 from ..data.build import eval_preprocess
 from ..data import geometry as data_geometry
 from ..errors import ConfigError, UserError
-from ..models import VisionTransformer, ViTSpec, resolve_spec, vit_forward_flops
+from ..models import VisionTransformer, ViTSpec, resolve_spec, set_drop_path_mode, vit_forward_flops
 from ..optim import block_index
 from ..precision import fp8_slower
 from .base import Task, padding_forwards
@@ -151,7 +151,7 @@ class ClassificationTask(Task):
             missing, unexpected = model.load_state_dict(self.init_state, strict=False)
             assert not unexpected and set(missing) <= {"head.weight", "head.bias"}, (missing, unexpected)
         freeze(model, self.cfg.model.freeze, self.cfg.model.freeze_blocks)
-        return model
+        return set_drop_path_mode(model, self.cfg.model.drop_path_mode)
 
     def flops(self, spec: ViTSpec) -> int:
         return vit_forward_flops(spec)

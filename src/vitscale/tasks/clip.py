@@ -20,7 +20,8 @@ from ..data.build import eval_preprocess, synthetic_pairs_stand_in
 from ..data.tokenizer import get_tokenizer, tokenize
 from ..errors import ConfigError, UserError
 from ..losses import build_clip_loss, resolve_clip
-from ..models import CLIP, ClipSpec, TextSpec, ViTSpec, clip_forward_flops, count_params, resolve_clip_spec
+from ..models import (CLIP, ClipSpec, TextSpec, ViTSpec, clip_forward_flops, count_params, resolve_clip_spec,
+                      set_drop_path_mode)
 from ..optim import schedule
 from .base import Task, padding_forwards
 
@@ -161,7 +162,7 @@ class ClipTask(Task):
         model = CLIP(spec)
         if self.init_state is not None:
             model.load_state_dict(self.init_state, strict=True)
-        return model
+        return set_drop_path_mode(model, self.cfg.model.drop_path_mode)
 
     def flops(self, spec: ClipSpec) -> int:
         return clip_forward_flops(spec)  # one (image, caption) pair
