@@ -33,6 +33,9 @@ def half_dtype(precision: str) -> torch.dtype | None:
 FP8_MEASURED = {
     # issue 32: timm's vit_base_patch16_224, torch 2.11 + torchao 0.17, compiled, batch 256, one H100
     ("tensorwise", 768): (0.805, "timm ViT-B/16 on one H100, torchao 0.17"),
+    # issue 41: vitscale's ViT-L/16 compiled, batch 128, bf16 beside train.fp8=rowwise, one H200,
+    # torch 2.11 + torchao 0.17 (143.4 ms against 112.0 ms per step, slower in 3 of 3 rounds)
+    ("rowwise", 1024): (0.781, "vitscale ViT-L/16 on one H200, torchao 0.17"),
 }
 
 

@@ -66,7 +66,8 @@ def test_fp8_converts_the_blocks_linear_layers_only():
 
 
 @pytest.mark.parametrize("recipe, width, refused", [("tensorwise", 768, "0.805x"), ("tensorwise", 384, "0.805x"),
-                                                    ("tensorwise", 1024, None), ("rowwise", 768, None)])
+                                                    ("tensorwise", 1024, None), ("rowwise", 768, "0.781x"),
+                                                    ("rowwise", 1024, "0.781x"), ("rowwise", 1280, None)])
 def test_fp8_is_refused_where_measured_slower_and_not_elsewhere(recipe, width, refused):
     """The measured table decides: a width as narrow as one measured slower is refused naming the
     ratio; wider ones and the other recipe are not (they have not been measured slower)."""
@@ -82,7 +83,9 @@ def test_fp8_refused_for_vit_b16_from_the_config_before_anything_is_built():
     without building the recipe's model first)."""
     with pytest.raises(ConfigError, match="0.805x"):
         check_config(load_config("configs/vit_b16_imagenet.toml", ["train.fp8=tensorwise"]))
-    check_config(load_config("configs/vit_b16_imagenet.toml", ["train.fp8=rowwise"]))  # not measured: allowed
+    with pytest.raises(ConfigError, match="0.781x"):  # rowwise: measured slower at L/16's width 1024
+        check_config(load_config("configs/vit_b16_imagenet.toml", ["train.fp8=rowwise"]))
+    check_config(load_config("configs/vit_b16_imagenet.toml", ["train.fp8=rowwise", "model.arch=vit_huge_patch14"]))
 
 
 @pytest.mark.parametrize("sets, device, capability, words", [
@@ -114,7 +117,9 @@ def test_fp8_is_refused_by_the_sharding_engines_in_one_line():
         DeepSpeedStrategy(train, OptimConfig(), StrategyConfig(name="deepspeed"), batch_size=16, device_type="cpu")
 
 
-def test_fp8_on_a_cpu_trainer_is_refused_in_one_line(tmp_path):
+def test_fp8_on_a_cpu_trainer_is_refused_in_one_line(tmp_path, monkeypatch):
+    for where in ("vitscale.strategy.fp8", "vitscale.tasks.classification"):  # the device check, not the width's
+        monkeypatch.setattr(f"{where}.fp8_slower", lambda *a: None)
     with pytest.raises(ConfigError, match="needs a GPU with float8 tensor cores"):
         _trainer(tmp_path, "fp8", "train.fp8=rowwise", "train.precision=bf16")
 
