@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import BASE, TINY, sets, write_shards
+from helpers import BASE, ENGINES, KILL_RUN, TINY, sets, torchrun, write_shards
 from tiers import is_slow
 from vitscale.cli import main
 
@@ -27,6 +27,22 @@ def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single") / "run"
     assert main(["train", TINY, "--out", str(out), *sets(BASE)]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """`uninterrupted(engine, nproc)`: the run of KILL_RUN on an engine, trained once per session and
+    shared by the kill -9 and the stop-signal tests (each compares its resumed run's weights with it)."""
+    runs = {}
+
+    def get(engine: str, nproc: int) -> Path:
+        if engine not in runs:
+            out = tmp_path_factory.mktemp(f"uninterrupted_{engine}") / "run"
+            p = torchrun(out, ENGINES[engine] + KILL_RUN, nproc=nproc)
+            assert p.returncode == 0, p.stderr[-3000:]
+            runs[engine] = out
+        return runs[engine]
+    return get
 
 
 @pytest.fixture

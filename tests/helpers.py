@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -269,3 +270,32 @@ def write_shards(folder, n_shards=4, per=6, *, gz=False, gz_members=False, bad_j
                 tar_add(tf, f"{key}.cls", str(k % 3).encode())
                 k += 1
     return folder
+
+
+# -- kill -9 and stop signals, then resume (tests/integration/test_failures.py, test_preemption.py) --
+KILL_RUN = ["run.checkpoint_every=4", "run.keep_last=100", "train.epochs=10", "strategy.timeout_s=30"]
+ENGINES = {"single": ["strategy.name=single"], "ddp": ["strategy.name=ddp"], "fsdp": ["strategy.name=fsdp"],
+           "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"]}
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def launch(out, extra, nproc):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "vitscale", "train", TINY, "--out", str(out), *sets(BASE + extra)]
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_checkpoint(out, procs, limit=90):
+    deadline = time.time() + limit
+    while not ckpt.list_checkpoints(out):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "no checkpoint appeared"
+        time.sleep(0.2)

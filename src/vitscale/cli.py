@@ -104,8 +104,9 @@ def _add_lab_commands(sub) -> None:
 def cmd_train(args) -> int:
     from .checkpoint import list_checkpoints
     from .config import load_config
-    from .loop import train
+    from .loop import PREEMPTED, train
     from .run_state import resume_request
+    from .stop import exit_status
     from .tasks import describe_result
     resume = args.resume
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -121,6 +122,12 @@ def cmd_train(args) -> int:
     else:
         cfg, run_dir = load_config(args.config, args.overrides), Path(args.out) if args.out else None
     summary = train(cfg, run_dir, resume=resume)
+    if summary["stop_reason"] in PREEMPTED:  # saved where it stopped: a status the scheduler acts on
+        if summary["rank"] == 0:
+            print(f"vitscale: stopped by {summary['stop_reason']} at step {summary['step']} of "
+                  f"{summary['total_steps']} (epoch {summary['epoch']:.2f}); checkpoint {summary['checkpoint']}; "
+                  f"continue with: vitscale train --resume {summary['run_dir']}", file=sys.stderr)
+        return exit_status(summary["stop_reason"])
     if summary["rank"] != 0:
         return 0
     print(f"{describe_result(summary)} after {summary['epochs']:.2f} epochs, {summary['train_time_s']:.0f}s "

@@ -5,6 +5,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -24,6 +25,7 @@ from .strategy import build_strategy, check_launch
 from .precision import tf32_active
 from .strategy.devices import LauncherWatch, launch_env
 from .run_state import Resume, RunProgress, check_resumable, open_resume, resume_run, run_state
+from .stop import SLURM_MARGIN_S, Agreement, StopRequest, slurm_deadline
 from .tasks import build_task, check_config
 
 
@@ -70,14 +72,6 @@ class FiniteWatch:
             return None
         step = int(self.first[0])
         return (step, float(self.first[1])) if step >= 0 else None
-
-
-def any_rank(s, flag: bool) -> bool:
-    """True on every rank when `flag` holds on any (so that no rank waits for the others);
-    a plain bool on one process: no tensor, no device sync in the step."""
-    if s.world_size == 1:
-        return flag
-    return bool(s.all_reduce_sum(torch.tensor(float(flag), device=s.device)).item())
 
 
 def make_run_dir(cfg: Config, s, run_dir, resume) -> tuple[Path, RunLock | None]:
@@ -331,11 +325,11 @@ class Trainer:
             self.account(now - t_last, t_data, n_local * s.world_size, loss, info, log_now)
             if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
                 self.save()
-            # several processes agree on stopping through a collective (a host sync): at log
-            # steps only; one process checks its own clock every step
-            if cfg.train.time_limit_s and (s.world_size == 1 or log_now) and \
-                    any_rank(self.strategy, self.train_time >= cfg.train.time_limit_s):
-                return "time limit"
+            # a stop request (time limit, signal, the job's end): one process reads its flags every
+            # step; several agree through a collective (a host sync) at log steps only
+            reason = self.agreement.reason(self.train_time, collective=log_now)
+            if reason:
+                return reason
             t_last = time.perf_counter()  # checkpoint I/O is not training time
         return "done"
 
@@ -378,6 +372,37 @@ class Trainer:
         if not cfg.run.checkpoint_every:
             self.save()
 
+    # SIGTERM, SIGUSR1 and SIGINT stop the run at a step with a checkpoint (stop.py); the lab's
+    # trainers (search trials, the ladder) leave them to their command (Ctrl-C ends the command)
+    stop_on_signals = True
+
+    def saved_now(self) -> bool:
+        return self.last_ckpt is not None and self.last_ckpt.name.endswith(f"{self.step:08d}.pt")
+
+    def train_until_stopped(self, stop: StopRequest) -> str:
+        """Epochs until the end or a stop request; the reason ("done", "time limit", a signal's name,
+        "job end"). A request that arrives during an evaluation or a checkpoint is handled at the
+        epoch's end, before another step."""
+        deadline = slurm_deadline()
+        if deadline is not None and self.strategy.is_main:  # said whatever run.progress is
+            print(f"SLURM_JOB_END_TIME is set: the run stops with a checkpoint {SLURM_MARGIN_S:.0f} s "
+                             f"before the job's end, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(deadline))}",
+                  file=sys.stderr, flush=True)
+        self.agreement = Agreement(self.strategy, stop, self.cfg.train.time_limit_s, deadline)
+        stop_reason = "done"
+        try:
+            while self.step < self.total_steps and stop_reason == "done":
+                stop_reason = self.train_epoch()
+                if stop_reason in PREEMPTED:
+                    break
+                self.end_of_epoch()
+                if stop_reason == "done" and self.step < self.total_steps:
+                    late = self.agreement.reason(self.train_time, collective=True)
+                    stop_reason = late if late in PREEMPTED else stop_reason
+        finally:
+            self.bar.close()
+        return stop_reason
+
     def fit(self) -> dict:
         """Train to the end (or the time limit), evaluating and checkpointing as configured;
         returns the summary (every rank), written to summary.json by the main process."""
@@ -388,16 +413,18 @@ class Trainer:
         self.bar.message(self.fast.line())
         self.bar.message(describe_run(self))
         self.window, self._first, self._bar_text = Window(), True, ""
-        stop_reason = "done"
-        try:
-            while self.step < self.total_steps and stop_reason == "done":
-                stop_reason = self.train_epoch()
-                self.end_of_epoch()
-        finally:
-            self.bar.close()
+        with StopRequest(quiet=not main, signals=self.stop_on_signals) as stop:
+            stop_reason = self.train_until_stopped(stop)
+        if stop_reason in PREEMPTED:  # the exact state saved at once, no evaluation: the scheduler waits
+            if not self.saved_now():
+                self.save()
+            self.log.close()
+            return {"rank": self.strategy.rank, "stop_reason": stop_reason, "step": self.step,
+                    "total_steps": self.total_steps, "epoch": self.step / self.steps_per_epoch,
+                    "checkpoint": str(self.last_ckpt), "run_dir": str(self.run_dir)}
         if self.last_eval is None or self.last_eval["step"] != self.step:
             self.log.log({"kind": "eval", **self.evaluate()}, prefix="eval")
-        if self.last_ckpt is None or not self.last_ckpt.name.endswith(f"{self.step:08d}.pt"):
+        if not self.saved_now():
             self.save()
         self.log.close()
         summary = run_summary(self, stop_reason)
@@ -409,6 +436,10 @@ class Trainer:
         """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
         state; gradients, while they exist, take as many bytes as the parameters."""
         return {**self.strategy.state_bytes(), "loss_state": self.task.state_bytes()}
+
+
+# stop reasons after which the run saves and exits at once, without its final evaluation
+PREEMPTED = ("SIGTERM", "SIGUSR1", "SIGINT", "job end")
 
 
 # train.capture=step prepares this many bytes of float32 images at a time (the whole epoch of a

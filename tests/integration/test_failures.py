@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import BASE, TINY, free_port, rel_diff, sets, torchrun, weights
+from helpers import (BASE, ENGINES, KILL_RUN, TINY, alive, free_port, launch, rel_diff, sets, torchrun,
+                     wait_for_checkpoint, weights)
 from vitscale import checkpoint as ckpt
 
 LONG = ["run.threads=1", "strategy.name=ddp", "train.epochs=2000", "run.progress=plain",
@@ -29,13 +30,6 @@ def spawn_ranks(out, extra, timeout_s=20):
              *sets(LONG + [f"strategy.timeout_s={timeout_s}"] + extra)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
-
-
-def wait_for_checkpoint(out, procs, limit=90):
-    deadline = time.time() + limit
-    while not ckpt.list_checkpoints(out):
-        assert time.time() < deadline and all(p.poll() is None for p in procs), "no checkpoint appeared"
-        time.sleep(0.2)
 
 
 def test_killed_rank_stops_the_other_with_a_clear_error(tmp_path):
@@ -109,41 +103,6 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
 
 
 # -- kill -9 of a launcher or of its ranks, then resume (issue 33) --------------------------------
-KILL_RUN = ["run.checkpoint_every=4", "run.keep_last=100", "train.epochs=10", "strategy.timeout_s=30"]
-ENGINES = {"single": ["strategy.name=single"], "ddp": ["strategy.name=ddp"], "fsdp": ["strategy.name=fsdp"],
-           "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"]}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
-def _launch(out, extra, nproc):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "vitscale", "train", TINY, "--out", str(out), *sets(BASE + extra)]
-    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The uninterrupted run of an engine, trained once per module and shared by the kill modes
-    (ddp's launcher and ranks cases compare against the same run)."""
-    runs = {}
-
-    def get(engine: str, nproc: int) -> Path:
-        if engine not in runs:
-            out = tmp_path_factory.mktemp(f"uninterrupted_{engine}") / "run"
-            p = torchrun(out, ENGINES[engine] + KILL_RUN, nproc=nproc)
-            assert p.returncode == 0, p.stderr[-3000:]
-            runs[engine] = out
-        return runs[engine]
-    return get
 
 
 @pytest.mark.parametrize("engine,kill", [("single", "ranks"), ("ddp", "launcher"), ("ddp", "ranks"),
@@ -158,7 +117,7 @@ def test_kill_9_then_resume_is_bit_equal(tmp_path, uninterrupted, engine, kill):
     extra = ENGINES[engine] + KILL_RUN
     reference = uninterrupted(engine, nproc)
     out = tmp_path / "killed"
-    agent = _launch(out, extra, nproc)
+    agent = launch(out, extra, nproc)
     try:
         wait_for_checkpoint(out, (agent,), limit=180)
         ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True,
@@ -167,9 +126,9 @@ def test_kill_9_then_resume_is_bit_equal(tmp_path, uninterrupted, engine, kill):
         for pid in ([agent.pid] + ranks if kill == "ranks" else [agent.pid]):
             os.kill(pid, signal.SIGKILL)
         deadline = time.time() + 90  # orphans stop at their next step; a bound, not a timing
-        while any(_alive(p) for p in ranks) and time.time() < deadline:
+        while any(alive(p) for p in ranks) and time.time() < deadline:
             time.sleep(0.2)
-        assert not any(_alive(p) for p in ranks), "orphaned ranks went on running"
+        assert not any(alive(p) for p in ranks), "orphaned ranks went on running"
     finally:
         try:
             os.killpg(agent.pid, signal.SIGKILL)  # whatever is left of the launch

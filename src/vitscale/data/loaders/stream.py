@@ -24,6 +24,7 @@ from ..tokenizer import get_tokenizer
 from .device import pin_batches
 from .stream_plan import StreamPlan, stream_samples
 from .worker_datasets import Batch, collate
+from .workers import leave_stop_signals_to_the_trainer
 
 log = logging.getLogger("vitscale.data")
 
@@ -147,7 +148,8 @@ class _StreamLoader:
 
     def _batches(self, start: int = 0):
         loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, num_workers=self.workers,
-                                             pin_memory=self.pin)
+                                             pin_memory=self.pin, worker_init_fn=leave_stop_signals_to_the_trainer
+                                             if self.workers else None)
         self._it = iter(loader)
         for b, item in enumerate(self._it, start):
             if isinstance(item[0], str):                  # ("error", message) from a worker

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 
 import torch
 
@@ -59,9 +60,20 @@ def eval_keys(lo: int, hi: int, batch_size: int):
     return keys_for
 
 
+def leave_stop_signals_to_the_trainer(_worker_id: int = 0) -> None:
+    """A loader worker ignores SIGTERM, SIGUSR1 and SIGINT: the training process handles them at a
+    step boundary (stop.py) and then ends its workers. A scheduler that signals every process of the
+    job, or a Ctrl-C to the terminal's process group, would otherwise end the workers under a step."""
+    for name in ("SIGTERM", "SIGUSR1", "SIGINT"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def _dataloader(dataset, batches, cfg, device):
     workers = cfg.num_workers
     return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=workers,
+                                       worker_init_fn=leave_stop_signals_to_the_trainer if workers else None,
                                        collate_fn=functools.partial(collate, size=dataset.size, pairs=dataset.pairs),
                                        pin_memory=pin_batches(device.type, cfg.pin_memory, on_device=False),
                                        persistent_workers=workers > 0)

@@ -28,7 +28,9 @@ class TrialFailed(Exception):
 
 class SearchTrainer(Trainer):
     """The Trainer with a hook after every evaluation (`on_eval(trainer, result)`), where the
-    search reports to Optuna and may raise TrialPruned."""
+    search reports to Optuna and may raise TrialPruned. Signals stay the search command's."""
+
+    stop_on_signals = False
 
     def __init__(self, cfg, run_dir, on_eval=None):
         self.on_eval = on_eval

@@ -1,0 +1,72 @@
+"""Preempted, not lost (issue 44): a stop signal to a launched run, on every engine, leaves a checkpoint
+of the step every rank stopped at, the line that names it, and a status a scheduler acts on; the
+resume ends with the uninterrupted run's weights, bit for bit.
+
+Each engine is signalled the way a user's run is: plain `vitscale train` by SIGUSR1 (SLURM's
+`--signal=USR1@90`); torchrun by SIGTERM to the launcher alone (it forwards the signal to its ranks:
+Kubernetes, `kill`); every process of the launch by SIGINT (a Ctrl-C in the terminal: the launcher
+forwards it again, within the same second) or SIGTERM (SLURM's scancel and end of job). The signal
+handling itself (each signal, a second Ctrl-C, a signal during a checkpoint write or an evaluation,
+the scheduler's end time) is tests/unit/test_stop.py, in one process."""
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import BASE, ENGINES, KILL_RUN, TINY, launch, sets, torchrun, wait_for_checkpoint, weights
+from vitscale import checkpoint as ckpt
+
+CASES = [("single", "SIGUSR1", "process"), ("ddp", "SIGTERM", "launcher"), ("fsdp", "SIGINT", "group"),
+         ("zero2", "SIGTERM", "group")]
+
+
+def plain(out, extra):
+    return subprocess.Popen([sys.executable, "-m", "vitscale", "train", TINY, "--out", str(out), *sets(BASE + extra)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.parametrize("engine,sig,to", CASES)
+def test_a_stop_signal_saves_the_step_every_rank_stopped_at_and_the_resume_is_bit_equal(
+        tmp_path, uninterrupted, engine, sig, to):
+    if engine == "zero2":
+        pytest.importorskip("deepspeed")
+    nproc = 1 if engine == "single" else 2
+    extra = ENGINES[engine] + KILL_RUN
+    reference = uninterrupted(engine, nproc)
+    out = tmp_path / "stopped"
+    proc = plain(out, extra) if to == "process" else launch(out, extra, nproc)
+    try:
+        wait_for_checkpoint(out, (proc,), limit=180)  # a few steps in: the signal comes at a step of its own
+        number = getattr(signal, sig)
+        if to == "group":
+            os.killpg(proc.pid, number)
+        else:
+            proc.send_signal(number)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    if to != "launcher" and to != "group":
+        assert proc.returncode == 128 + number, (proc.returncode, err[-3000:])
+    stopped = re.findall(rf"vitscale: stopped by {sig} at step (\d+) of 40 \(epoch [\d.]+\); checkpoint (\S+); "
+                         rf"continue with: vitscale train --resume (\S+)", err)
+    assert len(stopped) == 1, err[-3000:]  # one line, from the main process
+    step, path, run = int(stopped[0][0]), stopped[0][1], stopped[0][2]
+    assert 0 < step < 40 and run == str(out)
+    assert ckpt.list_checkpoints(out)[-1].as_posix() == path and ckpt.load_checkpoint(out)["step"] == step
+    assert step % 2 == 0 or nproc == 1  # several processes stop at a log step (run.log_every=2), together
+    # no traceback from vitscale (torchrun prints its own SignalException when it is signalled itself)
+    assert not re.search(r'File ".*/vitscale/', err) and ("Traceback" not in err or "SignalException" in err)
+    assert not (out / "summary.json").exists()
+    p = torchrun(None, [], nproc=nproc, resume=out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = weights(reference), weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
