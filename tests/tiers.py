@@ -69,8 +69,8 @@ SLOW: dict[str, float] = {
     "tests/integration/test_clip_losses_dist.py::test_comm_elements_follow_the_formulas[3]": 10.0,
     "tests/integration/test_clip_losses_dist.py::test_sharded_state_is_bit_identical_to_replicated[3]": 10.0,
     # issue 44, measured 2026-11-27 on this session's CPU's own instructions (its reference run included)
-    "tests/integration/test_preemption.py::test_a_stop_signal_saves_the_step_every_rank_stopped_at_and_the_resume_is_bit_equal[zero2-SIGTERM-group]": 24.3,
-    "tests/integration/test_preemption.py::test_a_stop_signal_saves_the_step_every_rank_stopped_at_and_the_resume_is_bit_equal[fsdp-SIGINT-group]": 20.0,
+    "tests/integration/test_preemption.py::test_a_stop_signal_saves_the_step_every_rank_stopped_at_and_the_resume_is_bit_equal[zero2-SIGUSR1-all]": 24.3,
+    "tests/integration/test_preemption.py::test_a_stop_signal_saves_the_step_every_rank_stopped_at_and_the_resume_is_bit_equal[fsdp-SIGINT-launcher]": 20.0,
     "tests/integration/test_preemption.py::test_a_stop_signal_saves_the_step_every_rank_stopped_at_and_the_resume_is_bit_equal[single-SIGUSR1-process]": 16.6,
 }
 

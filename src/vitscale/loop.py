@@ -311,7 +311,9 @@ class Trainer:
                 continue
             if n_local == 0:  # the loaders replace unreadable samples (data/): never an empty batch
                 raise DataError(f"step {self.step + 1}: the loader gave an empty batch")
-            if self.launcher.gone():  # an orphan must not go on training (and writing) the run
+            # an orphan must not go on training (and writing) the run; one told to stop saves first
+            # (a launcher that a stop signal ended: torchrun does not handle SIGUSR1)
+            if self.launcher.gone() and self.agreement.stop.signal is None:
                 raise TrainingError(f"step {self.step + 1}: the launcher that started this process is gone "
                                     "(killed or preempted): this rank stops; the last complete checkpoint "
                                     f"is kept{self._last_good()}")

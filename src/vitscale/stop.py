@@ -72,7 +72,7 @@ class StopRequest:
         self._old = {}
 
     # a SIGINT this long after the first request is a person's second Ctrl-C (stop now); sooner, it
-    # is the same Ctrl-C again (torchrun forwards the terminal's SIGINT to ranks that got it already)
+    # is the same Ctrl-C again (a launcher may forward the terminal's SIGINT to processes that got it)
     SECOND_SIGINT_S = 1.0
 
     def _handle(self, signum, frame) -> None:

@@ -107,7 +107,7 @@ def test_a_second_ctrl_c_during_a_checkpoint_write_keeps_the_previous_checkpoint
 
 
 def test_a_duplicate_sigint_from_a_launcher_is_not_a_second_ctrl_c(tmp_path, capsys, monkeypatch):
-    """torchrun forwards the terminal's Ctrl-C to its ranks, which got it already: a second SIGINT
+    """A launcher may forward the terminal's Ctrl-C to processes that got it already: a second SIGINT
     within SECOND_SIGINT_S is the same request."""
     out = tmp_path / "run"
     real = loop.Trainer.run_step
