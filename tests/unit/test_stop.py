@@ -41,7 +41,7 @@ def signal_at(monkeypatch, step: int, sig=signal.SIGTERM, where="run_step"):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def stop_uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("stop") / "whole"
     assert train(out) == 0
     return out
@@ -51,12 +51,15 @@ def newest_step(out) -> int:
     return ckpt.load_checkpoint(out)["step"]
 
 
-@pytest.mark.parametrize("sig, step", [(signal.SIGTERM, 7), (signal.SIGUSR1, 13), (signal.SIGINT, 2)])
+@pytest.mark.parametrize("sig, step, extra", [(signal.SIGTERM, 7, []), (signal.SIGUSR1, 13, []), (signal.SIGINT, 2, []),
+                                              (signal.SIGTERM, 10, ["train.capture=step"])])
 def test_a_signal_stops_at_the_step_with_its_checkpoint_and_the_resume_is_bit_equal(
-        tmp_path, capsys, monkeypatch, uninterrupted, sig, step):
+        tmp_path, capsys, monkeypatch, stop_uninterrupted, sig, step, extra):
+    """train.capture=step: the step as one unit (on a CPU its replay stand-in, bit-equal to the
+    uncaptured step: test_capture.py); the stop is read outside it."""
     out = tmp_path / "run"
     signal_at(monkeypatch, step, sig)
-    rc = train(out)
+    rc = train(out, *extra)
     err = capsys.readouterr().err
     name = signal.Signals(sig).name
     assert rc == 128 + int(sig) == exit_status(name)
@@ -70,9 +73,9 @@ def test_a_signal_stops_at_the_step_with_its_checkpoint_and_the_resume_is_bit_eq
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     monkeypatch.undo()
     assert train(out, resume=True) == 0
-    a, b = weights(uninterrupted), weights(out)
+    a, b = weights(stop_uninterrupted), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    whole = json.loads((uninterrupted / "summary.json").read_text())
+    whole = json.loads((stop_uninterrupted / "summary.json").read_text())
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["steps"] == whole["steps"] and resumed["test_accuracy"] == whole["test_accuracy"]
 
