@@ -110,6 +110,32 @@ def load_checkpoint(path: str | Path) -> dict:
         raise UserError(f"cannot read checkpoint {path}: {type(e).__name__}{': ' + text if text else ''}") from None
 
 
+def newest_readable(path: str | Path, doing: str, command: str) -> tuple[Path, dict]:
+    """A checkpoint file and its state (a damaged one refused in one line, with the `command` that
+    takes the one before it, where there is one), or a run folder's newest READABLE checkpoint: a
+    damaged newest one, e.g. from a disk that filled up, is passed over with one line naming both
+    (`doing`: "resuming from", "evaluating", "exporting")."""
+    path = Path(path)
+    if not path.is_dir():
+        try:
+            return resolve_checkpoint(path), load_checkpoint(path)
+        except UserError as e:
+            older = [p for p in list_checkpoints(path.parent.parent) if p != path]
+            raise UserError(f"{e}{f'; take the one before it: `{command} {older[-1]}`' if older else ''}") from None
+    resolve_checkpoint(path)  # one line where the folder holds none
+    bad = []
+    for candidate in reversed(list_checkpoints(path)):
+        try:
+            state = load_checkpoint(candidate)
+        except UserError as e:
+            bad.append(str(e).removeprefix("cannot read checkpoint "))
+            continue
+        if bad and os.environ.get("RANK", "0") == "0":
+            log.warning("cannot read %s; %s %s, the newest readable checkpoint", bad[0], doing, candidate.name)
+        return candidate, state
+    raise UserError(f"no readable checkpoint in {path}: {bad[0]}")
+
+
 class RunLock:
     """One writer per run folder: an exclusive flock on RUN/.lock, held while the run trains. The
     kernel releases it when the holder dies, however it dies (kill -9 included), so a live holder

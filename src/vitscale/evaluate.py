@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import export_safetensors, load_checkpoint, resolve_checkpoint
+from .checkpoint import export_safetensors, newest_readable
 from .config import Config, saved_config
 from .errors import ConfigError, TrainingError
 from .fastpaths import resolve as resolve_fast_paths
@@ -17,9 +17,10 @@ from .strategy.resume import engine_folder, read_dcp
 from .tasks import build_task, check_config, export_use, kind_of
 
 
-def _load(checkpoint, overrides=()) -> tuple[dict, Config, Path]:
-    path = resolve_checkpoint(checkpoint)
-    state = load_checkpoint(path)
+def _load(checkpoint, overrides=(), command: str = "eval") -> tuple[dict, Config, Path]:
+    """A checkpoint file, or a run folder's newest readable checkpoint (a damaged newer one named)."""
+    doing = {"eval": "evaluating", "export": "exporting"}[command]
+    path, state = newest_readable(checkpoint, doing, f"vitscale {command}")
     if "config" not in state or "strategy" not in state:
         raise ConfigError(f"{path} is not a vitscale training checkpoint")
     folder = engine_folder(path, state)
@@ -77,7 +78,7 @@ def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vi
     another library's layout that the checkpoint's task declares (`Task.exports`: timm's
     VisionTransformer with its hub-style config.json, OpenCLIP's CLIP), with the preprocessing
     the run evaluated with (`Task.run_preprocess`)."""
-    state, cfg, path = _load(checkpoint)
+    state, cfg, path = _load(checkpoint, command="export")
     weights = {k: v.float() for k, v in _weights(state, use_ema, path).items()}
     out = Path(out) if out else path.parent.parent / DEFAULT_OUT.get(fmt, f"model_{fmt}.safetensors")
     kind = kind_of(state)

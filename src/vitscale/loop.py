@@ -74,13 +74,15 @@ class FiniteWatch:
         return (step, float(self.first[1])) if step >= 0 else None
 
 
-def make_run_dir(cfg: Config, s, run_dir, resume) -> tuple[Path, RunLock | None]:
+def make_run_dir(cfg: Config, s, run_dir, resume) -> tuple[Path, RunLock | None, list[Path]]:
     """The main process names the run folder, checks it is free and takes its writer lock (one
-    live run per folder); every rank gets the folder."""
-    problem, lock = None, None
+    live run per folder); every rank gets the folder, the main process also what it made there
+    that was not there before (the folder itself last)."""
+    problem, lock, made = None, None, []
     if s.is_main:
         run_dir = Path(run_dir) if run_dir else \
             Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        made = [p for p in (run_dir / "config.toml", run_dir / ".lock", run_dir) if not p.exists()]
         if resume is None and list_checkpoints(run_dir):
             problem = (f"{run_dir} already holds a run's checkpoints: continue it with "
                        f"`vitscale train --resume {run_dir}` or choose another --out")
@@ -92,7 +94,18 @@ def make_run_dir(cfg: Config, s, run_dir, resume) -> tuple[Path, RunLock | None]
     run_dir, problem = s.broadcast_object((str(run_dir), problem))
     if problem:
         raise UserError(problem)
-    return Path(run_dir), lock
+    return Path(run_dir), lock, made
+
+
+def discard_unstarted(run_dir: Path, made: list[Path]) -> None:
+    """A new run refused before its first checkpoint (a missing data root, a model.init file): what
+    its start made (config.toml, the lock file, the folder) is removed, so that the folder is as
+    before the command; files that were there before are left alone."""
+    if list_checkpoints(run_dir):
+        return
+    for p in made:
+        with contextlib.suppress(OSError):  # a folder with something else in it stays
+            p.rmdir() if p == run_dir else p.unlink(missing_ok=True)
 
 
 class Progressed:
@@ -138,15 +151,28 @@ class Trainer:
         # the strategy builds its optimizer at the lr for this global batch; the saved config
         # keeps what the user wrote (lr, lr_scaling, lr_ref_batch)
         self.strategy = s = build_strategy(replace(cfg, optim=replace(cfg.optim, lr=self.lr)))
-        self.run_dir, self.lock = make_run_dir(cfg, s, run_dir, resume)
+        self.run_dir, self.lock, made = make_run_dir(cfg, s, run_dir, resume)
         self.launcher = LauncherWatch()
         try:
             self.build(cfg, s)
             if resume is not None:
                 resume_run(self, resume)
+                self.check_cap()
         except BaseException:  # a half-built run: its data workers stopped, its folder released
             self.close()
+            if resume is None and s.is_main:
+                discard_unstarted(self.run_dir, made)
             raise
+
+    def check_cap(self) -> None:
+        """A resumed run that run.max_steps stops where it already is, short of its epochs (a cap
+        saved with the run, and more epochs asked for now): refused in one line naming the cap,
+        rather than a run that trains nothing and reports the old result."""
+        cap, epochs = self.cfg.run.max_steps, math.ceil(self.cfg.train.epochs * self.steps_per_epoch)
+        if cap and self.step >= cap and epochs > cap:
+            raise UserError(f"resume: run.max_steps = {cap} caps this run at step {cap}, where it already is, "
+                            f"short of its {self.cfg.train.epochs:g} epochs ({epochs} steps): add --set "
+                            f"run.max_steps=0 to train them (or a larger cap)")
 
     def close(self) -> None:
         """After training, or when it stopped on an error (also half-built): the data's workers
@@ -409,7 +435,7 @@ class Trainer:
         """Train to the end (or the time limit), evaluating and checkpointing as configured;
         returns the summary (every rank), written to summary.json by the main process."""
         cfg, main = self.cfg, self.strategy.is_main
-        self.log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard) if main else NullLog()
+        self.log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard, resumed_at=self.step) if main else NullLog()
         self.bar = Progress(self.total_steps, cfg.run.progress if main else "off", start=self.step,
                             every=cfg.run.log_every)
         self.bar.message(self.fast.line())

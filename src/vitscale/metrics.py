@@ -5,6 +5,8 @@ number formats come from precision.py."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,20 +15,45 @@ import torch
 
 from .precision import DTYPES, compute_dtype_name, tf32_active
 
+log = logging.getLogger(__name__)
+
 
 class MetricsLog:
     """Appends one JSON object per line to run_dir/metrics.jsonl and mirrors scalars to TensorBoard."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resumed_at: int = 0):
+        """`resumed_at`: the step a resumed run continues from. The records of later steps, written
+        before the resume (the run had gone further than the checkpoint it resumes), are no longer
+        the run's: they move to metrics_superseded.jsonl, and TensorBoard purges them (purge_step)."""
         self.path = Path(run_dir) / "metrics.jsonl"
+        if resumed_at:
+            self.supersede_after(resumed_at)
         self.file = open(self.path, "a", buffering=1)
         self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+                self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resumed_at + 1 if resumed_at else None)
             except ImportError:  # tensorboard not installed: JSONL still has everything
                 self.tb = None
+
+    def supersede_after(self, step: int) -> int:
+        """Moves the records of steps after `step` to metrics_superseded.jsonl (each with
+        "superseded_at": the step resumed from); returns how many, announced in one line."""
+        if not self.path.is_file():
+            return 0
+        records = [(x, json.loads(x)) for x in self.path.read_text().splitlines(keepends=True) if x.strip()]
+        later = [r for _, r in records if r.get("step", 0) > step]
+        if later:
+            with open(self.path.with_name("metrics_superseded.jsonl"), "a") as f:
+                f.writelines(json.dumps({**r, "superseded_at": step}) + "\n" for r in later)
+            kept = [x for x, r in records if r.get("step", 0) <= step]
+            tmp = self.path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.path)
+            log.warning("metrics.jsonl: %d record(s) of steps after %d, written before this resume, moved to "
+                        "metrics_superseded.jsonl", len(later), step)
+        return len(later)
 
     def log(self, record: dict, prefix: str = "train") -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -44,6 +71,24 @@ class MetricsLog:
 
 class NullLog:
     """What ranks other than the main one log: nothing."""
+
+    def supersede_after(self, step: int) -> int:
+        """Moves the records of steps after `step` to metrics_superseded.jsonl (each with
+        "superseded_at": the step resumed from); returns how many, announced in one line."""
+        if not self.path.is_file():
+            return 0
+        records = [(x, json.loads(x)) for x in self.path.read_text().splitlines(keepends=True) if x.strip()]
+        later = [r for _, r in records if r.get("step", 0) > step]
+        if later:
+            with open(self.path.with_name("metrics_superseded.jsonl"), "a") as f:
+                f.writelines(json.dumps({**r, "superseded_at": step}) + "\n" for r in later)
+            kept = [x for x, r in records if r.get("step", 0) <= step]
+            tmp = self.path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.path)
+            log.warning("metrics.jsonl: %d record(s) of steps after %d, written before this resume, moved to "
+                        "metrics_superseded.jsonl", len(later), step)
+        return len(later)
 
     def log(self, record: dict, prefix: str = "train") -> None:
         pass

@@ -4,11 +4,10 @@ states) are checkpoint.py's; whether an engine can resume another's is strategy/
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from .checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint, rng_state, set_rng_state
+from .checkpoint import newest_readable, rng_state, set_rng_state
 from .config import Config, saved_config
 from .errors import ConfigError, UserError
 from .fastpaths import resolve as resolve_fast_paths
@@ -128,30 +127,9 @@ class Resume:
 
 
 def open_resume(resume) -> Resume:
-    """The checkpoint to resume: a file, or a run folder's newest READABLE checkpoint (a damaged
-    newest one, e.g. from a disk that filled up, is passed over with one line naming both)."""
-    path = Path(resume)
-    if not path.is_dir():
-        try:
-            return Resume(resolve_checkpoint(path), load_checkpoint(path))
-        except UserError as e:
-            older = [p for p in list_checkpoints(path.parent.parent) if p != path]
-            hint = f"; resume the one before it: `vitscale train --resume {older[-1]}`" if older else ""
-            raise UserError(f"{e}{hint}") from None
-    resolve_checkpoint(path)  # one line where the folder holds none
-    found = list_checkpoints(path)
-    bad = []
-    for candidate in reversed(found):
-        try:
-            state = load_checkpoint(candidate)
-        except UserError as e:
-            bad.append(str(e).removeprefix("cannot read checkpoint "))
-            continue
-        if bad and os.environ.get("RANK", "0") == "0":
-            log.warning("resume: cannot read %s; resuming from %s, the newest readable checkpoint",
-                        bad[0], candidate.name)
-        return Resume(candidate, state)
-    raise UserError(f"no readable checkpoint in {path}: {bad[0]}")
+    """The checkpoint to resume: a file, or a run folder's newest readable checkpoint
+    (checkpoint.newest_readable)."""
+    return Resume(*newest_readable(resume, "resuming from", "vitscale train --resume"))
 
 
 def resume_request(resume, overrides=(), out=None) -> tuple[Config, Path, Resume]:

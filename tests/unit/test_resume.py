@@ -206,7 +206,7 @@ def test_train_resume_reads_and_checks_the_checkpoint_once(tmp_path, capsys, mon
             counts[name] += 1
             return real(*a, **k)
         return f
-    monkeypatch.setattr(vitscale.run_state, "load_checkpoint", counting("load", vitscale.run_state.load_checkpoint))
+    monkeypatch.setattr(ckpt, "load_checkpoint", counting("load", ckpt.load_checkpoint))  # newest_readable's
     monkeypatch.setattr(vitscale.run_state, "check_resumable",
                         counting("resumable", vitscale.run_state.check_resumable))
     monkeypatch.setattr(vitscale.loop, "check_resumable", counting("resumable", vitscale.loop.check_resumable))

@@ -166,6 +166,8 @@ def weights_normalization(path: str, arch: str = "") -> str:
     from ..data.transforms import NORMALIZATIONS
     try:
         file = weights_file(path)
+        if not file.is_file():  # init_weights says so in one line, with no warning before it
+            return "imagenet"
         if _metadata(file).get("format", "").startswith("vitscale"):
             return "dataset"
         _, _, source, pcfg = timm_source(weights_config(file), arch)

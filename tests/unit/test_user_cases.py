@@ -1,0 +1,87 @@
+"""The cases a review found by trying vitscale as a user (issue 42, item 10): each does what it says
+or is refused in one line."""
+import json
+
+from helpers import TINY
+from vitscale import checkpoint as ckpt
+from vitscale.cli import main
+
+
+def run(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def sets(*items):
+    return [a for item in items for a in ("--set", item)]
+
+
+def test_a_resume_that_its_saved_cap_stops_short_of_new_epochs_names_the_cap(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run(capsys, "train", TINY, "--out", out, *sets("run.max_steps=4"))[0] == 0
+    rc, _, err = run(capsys, "train", "--resume", out, *sets("train.epochs=3"))
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("vitscale: error: resume: run.max_steps = 4 caps this run at step 4")
+    assert "--set run.max_steps=0" in last
+    assert ckpt.load_checkpoint(out)["step"] == 4  # nothing written
+    rc, _, err = run(capsys, "train", "--resume", out, *sets("train.epochs=3", "run.max_steps=0"))
+    assert rc == 0, err
+    assert json.loads((out / "summary.json").read_text())["steps"] == 12  # 3 epochs of 4
+
+
+def damaged_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run(capsys, "train", TINY, "--out", out, *sets("run.checkpoint_every=2", "run.keep_last=10"))[0] == 0
+    newest = ckpt.list_checkpoints(out)[-1]
+    newest.write_bytes(newest.read_bytes()[:1000])  # a disk that filled up
+    return out, newest
+
+
+def test_eval_and_export_of_a_run_pass_over_a_damaged_newest_checkpoint_with_one_line(tmp_path, capsys, caplog):
+    out, newest = damaged_run(tmp_path, capsys)
+    rc, text, err = run(capsys, "eval", out)
+    assert rc == 0 and "step_00000006.pt" in text, err
+    rc, text, err = run(capsys, "export", out, "--out", tmp_path / "m.safetensors")
+    assert rc == 0 and (tmp_path / "m.safetensors").is_file(), err
+    lines = [r.getMessage() for r in caplog.records if "cannot read" in r.getMessage()]
+    assert len(lines) == 2 and all(newest.name in x for x in lines)
+    assert "evaluating step_00000006.pt" in lines[0] and "exporting step_00000006.pt" in lines[1]
+
+
+def test_eval_of_a_damaged_checkpoint_file_names_the_one_before_it(tmp_path, capsys):
+    out, newest = damaged_run(tmp_path, capsys)
+    rc, _, err = run(capsys, "eval", newest)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert f"`vitscale eval {out / 'checkpoints' / 'step_00000006.pt'}`" in err
+
+
+def test_metrics_of_steps_a_resume_goes_back_over_are_moved_aside(tmp_path, capsys):
+    """A resume from step 4 of a run that had gone to step 8: the records of steps 5-8 written before
+    are not the run's any more. metrics.jsonl keeps one record per step and kind, in order."""
+    out = tmp_path / "run"
+    assert run(capsys, "train", TINY, "--out", out, *sets("run.checkpoint_every=2", "run.keep_last=10"))[0] == 0
+    before = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert run(capsys, "train", "--resume", out / "checkpoints" / "step_00000004.pt")[0] == 0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = [(r["kind"], r["step"]) for r in records]
+    assert keys == [(r["kind"], r["step"]) for r in before] and len(set(keys)) == len(keys)
+    moved = [json.loads(x) for x in (out / "metrics_superseded.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in moved] == [k for k in keys if k[1] > 4]
+    assert all(r["superseded_at"] == 4 for r in moved)
+
+
+def test_a_missing_model_init_file_is_one_line_with_no_warning_before_it(tmp_path, capsys):
+    rc, _, err = run(capsys, "train", "--out", tmp_path / "run", *sets("model.init=/nonexistent.safetensors"))
+    assert rc == 2 and err.strip().splitlines() == ["vitscale: error: weights file not found: /nonexistent.safetensors"]
+
+
+def test_a_run_refused_after_its_start_leaves_no_folder_behind(tmp_path, capsys):
+    rc, _, err = run(capsys, "train", "--out", tmp_path / "new", *sets("data.root=/nonexistent"))
+    assert rc == 2 and "Fashion-MNIST not found in /nonexistent" in err
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"  # a folder that was there: what was in it stays, nothing is added
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert run(capsys, "train", "--out", mine, *sets("data.root=/nonexistent"))[0] == 2
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
