@@ -133,7 +133,7 @@ def newest_readable(path: str | Path, doing: str, command: str) -> tuple[Path, d
         if bad and os.environ.get("RANK", "0") == "0":
             log.warning("cannot read %s; %s %s, the newest readable checkpoint", bad[0], doing, candidate.name)
         return candidate, state
-    raise UserError(f"no readable checkpoint in {path}: {bad[0]}")
+    raise UserError(f"no readable checkpoint in {path}: cannot read checkpoint {bad[0]}")
 
 
 class RunLock:
