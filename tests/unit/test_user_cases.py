@@ -2,6 +2,8 @@
 or is refused in one line."""
 import json
 
+import pytest
+
 from helpers import TINY
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
@@ -85,3 +87,25 @@ def test_a_run_refused_after_its_start_leaves_no_folder_behind(tmp_path, capsys)
     (mine / "notes.txt").write_text("mine")
     assert run(capsys, "train", "--out", mine, *sets("data.root=/nonexistent"))[0] == 2
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("sets_", [
+    ["strategy.name=fsdp", "train.ema_decay=0.999"],
+    ["strategy.name=fsdp", "train.ema_decay=0", "train.precision=pure_bf16"],
+    ["strategy.name=deepspeed", "train.ema_decay=0.999"],
+    ["strategy.name=deepspeed", "train.ema_decay=0", "strategy.zero_stage=2", "optim.name=lamb"],
+    ["train.precision=fp16"],  # this CPU's refusal, whatever the engine
+])
+def test_config_and_info_refuse_what_train_refuses_with_the_same_line(tmp_path, capsys, sets_):
+    """Issue 42, item 5: the engines' refusals are asked before anything starts, so `vitscale config`
+    and `vitscale info` give the line `vitscale train` gives."""
+    if "strategy.name=deepspeed" in sets_:
+        pytest.importorskip("deepspeed")
+    lines = []
+    for argv in (["config", TINY], ["info", TINY], ["train", TINY, "--out", tmp_path / "run"]):
+        rc, _, err = run(capsys, *argv, *sets(*sets_))
+        assert rc == 2 and len(err.strip().splitlines()) == 1, err
+        lines.append(err)
+    assert lines[0] == lines[1] == lines[2]
+    assert "does not support" in lines[0] or "refused on CPU" in lines[0]
+    assert not (tmp_path / "run").exists()

@@ -41,6 +41,26 @@ def check_launch(name: str, world_size: int) -> None:
                           "strategy.name=ddp, fsdp or deepspeed (or launch one process)")
 
 
+def check_engine(cfg: Config) -> Config:
+    """The refusals the engine and this machine's device make when a run starts, asked before any
+    process group or device is set up: `vitscale config` and `vitscale info` refuse what `vitscale
+    train` refuses, with the same line (the engines' constructors ask the same functions)."""
+    from .single import device_refusal
+    device = resolve_device(cfg.run.device)
+    refusal = device_refusal(cfg.train, device)
+    if refusal is None and cfg.strategy.name == "fsdp":
+        from .fsdp import fsdp_refusal
+        refusal = fsdp_refusal(cfg.train)
+    if refusal is None and cfg.strategy.name == "deepspeed":
+        from .deepspeed import build_ds_config, deepspeed_refusal
+        from .dist import env_world
+        ds = build_ds_config(cfg.train, cfg.optim, cfg.strategy, cfg.data.batch_size, env_world()[1], device.type)
+        refusal = deepspeed_refusal(cfg.train, cfg.optim, device.type, ds["zero_optimization"].get("stage", 0))
+    if refusal:
+        raise ConfigError(refusal)
+    return cfg
+
+
 def build_strategy(cfg: Config):
     device = resolve_device(cfg.run.device)
     if cfg.strategy.name == "single":
@@ -57,5 +77,5 @@ def build_strategy(cfg: Config):
     raise NotImplementedError(cfg.strategy.name)  # unreachable: validated by the config
 
 
-__all__ = ["Strategy", "build_strategy", "resolve_device", "SingleDevice", "IN_PROCESS", "needs_processes",
+__all__ = ["Strategy", "build_strategy", "check_engine", "resolve_device", "SingleDevice", "IN_PROCESS", "needs_processes",
            "default_for", "in_this_process", "check_launch"]

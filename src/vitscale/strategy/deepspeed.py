@@ -140,6 +140,24 @@ def disable_shm_comm_op() -> None:
     table["deepspeed_shm_comm"] = False
 
 
+def deepspeed_refusal(train: TrainConfig, optim: OptimConfig, device_type: str, stage: int) -> str | None:
+    """What DeepSpeed does not support of the config at ZeRO `stage`, in one line, or None
+    (strategy.check_engine: every command that checks a config asks it)."""
+    refused = [why for why, on in (
+        ("train.precision=fp16 on CPU (fp16 matmul has no fast path there; use bf16)",
+         train.precision == "fp16" and device_type != "cuda"),
+        (f"train.precision={train.precision} (DeepSpeed's bf16, train.precision=bf16, already keeps "
+         "bf16 weights with fp32 master weights in the optimizer)", train.precision.startswith("pure_")),
+        ("train.ema_decay > 0 (no EMA of ZeRO-sharded weights; use strategy.name=ddp or single)",
+         train.ema_decay > 0),
+        (f"train.fp8={train.fp8} (its partitioned weights are not float8-converted; use strategy.name=ddp "
+         "or single)", train.fp8 != "none"),
+        (f"optim.name=lamb with ZeRO stage {stage} (LAMB's per-tensor trust ratio would see flat "
+         "shards; use strategy.zero_stage=0)", optim.name == "lamb" and stage > 0),
+    ) if on]
+    return f"config: strategy.name=deepspeed does not support {refused[0]}" if refused else None
+
+
 class DeepSpeedStrategy(Distributed):
     name = "deepspeed"
     engine_suffix = ".ds"  # the loop calls save_engine(step_N.ds) before writing step_N.pt
@@ -150,20 +168,9 @@ class DeepSpeedStrategy(Distributed):
         self.ds_config = build_ds_config(train, optim, scfg, batch_size, world, device_type)
         self.stage = self.ds_config["zero_optimization"].get("stage", 0)
         self.forward_is_collective = self.stage == 3  # ZeRO-3's hooks gather parameters in forward
-        refused = [why for why, on in (
-            ("train.precision=fp16 on CPU (fp16 matmul has no fast path there; use bf16)",
-             train.precision == "fp16" and device_type != "cuda"),
-            (f"train.precision={train.precision} (DeepSpeed's bf16, train.precision=bf16, already keeps "
-             "bf16 weights with fp32 master weights in the optimizer)", train.precision.startswith("pure_")),
-            ("train.ema_decay > 0 (no EMA of ZeRO-sharded weights; use strategy.name=ddp or single)",
-             train.ema_decay > 0),
-            (f"train.fp8={train.fp8} (its partitioned weights are not float8-converted; use strategy.name=ddp "
-             "or single)", train.fp8 != "none"),
-            (f"optim.name=lamb with ZeRO stage {self.stage} (LAMB's per-tensor trust ratio would see flat "
-             "shards; use strategy.zero_stage=0)", optim.name == "lamb" and self.stage > 0),
-        ) if on]
-        if refused:
-            raise ConfigError(f"config: strategy.name=deepspeed does not support {refused[0]}")
+        refusal = deepspeed_refusal(train, optim, device_type, self.stage)
+        if refusal:
+            raise ConfigError(refusal)
         # launched (torchrun / deepspeed): join that group; else one process without a launcher
         # (one GPU with offload), whose group setup() makes for the engine
         super().__init__(train, optim, scfg, device_type, join=launched())

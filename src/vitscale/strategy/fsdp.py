@@ -55,19 +55,26 @@ def mp_policy(precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=half_dtype(precision), reduce_dtype=DTYPES[reduce_dtype])
 
 
+def fsdp_refusal(train) -> str | None:
+    """What FSDP2 does not support of the train section, in one line, or None (strategy.check_engine:
+    every command that checks a config asks it)."""
+    unsupported = [name for name, on in (("train.ema_decay", train.ema_decay > 0),
+                                         ("train.precision=fp16", train.precision == "fp16"),
+                                         (f"train.precision={train.precision}", train.precision.startswith("pure_")),
+                                         (f"train.fp8={train.fp8}", train.fp8 != "none"))
+                   if on]
+    return (f"config: strategy.name=fsdp does not support {', '.join(unsupported)} yet "
+            "(use strategy.name=ddp or single)") if unsupported else None
+
+
 class FSDPStrategy(Distributed):
     name = "fsdp"
     no_sync_defers_comm = gathers_in_forward = forward_is_collective = True
 
     def __init__(self, train, optim, scfg, device_type):
-        unsupported = [name for name, on in (("train.ema_decay", train.ema_decay > 0),
-                                             ("train.precision=fp16", train.precision == "fp16"),
-                                             (f"train.precision={train.precision}", train.precision.startswith("pure_")),
-                                             (f"train.fp8={train.fp8}", train.fp8 != "none"))
-                       if on]
-        if unsupported:
-            raise ConfigError(f"config: strategy.name=fsdp does not support {', '.join(unsupported)} yet "
-                              "(use strategy.name=ddp or single)")
+        refusal = fsdp_refusal(train)
+        if refusal:
+            raise ConfigError(refusal)
         # offloaded shards are CPU DTensors: the gradient norm's full_tensor() and the full state
         # dict are collectives on CPU tensors, which NCCL cannot run (group_backend adds gloo)
         self.cpu_collectives = scfg.cpu_offload

@@ -32,6 +32,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def device_refusal(train: TrainConfig, device: torch.device) -> str | None:
+    """What the device refuses of the train section (fp16 on a CPU, fp8 below its compute capability,
+    a CUDA attention kernel on a CPU), in one line, or None; every engine runs these checks."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return (fp16_refusal(device.type, train.precision) or fp8_refusal(train.fp8, device.type, capability)
+            or sdpa_refusal(device.type, train.sdpa_backend))
+
+
 class SingleDevice:  # implements base.Strategy
     """The strategy verbs the loop uses: setup, autocast, backward, step, state_dict."""
 
@@ -48,17 +56,10 @@ class SingleDevice:  # implements base.Strategy
         self.cfg, self.optim_cfg, self.device = train, optim, device
         self.precision = train.precision
         self.half = half_dtype(self.precision)
-        refusal = fp16_refusal(device.type, self.precision)
+        refusal = device_refusal(train, device)
         if refusal:
             raise ConfigError(refusal)
         warn_slow_bf16(device.type, self.precision)
-        refusal = fp8_refusal(train.fp8, device.type,
-                              torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
-        if refusal:
-            raise ConfigError(refusal)
-        refusal = sdpa_refusal(device.type, train.sdpa_backend)
-        if refusal:
-            raise ConfigError(refusal)
         self.pure = self.precision.startswith("pure_")
         self.scaler = torch.amp.GradScaler(device.type, init_scale=train.loss_scale,
                                            enabled=self.half is torch.float16)
