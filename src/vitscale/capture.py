@@ -40,9 +40,10 @@ class CudaGraph:
         self.graph.replay()
 
 
-def graph_for(device: torch.device):
-    """The graph a device captures into; None where steps run eagerly (a CPU)."""
-    return CudaGraph() if device.type == "cuda" else None
+def graph_for(strategy):
+    """The graph the strategy's step is captured into (`strategy.captured`: the one place that
+    decides), or None where the whole step runs eagerly (a CPU)."""
+    return CudaGraph() if strategy.captured else None
 
 
 class WholeStep:
@@ -52,7 +53,7 @@ class WholeStep:
     WARMUP = 3  # eager steps before the capture (optimizer state, EMA and compile warm up)
 
     def __init__(self, tr, graph=None, eager: bool = False):
-        """`graph`: what the step is captured into (default: the device's, `graph_for`); `eager`:
+        """`graph`: what the step is captured into (default: the strategy's, `graph_for`); `eager`:
         never captured, the same function run eagerly every step on any device (the GPU test's
         reference: the captured step must replay exactly this)."""
         self.tr, s = tr, tr.strategy
@@ -72,7 +73,7 @@ class WholeStep:
         self.lr = torch.zeros(len(rows), dtype=dtype, device=device)
         self.lrs = list(self.lr.unbind(0))                                   # 0-dim views, one per group
         self.step_t = torch.tensor(tr.step, dtype=torch.int64, device=device)
-        self.graph = None if eager else graph if graph is not None else graph_for(device)
+        self.graph = None if eager else graph if graph is not None else graph_for(s)
         self.eager = 0           # steps run eagerly so far (the warm-up)
         self.static = None       # the captured step's input buffers
         self.out = None          # and its outputs

@@ -215,7 +215,7 @@ class Trainer:
         # train.capture=step: the whole step as one unit (built at the first step: after a resume
         # has loaded the state it captures), its batches prepared many at a time
         self.whole: WholeStep | None = None
-        self.ahead = ahead_batches(cfg, self.data.train.batch_size, self.data) if cfg.train.capture == "step" else 1
+        self.ahead = ahead_batches(cfg, self.data.train.batch_size, self.data) if s.whole_step else 1
         self.last_ckpt: Path | None = None
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -304,7 +304,7 @@ class Trainer:
         """One optimizer step as training runs it (and the lab times it): `train_step`, or with
         train.capture=step the whole step as one unit (capture.WholeStep: a graph replay on a
         GPU); the non-finite watch sees its loss either way. Nothing here reads the device."""
-        if self.cfg.train.capture == "step":
+        if self.strategy.whole_step:
             self.whole = self.whole or WholeStep(self)
             return self.whole.step(batch)  # the watch is updated inside
         loss, info = self.train_step(batch)

@@ -80,6 +80,10 @@ class Strategy(Protocol):
     # every rank must take part in every forward (FSDP2, ZeRO-3 gather parameters there): a rank
     # whose evaluation shard is shorter runs padding forwards (never on an empty batch)
     forward_is_collective: bool
+    # how the step runs, decided here only: as one unit (train.capture=step: capture.WholeStep),
+    # and that unit as one CUDA graph (on a GPU; on a CPU the same function eagerly)
+    whole_step: bool
+    captured: bool
 
     def state_bytes(self) -> dict:
         """Bytes this rank holds: {'params', 'master_params', 'optimizer_state'} (local shards)."""

@@ -68,7 +68,10 @@ class SingleDevice:  # implements base.Strategy
         # TF32 and cuDNN autotuning (process-wide; nothing on a CPU)
         apply_backend_flags(backend_flags(device.type, train.tf32, train.cudnn_benchmark))
         self.cudagraphs = train.compile and train.compile_mode in CUDAGRAPH_MODES
-        self.captured = train.capture == "step" and device.type == "cuda"  # the step as one CUDA graph
+        # the one place that decides how the step runs: as one unit (train.capture=step; on a CPU the
+        # same function eagerly), and as one CUDA graph (that unit on a GPU)
+        self.whole_step = train.capture == "step"
+        self.captured = self.whole_step and device.type == "cuda"
 
     # -- set-up ---------------------------------------------------------------------------------
     def place(self, model: nn.Module) -> None:
@@ -301,7 +304,7 @@ class SingleDevice:  # implements base.Strategy
             if optim_keyed_by_name(osd):  # written by FSDP2: keyed by parameter name
                 osd = optim_state_by_index(osd, self.param_names())
             self.optimizer.load_state_dict(osd)
-            if self.cfg.capture == "step":  # a run saved uncaptured: the step counts to the device
+            if self.whole_step:  # a run saved uncaptured: the step counts to the device
                 for st in self.optimizer.state.values():
                     if torch.is_tensor(st.get("step")):
                         st["step"] = st["step"].to(self.device)
