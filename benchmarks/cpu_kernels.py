@@ -88,7 +88,7 @@ def main() -> None:
         f, b = attention_split(kind, args.repeats)
         print(f"| {kind} | {1e3 * f:.2f} | {1e3 * b:.2f} |")
     peak = matmul_gflops(2048, 2048, 2048, max(3, args.repeats // 6))
-    print(f"\n| bf16 matmul [M, K] x [K, N] | GFLOP/s | of the 2048^3 matmul |\n|---|---:|---:|")
+    print("\n| bf16 matmul [M, K] x [K, N] | GFLOP/s | of the 2048^3 matmul |\n|---|---:|---:|")
     print(f"| 2048 x 2048 x 2048 (square) | {peak:.0f} | 1.00 |")
     for name, (m, k, n) in {"qkv / fc1: 4096 x 192 x 576": (4096, 192, 576),
                             "proj: 4096 x 192 x 192": (4096, 192, 192),

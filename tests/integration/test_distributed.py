@@ -1,19 +1,14 @@
 """DDP and FSDP2 on CPU: 2 gloo ranks launched by torchrun give the single-process result."""
 import shutil
 import json
-import os
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 
-from helpers import TINY, BASE, sets, torchrun, weights, comm_per_step, rel_diff
+from helpers import TINY, torchrun, weights, comm_per_step, rel_diff
 
 
 def free_port() -> int:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from vitscale.cli import main
 
 from helpers import BASE, TINY, free_port, rel_diff, sets, weights
 

@@ -19,7 +19,7 @@ import vitscale.capture
 from helpers import trainer_state
 from vitscale.config import load_config
 from vitscale.errors import ConfigError
-from vitscale.loop import Trainer, train
+from vitscale.loop import Trainer
 from vitscale.tasks import check_config
 
 TINY = "configs/tests/tiny.toml"

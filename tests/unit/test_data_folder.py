@@ -12,7 +12,7 @@ from vitscale.data.jpeg import to_rgb
 from vitscale.data.loaders.worker_datasets import collate
 from vitscale.errors import DataError
 
-from helpers import BLUE, RED, _noise, make_tree
+from helpers import BLUE, RED, make_tree
 
 
 def cfg(root, **kw):

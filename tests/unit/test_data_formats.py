@@ -1,7 +1,5 @@
 """Fashion-MNIST idx files and CIFAR pickles: parsing, validation, error messages."""
 import gzip
-import pickle
-import struct
 from pathlib import Path
 
 import numpy as np

@@ -198,7 +198,6 @@ def test_training_steps_between_log_steps_read_nothing_from_the_device(tmp_path,
         orig_fit = __import__("vitscale.loop", fromlist=["Trainer"]).Trainer.fit
 
         def fit_counting(self):  # only the training loop: not set-up, evaluation or the summary
-            before = n["reads"]
             real_train_epoch = self.train_epoch
 
             def epoch():

@@ -210,7 +210,6 @@ def test_export_a_run_in_timms_layout(tmp_path, capsys, head):
     run's image size, channels and mean/std as its preprocessing config; model.init and from_timm read
     the folder back into the same function, with nothing assumed. A pooled head without fc_norm is
     timm's global_pool='avg', fc_norm=False."""
-    import json
 
     from vitscale.cli import main
     from vitscale.evaluate import _load, _weights
@@ -597,7 +596,6 @@ def test_a_pickle_with_code_is_refused_in_one_plain_line(tmp_path):
 def test_model_init_of_a_timm_checkpoint_takes_its_architecture(tmp_path, caplog):
     """model.init=model_best.pth.tar: the architecture from its `arch` entry (vit_tiny_patch16_224:
     3 heads, announced), so no "timm's defaults" assumption line; the EMA choice by model.init_weights."""
-    import json as _json
     from vitscale.cli import main
     from vitscale.models.vit import VisionTransformer, ViTSpec
     torch.manual_seed(0)

@@ -313,7 +313,7 @@ def test_a_dead_workers_trial_records_why(tmp_path):
                                  space=str(tmp_path / "space.toml"))
     space = load_space(args.space)
     study = open_study(optuna, args, trial_config(args), space, out)
-    stale, unborn, silent = study.ask(), study.ask(), study.ask()
+    stale, _unborn, silent = study.ask(), study.ask(), study.ask()  # _unborn: asked, never started
     stale.set_user_attr("worker", "host:123")
     study._storage.record_heartbeat(stale._trial_id)
     with sqlite3.connect(out / "search.db") as db:  # its worker stopped a minute ago

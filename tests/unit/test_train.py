@@ -1,6 +1,5 @@
 """End-to-end: the CLI on a tiny synthetic recipe; resume equivalence; NaN stop; bad input."""
 import json
-import shutil
 
 import pytest
 import torch

@@ -200,7 +200,7 @@ def beside(ref, cfg, synthetic: bool, steps: list, rounds: int, warmups: list, n
         return None, {"error": why}, False
     (ref_steps, b_steps), pair = steps, [b] if ref is None else [ref, b]
     times = side_by_side(pair, steps[-len(pair):], rounds, warmups[-len(pair):],
-                         label=lambda k: names[1] if pair[k] is b else names[0])
+                         label=lambda k: names[1] if pair[k] is b else names[0])  # noqa: F821 (del later)
     t_ref, t_b = (None, *times) if ref is None else times
     ref_r = None if t_ref is None else result_of(ref, t_ref, ref_steps, [1.0] * len(t_ref))
     if t_b is None:

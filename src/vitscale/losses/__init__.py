@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from ..errors import ConfigError

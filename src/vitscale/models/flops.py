@@ -10,7 +10,7 @@ from .vit import ViTSpec
 
 def vit_forward_macs(spec: ViTSpec) -> int:
     """Multiply-accumulates of one image's forward pass."""
-    D, N, T = spec.dim, spec.num_patches, spec.num_tokens
+    D, T = spec.dim, spec.num_tokens
     hidden = int(D * spec.mlp_ratio)
     patch = stem_macs(spec)
     attn = T * D * 3 * D + 2 * T * T * D + T * D * D                 # qkv, q@k^T and attn@v, proj
