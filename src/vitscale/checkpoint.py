@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .errors import UserError
+from .launch import is_main_process
 
 log = logging.getLogger(__name__)
 CKPT_RE = re.compile(r"^step_(\d+)\.pt$")
@@ -130,7 +131,7 @@ def newest_readable(path: str | Path, doing: str, command: str) -> tuple[Path, d
         except UserError as e:
             bad.append(str(e).removeprefix("cannot read checkpoint "))
             continue
-        if bad and os.environ.get("RANK", "0") == "0":
+        if bad and is_main_process():
             log.warning("cannot read %s; %s %s, the newest readable checkpoint", bad[0], doing, candidate.name)
         return candidate, state
     raise UserError(f"no readable checkpoint in {path}: cannot read checkpoint {bad[0]}")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .config import add_overrides, add_recipe_arguments
 from .errors import UserError
+from .launch import is_main_process, this_process
 from .lab import commands as lab_commands
 
 EPILOG = """examples:
@@ -112,7 +113,7 @@ def cmd_train(args) -> int:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not resume and args.out and restarts and list_checkpoints(args.out):
         resume = args.out  # torchrun --max-restarts brought us back: continue from the last checkpoint
-        if os.environ.get("RANK", "0") == "0":
+        if is_main_process():
             print(f"vitscale: restart {restarts}: resuming {args.out} from its last complete checkpoint",
                   file=sys.stderr)
     elif resume and args.config:
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                "data": cmd_data}.get(args.command)
     if handler is None:  # a performance-lab command (lab/commands.py): its module, imported now
         handler = importlib.import_module(f".lab.{args.command}", __package__).run
-    where = f"[rank {os.environ['RANK']}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    launch = this_process()
+    where = f"[rank {launch.rank}] " if launch.world_size > 1 else ""
     try:
         rc = handler(args)
     except UserError as e:

@@ -398,3 +398,25 @@ def test_the_matmul_peak_measurement_shrinks_its_matrices_on_a_slow_path():
     tried.clear()
     assert fitted_size(1024, 1 / 8, at(1e-3)) == 128 and tried[-1] == 128           # never below 128
     assert measure_matmul_peak(torch.device("cpu"), "fp32", n=256, seconds=0.01) > 0
+
+
+def test_who_this_process_is_is_read_in_one_place(monkeypatch):
+    """Issue 42, item 8: every module asks vitscale.launch (torchrun's variables, or srun's alone),
+    none reads RANK / WORLD_SIZE / LOCAL_RANK itself: under `srun vitscale train` (no torchrun) rank 1
+    is rank 1 for the CLI's one-line errors and for the checkpoint messages too."""
+    import re
+    from pathlib import Path
+
+    import vitscale
+    from vitscale.launch import is_main_process, this_process
+    src = Path(vitscale.__file__).parent
+    raw = re.compile(r"environ(\.get)?[\[(]\s*[\"'](RANK|WORLD_SIZE|LOCAL_RANK)[\"']")
+    readers = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if raw.search(p.read_text()))
+    assert readers == [], readers
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[07-08]")
+    assert (this_process().rank, this_process().world_size, this_process().launcher) == (1, 2, "slurm")
+    assert not is_main_process()

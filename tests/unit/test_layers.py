@@ -140,7 +140,9 @@ def test_the_layer_check_fails_on_an_upward_import():
 LAB = SRC / "lab"
 # under the commands (bench, ladder, tune, ...), top first: a room imports only rooms of lower rows
 LAB_ROOMS = [["rounds"], ["timing"], ["recipes", "machine"]]
-LIGHT = ("vitscale.config", "vitscale.errors")  # what the CLI's parser may import besides the standard library
+# what the CLI's parser may import besides the standard library (launch: who this process is, plain
+# environment parsing; its own imports are checked light below)
+LIGHT = ("vitscale.config", "vitscale.errors", "vitscale.launch")
 
 
 def _light(module: str) -> bool:
@@ -151,7 +153,7 @@ def _light(module: str) -> bool:
 def test_the_lab_commands_module_is_light():
     """lab/commands.py (each command's help and arguments) is all the CLI imports of the lab to build
     its parser: no torch, no other lab module, so `vitscale --help` and `vitscale config` stay fast."""
-    for path in (LAB / "commands.py", LAB / "__init__.py"):
+    for path in (LAB / "commands.py", LAB / "__init__.py", SRC / "launch.py"):
         bad = sorted(m for m in _imports(path) if not _light(m))
         assert not bad, f"{path.relative_to(SRC)} imports {bad}: it must stay light (argparse, config, errors)"
     bad = sorted(m for m in _imports(SRC / "cli.py", top=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..launch import is_main_process, this_process
 from ..loop import Trainer
 from ..optim import build_optimizer
 from ..strategy import IN_PROCESS, needs_processes
@@ -334,15 +335,15 @@ def run(args) -> int:
     if bad:
         raise UserError(f"--skip: unknown rung {', '.join(bad)} (rungs: {', '.join(LADDER_RUNGS)})")
     cfg = lab_config(args.config, args.overrides)
-    main = os.environ.get("RANK", "0") == "0"
+    main = is_main_process()
     out = Path(args.out)
     command = " ".join(["vitscale ladder", *([args.config] if args.config else []),
                         *(f"--set {shlex.quote(o)}" for o in args.overrides),
                         f"--steps {args.steps} --trials {args.trials} --warmup {args.warmup} "
                         f"--train-steps {args.train_steps}", *(["--synthetic"] if args.synthetic else []),
                         *([f"--skip {args.skip}"] if args.skip else []), f"--out {shlex.quote(args.out)}"])
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        command = f"torchrun --nproc-per-node {os.environ['WORLD_SIZE']} -m {command}"
+    if this_process().world_size != 1:
+        command = f"torchrun --nproc-per-node {this_process().world_size} -m {command}"
     if main:
         out.mkdir(parents=True, exist_ok=True)
     r = ladder(cfg, args.steps, args.trials, args.warmup, args.train_steps, args.synthetic, skip,

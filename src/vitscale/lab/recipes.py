@@ -5,11 +5,11 @@ count checks and progress lines (`log`)."""
 from __future__ import annotations
 
 import copy
-import os
 import sys
 
 from ..config import check, load_config, set_value
 from ..errors import UserError
+from ..launch import is_main_process, this_process
 from ..fastpaths import resolve as resolve_fast_paths
 from ..strategy import default_for, needs_processes
 from ..tasks import build_task, check_config
@@ -17,7 +17,7 @@ from ..tasks import build_task, check_config
 
 def log(msg: str) -> None:
     """Progress for humans: stderr, main process only."""
-    if os.environ.get("RANK", "0") == "0":
+    if is_main_process():
         print(msg, file=sys.stderr, flush=True)
 
 
@@ -27,7 +27,7 @@ def lab_config(path, overrides):
     cfg = load_config(path, overrides)
     set_value(cfg, "run.progress", "off")
     set_value(cfg, "run.tensorboard", False)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = this_process().world_size
     if world_size > 1 and not needs_processes(cfg.strategy.name):
         log(f"launched with several processes and strategy.name={cfg.strategy.name}: using "
             f"strategy.name={default_for(world_size)}")

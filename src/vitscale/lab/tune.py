@@ -3,7 +3,6 @@ timed side by side (rounds.measure_configs), then the recipe and the winner comp
 the tuned recipe written. What it searches and its arguments: commands.py."""
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..errors import UserError
+from ..launch import is_main_process
 from ..metrics import mfu, peak_flops
 from ..strategy.dist import broadcast_object, env_world
 from ..tasks import build_task
@@ -229,7 +229,7 @@ def final_comparison(cfg, args, measure: Measurer, chosen: dict, space: dict, ca
     peak, src = peak_flops(device, "bf16")
     peak = broadcast_object(peak)
     tuned_mfu = mfu(tuned["flops_per_image"], tuned_ips, peak, tuned["world_size"])
-    if os.environ.get("RANK", "0") != "0":
+    if not is_main_process():
         return 0
     machine = machine_line(device)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
