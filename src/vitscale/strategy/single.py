@@ -51,6 +51,9 @@ class SingleDevice:  # implements base.Strategy
     gathers_in_forward = False
     # every rank must run every forward (parameters gathered there: FSDP2, ZeRO-3)
     forward_is_collective = False
+    # the step as one unit (train.capture=step), and that unit as one CUDA graph: set from the
+    # config and the device in __init__, the one place that decides
+    whole_step = captured = False
 
     def __init__(self, train: TrainConfig, optim: OptimConfig, device: torch.device):
         self.cfg, self.optim_cfg, self.device = train, optim, device
