@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ from .errors import DataError, TrainingError, UserError
 from .fastpaths import resolve as resolve_fast_paths
 from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops, synchronizer
 from .models import count_params
-from .optim import build_scheduler, scaled_lr
+from .optim import build_scheduler
 from .strategy import build_strategy, check_launch
 from .precision import tf32_active
 from .strategy.devices import LauncherWatch, launch_env
@@ -147,10 +147,10 @@ class Trainer:
             resume = open_resume(resume)
         if resume is not None and resume.changes is None:  # before anything is written
             resume.changes = check_resumable(resume, cfg)
-        self.lr = scaled_lr(cfg.optim, cfg.data.batch_size)
-        # the strategy builds its optimizer at the lr for this global batch; the saved config
-        # keeps what the user wrote (lr, lr_scaling, lr_ref_batch)
-        self.strategy = s = build_strategy(replace(cfg, optim=replace(cfg.optim, lr=self.lr)))
+        # the strategy builds its optimizer at the lr for this global batch (optim.scaled_lr); the
+        # config keeps what the user wrote (lr, lr_scaling, lr_ref_batch) and is never rewritten
+        self.strategy = s = build_strategy(cfg)
+        self.lr = s.lr
         self.run_dir, self.lock, made = make_run_dir(cfg, s, run_dir, resume)
         self.launcher = LauncherWatch()
         try:

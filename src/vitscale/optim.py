@@ -87,23 +87,25 @@ def with_lr(groups: list[dict], lr: float) -> list[dict]:
     return [{**g, "lr": lr * g["lr_scale"]} if "lr_scale" in g else g for g in groups]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, params=None, capturable: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, params=None, capturable: bool = False,
+                    lr: float | None = None) -> torch.optim.Optimizer:
     """`params` (param groups) defaults to `param_groups(model)`; the strategy may pass master copies.
     `capturable`: AdamW keeps its step count on the device and takes its lr as a device tensor, so
-    that a CUDA graph of the whole step replays it (train.capture=step on a GPU)."""
-    groups = with_lr(params if params is not None else param_groups(model, cfg.weight_decay, cfg.layer_decay),
-                     cfg.lr)
+    that a CUDA graph of the whole step replays it (train.capture=step on a GPU). `lr`: the base lr
+    (default optim.lr; a run passes it scaled to its global batch, `scaled_lr`)."""
+    lr = cfg.lr if lr is None else lr
+    groups = with_lr(params if params is not None else param_groups(model, cfg.weight_decay, cfg.layer_decay), lr)
     impl = {"forloop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True),
             "auto": {}}[cfg.impl]
     if cfg.name == "adamw":
         extra = {"capturable": True} if capturable else {}
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl, **extra)
+        return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl, **extra)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl)
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl)
     if cfg.name == "lamb":
         if cfg.impl not in ("auto", "forloop"):
             raise ConfigError(f"config: optim.impl={cfg.impl} is not available for LAMB (use auto or forloop)")
-        return Lamb(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        return Lamb(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     raise ConfigError(f"config: unknown optimizer {cfg.name}")  # unreachable: validated
 
 

@@ -12,7 +12,7 @@ from vitscale.strategy.single import SingleDevice
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "vitscale"
 # attributes every strategy sets in __init__ / setup rather than on the class
-INSTANCE = {"device", "model", "module", "optimizer", "rank", "world_size", "is_main"}
+INSTANCE = {"device", "model", "module", "optimizer", "rank", "world_size", "is_main", "lr"}
 MEMBERS = sorted({n for n in [*vars(Strategy), *Strategy.__annotations__] if not n.startswith("_")})
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from ..config import Config
 from ..errors import ConfigError
+from ..optim import scaled_lr
 from .base import Strategy
 from .single import SingleDevice, resolve_device
 
@@ -62,18 +63,21 @@ def check_engine(cfg: Config) -> Config:
 
 
 def build_strategy(cfg: Config):
+    """The config's engine, its optimizer's base lr scaled to the global batch (optim.scaled_lr: the
+    strategy's `lr`, which the optimizer's groups own once built; the config keeps what was written)."""
     device = resolve_device(cfg.run.device)
+    lr = scaled_lr(cfg.optim, cfg.data.batch_size)
     if cfg.strategy.name == "single":
-        return SingleDevice(cfg.train, cfg.optim, device)
+        return SingleDevice(cfg.train, cfg.optim, device, lr=lr)
     if cfg.strategy.name == "ddp":
         from .ddp import DDPStrategy
-        return DDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type)
+        return DDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type, lr=lr)
     if cfg.strategy.name == "fsdp":
         from .fsdp import FSDPStrategy
-        return FSDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type)
+        return FSDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type, lr=lr)
     if cfg.strategy.name == "deepspeed":
         from .deepspeed import DeepSpeedStrategy
-        return DeepSpeedStrategy(cfg.train, cfg.optim, cfg.strategy, device.type, cfg.data.batch_size)
+        return DeepSpeedStrategy(cfg.train, cfg.optim, cfg.strategy, device.type, cfg.data.batch_size, lr=lr)
     raise NotImplementedError(cfg.strategy.name)  # unreachable: validated by the config
 
 

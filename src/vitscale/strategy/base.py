@@ -84,6 +84,9 @@ class Strategy(Protocol):
     # and that unit as one CUDA graph (on a GPU; on a CPU the same function eagerly)
     whole_step: bool
     captured: bool
+    # the optimizer's base lr (optim.lr scaled to the global batch: build_strategy); its param groups
+    # own the lr once built, the schedule moves it there
+    lr: float
 
     def state_bytes(self) -> dict:
         """Bytes this rank holds: {'params', 'master_params', 'optimizer_state'} (local shards)."""

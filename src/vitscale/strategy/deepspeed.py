@@ -163,7 +163,7 @@ class DeepSpeedStrategy(Distributed):
     engine_suffix = ".ds"  # the loop calls save_engine(step_N.ds) before writing step_N.pt
 
     def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str,
-                 batch_size: int):
+                 batch_size: int, lr: float | None = None):
         _, world, _ = env_world()
         self.ds_config = build_ds_config(train, optim, scfg, batch_size, world, device_type)
         self.stage = self.ds_config["zero_optimization"].get("stage", 0)
@@ -173,7 +173,7 @@ class DeepSpeedStrategy(Distributed):
             raise ConfigError(refusal)
         # launched (torchrun / deepspeed): join that group; else one process without a launcher
         # (one GPU with offload), whose group setup() makes for the engine
-        super().__init__(train, optim, scfg, device_type, join=launched())
+        super().__init__(train, optim, scfg, device_type, join=launched(), lr=lr)
         self.half = None  # precision lives in the ds_config, not in autocast
         self.input_dtype: torch.dtype | None = None  # set by setup(): what the engine's weights hold
         self.engine = None
@@ -219,9 +219,9 @@ class DeepSpeedStrategy(Distributed):
             # the optimizer steps on the CPU: DeepSpeed's vectorized CPU Adam (compiled once, ~1 min)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             o = self.optim_cfg
-            optimizer = DeepSpeedCPUAdam(with_lr(groups, o.lr), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
+            optimizer = DeepSpeedCPUAdam(with_lr(groups, self.lr), lr=self.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
         else:
-            optimizer = build_optimizer(model, self.optim_cfg, params=groups)
+            optimizer = build_optimizer(model, self.optim_cfg, params=groups, lr=self.lr)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,
                                                     dist_init_required=False)
         if self.engine.bfloat16_enabled():

@@ -125,7 +125,7 @@ class Distributed(SingleDevice):
     cpu_collectives = False
 
     def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str,
-                 join: bool = True):
+                 join: bool = True, lr: float | None = None):
         """`join`: join the group the launcher describes; False: one process, no launcher (the
         engine may make a one-process group of its own)."""
         if join:
@@ -137,7 +137,7 @@ class Distributed(SingleDevice):
         self.is_main = self.rank == 0
         self.scfg = scfg
         device = local_device(device_type, local)
-        super().__init__(train, optim, device)
+        super().__init__(train, optim, device, lr=lr)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(t)

@@ -71,14 +71,14 @@ class FSDPStrategy(Distributed):
     name = "fsdp"
     no_sync_defers_comm = gathers_in_forward = forward_is_collective = True
 
-    def __init__(self, train, optim, scfg, device_type):
+    def __init__(self, train, optim, scfg, device_type, lr: float | None = None):
         refusal = fsdp_refusal(train)
         if refusal:
             raise ConfigError(refusal)
         # offloaded shards are CPU DTensors: the gradient norm's full_tensor() and the full state
         # dict are collectives on CPU tensors, which NCCL cannot run (group_backend adds gloo)
         self.cpu_collectives = scfg.cpu_offload
-        super().__init__(train, optim, scfg, device_type)
+        super().__init__(train, optim, scfg, device_type, lr=lr)
         self.half = None  # precision lives in the MixedPrecisionPolicy, not in autocast
         # sharded checkpoints: the loop calls save_engine(step_N.dcp) before writing step_N.pt
         self.engine_suffix = ".dcp" if scfg.checkpoint_format == "sharded" else None
@@ -96,7 +96,8 @@ class FSDPStrategy(Distributed):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         self.module = self.model = model
-        self.optimizer = build_optimizer(model, self.optim_cfg, params=param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay))
+        self.optimizer = build_optimizer(model, self.optim_cfg, lr=self.lr,
+                                         params=param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay))
 
     def no_sync(self):
         @contextlib.contextmanager

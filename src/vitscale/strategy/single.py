@@ -55,8 +55,11 @@ class SingleDevice:  # implements base.Strategy
     # config and the device in __init__, the one place that decides
     whole_step = captured = False
 
-    def __init__(self, train: TrainConfig, optim: OptimConfig, device: torch.device):
+    def __init__(self, train: TrainConfig, optim: OptimConfig, device: torch.device, lr: float | None = None):
+        """`lr`: the optimizer's base lr (default optim.lr; build_strategy gives the run's, scaled to
+        its global batch): the optimizer's groups own it from then on."""
         self.cfg, self.optim_cfg, self.device = train, optim, device
+        self.lr = optim.lr if lr is None else lr
         self.precision = train.precision
         self.half = half_dtype(self.precision)
         refusal = device_refusal(train, device)
@@ -97,7 +100,7 @@ class SingleDevice:  # implements base.Strategy
             self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
             it = iter(self.master)
             groups = [{**g, "params": [next(it) for _ in g["params"]]} for g in groups]
-        self.optimizer = build_optimizer(model, self.optim_cfg, params=groups, capturable=self.captured)
+        self.optimizer = build_optimizer(model, self.optim_cfg, params=groups, capturable=self.captured, lr=self.lr)
         if self.cfg.ema_decay > 0:
             from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
             # its count on the training device (torch's default is the CPU: a copy per step)
