@@ -62,7 +62,9 @@ class StopRequest:
         if self._install and threading.current_thread() is threading.main_thread():
             for name in SIGNALS:
                 sig = getattr(signal, name, None)
-                if sig is not None:
+                # a signal this process was started ignoring stays ignored (a background job's
+                # SIGINT: Ctrl-C in the terminal is not meant for it, as Python itself decides)
+                if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
                     self._old[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -40,6 +40,20 @@ def signal_at(monkeypatch, step: int, sig=signal.SIGTERM, where="run_step"):
     monkeypatch.setattr(loop.Trainer, where, hooked)
 
 
+@pytest.fixture(autouse=True)
+def python_signal_handlers():
+    """The handlers an interactive Python starts with, whatever this test process inherited (a CI
+    job started in the background ignores SIGINT, and a stop request leaves an ignored signal
+    ignored: tested below)."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    yield
+    for s, h in before.items():
+        signal.signal(s, h)
+
+
 @pytest.fixture(scope="module")
 def stop_uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("stop") / "whole"
@@ -161,6 +175,16 @@ def test_stop_request_handlers_flag_once_and_are_restored():
     assert signal.getsignal(signal.SIGUSR1) is before
     with StopRequest(signals=False) as stop:  # the lab's trainers: signals keep their handlers
         assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_a_signal_the_process_was_started_ignoring_stays_ignored():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a job started in the background
+    with StopRequest(announce=lambda text: None) as stop:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signal is None
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def test_stop_request_outside_the_main_thread_installs_nothing():
