@@ -286,12 +286,20 @@ def alive(pid: int) -> bool:
         return False
 
 
+def default_signals() -> None:
+    """In a child before it runs: the stop signals as a terminal's command gets them (not ignored),
+    whatever this test process inherited (a CI job in the background ignores SIGINT)."""
+    import signal
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, signal.SIG_DFL)
+
+
 def launch(out, extra, nproc):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "vitscale", "train", TINY, "--out", str(out), *sets(BASE + extra)]
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_signals)
 
 
 def wait_for_checkpoint(out, procs, limit=90):

@@ -23,7 +23,7 @@ import torch
 
 import vitscale
 
-from helpers import BASE, ENGINES, KILL_RUN, TINY, launch, sets, torchrun, wait_for_checkpoint, weights
+from helpers import BASE, ENGINES, KILL_RUN, TINY, default_signals, launch, sets, torchrun, wait_for_checkpoint, weights
 from vitscale import checkpoint as ckpt
 
 CASES = [("single", "SIGUSR1", "process"), ("ddp", "SIGTERM", "launcher"), ("fsdp", "SIGINT", "launcher"),
@@ -33,7 +33,7 @@ CASES = [("single", "SIGUSR1", "process"), ("ddp", "SIGTERM", "launcher"), ("fsd
 def plain(out, extra):
     return subprocess.Popen([sys.executable, "-m", "vitscale", "train", TINY, "--out", str(out), *sets(BASE + extra)],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_signals)
 
 
 @pytest.mark.parametrize("engine,sig,to", CASES)
