@@ -400,8 +400,9 @@ class Trainer:
         if not cfg.run.checkpoint_every:
             self.save()
 
-    # SIGTERM, SIGUSR1 and SIGINT stop the run at a step with a checkpoint (stop.py); the lab's
-    # trainers (search trials, the ladder) leave them to their command (Ctrl-C ends the command)
+    # SIGTERM, SIGUSR1, SIGINT and SLURM_JOB_END_TIME stop the run at a step with a checkpoint
+    # (stop.py); the lab's trainers (search trials, the ladder) leave them to their command (Ctrl-C
+    # ends the command)
     stop_on_signals = True
 
     def saved_now(self) -> bool:
@@ -411,7 +412,7 @@ class Trainer:
         """Epochs until the end or a stop request; the reason ("done", "time limit", a signal's name,
         "job end"). A request that arrives during an evaluation or a checkpoint is handled at the
         epoch's end, before another step."""
-        deadline = slurm_deadline()
+        deadline = slurm_deadline() if self.stop_on_signals else None  # the lab's trainers: their command's
         if deadline is not None and self.strategy.is_main:  # said whatever run.progress is
             print(f"SLURM_JOB_END_TIME is set: the run stops with a checkpoint {SLURM_MARGIN_S:.0f} s "
                              f"before the job's end, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(deadline))}",
