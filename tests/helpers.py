@@ -110,6 +110,13 @@ def poison_loss(monkeypatch, call: int, factor: float) -> None:
     monkeypatch.setattr(ClassificationTask, "loss", poisoned)
 
 
+def run(capsys, *argv):
+    """`vitscale ARGV` in this process: (exit status, stdout, stderr); paths may be Path objects."""
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
 def sets(items):
     return [a for item in items for a in ("--set", item)]
 
@@ -284,6 +291,15 @@ def alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def engine_case(uninterrupted, engine: str) -> tuple[int, list, Path]:
+    """A kill -9 or stop-signal test's engine: (processes, its overrides, the uninterrupted run to
+    compare with); skipped where DeepSpeed is not installed."""
+    if engine == "zero2":
+        pytest.importorskip("deepspeed")
+    nproc = 1 if engine == "single" else 2
+    return nproc, ENGINES[engine] + KILL_RUN, uninterrupted(engine, nproc)
 
 
 def default_signals() -> None:

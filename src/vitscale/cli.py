@@ -105,9 +105,9 @@ def _add_lab_commands(sub) -> None:
 def cmd_train(args) -> int:
     from .checkpoint import list_checkpoints
     from .config import load_config
-    from .loop import PREEMPTED, train
+    from .loop import train
     from .run_state import resume_request
-    from .stop import exit_status
+    from .stop import PREEMPTED, exit_status
     from .tasks import describe_result
     resume = args.resume
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

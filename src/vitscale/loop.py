@@ -23,9 +23,10 @@ from .models import count_params
 from .optim import build_scheduler
 from .strategy import build_strategy, check_launch
 from .precision import tf32_active
-from .strategy.devices import LauncherWatch, launch_env
+from .launch import launch_env
+from .strategy.devices import LauncherWatch
 from .run_state import Resume, RunProgress, check_resumable, open_resume, resume_run, run_state
-from .stop import SLURM_MARGIN_S, Agreement, StopRequest, slurm_deadline
+from .stop import PREEMPTED, SLURM_MARGIN_S, Agreement, StopRequest, slurm_deadline
 from .tasks import build_task, check_config
 
 
@@ -415,7 +416,7 @@ class Trainer:
         deadline = slurm_deadline() if self.stop_on_signals else None  # the lab's trainers: their command's
         if deadline is not None and self.strategy.is_main:  # said whatever run.progress is
             print(f"SLURM_JOB_END_TIME is set: the run stops with a checkpoint {SLURM_MARGIN_S:.0f} s "
-                             f"before the job's end, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(deadline))}",
+                  f"before the job's end, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(deadline))}",
                   file=sys.stderr, flush=True)
         self.agreement = Agreement(self.strategy, stop, self.cfg.train.time_limit_s, deadline)
         stop_reason = "done"
@@ -465,10 +466,6 @@ class Trainer:
         """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
         state; gradients, while they exist, take as many bytes as the parameters."""
         return {**self.strategy.state_bytes(), "loss_state": self.task.state_bytes()}
-
-
-# stop reasons after which the run saves and exits at once, without its final evaluation
-PREEMPTED = ("SIGTERM", "SIGUSR1", "SIGINT", "job end")
 
 
 # train.capture=step prepares this many bytes of float32 images at a time (the whole epoch of a

@@ -72,24 +72,6 @@ class MetricsLog:
 class NullLog:
     """What ranks other than the main one log: nothing."""
 
-    def supersede_after(self, step: int) -> int:
-        """Moves the records of steps after `step` to metrics_superseded.jsonl (each with
-        "superseded_at": the step resumed from); returns how many, announced in one line."""
-        if not self.path.is_file():
-            return 0
-        records = [(x, json.loads(x)) for x in self.path.read_text().splitlines(keepends=True) if x.strip()]
-        later = [r for _, r in records if r.get("step", 0) > step]
-        if later:
-            with open(self.path.with_name("metrics_superseded.jsonl"), "a") as f:
-                f.writelines(json.dumps({**r, "superseded_at": step}) + "\n" for r in later)
-            kept = [x for x, r in records if r.get("step", 0) <= step]
-            tmp = self.path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, self.path)
-            log.warning("metrics.jsonl: %d record(s) of steps after %d, written before this resume, moved to "
-                        "metrics_superseded.jsonl", len(later), step)
-        return len(later)
-
     def log(self, record: dict, prefix: str = "train") -> None:
         pass
 

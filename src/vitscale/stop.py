@@ -25,7 +25,8 @@ import torch
 
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 SLURM_MARGIN_S = 120.0  # stop this long before SLURM_JOB_END_TIME: the checkpoint write, the exit
-REASONS = ("time limit", *SIGNALS, "job end")  # the order of Agreement's flags
+PREEMPTED = (*SIGNALS, "job end")  # the reasons after which the run saves and exits at once, unevaluated
+REASONS = ("time limit", *PREEMPTED)  # the order of Agreement's flags
 
 
 def exit_status(reason: str) -> int:

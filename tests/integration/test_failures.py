@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from helpers import (BASE, ENGINES, KILL_RUN, TINY, alive, free_port, launch, rel_diff, sets, torchrun,
+from helpers import (BASE, TINY, alive, engine_case, free_port, launch, rel_diff, sets, torchrun,
                      wait_for_checkpoint, weights)
 from vitscale import checkpoint as ckpt
 
@@ -110,11 +110,7 @@ def test_kill_9_then_resume_is_bit_equal(tmp_path, uninterrupted, engine, kill):
     """kill -9 of the launcher alone (its ranks notice they are orphans and stop by themselves,
     so that the resumed launch is the folder's only writer) or of every rank and the launcher;
     the resumed run ends with the uninterrupted run's weights, bit for bit."""
-    if engine == "zero2":
-        pytest.importorskip("deepspeed")
-    nproc = 1 if engine == "single" else 2
-    extra = ENGINES[engine] + KILL_RUN
-    reference = uninterrupted(engine, nproc)
+    nproc, extra, reference = engine_case(uninterrupted, engine)
     out = tmp_path / "killed"
     agent = launch(out, extra, nproc)
     try:

@@ -39,7 +39,7 @@ def test_sbatch_script_two_nodes_match_single_process(tmp_path, single):
 
 def test_srun_without_torchrun_two_tasks_match_single_process(tmp_path, single):
     """`srun --ntasks 2 python -m vitscale train ...` with no torchrun: each task reads its rank,
-    the world size and the rendezvous host from SLURM's variables (strategy/devices.launch_env)."""
+    the world size and the rendezvous host from SLURM's variables (vitscale/launch.launch_env)."""
     out = tmp_path / "run"
     port = str(free_port())
     procs = []

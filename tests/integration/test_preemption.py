@@ -23,7 +23,7 @@ import torch
 
 import vitscale
 
-from helpers import BASE, ENGINES, KILL_RUN, TINY, default_signals, launch, sets, torchrun, wait_for_checkpoint, weights
+from helpers import BASE, TINY, default_signals, engine_case, launch, sets, torchrun, wait_for_checkpoint, weights
 from vitscale import checkpoint as ckpt
 
 CASES = [("single", "SIGUSR1", "process"), ("ddp", "SIGTERM", "launcher"), ("fsdp", "SIGINT", "launcher"),
@@ -39,11 +39,7 @@ def plain(out, extra):
 @pytest.mark.parametrize("engine,sig,to", CASES)
 def test_a_stop_signal_saves_the_step_every_rank_stopped_at_and_the_resume_is_bit_equal(
         tmp_path, uninterrupted, engine, sig, to):
-    if engine == "zero2":
-        pytest.importorskip("deepspeed")
-    nproc = 1 if engine == "single" else 2
-    extra = ENGINES[engine] + KILL_RUN
-    reference = uninterrupted(engine, nproc)
+    nproc, extra, reference = engine_case(uninterrupted, engine)
     out = tmp_path / "stopped"
     proc = plain(out, extra) if to == "process" else launch(out, extra, nproc)
     try:

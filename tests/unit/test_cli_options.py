@@ -21,7 +21,7 @@ from vitscale.data.offline import fetch as dl
 from vitscale.evaluate import evaluate_checkpoint
 from vitscale.optim import lr_factor
 
-from helpers import folder_args, make_tree, write_cifar
+from helpers import run, folder_args, make_tree, write_cifar
 
 TINY = "configs/tests/tiny.toml"
 LR = 3e-3                 # tiny.toml's optim.lr
@@ -44,12 +44,6 @@ def _no_peak_measurement(monkeypatch):
 
 def sets(*items):
     return [a for e in items for a in ("--set", e)]
-
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def train(capsys, out, *overrides, config=TINY):

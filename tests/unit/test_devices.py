@@ -13,8 +13,8 @@ from vitscale.models import vit
 from vitscale.strategy import SingleDevice, devices
 from vitscale.strategy.deepspeed import build_ds_config
 from vitscale.data.loaders.device import pin_batches, to_device
-from vitscale.strategy.devices import (Launch, backend_flags, backend_for, device_for, first_host, launch_env,
-                                       process_group_kwargs)
+from vitscale.launch import Launch, first_host, launch_env
+from vitscale.strategy.devices import backend_flags, backend_for, device_for, process_group_kwargs
 
 TINY = "configs/tests/tiny.toml"
 

@@ -10,18 +10,13 @@ import pytest
 import torch
 
 from vitscale import checkpoint as ckpt
-from vitscale.cli import main
 from vitscale.config import Config
 from vitscale.run_state import CHANGEABLE_ON_RESUME, fixed_reason
 from vitscale.strategy.single import SingleDevice
 
+from helpers import run
+
 TINY = "configs/tests/tiny.toml"
-
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def sets(*items):

@@ -6,17 +6,10 @@ import torch
 from safetensors.torch import load_file
 
 from vitscale import checkpoint as ckpt
-from vitscale.cli import main
 
-from helpers import interrupted_copy, poison_loss
+from helpers import run, interrupted_copy, poison_loss
 
 TINY = "configs/tests/tiny.toml"
-
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def final_weights(run_dir):

@@ -4,37 +4,27 @@ import json
 
 import pytest
 
-from helpers import TINY
+from helpers import TINY, run
+from helpers import sets as set_list
 from vitscale import checkpoint as ckpt
-from vitscale.cli import main
-
-
-def run(capsys, *argv):
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def sets(*items):
-    return [a for item in items for a in ("--set", item)]
 
 
 def test_a_resume_that_its_saved_cap_stops_short_of_new_epochs_names_the_cap(tmp_path, capsys):
     out = tmp_path / "run"
-    assert run(capsys, "train", TINY, "--out", out, *sets("run.max_steps=4"))[0] == 0
-    rc, _, err = run(capsys, "train", "--resume", out, *sets("train.epochs=3"))
+    assert run(capsys, "train", TINY, "--out", out, *set_list(["run.max_steps=4"]))[0] == 0
+    rc, _, err = run(capsys, "train", "--resume", out, *set_list(["train.epochs=3"]))
     last = err.strip().splitlines()[-1]
     assert rc == 2 and last.startswith("vitscale: error: resume: run.max_steps = 4 caps this run at step 4")
     assert "--set run.max_steps=0" in last
     assert ckpt.load_checkpoint(out)["step"] == 4  # nothing written
-    rc, _, err = run(capsys, "train", "--resume", out, *sets("train.epochs=3", "run.max_steps=0"))
+    rc, _, err = run(capsys, "train", "--resume", out, *set_list(["train.epochs=3", "run.max_steps=0"]))
     assert rc == 0, err
     assert json.loads((out / "summary.json").read_text())["steps"] == 12  # 3 epochs of 4
 
 
 def damaged_run(tmp_path, capsys):
     out = tmp_path / "run"
-    assert run(capsys, "train", TINY, "--out", out, *sets("run.checkpoint_every=2", "run.keep_last=10"))[0] == 0
+    assert run(capsys, "train", TINY, "--out", out, *set_list(["run.checkpoint_every=2", "run.keep_last=10"]))[0] == 0
     newest = ckpt.list_checkpoints(out)[-1]
     newest.write_bytes(newest.read_bytes()[:1000])  # a disk that filled up
     return out, newest
@@ -62,7 +52,7 @@ def test_metrics_of_steps_a_resume_goes_back_over_are_moved_aside(tmp_path, caps
     """A resume from step 4 of a run that had gone to step 8: the records of steps 5-8 written before
     are not the run's any more. metrics.jsonl keeps one record per step and kind, in order."""
     out = tmp_path / "run"
-    assert run(capsys, "train", TINY, "--out", out, *sets("run.checkpoint_every=2", "run.keep_last=10"))[0] == 0
+    assert run(capsys, "train", TINY, "--out", out, *set_list(["run.checkpoint_every=2", "run.keep_last=10"]))[0] == 0
     before = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert run(capsys, "train", "--resume", out / "checkpoints" / "step_00000004.pt")[0] == 0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -74,18 +64,18 @@ def test_metrics_of_steps_a_resume_goes_back_over_are_moved_aside(tmp_path, caps
 
 
 def test_a_missing_model_init_file_is_one_line_with_no_warning_before_it(tmp_path, capsys):
-    rc, _, err = run(capsys, "train", "--out", tmp_path / "run", *sets("model.init=/nonexistent.safetensors"))
+    rc, _, err = run(capsys, "train", "--out", tmp_path / "run", *set_list(["model.init=/nonexistent.safetensors"]))
     assert rc == 2 and err.strip().splitlines() == ["vitscale: error: weights file not found: /nonexistent.safetensors"]
 
 
 def test_a_run_refused_after_its_start_leaves_no_folder_behind(tmp_path, capsys):
-    rc, _, err = run(capsys, "train", "--out", tmp_path / "new", *sets("data.root=/nonexistent"))
+    rc, _, err = run(capsys, "train", "--out", tmp_path / "new", *set_list(["data.root=/nonexistent"]))
     assert rc == 2 and "Fashion-MNIST not found in /nonexistent" in err
     assert not (tmp_path / "new").exists()
     mine = tmp_path / "mine"  # a folder that was there: what was in it stays, nothing is added
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    assert run(capsys, "train", "--out", mine, *sets("data.root=/nonexistent"))[0] == 2
+    assert run(capsys, "train", "--out", mine, *set_list(["data.root=/nonexistent"]))[0] == 2
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
 
 
@@ -103,7 +93,7 @@ def test_config_and_info_refuse_what_train_refuses_with_the_same_line(tmp_path, 
         pytest.importorskip("deepspeed")
     lines = []
     for argv in (["config", TINY], ["info", TINY], ["train", TINY, "--out", tmp_path / "run"]):
-        rc, _, err = run(capsys, *argv, *sets(*sets_))
+        rc, _, err = run(capsys, *argv, *set_list(sets_))
         assert rc == 2 and len(err.strip().splitlines()) == 1, err
         lines.append(err)
     assert lines[0] == lines[1] == lines[2]

@@ -53,10 +53,8 @@ def check_engine(cfg: Config) -> Config:
         from .fsdp import fsdp_refusal
         refusal = fsdp_refusal(cfg.train)
     if refusal is None and cfg.strategy.name == "deepspeed":
-        from .deepspeed import build_ds_config, deepspeed_refusal
-        from .dist import env_world
-        ds = build_ds_config(cfg.train, cfg.optim, cfg.strategy, cfg.data.batch_size, env_world()[1], device.type)
-        refusal = deepspeed_refusal(cfg.train, cfg.optim, device.type, ds["zero_optimization"].get("stage", 0))
+        from .deepspeed import checked_ds_config
+        checked_ds_config(cfg.train, cfg.optim, cfg.strategy, cfg.data.batch_size, device.type)
     if refusal:
         raise ConfigError(refusal)
     return cfg

@@ -158,19 +158,26 @@ def deepspeed_refusal(train: TrainConfig, optim: OptimConfig, device_type: str, 
     return f"config: strategy.name=deepspeed does not support {refused[0]}" if refused else None
 
 
+def checked_ds_config(train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, batch_size: int,
+                      device_type: str) -> dict:
+    """The run's DeepSpeed config for this launch's processes, or a one-line ConfigError: its own
+    conflicts (build_ds_config), then what DeepSpeed does not support at its ZeRO stage."""
+    ds = build_ds_config(train, optim, scfg, batch_size, env_world()[1], device_type)
+    refusal = deepspeed_refusal(train, optim, device_type, ds["zero_optimization"].get("stage", 0))
+    if refusal:
+        raise ConfigError(refusal)
+    return ds
+
+
 class DeepSpeedStrategy(Distributed):
     name = "deepspeed"
     engine_suffix = ".ds"  # the loop calls save_engine(step_N.ds) before writing step_N.pt
 
     def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str,
                  batch_size: int, lr: float | None = None):
-        _, world, _ = env_world()
-        self.ds_config = build_ds_config(train, optim, scfg, batch_size, world, device_type)
+        self.ds_config = checked_ds_config(train, optim, scfg, batch_size, device_type)
         self.stage = self.ds_config["zero_optimization"].get("stage", 0)
         self.forward_is_collective = self.stage == 3  # ZeRO-3's hooks gather parameters in forward
-        refusal = deepspeed_refusal(train, optim, device_type, self.stage)
-        if refusal:
-            raise ConfigError(refusal)
         # launched (torchrun / deepspeed): join that group; else one process without a launcher
         # (one GPU with offload), whose group setup() makes for the engine
         super().__init__(train, optim, scfg, device_type, join=launched(), lr=lr)

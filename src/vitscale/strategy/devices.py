@@ -2,9 +2,8 @@
 mapping, a device type, a backend name, a precision), so that tests drive the CUDA, NCCL and
 multi-node branches on a CPU machine; the strategies only apply what these return.
 
-- `launch_env`: rank, world size and local rank from torchrun, the deepspeed launcher, or SLURM's
-  `srun` without torchrun (SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_LOCALID, the rendezvous host from the
-  step's node list).
+- who this process is (rank, world size, local rank from torchrun, the deepspeed launcher, or SLURM's
+  `srun` without torchrun) is `vitscale.launch.launch_env`, torch-free, below every layer that asks.
 - `process_group_kwargs`: backend (NCCL on GPUs, gloo on CPUs) and, for NCCL, the device bound
   at init (`device_id`: eager NCCL communicator, no "guessing device" warnings, no rank on GPU 0).
 - `backend_flags` / `apply_backend_flags`: TF32 and cuDNN autotuning (CUDA only; the CPU's flags are
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..launch import Launch, first_host, launch_env  # noqa: F401 (re-exported: the engines' launch facts)
+from ..launch import Launch, launch_env
 
 # torch.compile modes that capture CUDA graphs (replayed as one launch: for launch-bound small models)
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")

@@ -15,13 +15,14 @@ from ..checkpoint import commit_folder
 from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError
 from .comm import COUNTER, install
-from .devices import device_for, launch_env, process_group_kwargs
+from ..launch import launch_env
+from .devices import device_for, process_group_kwargs
 from .single import SingleDevice
 
 
 def env_world() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) as torchrun, the deepspeed launcher or srun set them
-    (devices.launch_env); (0, 1, 0) alone."""
+    (launch.launch_env); (0, 1, 0) alone."""
     launch = launch_env(os.environ)
     return launch.rank, launch.world_size, launch.local_rank
 
@@ -52,7 +53,7 @@ def group_backend(backend: str, cpu_collectives: bool) -> str:
 
 def init_process_group(device_type: str, backend: str = "auto", timeout_s: float = 600.0,
                        cpu_collectives: bool = False) -> None:
-    """Join the group the launcher describes (devices.launch_env): NCCL on GPUs (bound to this
+    """Join the group the launcher describes (launch.launch_env): NCCL on GPUs (bound to this
     process's GPU at init), gloo on CPUs by default; both (group_backend) where `cpu_collectives`.
     Under srun without torchrun, the env:// variables are filled in from SLURM's (for the engines
     that read them, e.g. ZeRO-3's LOCAL_RANK)."""
