@@ -20,8 +20,9 @@ import statistics
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 LOSSES = ["openclip", "sogclr", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3"]
 CONFIG = "configs/clip_openclipart.toml"

@@ -17,9 +17,9 @@ import torch
 
 from vitscale.lab.recipes import lab_config
 from vitscale.lab.rounds import measure_configs
-from vitscale.tasks import build_task
-from vitscale.optim import build_optimizer
 from vitscale.lab.tune import beats_first
+from vitscale.optim import build_optimizer
+from vitscale.tasks import build_task
 
 
 def optimizer_steps(cfg, reps: int = 20, rounds: int = 3) -> dict:

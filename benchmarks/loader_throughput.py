@@ -312,7 +312,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - a loader not there yet: say so, measure the rest
             print(f"{name}: NOT MEASURED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n")
             rates.pop(name)
-    for name, data in bundles.items():                     # warm-up: imports, shard streams, page cache
+    for data in bundles.values():                          # warm-up: imports, shard streams, page cache
         for _, _ in zip(range(3), data.train.iterate(args.rounds)):
             pass
     for r in range(args.rounds):

@@ -12,9 +12,9 @@ import argparse
 
 import torch
 
-from vitscale.metrics import peak_flops
 from vitscale.lab.recipes import lab_config, with_overrides
 from vitscale.lab.rounds import measure_configs
+from vitscale.metrics import peak_flops
 
 SHAPES = {  # name: overrides on the default recipe (batch 256, conv stem, pooled head)
     "default: 16 tokens, 6 x 192": {},

@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 
 def write_csv(out: Path) -> int:
-    from vitscale.data.sources.openclipart import ROOT as OCA, caption_for, scan
+    from vitscale.data.sources.openclipart import ROOT as OCA
+    from vitscale.data.sources.openclipart import caption_for, scan
     rels = scan(OCA)
     with open(out, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)

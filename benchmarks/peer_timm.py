@@ -48,9 +48,9 @@ def build(case, precision):
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
     from vitscale.config import load_config
-    from vitscale.tasks import model_info
     from vitscale.lab.timing import Bench
     from vitscale.models.vit import VisionTransformer, ViTSpec
+    from vitscale.tasks import model_info
     path, sets, chans, classes = case
     sets = sets + [f"train.precision={precision}", "data.name=synthetic", f"data.channels={chans}",
                    f"data.num_classes={classes}", "run.progress=off", "run.tensorboard=false",

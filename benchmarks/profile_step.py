@@ -17,9 +17,9 @@ import torch
 import torch._inductor.config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
-from vitscale.metrics import peak_flops
 from vitscale.lab.recipes import lab_config
 from vitscale.lab.timing import Bench
+from vitscale.metrics import peak_flops
 
 GROUPS = [  # (part of the step, test on the event name), first match wins
     ("linear layers (mm, addmm)", lambda n: n in ("aten::mm", "aten::addmm", "aten::linear")),

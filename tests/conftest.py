@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import BASE, ENGINES, KILL_RUN, TINY, sets, torchrun, write_shards
 from tiers import is_slow
+
 from vitscale.cli import main
 
 

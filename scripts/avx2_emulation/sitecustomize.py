@@ -4,7 +4,10 @@
 # AVX2 CPU); this file makes vitscale read /proc/cpuinfo's flags as without bf16
 # (strategy.devices.cpu_has_bf16 answers False for /proc/cpuinfo; other files are read as they are).
 # For timing only: torch.compile's generated code computes NaN under the capped ISA.
-import importlib.abc, importlib.machinery, sys
+import importlib.abc
+import importlib.machinery
+import sys
+
 
 class _Patch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):

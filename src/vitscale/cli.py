@@ -12,8 +12,8 @@ from pathlib import Path
 
 from .config import add_overrides, add_recipe_arguments
 from .errors import UserError
-from .launch import is_main_process, this_process
 from .lab import commands as lab_commands
+from .launch import is_main_process, this_process
 
 EPILOG = """examples:
   vitscale train                                   # default recipe: ViT on Fashion-MNIST

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .config import Config, capture_refusal, check
-from .strategy import needs_processes, resolve_device
 from .launch import launch_env
+from .strategy import needs_processes, resolve_device
 from .strategy.devices import auto_precision, cpu_has_bf16, device_for
 from .tasks import build_task, task_capture_refusal
 

@@ -18,15 +18,15 @@ from .checkpoint import RunLock, list_checkpoints, save_checkpoint
 from .config import Config, micro_batch
 from .errors import DataError, TrainingError, UserError
 from .fastpaths import resolve as resolve_fast_paths
+from .launch import launch_env
 from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops, synchronizer
 from .models import count_params
 from .optim import build_scheduler
-from .strategy import build_strategy, check_launch
 from .precision import tf32_active
-from .launch import launch_env
-from .strategy.devices import LauncherWatch
 from .run_state import Resume, RunProgress, check_resumable, open_resume, resume_run, run_state
 from .stop import PREEMPTED, SLURM_MARGIN_S, Agreement, StopRequest, slurm_deadline
+from .strategy import build_strategy, check_launch
+from .strategy.devices import LauncherWatch
 from .tasks import build_task, check_config
 
 

@@ -4,13 +4,12 @@ import shutil
 
 import pytest
 import torch
+from helpers import BASE, TINY, check_eval_and_export, rel_diff, sets, torchrun
 
 from vitscale import checkpoint as ckpt
-from vitscale.strategy.resume import check_resume, read_dcp
 from vitscale.cli import main
 from vitscale.errors import UserError
-
-from helpers import BASE, TINY, check_eval_and_export, rel_diff, sets, torchrun
+from vitscale.strategy.resume import check_resume, read_dcp
 
 # 3 epochs of 4 steps, a checkpoint every 3 steps: interrupted after step 6, resumed to step 12
 RUN = ["run.checkpoint_every=3", "run.keep_last=100", "train.epochs=3"]

@@ -5,10 +5,9 @@ import json
 
 import pytest
 import torch
+from helpers import CLIP, last_state, rel_diff, sets, torchrun, weights
 
 from vitscale.cli import main
-
-from helpers import CLIP, last_state, rel_diff, sets, torchrun, weights
 from vitscale.losses.fastclip_temperature import TAU_MIN
 
 # The per-sample state log u (lu1, lu2) is the log of a moving average of means of exp(z), and the
@@ -104,8 +103,8 @@ def test_two_ranks_get_full_batches_despite_a_corrupt_image(tmp_path, source):
     (gloo refuses unequal ones, as it did before the fix: "Received data size doesn't match
     expected size"), rank 0 counts full global batches, the run finishes, and the bad sample is
     skipped and counted once per epoch by the rank whose share holds it."""
-    from vitscale.data.sampler import EpochPlan
     from vitscale.data.loaders.stream_plan import StreamPlan
+    from vitscale.data.sampler import EpochPlan
     from vitscale.data.sources.shard_sets import ShardSet
     n, batch, epochs = 40, 8, 2
     if source == "csv":

@@ -3,10 +3,9 @@ import importlib.util
 
 import pytest
 import torch
+from helpers import torchrun
 
 from vitscale import checkpoint as ckpt
-
-from helpers import torchrun
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("open_clip") is None,
                                 reason="the BPE vocabulary ships in open-clip-torch")

@@ -12,11 +12,19 @@ import sys
 
 import pytest
 import torch
+from helpers import (
+    BASE,
+    TINY,
+    check_eval_and_export,
+    comm_per_step,
+    free_port,
+    rel_diff,
+    sets,
+    weights,
+)
 
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
-
-from helpers import BASE, TINY, check_eval_and_export, comm_per_step, free_port, rel_diff, sets, weights
 
 
 def _deepspeed_importable() -> tuple[bool, str]:

@@ -1,14 +1,13 @@
 """DDP and FSDP2 on CPU: 2 gloo ranks launched by torchrun give the single-process result."""
-import shutil
 import json
+import shutil
 import socket
 
 import pytest
+from helpers import TINY, comm_per_step, rel_diff, torchrun, weights
 
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
-
-from helpers import TINY, torchrun, weights, comm_per_step, rel_diff
 
 
 def free_port() -> int:

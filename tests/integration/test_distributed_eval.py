@@ -5,10 +5,9 @@ updates from its own batches (2 gloo ranks)."""
 import json
 
 import pytest
+from helpers import interrupted_copy, torchrun
 
 from vitscale.cli import main
-
-from helpers import interrupted_copy, torchrun
 
 BN = ["model.stem=conv", "data.train_size=96", "run.log_every=1"]
 

@@ -9,9 +9,20 @@ import time
 
 import pytest
 import torch
+from helpers import (
+    BASE,
+    TINY,
+    alive,
+    engine_case,
+    free_port,
+    launch,
+    rel_diff,
+    sets,
+    torchrun,
+    wait_for_checkpoint,
+    weights,
+)
 
-from helpers import (BASE, TINY, alive, engine_case, free_port, launch, rel_diff, sets, torchrun,
-                     wait_for_checkpoint, weights)
 from vitscale import checkpoint as ckpt
 
 LONG = ["run.threads=1", "strategy.name=ddp", "train.epochs=2000", "run.progress=plain",

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import zipfile
-
 from pathlib import Path
 
 import pytest

@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-
 from helpers import BASE, TINY, free_port, rel_diff, sets, weights
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"  # the launcher script pip installs next to python

@@ -15,15 +15,23 @@ import re
 import signal
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    BASE,
+    TINY,
+    default_signals,
+    engine_case,
+    launch,
+    sets,
+    torchrun,
+    wait_for_checkpoint,
+    weights,
+)
 
 import vitscale
-
-from helpers import BASE, TINY, default_signals, engine_case, launch, sets, torchrun, wait_for_checkpoint, weights
 from vitscale import checkpoint as ckpt
 
 CASES = [("single", "SIGUSR1", "process"), ("ddp", "SIGTERM", "launcher"), ("fsdp", "SIGINT", "launcher"),

@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import TINY, sets
 
 optuna = pytest.importorskip("optuna")

@@ -10,14 +10,13 @@ import types
 
 import pytest
 import torch
+from helpers import check_bench_schema
 
-from vitscale.metrics import mfu
 from vitscale.cli import main
 from vitscale.config import load_config
 from vitscale.lab.timing import Bench
 from vitscale.loop import FiniteWatch, Trainer
-
-from helpers import check_bench_schema
+from vitscale.metrics import mfu
 
 TINY = "configs/tests/tiny.toml"
 FAST = ["--steps", "2", "--trials", "2", "--warmup", "1", "--split-steps", "1", "--set", "run.threads=1"]

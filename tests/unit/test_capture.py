@@ -12,11 +12,11 @@ import json
 
 import pytest
 import torch
-from torch.utils._pytree import tree_flatten
+from helpers import trainer_state
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import vitscale.capture
-from helpers import trainer_state
 from vitscale.config import load_config
 from vitscale.errors import ConfigError
 from vitscale.loop import Trainer

@@ -14,14 +14,13 @@ import threading
 
 import pytest
 import torch
+from helpers import folder_args, make_tree, run, write_cifar
 
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 from vitscale.data.offline import fetch as dl
 from vitscale.evaluate import evaluate_checkpoint
 from vitscale.optim import lr_factor
-
-from helpers import run, folder_args, make_tree, write_cifar
 
 TINY = "configs/tests/tiny.toml"
 LR = 3e-3                 # tiny.toml's optim.lr

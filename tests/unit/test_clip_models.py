@@ -7,7 +7,15 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from vitscale.models import CLIP, CLIP_REGISTRY, TextSpec, TextTransformer, clip_forward_flops, count_params, resolve_clip_spec
+from vitscale.models import (
+    CLIP,
+    CLIP_REGISTRY,
+    TextSpec,
+    TextTransformer,
+    clip_forward_flops,
+    count_params,
+    resolve_clip_spec,
+)
 
 EOT = 49407
 

@@ -5,11 +5,10 @@ import json
 
 import pytest
 import torch
+from helpers import interrupted_copy, last_state, rel_diff, sets
 
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
-
-from helpers import interrupted_copy, last_state, rel_diff, sets
 
 CLIP = "configs/tests/clip_tiny.toml"
 LOSSES = ["openclip", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr"]

@@ -6,8 +6,16 @@ import torch
 
 from vitscale.config import DataConfig
 from vitscale.data.sampler import generator
-from vitscale.data.transforms import (OP, BatchAugment, Normalizer, crop_flip, cutmix, cutout,
-                                      rand_augment, resize_u8)
+from vitscale.data.transforms import (
+    OP,
+    BatchAugment,
+    Normalizer,
+    crop_flip,
+    cutmix,
+    cutout,
+    rand_augment,
+    resize_u8,
+)
 
 
 def test_crop_with_padding_forced_offsets():

@@ -7,13 +7,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from helpers import make_tree, shard_jpeg, write_fmnist, write_shards
 from PIL import Image
 
 from vitscale.config import DataConfig
 from vitscale.data import build_data, build_image_text
 from vitscale.data.types import EvalLoader, TrainLoader
-
-from helpers import make_tree, shard_jpeg, write_fmnist, write_shards
 
 L = 12                       # context length
 HAS_VOCAB = importlib.util.find_spec("open_clip") is not None   # the BPE vocabulary ships in open-clip-torch
@@ -126,7 +125,7 @@ def test_batch_contract(roots, path, kind, tmp_path, monkeypatch):
             check_images(batch[0], bundle, n=train.batch_size)     # always full (substitutes)
             check_second(batch, bundle, kind, train.batch_size, num_classes)
         evaluated = 0
-        for n, batch in enumerate(bundle.test.iterate(), 1):
+        for n, batch in enumerate(bundle.test.iterate(), 1):  # noqa: B007 - n is read after the loop
             b = len(batch[0])
             assert 0 < b <= cfg.eval_batch_size
             check_images(batch[0], bundle)

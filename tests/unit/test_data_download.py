@@ -8,13 +8,12 @@ import tarfile
 import threading
 
 import pytest
+from helpers import write_cifar, write_fmnist
 
 from vitscale.data import home
 from vitscale.data.offline import fetch as dl
 from vitscale.data.sources import cifar, fashion_mnist
 from vitscale.errors import DataError
-
-from helpers import write_cifar, write_fmnist
 
 
 @pytest.fixture

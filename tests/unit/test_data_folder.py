@@ -4,6 +4,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from helpers import BLUE, RED, make_tree
 from PIL import Image
 
 from vitscale.config import DataConfig
@@ -11,8 +12,6 @@ from vitscale.data import build_data
 from vitscale.data.jpeg import to_rgb
 from vitscale.data.loaders.worker_datasets import collate
 from vitscale.errors import DataError
-
-from helpers import BLUE, RED, make_tree
 
 
 def cfg(root, **kw):

@@ -5,13 +5,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import _dump, write_cifar, write_fmnist, write_idx
 
 from vitscale.config import DataConfig
 from vitscale.data import build_data
 from vitscale.data.sources import cifar, fashion_mnist
 from vitscale.errors import DataError
-
-from helpers import write_idx, write_fmnist, _dump, write_cifar
 
 REAL_FMNIST = Path("/usr/share/datasets/fashion-mnist")
 

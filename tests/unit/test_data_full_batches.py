@@ -14,14 +14,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from helpers import make_tree
 from PIL import Image
 
 from vitscale.config import DataConfig
 from vitscale.data import build_data, build_image_text
 from vitscale.data.tokenizer import tokenize
 from vitscale.errors import DataError
-
-from helpers import make_tree
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("open_clip") is None,
                                 reason="the BPE vocabulary ships in open-clip-torch")
@@ -135,7 +134,7 @@ def test_folder_classification_and_folder_pairs_full_batches(tmp_path):
         names = p.zeroshot["folder"].class_names
         got = _epoch(p.train, 1)
         assert len(got) == 3                                           # drop_last for CLIP
-        _check_pairs(got, bad, lambda i: f"a {names[labels[i]]}", local=2)
+        _check_pairs(got, bad, lambda i: f"a {names[labels[i]]}", local=2)  # noqa: B023 - called here
         p.close()
     for b in (d, one):
         b.close()

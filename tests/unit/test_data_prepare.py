@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import webdataset as wds
+from helpers import make_tree
 from PIL import Image
 
-from helpers import make_tree
 from vitscale.cli import _parser, main
 from vitscale.data.offline import prepare as prep
 from vitscale.data.offline import shard_writer

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import shard_jpeg, tar_add, write_shards
 
 from vitscale.config import DataConfig
 from vitscale.data import build_data, build_image_text
@@ -18,8 +19,6 @@ from vitscale.data.sources.shard_sets import shard_sets
 from vitscale.data.sources.shards import is_remote, open_url
 from vitscale.data.tokenizer import tokenize
 from vitscale.errors import DataError
-
-from helpers import shard_jpeg, tar_add, write_shards
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("open_clip") is None,
                                 reason="the BPE vocabulary ships in open-clip-torch")
@@ -69,7 +68,7 @@ def test_index_equals_seek_reader(shards, tmp_path):
     stream = pairs(c)
     seek = pairs(replace(c, reader="seek"))
     caps = seek.train.dataset.rec.captions
-    for x, t, i in stream.train.iterate(0):
+    for _x, t, i in stream.train.iterate(0):
         assert torch.equal(t, tokenize([str(caps[k]) for k in i.tolist()], L))
     assert resolve_reader(replace(c, reader="auto")) == "seek"     # local .tar: exact epochs
 
@@ -172,8 +171,9 @@ def test_one_line_errors(shards, tmp_path):
 
 
 def _train(out, config, shards, *extra):
-    from vitscale.cli import main
     from helpers import sets
+
+    from vitscale.cli import main
     base = ["run.threads=1", "data.name=webdataset", "data.reader=stream", f"data.root={shards / 'train'}",
             f"data.test_root={shards / 'test'}", "data.image_size=16", "data.batch_size=8", "data.eval_batch_size=8",
             "data.num_workers=2", "data.on_device=false", "model.patch_size=4"]
@@ -184,9 +184,11 @@ def _train(out, config, shards, *extra):
 @pytest.mark.integration
 def test_fastclip_trains_and_resumes_exactly_from_streamed_shards(shards, tmp_path):
     import json
+
+    from helpers import interrupted_copy, rel_diff
+
     from vitscale import checkpoint as ckpt
     from vitscale.cli import main
-    from helpers import interrupted_copy, rel_diff
     full = _train(tmp_path / "full", "configs/tests/clip_tiny.toml", shards, "clip.loss=fastclip_v3",
                   "run.checkpoint_every=2", "run.keep_last=100", "train.epochs=3")
     s = json.loads((full / "summary.json").read_text())
@@ -233,6 +235,7 @@ def test_prepared_shards_stream_and_seek(prepared):
     """Prepared shards: index = int(KEY) (tokens match the captions the manifest's json holds),
     the val split is the held-out set, and the seek reader gives the same indices."""
     import json
+
     import webdataset as wds
     m = json.loads((prepared / "pairs" / "manifest.json").read_text())
     caption = {}
@@ -246,7 +249,7 @@ def test_prepared_shards_stream_and_seek(prepared):
         b = pairs(c)
         assert (b.train_size, b.test_size) == (n, m["splits"]["val"]["samples"])
         seen = []
-        for x, t, i in b.train.iterate(0):
+        for _x, t, i in b.train.iterate(0):
             assert torch.equal(t, tokenize([caption[k] for k in i.tolist()], L))
             seen += i.tolist()
         assert len(seen) == n // 4 * 4 and len(set(seen)) == len(seen)
@@ -258,8 +261,10 @@ def test_prepared_shards_stream_and_seek(prepared):
 @pytest.mark.integration
 def test_classification_trains_from_prepared_shards(prepared, tmp_path):
     import json
-    from vitscale.cli import main
+
     from helpers import sets
+
+    from vitscale.cli import main
     out = tmp_path / "run"
     assert main(["train", "configs/tests/tiny.toml", "--out", str(out), *sets([
         "run.threads=1", "data.name=webdataset", f"data.root={prepared / 'cls'}", "data.image_size=16",

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from vitscale.config import OptimConfig, StrategyConfig, TrainConfig, load_config
+from vitscale.data.loaders.device import pin_batches, to_device
 from vitscale.errors import ConfigError
+from vitscale.launch import Launch, first_host, launch_env
 from vitscale.metrics import gpu_peak_flops, peak_flops, synchronizer
 from vitscale.models import vit
 from vitscale.strategy import SingleDevice, devices
 from vitscale.strategy.deepspeed import build_ds_config
-from vitscale.data.loaders.device import pin_batches, to_device
-from vitscale.launch import Launch, first_host, launch_env
 from vitscale.strategy.devices import backend_flags, backend_for, device_for, process_group_kwargs
 
 TINY = "configs/tests/tiny.toml"
@@ -325,10 +325,10 @@ def test_cuda_asked_for_without_a_gpu_is_one_line():
 def test_side_by_side_drops_a_configuration_that_runs_out_of_gpu_memory():
     """A rung or candidate that hits CUDA OOM (in warm-up or in a round) is reported as such and
     the others go on (tune and ladder on a GPU)."""
+    import contextlib
+
     from vitscale.lab.rounds import side_by_side
     from vitscale.strategy import SingleDevice
-
-    import contextlib
 
     class FakeBench:
         s = SingleDevice(TrainConfig(), OptimConfig(), torch.device("cpu"))

@@ -3,8 +3,8 @@ import json
 
 import pytest
 import torch
-
 from helpers import trainer_state
+
 from vitscale.capture import CudaGraph
 from vitscale.cli import main
 

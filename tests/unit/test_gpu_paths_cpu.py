@@ -224,9 +224,10 @@ def test_training_steps_between_log_steps_read_nothing_from_the_device(tmp_path,
 def test_a_nan_loss_between_log_steps_is_found_before_the_next_checkpoint(tmp_path, capsys, monkeypatch):
     """With no per-step read, a NaN at step 3 (log lines every 1000 steps) is still reported with
     its own step, before the checkpoint of step 4 is written."""
+    from helpers import poison_loss
+
     from vitscale import checkpoint as ckpt
     from vitscale.cli import main
-    from helpers import poison_loss
     poison_loss(monkeypatch, 3, float("inf"))
     out = tmp_path / "inf"
     rc = main(["train", "configs/tests/tiny.toml", "--out", str(out), "--set", "run.checkpoint_every=2",

@@ -581,8 +581,10 @@ def test_a_timm_training_checkpoint_is_read_safely_and_says_which_weights(tmp_pa
 
 
 def test_a_pickle_with_code_is_refused_in_one_plain_line(tmp_path):
-    from collections import OrderedDict as Code  # any class torch's weights-only loader does not allow
     import fractions
+    from collections import (
+        OrderedDict as Code,  # any class torch's weights-only loader does not allow
+    )
     _, _, sd = fixture("token")
     torch.save({"state_dict": sd, "args": fractions.Fraction(1, 3)}, tmp_path / "ckpt.pth")
     with pytest.raises(UserError) as e:
@@ -631,6 +633,7 @@ def test_info_with_model_init_is_one_line_named_after_the_weights(tmp_path, caps
     """`vitscale info` with model.init: one line, no per-tensor torch warnings (the meta model is
     not loaded), labelled by the architecture given for the weights, not the recipe's model.arch."""
     from safetensors.torch import save_file
+
     from vitscale.cli import main
     from vitscale.models.vit import VisionTransformer, ViTSpec
     sd = VisionTransformer(ViTSpec(image_size=224, patch_size=16, dim=192, depth=12, heads=3,
@@ -648,6 +651,7 @@ def test_info_with_model_init_is_one_line_named_after_the_weights(tmp_path, caps
 
 def test_an_open_clip_hub_folder_is_read_as_its_weights_file(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
+
     from vitscale.cli import main
     folder = tmp_path / "hub"
     folder.mkdir()

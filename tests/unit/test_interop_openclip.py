@@ -14,7 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vitscale.errors import UserError
-from vitscale.interop import from_open_clip, open_clip_spec, read_state_dict, to_open_clip, write_state_dict
+from vitscale.interop import (
+    from_open_clip,
+    open_clip_spec,
+    read_state_dict,
+    to_open_clip,
+    write_state_dict,
+)
 from vitscale.models import CLIP, resolve_clip_spec
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "open_clip_tiny.safetensors"
@@ -298,7 +304,7 @@ def test_wide_towers_take_their_head_count_from_the_configuration(caplog):
         v, t = spec.vision, spec.text
         assert (v.heads, t.heads) == (heads, mc["text_cfg"]["heads"]) and announcements(caplog) == []
         assert int(v.dim * v.mlp_ratio) == int(mc["vision_cfg"]["width"] * mc["vision_cfg"].get("mlp_ratio", 4.0))
-        msg = one_line(lambda: open_clip_spec(sd))
+        msg = one_line(lambda: open_clip_spec(sd))  # noqa: B023 - called at once
         assert f"have {heads} heads (head width {v.dim // heads}), not width // 64 = {v.dim // 64}" in msg, msg
         assert open_clip_spec(sd, vision_heads=heads).vision.heads == heads  # given: taken (and announced)
 
@@ -312,7 +318,7 @@ def test_configurations_vitscale_does_not_compute_are_refused_with_their_cause()
                        ("RN50", "a ResNet image tower (vision_cfg.layers=[3, 4, 6, 3])"),
                        ("roberta-ViT-B-32", "a Hugging Face text tower (text_cfg.hf_model_name='roberta-base')"),
                        ("coca_ViT-B-32", "CoCa's text decoder (multimodal_cfg)")):
-        msg = one_line(lambda: open_clip_spec(sd, name))
+        msg = one_line(lambda: open_clip_spec(sd, name))  # noqa: B023 - called at once
         assert f"OpenCLIP: the {name} configuration: {want}" in msg and "is not implemented by vitscale's CLIP" in msg, msg
 
 
@@ -351,7 +357,12 @@ def test_clip_model_init_config_check_names_the_real_cause(tmp_path):
 def test_export_writes_open_clip_config_beside_the_weights(tmp_path, caplog):
     import json
 
-    from vitscale.interop.open_clip import load_call, load_open_clip, open_clip_config, save_open_clip
+    from vitscale.interop.open_clip import (
+        load_call,
+        load_open_clip,
+        open_clip_config,
+        save_open_clip,
+    )
     sd, x = fixture()
     model = from_open_clip(sd, TINY_CONFIG).eval()
     cfg = open_clip_config(model.spec)["model_cfg"]
@@ -487,7 +498,7 @@ def test_init_weights_adapts_the_geometry_exactly_where_it_can(tmp_path):
     for kw, want in ((dict(context_length=17), "longer than the weights' 16"), (dict(vocab_size=49408), "vocabulary"),
                      (dict(image_size=20), "not divisible by the weights' patch size 8")):
         args = dict(image_size=32, in_chans=3, context_length=16, vocab_size=64, **HEADS) | kw
-        assert want in one_line(lambda: init_weights(path, **args))
+        assert want in one_line(lambda: init_weights(path, **args))  # noqa: B023 - called at once
     timm_like = write_state_dict({"pos_embed": torch.zeros(1, 5, 8)}, tmp_path / "vit.safetensors")
     assert "model.init: " in one_line(lambda: init_weights(timm_like, **args))
 
@@ -612,6 +623,7 @@ def test_an_exported_run_loads_in_open_clip_as_the_trained_function(tmp_path, ca
     assert_close(b, q)
     # the preprocessing: the trained size and the run's mean/std (the synthetic data's own)
     from PIL import Image
+
     from vitscale.data.sources.synthetic import make
     data = make(cfg.data, cfg.run.seed)
     norm = [t for t in preprocess.transforms if type(t).__name__ == "Normalize"][0]

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
+from vitscale.cli import main
+from vitscale.config import load_config
+from vitscale.fastpaths import resolve
 from vitscale.lab import rounds as lab_rounds
 from vitscale.lab import timing as lab_timing
-from vitscale.cli import main
-from vitscale.fastpaths import resolve
-from vitscale.config import load_config
 from vitscale.lab.ladder import BASELINE, build_rungs
 from vitscale.lab.tune import accum_choices, search
 

@@ -3,8 +3,17 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from vitscale.config import load_config
+from vitscale.models import (
+    REGISTRY,
+    SIZES,
+    VisionTransformer,
+    count_params,
+    resolve_spec,
+    vit,
+    vit_forward_flops,
+    vit_forward_macs,
+)
 from vitscale.tasks import model_info
-from vitscale.models import REGISTRY, SIZES, count_params, resolve_spec, vit, vit_forward_flops, vit_forward_macs, VisionTransformer
 
 
 @pytest.mark.parametrize("size", sorted(SIZES))
@@ -140,7 +149,7 @@ def test_conv_stem_batchnorm_runs_with_half_weights_and_fp32_statistics():
     half = ConvStem(16, 4, 1, 32)
     half.load_state_dict(ref.state_dict())
     for m in half.modules():
-        for name, prm in m.named_parameters(recurse=False):
+        for _name, prm in m.named_parameters(recurse=False):
             prm.data = prm.data.to(torch.bfloat16)
     x = torch.randn(4, 1, 16, 16)
     out = half(x.to(torch.bfloat16))

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from vitscale.lab import comm_model as cm
 from vitscale.cli import main
 from vitscale.config import load_config
+from vitscale.lab import comm_model as cm
 from vitscale.tasks import model_info
 
 PCIE = cm.Link("test 25 GB/s", 25e9, 5e-6)

@@ -8,13 +8,12 @@ from dataclasses import fields
 
 import pytest
 import torch
+from helpers import run
 
 from vitscale import checkpoint as ckpt
 from vitscale.config import Config
 from vitscale.run_state import CHANGEABLE_ON_RESUME, fixed_reason
 from vitscale.strategy.single import SingleDevice
-
-from helpers import run
 
 TINY = "configs/tests/tiny.toml"
 

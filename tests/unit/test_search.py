@@ -10,8 +10,8 @@ import types
 
 import pytest
 import torch
-
 from helpers import TINY, sets
+
 from vitscale.cli import main
 from vitscale.config import Config, load_config, set_value
 from vitscale.errors import ConfigError, UserError
@@ -51,6 +51,7 @@ def fmnist_cfg(root, **keys):
 
 def test_validation_replaces_the_test_set_which_is_never_read(tmp_path, monkeypatch):
     from helpers import write_fmnist
+
     from vitscale.data import build_data
     from vitscale.data.sources import fashion_mnist
     from vitscale.data.val_split import stratified_split
@@ -253,8 +254,8 @@ def test_a_failing_trial_is_failed_with_its_reason_and_the_search_goes_on(tmp_pa
 
 def note_of(out, number: int) -> str:
     """The note column of trial `number`'s row in OUT/search.md."""
-    rows = [r for r in (out / "search.md").read_text().splitlines() if r.startswith(f"| {number} |")
-            or r.startswith(f"| {number}* |")]
+    rows = [r for r in (out / "search.md").read_text().splitlines()
+            if r.startswith((f"| {number} |", f"| {number}* |"))]
     assert len(rows) == 1, rows
     return rows[0].rsplit(" | ", 1)[1].removesuffix(" |")
 
@@ -335,6 +336,7 @@ def test_a_dead_workers_trial_records_why(tmp_path):
 
 def test_pruning_reports_percent_of_the_budget_and_never_prunes_the_end():
     import optuna
+
     from vitscale.lab.search.trials import Pruning
 
     class FakeTrial:

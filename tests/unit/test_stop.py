@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-
 from helpers import BASE, TINY, sets, weights
+
 from vitscale import checkpoint as ckpt
 from vitscale import loop
 from vitscale.cli import main

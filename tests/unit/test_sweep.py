@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from vitscale.lab import sweep
 from vitscale.cli import main
+from vitscale.errors import UserError
+from vitscale.lab import sweep
 
 TINY = "configs/tests/tiny.toml"
 
@@ -41,7 +42,7 @@ def test_grid_expansion():
     pts = sweep.expand([("nproc", ["1", "2", "4"]), ("a.b", ["x"])], [1])   # nproc as a grid key
     assert [p["nproc"] for p in pts] == [1, 2, 4] and all(p["overrides"] == {"a.b": "x"} for p in pts)
     assert sweep.parse_grid("data.batch_size=16, 32") == ("data.batch_size", ["16", "32"])
-    with pytest.raises(Exception):
+    with pytest.raises(UserError, match="expected KEY=V1,V2"):
         sweep.parse_grid("data.batch_size")
 
 

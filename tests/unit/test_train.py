@@ -3,11 +3,10 @@ import json
 
 import pytest
 import torch
+from helpers import interrupted_copy, poison_loss, run
 from safetensors.torch import load_file
 
 from vitscale import checkpoint as ckpt
-
-from helpers import run, interrupted_copy, poison_loss
 
 TINY = "configs/tests/tiny.toml"
 

@@ -3,9 +3,9 @@ or is refused in one line."""
 import json
 
 import pytest
-
 from helpers import TINY, run
 from helpers import sets as set_list
+
 from vitscale import checkpoint as ckpt
 
 

@@ -207,7 +207,14 @@ def test_exports_load_through_timms_own_loader(tmp_path, name):
 
     from timm.data import resolve_data_config
 
-    from vitscale.interop import from_timm, read_hub_config, timm_hub_config, timm_load_call, to_timm, write_state_dict
+    from vitscale.interop import (
+        from_timm,
+        read_hub_config,
+        timm_hub_config,
+        timm_load_call,
+        to_timm,
+        write_state_dict,
+    )
     theirs, size = timm_model(name, {})
     save_config_for_hf(theirs, tmp_path / "config.json")
     ours = from_timm(theirs.state_dict(), config=read_hub_config(tmp_path / "config.json")).eval()

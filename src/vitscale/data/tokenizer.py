@@ -50,7 +50,7 @@ def vocab_path() -> Path:
                     f"'pip install --no-deps open-clip-torch' or set VITSCALE_BPE_VOCAB to the file")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bytes_to_unicode() -> dict:
     """Byte -> printable unicode character (the reversible byte-level alphabet of GPT-2/CLIP)."""
     bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
@@ -182,7 +182,7 @@ class SimpleTokenizer:
         return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_tokenizer() -> SimpleTokenizer:
     """The process-wide tokenizer (the vocabulary is read once)."""
     return SimpleTokenizer()

@@ -198,7 +198,7 @@ class AugParams:
     lam: float = 1.0
     box: tuple[float, float] = (0.5, 0.5)
 
-    def take(self, idx) -> "AugParams":
+    def take(self, idx) -> AugParams:
         """The params of samples `idx` (a slice or an index tensor)."""
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         return replace(self, offset=pick(self.offset), flip=pick(self.flip), ops=pick(self.ops),

@@ -10,8 +10,9 @@ y is int64 [B], or float32 [B, num_classes] soft targets when mixup/cutmix is on
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -110,7 +111,7 @@ class Records:
     def __len__(self):
         return len(self.captions)
 
-    def take(self, mask: np.ndarray) -> "Records":
+    def take(self, mask: np.ndarray) -> Records:
         pick = lambda a: None if a is None else a[mask]  # noqa: E731
         return Records(self.captions[mask], self.keys[mask], self.paths[mask], pick(self.offset),
                        pick(self.size))

@@ -32,10 +32,19 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from .files import first_keys
 from ..models.clip import CLIP, ClipSpec
-from .open_clip_arch import (CONFIG_FILE, PY_KEYS, announce, normalize, open_clip_spec, read_config, refuse_config,
-                             refuse_keys, resolve)
+from .files import first_keys
+from .open_clip_arch import (
+    CONFIG_FILE,
+    PY_KEYS,
+    announce,
+    normalize,
+    open_clip_spec,
+    read_config,
+    refuse_config,
+    refuse_keys,
+    resolve,
+)
 
 BLOCK_MAP = (("ln_1", "norm1"), ("attn.in_proj_weight", "attn.qkv.weight"), ("attn.in_proj_bias", "attn.qkv.bias"),
              ("attn.out_proj", "attn.proj"), ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"))

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError, did_you_mean
-from .files import first_keys, refuse_unsupported
 from ..models.clip import ClipSpec
 from ..models.text import TextSpec
 from ..models.vit import ViTSpec
+from .files import first_keys, refuse_unsupported
 
 log = logging.getLogger("vitscale")
 

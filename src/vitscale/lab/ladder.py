@@ -25,7 +25,6 @@ from .machine import hardware_info, versions
 from .recipes import check_counts, lab_config, log, with_overrides
 from .rounds import measure_against_first
 
-
 BASELINE = {"train.precision": "fp32", "train.tf32": False, "model.head": "token", "optim.impl": "forloop",
             "model.attention": "explicit", "train.compile": False, "train.compile_mode": "default",
             "train.capture": "none"}  # the capture is a rung of its own (train.capture=auto takes it on a GPU)

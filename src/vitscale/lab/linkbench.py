@@ -25,7 +25,9 @@ def fit(rows: list[tuple[float, float]], world: int) -> tuple[float, float]:
 
 def measure_gloo(world: int = 2, sizes=SIZES, iters: int = 10) -> dict:
     """Spawn `world` local gloo processes and fit the ring model; returns sizes, times, bw, latency."""
-    from ..strategy.comm import time_all_reduce  # torch.distributed: not at import (the CLI imports the lab)
+    from ..strategy.comm import (
+        time_all_reduce,  # torch.distributed: not at import (the CLI imports the lab)
+    )
     rows = time_all_reduce(world, list(sizes), iters)
     bw, lat = fit(rows, world)
     return {"world": world, "rows": rows, "bw": bw, "latency": lat, "backend": "gloo",

@@ -88,7 +88,9 @@ class PeerBench:
         o, t = cfg.optim, cfg.train
         fused = {"fused": True} if self.device.type in ("cuda", "cpu") else {}
         # timm's train.py: no weight decay on 1-d parameters and the model's no_weight_decay() names
-        from timm.optim import param_groups_weight_decay  # timm is optional: imported where it is compared
+        from timm.optim import (
+            param_groups_weight_decay,  # timm is optional: imported where it is compared
+        )
         groups = param_groups_weight_decay(model, weight_decay=o.weight_decay,
                                            no_weight_decay_list=model.no_weight_decay())
         if o.name == "adamw":

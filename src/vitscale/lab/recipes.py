@@ -9,8 +9,8 @@ import sys
 
 from ..config import check, load_config, set_value
 from ..errors import UserError
-from ..launch import is_main_process, this_process
 from ..fastpaths import resolve as resolve_fast_paths
+from ..launch import is_main_process, this_process
 from ..strategy import default_for, needs_processes
 from ..tasks import build_task, check_config
 

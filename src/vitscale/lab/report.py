@@ -155,7 +155,7 @@ def plot_scaling(records: list[dict], derived: list[dict], path: Path, study) ->
     ns = sorted({r["nproc"] for r in records})
     a1.plot(ns, ns, "k--", label="ideal")
     a2.plot(ns, [1.0] * len(ns), "k--", label="ideal")
-    for g, pts in groups.items():
+    for _g, pts in groups.items():
         pts.sort(key=lambda p: p[0])
         name = label(pts[0][3], skip={"strategy.name", "data.batch_size"}).replace("n=1", "").strip() or "measured"
         a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)

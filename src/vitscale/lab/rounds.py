@@ -32,7 +32,7 @@ def side_by_side(benches: list[Bench], steps: int | list, rounds: int, warmup: i
                 out[i] = None
             if label:
                 log(f"  warm-up {label(i)}: {warmup[i]} steps in {perf() - t0:.1f}s")
-    for r in range(rounds):
+    for _r in range(rounds):
         for i, b in enumerate(benches):
             if b is None or out[i] is None:
                 continue

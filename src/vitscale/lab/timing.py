@@ -77,7 +77,7 @@ class Bench:
         self.fixed = self.fetch() if synthetic else None
 
     @classmethod
-    def around(cls, trainer, batch: tuple) -> "Bench":
+    def around(cls, trainer, batch: tuple) -> Bench:
         """A Bench of an existing trainer (anything with a Trainer's `cfg`, `strategy`, `task` and
         `train_step`) that times one fixed batch; closing it leaves the trainer alone."""
         b = cls.__new__(cls)

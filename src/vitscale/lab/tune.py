@@ -15,11 +15,12 @@ from ..launch import is_main_process
 from ..metrics import mfu, peak_flops
 from ..strategy.dist import broadcast_object, env_world
 from ..tasks import build_task
-from . import rounds as lab_rounds  # rounds.measure_configs looked up when called (tests replace it)
+from . import (
+    rounds as lab_rounds,  # rounds.measure_configs looked up when called (tests replace it)
+)
 from .machine import machine_line
 from .recipes import check_counts, lab_config, log, synthetic_data, with_overrides
 from .rounds import faster_in_most_rounds, rounds_won
-
 
 THRESHOLD = 0.03  # a larger micro-batch must be this much faster (CPU)
 MARGIN = 0.01  # a candidate's median round-by-round ratio must exceed 1 + MARGIN

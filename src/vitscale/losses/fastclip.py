@@ -59,8 +59,15 @@ from torch import nn
 
 from .clip import StepLogs, gamma_at, gather_no_grad, no_autocast, world
 from .fastclip_state import ShardMap
-from .fastclip_step import (add_remote_surrogate, anchor_exponents, inner_estimate, local_surrogate,
-                            reported_objective, reported_value, weighted_z)
+from .fastclip_step import (
+    add_remote_surrogate,
+    anchor_exponents,
+    inner_estimate,
+    local_surrogate,
+    reported_objective,
+    reported_value,
+    weighted_z,
+)
 from .fastclip_temperature import GlobalTemperature, SampleTemperatures
 
 VARIANTS = ("fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr")

@@ -1,7 +1,8 @@
 """The verbs a strategy offers the loop. Engines (DDP, FSDP2, DeepSpeed) implement the same set."""
 from __future__ import annotations
 
-from typing import ContextManager, Protocol
+from contextlib import AbstractContextManager as ContextManager
+from typing import Protocol
 
 import torch
 from torch import nn

@@ -106,7 +106,7 @@ class Counter:
         self.lock = threading.Lock()
         self.active = 0              # > 0 inside window() (global: autograd may run on other threads)
         self.local = threading.local()  # .depth: nested torch.distributed calls count once
-        self.pending: list[tuple[str, "EventTimer"]] = []  # CUDA timings not read yet
+        self.pending: list[tuple[str, EventTimer]] = []  # CUDA timings not read yet
         self.reset()
 
     def reset(self) -> dict:
@@ -148,7 +148,7 @@ class Counter:
                         "comm_s_per_step": sum(v[2] for v in stats.values()) / n})
         return out
 
-    def track(self, kind: str, timer: "EventTimer") -> None:
+    def track(self, kind: str, timer: EventTimer) -> None:
         with self.lock:
             self.pending.append((kind, timer))
 

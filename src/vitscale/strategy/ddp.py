@@ -8,9 +8,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .dist import Distributed
 from ..precision import DTYPES
-
+from .dist import Distributed
 
 
 def allreduce_hook(dtype: torch.dtype | None = None):

@@ -17,11 +17,11 @@ multi-node branches on a CPU machine; the strategies only apply what these retur
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 from collections.abc import Mapping
-import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -182,7 +182,7 @@ log = logging.getLogger(__name__)
 BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 (AVX-512 BF16, AMX), aarch64 (BF16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     """Whether this CPU has bf16 matmul instructions (its flags in /proc/cpuinfo); None where
     that cannot be read (not Linux)."""

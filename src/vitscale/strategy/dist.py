@@ -14,8 +14,8 @@ import torch.distributed as dist
 from ..checkpoint import commit_folder
 from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError
-from .comm import COUNTER, install
 from ..launch import launch_env
+from .comm import COUNTER, install
 from .devices import device_for, process_group_kwargs
 from .single import SingleDevice
 

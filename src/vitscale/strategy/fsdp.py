@@ -24,17 +24,26 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from ..checkpoint import optim_keyed_by_name, optim_state_by_name
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
+from ..precision import DTYPES, half_dtype
 from .devices import compile_kwargs
 from .dist import Distributed
-from ..precision import DTYPES, half_dtype
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

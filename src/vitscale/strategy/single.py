@@ -18,9 +18,17 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from ..config import OptimConfig, TrainConfig
 from ..errors import ConfigError
 from ..optim import build_optimizer, param_groups
-from .devices import (CUDAGRAPH_MODES, apply_backend_flags, backend_flags, compile_kwargs, fp16_refusal,
-                      sdpa_context, sdpa_refusal, warn_slow_bf16)
 from ..precision import half_dtype
+from .devices import (
+    CUDAGRAPH_MODES,
+    apply_backend_flags,
+    backend_flags,
+    compile_kwargs,
+    fp16_refusal,
+    sdpa_context,
+    sdpa_refusal,
+    warn_slow_bf16,
+)
 from .fp8 import convert_fp8, fp8_refusal
 
 
@@ -220,7 +228,7 @@ class SingleDevice:  # implements base.Strategy
             torch._foreach_copy_(mine, theirs)
         else:
             groups = _group_tensors_by_device_and_dtype([mine, theirs])
-            for (device, _), ([avg, cur], _) in groups.items():
+            for (_device, _), ([avg, cur], _) in groups.items():
                 ema.multi_avg_fn(avg, cur, ema.n_averaged)
         ema.n_averaged += 1
         self.ema_updates += 1

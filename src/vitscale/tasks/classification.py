@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import build_data, synthetic_stand_in
-from ..data.build import eval_preprocess
 from ..data import geometry as data_geometry
+from ..data.build import eval_preprocess
 from ..errors import ConfigError, UserError
 from ..models import VisionTransformer, ViTSpec, resolve_spec, set_drop_path_mode, vit_forward_flops
 from ..optim import block_index
@@ -220,7 +220,7 @@ class ClassificationTask(Task):
                 logits = model(x).float()
                 return logits + model(x.flip(-1)).float() if self.hflip_tta else logits
         sums, count, n = None, 0, 0
-        for n, (x, y) in enumerate(loader.iterate(), 1):
+        for n, (x, y) in enumerate(loader.iterate(), 1):  # noqa: B007 - n is read after the loop
             logits = logits_of(prepare(x))
             part = torch.stack([(logits.argmax(-1) == y).sum().double(),
                                 F.cross_entropy(logits if not self.hflip_tta else logits / 2, y, reduction="sum").double()])

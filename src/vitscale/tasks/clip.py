@@ -20,8 +20,16 @@ from ..data.build import eval_preprocess, synthetic_pairs_stand_in
 from ..data.tokenizer import get_tokenizer, tokenize
 from ..errors import ConfigError, UserError
 from ..losses import build_clip_loss, resolve_clip
-from ..models import (CLIP, ClipSpec, TextSpec, ViTSpec, clip_forward_flops, count_params, resolve_clip_spec,
-                      set_drop_path_mode)
+from ..models import (
+    CLIP,
+    ClipSpec,
+    TextSpec,
+    ViTSpec,
+    clip_forward_flops,
+    count_params,
+    resolve_clip_spec,
+    set_drop_path_mode,
+)
 from ..optim import schedule
 from .base import Task, padding_forwards
 
@@ -101,7 +109,9 @@ class ClipTask(Task):
         return data
 
     def geometry(self) -> tuple[int, int, int]:
-        from .classification import ClassificationTask  # the image side is the same as a classifier's
+        from .classification import (
+            ClassificationTask,  # the image side is the same as a classifier's
+        )
         size, channels, _ = ClassificationTask(self.cfg).geometry()
         return size, channels, 0
 
@@ -259,7 +269,7 @@ class ClipTask(Task):
             with autocast():
                 return model(prepare(b[0]), b[1] if pairs else None)
         img, txt, second, first, n = [], [], [], None, 0
-        for n, b in enumerate(loader.iterate(), 1):
+        for n, b in enumerate(loader.iterate(), 1):  # noqa: B007 - n is read after the loop
             first = first or b
             i, t, _ = encode(b)
             img.append(i.float().cpu())

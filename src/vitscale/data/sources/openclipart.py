@@ -198,9 +198,9 @@ def load(root: str = "", size: int = 64, *, limit: int | None = None) -> dict:
 def pairs(cfg, context_length: int, *, limit=None) -> dict:
     """The decoded set as loaders/memory.py's memory_bundle arguments: held-out images by
     crc32(relative path), the zero-shot set of the held-out images' categories (module docstring)."""
-    from .held_out import held_out
     from ..tokenizer import readable, tokenize
     from ..transforms import NORMALIZATIONS
+    from .held_out import held_out
     data = load(cfg.root, cfg.image_size or 64, limit=limit)
     test = torch.tensor([held_out(r, cfg.test_fraction) for r in data["rels"]], dtype=torch.bool)
     tokens = tokenize(data["captions"], context_length)

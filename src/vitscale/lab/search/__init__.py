@@ -17,7 +17,13 @@ from ...errors import UserError
 from ..recipes import lab_config, log, with_overrides
 from .report import write_report
 from .space import load_space
-from .trials import fail_dead_trials, finalize, record_stale_reasons, retry_without_reason, run_trials
+from .trials import (
+    fail_dead_trials,
+    finalize,
+    record_stale_reasons,
+    retry_without_reason,
+    run_trials,
+)
 
 BIG_EPOCHS = 100_000.0  # trials end on the time budget, never on epochs
 

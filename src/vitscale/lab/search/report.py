@@ -32,7 +32,7 @@ def pareto(rows: list[dict]) -> list[int]:
     pts = [(r["train_time_s"], r["val_accuracy"], r["number"]) for r in rows
            if r["val_accuracy"] is not None and r["train_time_s"] is not None]
     front, best = [], -1.0
-    for secs, acc, n in sorted(pts, key=lambda p: (p[0], -p[1])):
+    for _secs, acc, n in sorted(pts, key=lambda p: (p[0], -p[1])):
         if acc > best:
             front.append(n)
             best = acc
