@@ -12,6 +12,7 @@
 The held-out metrics are those `vitscale train` writes: image->text / text->image recall@k on the
 fixed held-out pairs and zero-shot top-1 on the held-out images' categories.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,19 @@ def cmd_train(args) -> None:
         if (out / "summary.json").exists():
             print(f"{loss}: done already ({out})")
             continue
-        cmd = [sys.executable, "-m", "vitscale", "train", args.config, "--out", str(out),
-               "--set", f"clip.loss={loss}", "--set", "run.progress=plain"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vitscale",
+            "train",
+            args.config,
+            "--out",
+            str(out),
+            "--set",
+            f"clip.loss={loss}",
+            "--set",
+            "run.progress=plain",
+        ]
         for s in args.set:
             cmd += ["--set", s]
         print("$", " ".join(cmd), flush=True)
@@ -65,7 +77,11 @@ def final(run: Path) -> dict | None:
     last = (eval_rows(run) or [None])[-1]
     if last is None or abs(last["epoch"] - epochs) > 1e-9:
         return None
-    return {**last, "steps": last["step"], "from": "metrics.jsonl (final evaluation; no summary.json)"}
+    return {
+        **last,
+        "steps": last["step"],
+        "from": "metrics.jsonl (final evaluation; no summary.json)",
+    }
 
 
 def finished(roots, losses) -> dict:
@@ -86,10 +102,17 @@ def cmd_report(args) -> None:
         sys.exit(f"no finished runs under {' '.join(args.roots)}")
     first = final(next(iter(groups.values()))[0])
     zs_key = next((k for k in first if k.startswith("zeroshot_") and k.endswith("_top1")), None)
-    cols = [("test_i2t_r1", "i2t R@1"), ("test_i2t_r5", "i2t R@5"), ("test_t2i_r1", "t2i R@1"),
-            ("test_t2i_r5", "t2i R@5"), ("retrieval_r1", "mean R@1")] + ([(zs_key, "zero-shot top-1")] if zs_key else [])
-    lines = ["| loss | run | steps | " + " | ".join(c[1] for c in cols) + " | final tau |",
-             "|---|---|---|" + "---|" * len(cols) + "---|"]
+    cols = [
+        ("test_i2t_r1", "i2t R@1"),
+        ("test_i2t_r5", "i2t R@5"),
+        ("test_t2i_r1", "t2i R@1"),
+        ("test_t2i_r5", "t2i R@5"),
+        ("retrieval_r1", "mean R@1"),
+    ] + ([(zs_key, "zero-shot top-1")] if zs_key else [])
+    lines = [
+        "| loss | run | steps | " + " | ".join(c[1] for c in cols) + " | final tau |",
+        "|---|---|---|" + "---|" * len(cols) + "---|",
+    ]
     stats = {}
     for loss, runs in groups.items():
         for run in runs:
@@ -97,40 +120,73 @@ def cmd_report(args) -> None:
             tau = next((r["tau"] for r in reversed(train_rows(run)) if "tau" in r), None)
             vals = [100 * s[k] if k in s else float("nan") for k, _ in cols]
             stats.setdefault(loss, []).append(vals + [tau if tau is not None else float("nan")])
-            lines.append(f"| {loss} | {run.parent.name}{'*' if 'from' in s else ''} | {s['steps']} | " + " | ".join(f"{v:.2f}" for v in vals)
-                         + f" | {'-' if tau is None else f'{tau:.4f}'} |")
-    lines += ["", "| loss | runs | " + " | ".join(c[1] for c in cols) + " | final tau |",
-              "|---|---|" + "---|" * len(cols) + "---|"]
+            lines.append(
+                f"| {loss} | {run.parent.name}{'*' if 'from' in s else ''} | {s['steps']} | "
+                + " | ".join(f"{v:.2f}" for v in vals)
+                + f" | {'-' if tau is None else f'{tau:.4f}'} |"
+            )
+    lines += [
+        "",
+        "| loss | runs | " + " | ".join(c[1] for c in cols) + " | final tau |",
+        "|---|---|" + "---|" * len(cols) + "---|",
+    ]
     for loss, rows in stats.items():
         cells = []
         for j in range(len(cols) + 1):
             xs = [r[j] for r in rows]
             sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-            cells.append(f"{statistics.mean(xs):.{4 if j == len(cols) else 2}f} ± {sd:.{4 if j == len(cols) else 2}f}")
+            cells.append(
+                f"{statistics.mean(xs):.{4 if j == len(cols) else 2}f} ± {sd:.{4 if j == len(cols) else 2}f}"
+            )
         lines.append(f"| {loss} | {len(rows)} | " + " | ".join(cells) + " |")
     if any("from" in final(run) for runs in groups.values() for run in runs):
-        lines.append("\n* no summary.json: the numbers are the run's final evaluation in metrics.jsonl")
+        lines.append(
+            "\n* no summary.json: the numbers are the run's final evaluation in metrics.jsonl"
+        )
     print("\n".join(lines))
     if args.png:  # held-out mean R@1 per epoch, every run
-        plot(args.png, args.title, groups, "epoch", "held-out mean R@1 (%)",
-             lambda run: [(r["epoch"], 100 * r["retrieval_r1"]) for r in eval_rows(run) if "retrieval_r1" in r],
-             marker="o")
+        plot(
+            args.png,
+            args.title,
+            groups,
+            "epoch",
+            "held-out mean R@1 (%)",
+            lambda run: [
+                (r["epoch"], 100 * r["retrieval_r1"]) for r in eval_rows(run) if "retrieval_r1" in r
+            ],
+            marker="o",
+        )
     if args.tau_png:  # the temperature per logged step, every run
-        plot(args.tau_png, args.title, groups, "step", "temperature (log scale)",
-             lambda run: [(r["step"], r["tau"]) for r in train_rows(run) if "tau" in r], log=True)
+        plot(
+            args.tau_png,
+            args.title,
+            groups,
+            "step",
+            "temperature (log scale)",
+            lambda run: [(r["step"], r["tau"]) for r in train_rows(run) if "tau" in r],
+            log=True,
+        )
 
 
 def plot(path, title, groups, xlabel, ylabel, points, log=False, marker=None) -> None:
     """One line per run, one colour per loss; points(run) -> [(x, y)]."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4.4))
     for c, (loss, runs) in enumerate(groups.items()):
         for i, run in enumerate(runs):
             xy = points(run)
-            ax.plot([p[0] for p in xy], [p[1] for p in xy], marker=marker,
-                    color=f"C{c}", alpha=0.85, label=loss if i == 0 else None)
+            ax.plot(
+                [p[0] for p in xy],
+                [p[1] for p in xy],
+                marker=marker,
+                color=f"C{c}",
+                alpha=0.85,
+                label=loss if i == 0 else None,
+            )
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if log:
@@ -153,11 +209,14 @@ def cmd_overhead(args) -> None:
 
     from vitscale.config import load_config
     from vitscale.loop import Trainer
+
     trainers, times = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for loss in args.losses:
-            cfg = load_config(args.config, [f"clip.loss={loss}", "run.progress=off", "run.tensorboard=false",
-                                            *args.set])
+            cfg = load_config(
+                args.config,
+                [f"clip.loss={loss}", "run.progress=off", "run.tensorboard=false", *args.set],
+            )
             trainers[loss] = Trainer(cfg, run_dir=Path(tmp) / loss)
             times[loss] = []
         batch = next(iter(trainers[args.losses[0]].data.train.iterate(1)))  # epoch 1: gamma < 1
@@ -176,16 +235,22 @@ def cmd_overhead(args) -> None:
         for t in trainers.values():
             t.data.close()
     base = statistics.median(times[args.losses[0]])
-    print(f"per-step time, median of {args.rounds} interleaved rounds x {args.steps} steps, batch "
-          f"{batch[0].shape[0]}, {torch.get_num_threads()} threads:")
+    print(
+        f"per-step time, median of {args.rounds} interleaved rounds x {args.steps} steps, batch "
+        f"{batch[0].shape[0]}, {torch.get_num_threads()} threads:"
+    )
     print("| loss | step time (ms) | min-max (ms) | vs " + args.losses[0] + " |\n|---|---|---|---|")
     for loss, ts in times.items():
         med = statistics.median(ts)
-        print(f"| {loss} | {1e3 * med:.1f} | {1e3 * min(ts):.1f}-{1e3 * max(ts):.1f} | {med / base:.3f}x |")
+        print(
+            f"| {loss} | {1e3 * med:.1f} | {1e3 * min(ts):.1f}-{1e3 * max(ts):.1f} | {med / base:.3f}x |"
+        )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("train", "overhead"):
         p = sub.add_parser(name)
@@ -198,11 +263,15 @@ def main() -> None:
     o.add_argument("--rounds", type=int, default=5)
     o.add_argument("--warmup", type=int, default=3)
     r = sub.add_parser("report")
-    r.add_argument("roots", nargs="+", help="run folders, one per seed (each with a folder per loss)")
+    r.add_argument(
+        "roots", nargs="+", help="run folders, one per seed (each with a folder per loss)"
+    )
     r.add_argument("--losses", nargs="+", default=LOSSES)
     r.add_argument("--png")
     r.add_argument("--tau-png")
-    r.add_argument("--title", default="CLIP on OpenClipArt, same model, batch and steps (2-core CPU)")
+    r.add_argument(
+        "--title", default="CLIP on OpenClipArt, same model, batch and steps (2-core CPU)"
+    )
     args = ap.parse_args()
     {"train": cmd_train, "report": cmd_report, "overhead": cmd_overhead}[args.cmd](args)
 

@@ -8,6 +8,7 @@
 
   python benchmarks/cpu_kernels.py [--threads 2] [--repeats 30]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,11 @@ def timed(fn, repeats: int, warmup: int = 5) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-BACKENDS = {"sdpa default": None, "sdpa math": [SDPBackend.MATH], "sdpa flash": [SDPBackend.FLASH_ATTENTION]}
+BACKENDS = {
+    "sdpa default": None,
+    "sdpa math": [SDPBackend.MATH],
+    "sdpa flash": [SDPBackend.FLASH_ATTENTION],
+}
 
 
 def forward_fn(kind: str, q, k, v):
@@ -43,6 +48,7 @@ def forward_fn(kind: str, q, k, v):
     def sdpa():
         with sdpa_kernel(BACKENDS[kind]) if BACKENDS[kind] else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v)
+
     return sdpa
 
 
@@ -64,7 +70,9 @@ def attention_split(kind: str, repeats: int) -> tuple[float, float]:
         t_fwd = timed(fwd, repeats)
     out = fwd()
     grad = torch.randn_like(out)
-    return t_fwd, timed(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats)
+    return t_fwd, timed(
+        lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True), repeats
+    )
 
 
 def matmul_gflops(m: int, k: int, n: int, repeats: int) -> float:
@@ -73,7 +81,9 @@ def matmul_gflops(m: int, k: int, n: int, repeats: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=30)
     args = p.parse_args()
@@ -90,10 +100,12 @@ def main() -> None:
     peak = matmul_gflops(2048, 2048, 2048, max(3, args.repeats // 6))
     print("\n| bf16 matmul [M, K] x [K, N] | GFLOP/s | of the 2048^3 matmul |\n|---|---:|---:|")
     print(f"| 2048 x 2048 x 2048 (square) | {peak:.0f} | 1.00 |")
-    for name, (m, k, n) in {"qkv / fc1: 4096 x 192 x 576": (4096, 192, 576),
-                            "proj: 4096 x 192 x 192": (4096, 192, 192),
-                            "fc2: 4096 x 576 x 192": (4096, 576, 192),
-                            "weight grad of fc1: 576 x 4096 x 192": (576, 4096, 192)}.items():
+    for name, (m, k, n) in {
+        "qkv / fc1: 4096 x 192 x 576": (4096, 192, 576),
+        "proj: 4096 x 192 x 192": (4096, 192, 192),
+        "fc2: 4096 x 576 x 192": (4096, 576, 192),
+        "weight grad of fc1: 576 x 4096 x 192": (576, 4096, 192),
+    }.items():
         g = matmul_gflops(m, k, n, args.repeats)
         print(f"| {name} | {g:.0f} | {g / peak:.2f} |")
 

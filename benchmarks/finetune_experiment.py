@@ -14,6 +14,7 @@
    head) and (b) from scratch with the same architecture. Every run evaluates each epoch.
 3. report: test accuracy against training time for both, as a table (markdown).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,14 +27,23 @@ from pathlib import Path
 OPENCLIPART = Path("/usr/share/openclipart/png")
 LEFT_OUT = {"special", "unsorted"}
 # the default recipe's model (configs/fashion_mnist.toml) on 56 px colour images
-FOLDER = ["data.name=folder", "data.image_size=56", "data.num_workers=2", "data.hflip=true",
-          "run.eval_every=1", "run.log_every=20", "train.eval_hflip_tta=false"]
+FOLDER = [
+    "data.name=folder",
+    "data.image_size=56",
+    "data.num_workers=2",
+    "data.hflip=true",
+    "run.eval_every=1",
+    "run.log_every=20",
+    "train.eval_hflip_tta=false",
+]
 
 
 def cmd_prepare(args) -> None:
     out = Path(args.out)
     n = 0
-    for cat in sorted(p.name for p in OPENCLIPART.iterdir() if p.is_dir() and p.name not in LEFT_OUT):
+    for cat in sorted(
+        p.name for p in OPENCLIPART.iterdir() if p.is_dir() and p.name not in LEFT_OUT
+    ):
         for f in sorted((OPENCLIPART / cat).rglob("*.png")):
             rel = f.relative_to(OPENCLIPART / cat)
             split = "val" if zlib.crc32(str(rel).encode()) % 10 == 0 else "train"
@@ -59,11 +69,19 @@ def cmd_run(args) -> None:
     out = Path(args.out)
     pre = out / "pretrain_fmnist"
     if not (pre / "summary.json").exists():
-        vitscale("train", "--out", str(pre), *sets([f"train.epochs={args.pretrain_epochs}", "run.threads=2"]))
+        vitscale(
+            "train",
+            "--out",
+            str(pre),
+            *sets([f"train.epochs={args.pretrain_epochs}", "run.threads=2"]),
+        )
     weights = out / "fmnist.safetensors"
     vitscale("export", str(pre), "--out", str(weights))
-    budget = [f"train.time_limit_s={args.seconds}", "train.epochs=1000"] if args.seconds else \
-        [f"train.epochs={args.epochs}"]
+    budget = (
+        [f"train.time_limit_s={args.seconds}", "train.epochs=1000"]
+        if args.seconds
+        else [f"train.epochs={args.epochs}"]
+    )
     common = FOLDER + [f"data.root={args.folder}", "run.threads=2"] + budget
     vitscale("train", "--out", str(out / "finetune"), *sets(common + [f"model.init={weights}"]))
     vitscale("train", "--out", str(out / "scratch"), *sets(common))
@@ -83,12 +101,16 @@ def cmd_report(args) -> None:
         points = ", ".join(f"{100 * a:.2f}% ({t:.0f} s)" for t, a in c)
         print(f"| {name} | {len(c)} | {points} | {100 * c[-1][1]:.2f}% |")
     pre = json.loads((root / "pretrain_fmnist" / "summary.json").read_text())
-    print(f"\npretraining: Fashion-MNIST {pre['epochs']:.0f} epochs, test accuracy {100 * pre['test_accuracy']:.2f}%, "
-          f"{pre['train_time_s']:.0f} s")
+    print(
+        f"\npretraining: Fashion-MNIST {pre['epochs']:.0f} epochs, test accuracy {100 * pre['test_accuracy']:.2f}%, "
+        f"{pre['train_time_s']:.0f} s"
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("prepare")
     a.add_argument("--out", required=True)
@@ -96,7 +118,9 @@ def main() -> None:
     b.add_argument("--folder", required=True)
     b.add_argument("--out", required=True)
     b.add_argument("--epochs", type=float, default=8)
-    b.add_argument("--seconds", type=float, default=0, help="a training-time budget instead of --epochs")
+    b.add_argument(
+        "--seconds", type=float, default=0, help="a training-time budget instead of --epochs"
+    )
     b.add_argument("--pretrain-epochs", type=float, default=3)
     c = sub.add_parser("report")
     c.add_argument("root")

@@ -6,6 +6,7 @@ a median above 1.01); then the optimizer step alone for each `optim.impl` on the
 
   python benchmarks/harness_noise.py [CONFIG] [--set k=v ...] [--copies 3] [--steps 2] [--rounds 9]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,12 +41,17 @@ def optimizer_steps(cfg, reps: int = 20, rounds: int = 3) -> dict:
                 o.step()
             ms[impl].append(1e3 * (time.perf_counter() - t) / reps)
     n = sum(p.numel() for p in model.parameters())
-    return {"parameters": n, "tensors": len(list(model.parameters())),
-            "ms": {k: statistics.median(v) for k, v in ms.items()}}
+    return {
+        "parameters": n,
+        "tensors": len(list(model.parameters())),
+        "ms": {k: statistics.median(v) for k, v in ms.items()},
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config", nargs="?", default=None)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--copies", type=int, default=3)
@@ -55,17 +61,23 @@ def main() -> None:
     args = p.parse_args()
     cfgs = [lab_config(args.config, args.overrides) for _ in range(args.copies)]
     res = measure_configs(cfgs, args.steps, args.rounds, args.warmup, synthetic=True)
-    print(f"{args.copies} copies of one configuration, {args.rounds} rounds x {args.steps} steps, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"{args.copies} copies of one configuration, {args.rounds} rounds x {args.steps} steps, "
+        f"{torch.get_num_threads()} threads"
+    )
     for i, r in enumerate(res):
         rounds = r["paired_rounds"]
         taken = i and beats_first(r["paired_vs_first"], rounds)
-        print(f"  copy {i}: {r['images_per_s']:.1f} img/s (median round); vs copy 0 round by round "
-              f"{min(rounds):.3f}-{max(rounds):.3f}, median {r['paired_vs_first']:.3f}"
-              + (f"; tune would take it: {'yes (a false gain)' if taken else 'no'}" if i else ""))
+        print(
+            f"  copy {i}: {r['images_per_s']:.1f} img/s (median round); vs copy 0 round by round "
+            f"{min(rounds):.3f}-{max(rounds):.3f}, median {r['paired_vs_first']:.3f}"
+            + (f"; tune would take it: {'yes (a false gain)' if taken else 'no'}" if i else "")
+        )
     o = optimizer_steps(cfgs[0])
-    print(f"optimizer step alone ({o['parameters']:,} parameters in {o['tensors']} tensors): "
-          + ", ".join(f"{k} {v:.2f} ms" for k, v in o["ms"].items()))
+    print(
+        f"optimizer step alone ({o['parameters']:,} parameters in {o['tensors']} tensors): "
+        + ", ".join(f"{k} {v:.2f} ms" for k, v in o["ms"].items())
+    )
 
 
 if __name__ == "__main__":

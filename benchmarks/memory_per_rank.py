@@ -18,6 +18,7 @@ more step taken apart so that it can look between backward and the optimizer ste
   flock /tmp/vitscale-bench.lock .venv/bin/python benchmarks/memory_per_rank.py --out runs/memory-per-rank
   python benchmarks/memory_per_rank.py --models default --engines ddp,fsdp --steps 2   # quick look
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,15 +34,31 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 # The default recipe on synthetic 1-channel 32 px data; larger registry models replace its model.
-BASE = ["data.name=synthetic", "data.channels=1", "data.num_classes=10", "data.train_size=256",
-        "data.test_size=64", "run.threads=1", "train.precision=fp32", "optim.impl=foreach"]
-PLAIN_VIT = ["model.dim=0", "model.depth=0", "model.heads=0", "model.mlp_ratio=0", "model.patch_size=0",
-             "model.stem=patch", "model.head=token", "model.attention=sdpa"]
+BASE = [
+    "data.name=synthetic",
+    "data.channels=1",
+    "data.num_classes=10",
+    "data.train_size=256",
+    "data.test_size=64",
+    "run.threads=1",
+    "train.precision=fp32",
+    "optim.impl=foreach",
+]
+PLAIN_VIT = [
+    "model.dim=0",
+    "model.depth=0",
+    "model.heads=0",
+    "model.mlp_ratio=0",
+    "model.patch_size=0",
+    "model.stem=patch",
+    "model.head=token",
+    "model.attention=sdpa",
+]
 MODELS = {
-    "default": [],                                                       # vit_nano_patch8, conv stem
-    "default-bf16": ["train.precision=bf16", "optim.impl=fused"],        # the recipe as it is
-    "small": ["model.arch=vit_small_patch4", *PLAIN_VIT],                # ViT-S/4 at 32 px
-    "base": ["model.arch=vit_base_patch16", *PLAIN_VIT],                 # ViT-B/16 at 32 px
+    "default": [],  # vit_nano_patch8, conv stem
+    "default-bf16": ["train.precision=bf16", "optim.impl=fused"],  # the recipe as it is
+    "small": ["model.arch=vit_small_patch4", *PLAIN_VIT],  # ViT-S/4 at 32 px
+    "base": ["model.arch=vit_base_patch16", *PLAIN_VIT],  # ViT-B/16 at 32 px
 }
 ENGINES = {
     "ddp": ["strategy.name=ddp"],
@@ -52,17 +69,30 @@ ENGINES = {
     "fsdp": ["strategy.name=fsdp"],
 }
 # formula (docs/distributed.md): bytes per parameter per rank at N processes, fp32 weights + grads + AdamW
-FORMULA = {"ddp": lambda n: 16, "z0": lambda n: 16, "z1": lambda n: 8 + 8 / n, "z2": lambda n: 4 + 12 / n,
-           "z3": lambda n: 16 / n, "fsdp": lambda n: 16 / n}
+FORMULA = {
+    "ddp": lambda n: 16,
+    "z0": lambda n: 16,
+    "z1": lambda n: 8 + 8 / n,
+    "z2": lambda n: 4 + 12 / n,
+    "z3": lambda n: 16 / n,
+    "fsdp": lambda n: 16 / n,
+}
 # the same without the gradients (what state_bytes counts)
-FORMULA_NO_GRAD = {"ddp": lambda n: 12, "z0": lambda n: 12, "z1": lambda n: 4 + 8 / n,
-                   "z2": lambda n: 4 + 8 / n, "z3": lambda n: 12 / n, "fsdp": lambda n: 12 / n}
+FORMULA_NO_GRAD = {
+    "ddp": lambda n: 12,
+    "z0": lambda n: 12,
+    "z1": lambda n: 4 + 8 / n,
+    "z2": lambda n: 4 + 8 / n,
+    "z3": lambda n: 12 / n,
+    "fsdp": lambda n: 12 / n,
+}
 
 
 def live_tensor_bytes(top: int = 0):
     """Bytes of every distinct tensor storage reachable from Python objects (and their .grad); with
     top > 0 also the `top` largest storages as (MiB, dtype, shape of one tensor on it)."""
     import torch
+
     seen, total, big = set(), 0, []
 
     def add(t):
@@ -107,6 +137,7 @@ def worker(config: str, sets: list[str], warmup: int) -> None:
     from vitscale.lab.machine import max_rss_bytes
     from vitscale.lab.recipes import lab_config
     from vitscale.lab.timing import Bench, micros
+
     cfg = lab_config(config, sets)
     rss0, rss_start = max_rss_bytes(), rss_bytes()
     b = Bench(cfg, synthetic=True)
@@ -125,6 +156,7 @@ def worker(config: str, sets: list[str], warmup: int) -> None:
     def local(t):
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
+
     grads = sum(local(p.grad) for p in s.module.parameters() if p.grad is not None)
     live_bwd, top_bwd = live_tensor_bytes(top=4)
     rss_bwd = rss_bytes()
@@ -134,13 +166,28 @@ def worker(config: str, sets: list[str], warmup: int) -> None:
     live_step = live_tensor_bytes()
     # ZeRO-3 keeps each rank's parameter partition in p.ds_tensor (p.data is an empty placeholder,
     # or the whole tensor for the small "persistent" ones): state_bytes' "params" misses it
-    ds_part = sum(local(p.ds_tensor) for p in s.module.parameters() if getattr(p, "ds_tensor", None) is not None)
-    rec = {"rank": s.rank, "params": tr.params, "state": tr.state_bytes(), "grads": grads,
-           "zero3_partitions": ds_part, "live_after_backward": live_bwd, "live_after_step": live_step,
-           "largest_storages_after_backward": top_bwd, "rss_after_backward": rss_bwd,
-           "rss_before_setup": rss_start, "peak_rss_growth": max_rss_bytes() - rss0,
-           "world_size": s.world_size, "strategy": s.name,
-           "precision": cfg.train.precision, "torch": torch.__version__}
+    ds_part = sum(
+        local(p.ds_tensor)
+        for p in s.module.parameters()
+        if getattr(p, "ds_tensor", None) is not None
+    )
+    rec = {
+        "rank": s.rank,
+        "params": tr.params,
+        "state": tr.state_bytes(),
+        "grads": grads,
+        "zero3_partitions": ds_part,
+        "live_after_backward": live_bwd,
+        "live_after_step": live_step,
+        "largest_storages_after_backward": top_bwd,
+        "rss_after_backward": rss_bwd,
+        "rss_before_setup": rss_start,
+        "peak_rss_growth": max_rss_bytes() - rss0,
+        "world_size": s.world_size,
+        "strategy": s.name,
+        "precision": cfg.train.precision,
+        "torch": torch.__version__,
+    }
     per_rank = s.gather_objects(rec)
     if s.rank == 0:
         print("RESULT " + json.dumps(per_rank), flush=True)
@@ -151,9 +198,24 @@ def worker(config: str, sets: list[str], warmup: int) -> None:
 
 
 def run_point(config, sets, nproc, warmup, port, timeout):
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(port), str(Path(__file__).resolve()),
-            "--worker", "--config", config, "--warmup", str(warmup), *[a for x in sets for a in ("--set", x)]]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--config",
+        config,
+        "--warmup",
+        str(warmup),
+        *[a for x in sets for a in ("--set", x)],
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     for ln in p.stdout.splitlines():
@@ -169,9 +231,11 @@ def mib(x) -> str:
 
 def table(records: list[dict]) -> str:
     """Rank 0's numbers (the ranks agree to 0.1 MiB; FSDP2's uneven shards by less than 1%)."""
-    head = ("| model | params P | engine | precision | state_bytes_per_rank MiB (params + master + optimizer) "
-            "| ZeRO-3 partitions not in it MiB | tensors held after backward MiB (bytes/P) | formula MiB "
-            "(bytes/P) | RSS after backward MiB | peak RSS growth MiB |")
+    head = (
+        "| model | params P | engine | precision | state_bytes_per_rank MiB (params + master + optimizer) "
+        "| ZeRO-3 partitions not in it MiB | tensors held after backward MiB (bytes/P) | formula MiB "
+        "(bytes/P) | RSS after backward MiB | peak RSS growth MiB |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         if not r.get("ok"):
@@ -187,19 +251,24 @@ def table(records: list[dict]) -> str:
             f"{mib(x.get('zero3_partitions', 0)) if x.get('zero3_partitions') else '-'} | "
             f"{mib(held)} ({held / P:.1f}) | {mib(f * P)} ({f:g}) | "
             f"{mib(x['rss_after_backward'] - x['rss_before_setup']) if 'rss_after_backward' in x else '-'} | "
-            f"{mib(x['peak_rss_growth'])} |")
+            f"{mib(x['peak_rss_growth'])} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", default=str(ROOT / "configs" / "fashion_mnist.toml"))
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--models", default="default,small,base", help=f"of {', '.join(MODELS)}")
     ap.add_argument("--engines", default="ddp,z0,z1,z2,z3,fsdp", help=f"of {', '.join(ENGINES)}")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=16, help="global batch (small: memory is the point)")
+    ap.add_argument(
+        "--batch", type=int, default=16, help="global batch (small: memory is the point)"
+    )
     ap.add_argument("--warmup", type=int, default=2, help="training steps before the measured one")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default="runs/memory-per-rank")
@@ -208,6 +277,7 @@ def main() -> int:
         worker(args.config, args.set, args.warmup)
         return 0
     from vitscale.strategy.dist import free_port
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []
@@ -215,13 +285,25 @@ def main() -> int:
         for e in args.engines.split(","):
             sets = [*BASE, f"data.batch_size={args.batch}", *MODELS[m], *ENGINES[e], *args.set]
             t0 = time.perf_counter()
-            ranks, err = run_point(args.config, sets, args.nproc, args.warmup, free_port(), args.timeout)
-            rec = {"model": m, "engine": e, "nproc": args.nproc, "sets": sets, "ok": ranks is not None,
-                   "error": err, "ranks": ranks, "wall_s": round(time.perf_counter() - t0, 1)}
+            ranks, err = run_point(
+                args.config, sets, args.nproc, args.warmup, free_port(), args.timeout
+            )
+            rec = {
+                "model": m,
+                "engine": e,
+                "nproc": args.nproc,
+                "sets": sets,
+                "ok": ranks is not None,
+                "error": err,
+                "ranks": ranks,
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
             records.append(rec)
             with (out / "results.jsonl").open("a") as f:
                 f.write(json.dumps(rec) + "\n")
-            print(f"{m} {e}: {'ok' if ranks else 'FAILED ' + str(err)} ({rec['wall_s']}s)", flush=True)
+            print(
+                f"{m} {e}: {'ok' if ranks else 'FAILED ' + str(err)} ({rec['wall_s']}s)", flush=True
+            )
     md = table(records)
     (out / "results.md").write_text(md + "\n")
     print(md)

@@ -4,6 +4,7 @@
 
 Reads each RUN/metrics.jsonl (its `kind = eval` lines) and labels curves with the run folder name.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,14 +19,18 @@ def eval_points(run: Path) -> tuple[list[float], list[float]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--title", default="Fashion-MNIST test accuracy vs training time (2-core CPU)")
     args = ap.parse_args()
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in args.runs:
         t, acc = eval_points(run)

@@ -5,6 +5,7 @@ images/s of each and the second's ratio to the first, round by round. Used for d
   git show b6062ad:src/vitscale/configs/fashion_mnist.toml > /tmp/old.toml
   python benchmarks/recipes_side_by_side.py /tmp/old.toml configs/fashion_mnist.toml --set run.threads=2
 """
+
 import argparse
 
 from vitscale.lab.recipes import lab_config
@@ -19,9 +20,14 @@ p.add_argument("--rounds", type=int, default=6)
 p.add_argument("--warmup", type=int, default=3)
 a = p.parse_args()
 cfgs = [lab_config(path, a.set) for path in (a.first, a.second)]
-for name, r in zip((a.first, a.second), measure_configs(cfgs, a.steps, a.rounds, a.warmup, names=[a.first, a.second])):
+for name, r in zip(
+    (a.first, a.second),
+    measure_configs(cfgs, a.steps, a.rounds, a.warmup, names=[a.first, a.second]),
+):
     if "error" in r:
         print(f"{name}: {r['error']}")
         continue
     rounds = ", ".join(f"{x:.2f}" for x in r["paired_rounds"])
-    print(f"{name}: {r['images_per_s']:.0f} img/s, {r['paired_vs_first']:.2f}x the first (rounds: {rounds})")
+    print(
+        f"{name}: {r['images_per_s']:.0f} img/s, {r['paired_vs_first']:.2f}x the first (rounds: {rounds})"
+    )

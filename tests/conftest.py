@@ -11,6 +11,7 @@ the fast one: `pytest -m slow`). A test named on the command line (`pytest path:
 and so does everything under an explicit `-m` expression.
 Test module basenames are unique across the two folders (no __init__.py: pytest's default import
 mode puts this folder on sys.path, which is how `from helpers import ...` resolves)."""
+
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ def uninterrupted(tmp_path_factory):
             assert p.returncode == 0, p.stderr[-3000:]
             runs[engine] = out
         return runs[engine]
+
     return get
 
 
@@ -49,6 +51,7 @@ def uninterrupted(tmp_path_factory):
 def fixed_peak_and_threads(monkeypatch):
     """A fixed CPU matmul peak (MFU without a 1 s measurement) and torch's thread count restored."""
     from vitscale import metrics
+
     monkeypatch.setattr(metrics, "measure_matmul_peak", lambda *a, **k: 1e11)
     n = torch.get_num_threads()
     yield
@@ -59,8 +62,8 @@ def fixed_peak_and_threads(monkeypatch):
 def shards(tmp_path_factory):
     """Webdataset shards: train/ (4 x 6 samples) and test/ (2 x 4 held out), see helpers.write_shards."""
     root = tmp_path_factory.mktemp("wds")
-    write_shards(root / "train", n_shards=4, per=6)               # 24 samples
-    write_shards(root / "test", n_shards=2, per=4, start=100)     # 8 held-out samples
+    write_shards(root / "train", n_shards=4, per=6)  # 24 samples
+    write_shards(root / "test", n_shards=2, per=4, start=100)  # 8 held-out samples
     return root
 
 
@@ -68,15 +71,25 @@ INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
 def pytest_addoption(parser):
-    parser.addoption("--full", action="store_true", help="vitscale: run the slow tier too (the whole suite, as "
-                     "CI does); without it the slow tests of tests/tiers.py are deselected")
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="vitscale: run the slow tier too (the whole suite, as "
+        "CI does); without it the slow tests of tests/tiers.py are deselected",
+    )
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "integration: launches processes (torchrun, deepspeed, the CLI in a "
-                                       "subprocess); deselect with -m 'not integration' for the fast set")
-    config.addinivalue_line("markers", "slow: the slow tier (tests/tiers.py, by measured time); `pytest` leaves "
-                                       "it out, `pytest --full` or `-m slow` runs it")
+    config.addinivalue_line(
+        "markers",
+        "integration: launches processes (torchrun, deepspeed, the CLI in a "
+        "subprocess); deselect with -m 'not integration' for the fast set",
+    )
+    config.addinivalue_line(
+        "markers",
+        "slow: the slow tier (tests/tiers.py, by measured time); `pytest` leaves "
+        "it out, `pytest --full` or `-m slow` runs it",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -90,7 +103,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     if config.getoption("--full") or config.getoption("markexpr"):
         return
-    named = {a.split("[")[0] for a in config.args if "::" in a}  # a test named by its id (any parametrization)
+    named = {
+        a.split("[")[0] for a in config.args if "::" in a
+    }  # a test named by its id (any parametrization)
     keep, drop = [], []
     for item in items:
         slow = item.get_closest_marker("slow") is not None
@@ -104,5 +119,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     n = getattr(config, "_vitscale_slow_left_out", 0)
     if n:
-        terminalreporter.write_line(f"vitscale: the fast tier ran; {n} slow tests left out (run everything with "
-                                    "`pytest --full`: docs/testing.md)")
+        terminalreporter.write_line(
+            f"vitscale: the fast tier ran; {n} slow tests left out (run everything with "
+            "`pytest --full`: docs/testing.md)"
+        )

@@ -1,5 +1,6 @@
 """Helpers shared by the test modules: recipes, launching torchrun, reading runs back, and
 writers of small datasets in the official formats. Fixtures live in conftest.py."""
+
 import gzip
 import io
 import json
@@ -55,24 +56,37 @@ def comm_per_step(run_dir) -> list[dict]:
     bytes (4P), e.g. {"allgather": 2.02, "reducescatter": 1.01}."""
     P = json.loads((Path(run_dir) / "summary.json").read_text())["params"]
     recs = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k[len("comm_"):-len("_bytes_per_step")]: v / (4 * P) for k, v in r.items()
-             if k.startswith("comm_") and k.endswith("_bytes_per_step") and k != "comm_bytes_per_step"}
-            for r in recs if r["kind"] == "train"]
+    return [
+        {
+            k[len("comm_") : -len("_bytes_per_step")]: v / (4 * P)
+            for k, v in r.items()
+            if k.startswith("comm_")
+            and k.endswith("_bytes_per_step")
+            and k != "comm_bytes_per_step"
+        }
+        for r in recs
+        if r["kind"] == "train"
+    ]
 
 
 def check_eval_and_export(run_dir, tmp_path, capsys, saved: dict) -> dict:
     """`vitscale eval` of a run gives its last logged test accuracy and loss; `vitscale export`
     writes exactly `saved` (its consolidated weights). Returns eval's result."""
     from safetensors.torch import load_file
+
     capsys.readouterr()
     assert main(["eval", str(run_dir), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in x][-1]
+    last = [
+        json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in x
+    ][-1]
     assert result["test_accuracy"] == last["test_accuracy"]
     assert abs(result["test_loss"] - last["test_loss"]) <= 1e-5
     assert main(["export", str(run_dir), "--out", str(tmp_path / "m.safetensors")]) == 0
     exported = load_file(str(tmp_path / "m.safetensors"))
-    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    assert exported.keys() == saved.keys() and all(
+        torch.equal(exported[k], saved[k]) for k in saved
+    )
     return result
 
 
@@ -86,10 +100,26 @@ def weights(run_dir):
 
 
 def torchrun(out, extra, nproc=2, timeout=240, resume=None, config=TINY, base=BASE):
-    what = ["--resume", str(resume), *sets(extra)] if resume else [config, "--out", str(out), *sets(base + extra)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "vitscale", "train", *what]
+    what = (
+        ["--resume", str(resume), *sets(extra)]
+        if resume
+        else [config, "--out", str(out), *sets(base + extra)]
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "vitscale",
+        "train",
+        *what,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if p.returncode and "address already in use" in p.stderr.lower():  # free_port() lost a race
@@ -100,6 +130,7 @@ def torchrun(out, extra, nproc=2, timeout=240, resume=None, config=TINY, base=BA
 def poison_loss(monkeypatch, call: int, factor: float) -> None:
     """The classification loss of the `call`-th forward multiplied by `factor` (nan, inf)."""
     from vitscale.tasks import ClassificationTask
+
     calls = {"n": 0}
     real = ClassificationTask.loss
 
@@ -107,6 +138,7 @@ def poison_loss(monkeypatch, call: int, factor: float) -> None:
         calls["n"] += 1
         loss = real(self, logits, y)
         return loss * factor if calls["n"] == call else loss
+
     monkeypatch.setattr(ClassificationTask, "loss", poisoned)
 
 
@@ -122,10 +154,24 @@ def sets(items):
 
 
 # `vitscale bench --json`: the keys every result has, and their types
-BENCH_KEYS = {"images_per_s": float, "images_per_s_per_device": float, "mfu": float, "peak_flops": float,
-              "peak_source": str, "step_time_s": dict, "split": dict, "peak_memory_bytes": int,
-              "memory_source": str, "world_size": int, "batch_size": int, "config": dict, "versions": dict,
-              "hardware": dict, "state_bytes": int, "state_bytes_per_rank": list}
+BENCH_KEYS = {
+    "images_per_s": float,
+    "images_per_s_per_device": float,
+    "mfu": float,
+    "peak_flops": float,
+    "peak_source": str,
+    "step_time_s": dict,
+    "split": dict,
+    "peak_memory_bytes": int,
+    "memory_source": str,
+    "world_size": int,
+    "batch_size": int,
+    "config": dict,
+    "versions": dict,
+    "hardware": dict,
+    "state_bytes": int,
+    "state_bytes_per_rank": list,
+}
 
 
 def check_bench_schema(r):
@@ -134,7 +180,9 @@ def check_bench_schema(r):
         assert isinstance(r[k], t), (k, r[k])
     assert set(r["step_time_s"]) == {"min", "median", "max"}
     assert r["step_time_s"]["min"] <= r["step_time_s"]["median"] <= r["step_time_s"]["max"]
-    assert {"data", "forward", "backward", "comm_exposed", "comm_overlapped", "optimizer"} <= set(r["split"])
+    assert {"data", "forward", "backward", "comm_exposed", "comm_overlapped", "optimizer"} <= set(
+        r["split"]
+    )
     assert r["images_per_s"] > 0 and 0 < r["mfu"]
     assert r["images_per_s_per_device"] == pytest.approx(r["images_per_s"] / r["world_size"])
     assert {"python", "torch", "vitscale"} <= set(r["versions"])
@@ -145,8 +193,16 @@ def check_bench_schema(r):
 
 def folder_args(root, workers):
     """--set overrides training the tiny recipe on `make_tree(root)` (batches of 7, one epoch)."""
-    return ("data.name=folder", f"data.root={root}", "data.image_size=8", f"data.num_workers={workers}",
-            "data.batch_size=7", "data.drop_last=false", "data.eval_batch_size=2", "train.epochs=1")
+    return (
+        "data.name=folder",
+        f"data.root={root}",
+        "data.image_size=8",
+        f"data.num_workers={workers}",
+        "data.batch_size=7",
+        "data.drop_last=false",
+        "data.eval_batch_size=2",
+        "train.epochs=1",
+    )
 
 
 def interrupted_copy(full, part, step: int):
@@ -178,7 +234,9 @@ def make_tree(root, rng=None):
     (cat / "h_truncated.jpg").write_bytes(data[: len(data) // 2])
     Image.new("RGB", (30, 18), BLUE).save(dog / "a_blue.webp")
     for i in range(3):
-        Image.fromarray(np.dstack([_noise(rng)[..., :2].max(-1)] * 2), "LA").save(dog / f"b_la{i}.png")
+        Image.fromarray(np.dstack([_noise(rng)[..., :2].max(-1)] * 2), "LA").save(
+            dog / f"b_la{i}.png"
+        )
     Image.fromarray(_noise(rng, 40, 33)).save(dog / "c_rgb.jpeg")
     (dog / "d_not_an_image.png").write_bytes(b"this is not a png")
     (dog / "notes.txt").write_text("ignored: not an image extension")
@@ -197,23 +255,48 @@ def write_cifar(root: Path, name="cifar10", per_batch=3, n_test=4, seed=0):
     if name == "cifar10":
         base, k = root / "cifar-10-batches-py", 10
         base.mkdir(parents=True)
-        _dump(base / "batches.meta", {b"num_cases_per_batch": per_batch, b"num_vis": 3072,
-                                      b"label_names": [b"airplane", b"automobile", b"bird", b"cat",
-                                                       b"deer", b"dog", b"frog", b"horse", b"ship", b"truck"]})
+        _dump(
+            base / "batches.meta",
+            {
+                b"num_cases_per_batch": per_batch,
+                b"num_vis": 3072,
+                b"label_names": [
+                    b"airplane",
+                    b"automobile",
+                    b"bird",
+                    b"cat",
+                    b"deer",
+                    b"dog",
+                    b"frog",
+                    b"horse",
+                    b"ship",
+                    b"truck",
+                ],
+            },
+        )
         files, label_key = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], b"labels"
     else:
         base, k = root / "cifar-100-python", 100
         base.mkdir(parents=True)
-        _dump(base / "meta", {b"fine_label_names": [f"c{i}".encode() for i in range(100)],
-                              b"coarse_label_names": [f"s{i}".encode() for i in range(20)]})
+        _dump(
+            base / "meta",
+            {
+                b"fine_label_names": [f"c{i}".encode() for i in range(100)],
+                b"coarse_label_names": [f"s{i}".encode() for i in range(20)],
+            },
+        )
         files, label_key = ["train", "test"], b"fine_labels"
     out = {}
     for f in files:
         n = n_test if "test" in f else (per_batch if name == "cifar10" else 5 * per_batch)
         data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
         labels = rng.integers(0, k, n).tolist()
-        d = {b"batch_label": f.encode(), label_key: labels, b"data": data,
-             b"filenames": [f"{i}.png".encode() for i in range(n)]}
+        d = {
+            b"batch_label": f.encode(),
+            label_key: labels,
+            b"data": data,
+            b"filenames": [f"{i}.png".encode() for i in range(n)],
+        }
         if name == "cifar100":
             d[b"coarse_labels"] = [x // 5 for x in labels]
         _dump(base / f, d)
@@ -261,28 +344,44 @@ def tar_add(tf, name, data):
     tf.addfile(ti, io.BytesIO(data))
 
 
-def write_shards(folder, n_shards=4, per=6, *, gz=False, gz_members=False, bad_jpeg=(), no_caption=(), start=0):
+def write_shards(
+    folder, n_shards=4, per=6, *, gz=False, gz_members=False, bad_jpeg=(), no_caption=(), start=0
+):
     """n_shards x per samples s0000...: KEY.jpg, KEY.txt 'sample k', KEY.cls k % 3."""
     folder.mkdir(parents=True, exist_ok=True)
     k = start
     for s in range(n_shards):
-        with tarfile.open(folder / f"{s:05d}.tar{'.gz' if gz else ''}", "w:gz" if gz else "w") as tf:
+        with tarfile.open(
+            folder / f"{s:05d}.tar{'.gz' if gz else ''}", "w:gz" if gz else "w"
+        ) as tf:
             for _ in range(per):
                 key = f"s{k:04d}"
                 tar_add(tf, f"{key}.jpg", b"not a jpeg" if k in bad_jpeg else shard_jpeg(k))
                 if k not in no_caption:
                     cap = f"sample {k}".encode()
-                    tar_add(tf, f"{key}.txt.gz" if gz_members else f"{key}.txt",
-                            gzip.compress(cap) if gz_members else cap)
+                    tar_add(
+                        tf,
+                        f"{key}.txt.gz" if gz_members else f"{key}.txt",
+                        gzip.compress(cap) if gz_members else cap,
+                    )
                 tar_add(tf, f"{key}.cls", str(k % 3).encode())
                 k += 1
     return folder
 
 
 # -- kill -9 and stop signals, then resume (tests/integration/test_failures.py, test_preemption.py) --
-KILL_RUN = ["run.checkpoint_every=4", "run.keep_last=100", "train.epochs=10", "strategy.timeout_s=30"]
-ENGINES = {"single": ["strategy.name=single"], "ddp": ["strategy.name=ddp"], "fsdp": ["strategy.name=fsdp"],
-           "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"]}
+KILL_RUN = [
+    "run.checkpoint_every=4",
+    "run.keep_last=100",
+    "train.epochs=10",
+    "strategy.timeout_s=30",
+]
+ENGINES = {
+    "single": ["strategy.name=single"],
+    "ddp": ["strategy.name=ddp"],
+    "fsdp": ["strategy.name=fsdp"],
+    "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
+}
 
 
 def alive(pid: int) -> bool:
@@ -306,20 +405,45 @@ def default_signals() -> None:
     """In a child before it runs: the stop signals as a terminal's command gets them (not ignored),
     whatever this test process inherited (a CI job in the background ignores SIGINT)."""
     import signal
+
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(s, signal.SIG_DFL)
 
 
 def launch(out, extra, nproc):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "vitscale", "train", TINY, "--out", str(out), *sets(BASE + extra)]
-    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_signals)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "vitscale",
+        "train",
+        TINY,
+        "--out",
+        str(out),
+        *sets(BASE + extra),
+    ]
+    return subprocess.Popen(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_signals,
+    )
 
 
 def wait_for_checkpoint(out, procs, limit=90):
     deadline = time.time() + limit
     while not ckpt.list_checkpoints(out):
-        assert time.time() < deadline and all(p.poll() is None for p in procs), "no checkpoint appeared"
+        assert time.time() < deadline and all(p.poll() is None for p in procs), (
+            "no checkpoint appeared"
+        )
         time.sleep(0.2)

@@ -17,11 +17,16 @@ class _Patch(importlib.abc.MetaPathFinder):
         if spec is None:
             return None
         orig = spec.loader.exec_module
+
         def exec_module(module):
             orig(module)
             real = module.cpu_has_bf16
-            module.cpu_has_bf16 = lambda cpuinfo="/proc/cpuinfo": False if cpuinfo == "/proc/cpuinfo" else real(cpuinfo)
+            module.cpu_has_bf16 = lambda cpuinfo="/proc/cpuinfo": (
+                False if cpuinfo == "/proc/cpuinfo" else real(cpuinfo)
+            )
+
         spec.loader.exec_module = exec_module
         return spec
+
 
 sys.meta_path.insert(0, _Patch())

@@ -12,6 +12,7 @@ numbers of train.capture=none (the lr from the table is the scheduler's own doub
 The graph is one object with three verbs (`warmup`, `capture`, `replay`), so that tests drive the
 capture logic on a CPU with a recorder that replays the recorded operations as a graph would.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,21 +63,23 @@ class WholeStep:
         # the lr of each parameter group at each step, as the scheduler computes it (base lr x its
         # lambda, in double: exactly the float the scheduler would set); one column past the end
         sched = tr.scheduler
-        dtype = torch.float64 if device.type == "cpu" else torch.float32  # CUDA's fused AdamW reads fp32
+        dtype = (
+            torch.float64 if device.type == "cpu" else torch.float32
+        )  # CUDA's fused AdamW reads fp32
         factors: dict[int, list[float]] = {}
         rows = []
         for lam, base in zip(sched.lr_lambdas, sched.base_lrs):
             f = factors.setdefault(id(lam), [lam(i) for i in range(tr.total_steps + 1)])
             rows.append([base * x for x in f])
-        self.table = torch.tensor(rows, dtype=dtype).to(device)             # [groups, steps + 1]
+        self.table = torch.tensor(rows, dtype=dtype).to(device)  # [groups, steps + 1]
         self.last = tr.total_steps
         self.lr = torch.zeros(len(rows), dtype=dtype, device=device)
-        self.lrs = list(self.lr.unbind(0))                                   # 0-dim views, one per group
+        self.lrs = list(self.lr.unbind(0))  # 0-dim views, one per group
         self.step_t = torch.tensor(tr.step, dtype=torch.int64, device=device)
         self.graph = None if eager else graph if graph is not None else graph_for(s)
-        self.eager = 0           # steps run eagerly so far (the warm-up)
-        self.static = None       # the captured step's input buffers
-        self.out = None          # and its outputs
+        self.eager = 0  # steps run eagerly so far (the warm-up)
+        self.static = None  # the captured step's input buffers
+        self.out = None  # and its outputs
 
     def body(self, batch: tuple):
         """The step on `batch`: lr from the table at the device step, the Trainer's step, the

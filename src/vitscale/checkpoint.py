@@ -5,6 +5,7 @@ A checkpoint is `checkpoints/step_N.pt`; an engine that keeps its big state in a
 names its suffix under "engine". One process writes a run folder at a time (RunLock). Optimizer states are index-keyed (torch.optim) or keyed by
 parameter name (FSDP2's `torch.distributed.checkpoint.state_dict`); the helpers below convert.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -34,7 +35,11 @@ def rng_state() -> dict:
     """This process's RNG states. On a GPU, only its own device's CUDA generator (the current
     device): one process per GPU, and a resume may see fewer GPUs (one GPU, srun
     --gpus-per-task=1), where a list of every visible GPU's state could not be restored."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
@@ -108,7 +113,9 @@ def load_checkpoint(path: str | Path) -> dict:
     except Exception as e:  # truncated / not a checkpoint: the exception's first sentence, short
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
         text = text.split(". ")[0][:120]
-        raise UserError(f"cannot read checkpoint {path}: {type(e).__name__}{': ' + text if text else ''}") from None
+        raise UserError(
+            f"cannot read checkpoint {path}: {type(e).__name__}{': ' + text if text else ''}"
+        ) from None
 
 
 def newest_readable(path: str | Path, doing: str, command: str) -> tuple[Path, dict]:
@@ -122,7 +129,9 @@ def newest_readable(path: str | Path, doing: str, command: str) -> tuple[Path, d
             return resolve_checkpoint(path), load_checkpoint(path)
         except UserError as e:
             older = [p for p in list_checkpoints(path.parent.parent) if p != path]
-            raise UserError(f"{e}{f'; take the one before it: `{command} {older[-1]}`' if older else ''}") from None
+            raise UserError(
+                f"{e}{f'; take the one before it: `{command} {older[-1]}`' if older else ''}"
+            ) from None
     resolve_checkpoint(path)  # one line where the folder holds none
     bad = []
     for candidate in reversed(list_checkpoints(path)):
@@ -132,7 +141,12 @@ def newest_readable(path: str | Path, doing: str, command: str) -> tuple[Path, d
             bad.append(str(e).removeprefix("cannot read checkpoint "))
             continue
         if bad and is_main_process():
-            log.warning("cannot read %s; %s %s, the newest readable checkpoint", bad[0], doing, candidate.name)
+            log.warning(
+                "cannot read %s; %s %s, the newest readable checkpoint",
+                bad[0],
+                doing,
+                candidate.name,
+            )
         return candidate, state
     raise UserError(f"no readable checkpoint in {path}: cannot read checkpoint {bad[0]}")
 
@@ -156,13 +170,23 @@ class RunLock:
         except OSError:
             holder = _holder(os.read(fd, 4096))
             os.close(fd)
-            return (f"{self.path.parent} is being written by another live run ({holder}): stop it first, "
-                    "or train into another --out")
+            return (
+                f"{self.path.parent} is being written by another live run ({holder}): stop it first, "
+                "or train into another --out"
+            )
         stale = _holder(os.read(fd, 4096))
         if stale:
-            log.warning("%s: took over the lock of a run that is no longer running (%s)", self.path.parent, stale)
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": " ".join(sys.argv)[:300]}
+            log.warning(
+                "%s: took over the lock of a run that is no longer running (%s)",
+                self.path.parent,
+                stale,
+            )
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv)[:300],
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         self.fd = fd
@@ -185,6 +209,7 @@ def _holder(raw: bytes) -> str:
 
 def export_safetensors(state_dict: dict, path: Path, metadata: dict[str, str]) -> Path:
     from safetensors.torch import save_file
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
@@ -216,8 +241,12 @@ def optim_state_by_name(osd: dict, names: list[str]) -> dict:
     """torch.optim's state dict (parameters numbered in the optimizer's order) keyed by parameter
     names instead; `names[i]` is the name of the optimizer's i-th parameter."""
     _same_count(osd, names)
-    return {"state": {names[i]: v for i, v in osd["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
+    return {
+        "state": {names[i]: v for i, v in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]
+        ],
+    }
 
 
 def optim_state_by_index(osd: dict, names: list[str]) -> dict:
@@ -227,14 +256,22 @@ def optim_state_by_index(osd: dict, names: list[str]) -> dict:
     index = {n: i for i, n in enumerate(names)}
     missing = sorted({n for g in osd["param_groups"] for n in g["params"]} - set(index))
     if missing:
-        raise UserError(f"checkpoint optimizer state names parameters this model lacks: {', '.join(missing[:3])}")
-    return {"state": {index[n]: v for n, v in osd["state"].items()},
-            # torch.optim pairs saved and current parameters by position: number them in its order
-            "param_groups": [{**g, "params": sorted(index[n] for n in g["params"])} for g in osd["param_groups"]]}
+        raise UserError(
+            f"checkpoint optimizer state names parameters this model lacks: {', '.join(missing[:3])}"
+        )
+    return {
+        "state": {index[n]: v for n, v in osd["state"].items()},
+        # torch.optim pairs saved and current parameters by position: number them in its order
+        "param_groups": [
+            {**g, "params": sorted(index[n] for n in g["params"])} for g in osd["param_groups"]
+        ],
+    }
 
 
 def _same_count(osd: dict, names: list[str]) -> None:
     saved = sum(len(g["params"]) for g in osd["param_groups"])
     if saved != len(names):
-        raise UserError(f"checkpoint optimizer state holds {saved} parameters, this model's optimizer "
-                        f"{len(names)}: not the same model")
+        raise UserError(
+            f"checkpoint optimizer state holds {saved} parameters, this model's optimizer "
+            f"{len(names)}: not the same model"
+        )

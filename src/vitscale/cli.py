@@ -1,5 +1,6 @@
 """Command line: vitscale {train,eval,info,export,config,data,bench,sweep,ladder,tune,predict} ...
 (hyperparameters live in configs)."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,12 @@ EPILOG = """examples:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vitscale", description="Train Vision Transformers fast.",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="vitscale",
+        description="Train Vision Transformers fast.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_commands(sub)
     _add_data_commands(sub)
@@ -39,11 +44,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_run_commands(sub) -> None:
     """train, eval, info, config and export: the commands on a recipe or a checkpoint."""
-    t = sub.add_parser("train", help="train a model (no CONFIG = the default Fashion-MNIST recipe)",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = sub.add_parser(
+        "train",
+        help="train a model (no CONFIG = the default Fashion-MNIST recipe)",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_recipe_arguments(t)
     t.add_argument("--out", help="run folder (default: run.out_dir/run.name-TIMESTAMP)")
-    t.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint")
+    t.add_argument(
+        "--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint"
+    )
 
     e = sub.add_parser("eval", help="evaluate a checkpoint (file or run folder) on its test set")
     e.add_argument("checkpoint")
@@ -59,13 +70,22 @@ def _add_run_commands(sub) -> None:
 
     x = sub.add_parser("export", help="export a checkpoint's model weights to safetensors")
     x.add_argument("checkpoint")
-    x.add_argument("--out", help="output file (default: RUN/model.safetensors); --format timm: a file, with "
-                   "config.json beside it, or a folder (default: RUN/timm)")
-    x.add_argument("--no-ema", action="store_true", help="export the raw weights even when EMA is on")
-    x.add_argument("--format", choices=("vitscale", "timm", "open_clip"), default="vitscale",
-                   help="key layout: vitscale's (default), timm's VisionTransformer (a hub folder: "
-                        "model.safetensors and config.json, with the timm.create_model call printed) or "
-                        "OpenCLIP's CLIP (a model with OpenCLIP's layout: one started from an OpenCLIP file)")
+    x.add_argument(
+        "--out",
+        help="output file (default: RUN/model.safetensors); --format timm: a file, with "
+        "config.json beside it, or a folder (default: RUN/timm)",
+    )
+    x.add_argument(
+        "--no-ema", action="store_true", help="export the raw weights even when EMA is on"
+    )
+    x.add_argument(
+        "--format",
+        choices=("vitscale", "timm", "open_clip"),
+        default="vitscale",
+        help="key layout: vitscale's (default), timm's VisionTransformer (a hub folder: "
+        "model.safetensors and config.json, with the timm.create_model call printed) or "
+        "OpenCLIP's CLIP (a model with OpenCLIP's layout: one started from an OpenCLIP file)",
+    )
 
 
 def _add_data_commands(sub) -> None:
@@ -75,25 +95,48 @@ def _add_data_commands(sub) -> None:
     dl = dsub.add_parser("download", help="fetch an official archive and check its md5")
     dl.add_argument("name", choices=["cifar10", "cifar100", "fashion-mnist"])
     dl.add_argument("--root", help="target folder (default: the dataset's default location)")
-    pr = dsub.add_parser("prepare", help="an image folder or a CSV of images and captions -> shards of "
-                                         "pre-resized JPEGs (parallel, resumable, with a manifest)",
-                         description="Write webdataset shards of pre-resized JPEGs with their labels or "
-                                     "captions and sample indices, plus DIR/manifest.json. Rerun the same "
-                                     "command to resume: finished shards are kept.")
-    pr.add_argument("src", metavar="SRC", help="ImageNet-style folder (SRC/train/<class>/*.jpg and "
-                                               "SRC/val/<class>/...) or a .csv/.tsv of image paths and captions")
+    pr = dsub.add_parser(
+        "prepare",
+        help="an image folder or a CSV of images and captions -> shards of "
+        "pre-resized JPEGs (parallel, resumable, with a manifest)",
+        description="Write webdataset shards of pre-resized JPEGs with their labels or "
+        "captions and sample indices, plus DIR/manifest.json. Rerun the same "
+        "command to resume: finished shards are kept.",
+    )
+    pr.add_argument(
+        "src",
+        metavar="SRC",
+        help="ImageNet-style folder (SRC/train/<class>/*.jpg and "
+        "SRC/val/<class>/...) or a .csv/.tsv of image paths and captions",
+    )
     pr.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    pr.add_argument("--size", type=int, default=256, help="shorter side of the stored images; smaller "
-                                                          "images are not upscaled (default: 256)")
+    pr.add_argument(
+        "--size",
+        type=int,
+        default=256,
+        help="shorter side of the stored images; smaller images are not upscaled (default: 256)",
+    )
     pr.add_argument("--quality", type=int, default=90, help="JPEG quality 1..100 (default: 90)")
-    pr.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default: 1000)")
-    pr.add_argument("--workers", type=int, default=None, help="processes (default: the number of CPUs)")
+    pr.add_argument(
+        "--shard-size", type=int, default=1000, help="samples per shard (default: 1000)"
+    )
+    pr.add_argument(
+        "--workers", type=int, default=None, help="processes (default: the number of CPUs)"
+    )
     pr.add_argument("--seed", type=int, default=0, help="shuffle of the train split (default: 0)")
-    pr.add_argument("--image-key", default="filepath", help="CSV column of the image paths (default: filepath)")
-    pr.add_argument("--caption-key", default="title", help="CSV column of the captions (default: title)")
-    pr.add_argument("--val-fraction", type=float, default=0.1,
-                    help="CSV: fraction held out as the val split, by crc32 of the image path as written "
-                         "(data.test_fraction's split); 0 = no val split (default: 0.1)")
+    pr.add_argument(
+        "--image-key", default="filepath", help="CSV column of the image paths (default: filepath)"
+    )
+    pr.add_argument(
+        "--caption-key", default="title", help="CSV column of the captions (default: title)"
+    )
+    pr.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="CSV: fraction held out as the val split, by crc32 of the image path as written "
+        "(data.test_fraction's split); 0 = no val split (default: 0.1)",
+    )
 
 
 def _add_lab_commands(sub) -> None:
@@ -109,37 +152,55 @@ def cmd_train(args) -> int:
     from .run_state import resume_request
     from .stop import PREEMPTED, exit_status
     from .tasks import describe_result
+
     resume = args.resume
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not resume and args.out and restarts and list_checkpoints(args.out):
-        resume = args.out  # torchrun --max-restarts brought us back: continue from the last checkpoint
+        resume = (
+            args.out
+        )  # torchrun --max-restarts brought us back: continue from the last checkpoint
         if is_main_process():
-            print(f"vitscale: restart {restarts}: resuming {args.out} from its last complete checkpoint",
-                  file=sys.stderr)
+            print(
+                f"vitscale: restart {restarts}: resuming {args.out} from its last complete checkpoint",
+                file=sys.stderr,
+            )
     elif resume and args.config:
-        raise UserError("train: give either a CONFIG or --resume DIR (the run's own config is used)")
+        raise UserError(
+            "train: give either a CONFIG or --resume DIR (the run's own config is used)"
+        )
     if resume:  # the checkpoint read and checked once; the Trainer runs the config's checks
         cfg, run_dir, resume = resume_request(resume, args.overrides, args.out)
     else:
-        cfg, run_dir = load_config(args.config, args.overrides), Path(args.out) if args.out else None
+        cfg, run_dir = (
+            load_config(args.config, args.overrides),
+            Path(args.out) if args.out else None,
+        )
     summary = train(cfg, run_dir, resume=resume)
-    if summary["stop_reason"] in PREEMPTED:  # saved where it stopped: a status the scheduler acts on
+    if (
+        summary["stop_reason"] in PREEMPTED
+    ):  # saved where it stopped: a status the scheduler acts on
         if summary["rank"] == 0:
-            print(f"vitscale: stopped by {summary['stop_reason']} at step {summary['step']} of "
-                  f"{summary['total_steps']} (epoch {summary['epoch']:.2f}); checkpoint {summary['checkpoint']}; "
-                  f"continue with: vitscale train --resume {summary['run_dir']}", file=sys.stderr)
+            print(
+                f"vitscale: stopped by {summary['stop_reason']} at step {summary['step']} of "
+                f"{summary['total_steps']} (epoch {summary['epoch']:.2f}); checkpoint {summary['checkpoint']}; "
+                f"continue with: vitscale train --resume {summary['run_dir']}",
+                file=sys.stderr,
+            )
         return exit_status(summary["stop_reason"])
     if summary["rank"] != 0:
         return 0
-    print(f"{describe_result(summary)} after {summary['epochs']:.2f} epochs, {summary['train_time_s']:.0f}s "
-          f"training, {summary['images_per_s']:.0f} img/s, MFU {100 * summary['mfu']:.1f}%; run folder "
-          f"{summary['run_dir']}")
+    print(
+        f"{describe_result(summary)} after {summary['epochs']:.2f} epochs, {summary['train_time_s']:.0f}s "
+        f"training, {summary['images_per_s']:.0f} img/s, MFU {100 * summary['mfu']:.1f}%; run folder "
+        f"{summary['run_dir']}"
+    )
     return 0
 
 
 def cmd_eval(args) -> int:
     from .evaluate import evaluate_checkpoint
     from .tasks import describe_result
+
     result = evaluate_checkpoint(args.checkpoint, args.overrides)
     if args.json:
         print(json.dumps(result))
@@ -152,6 +213,7 @@ def cmd_info(args) -> int:
     from .config import load_config
     from .strategy import check_engine
     from .tasks import check_config, model_info, task_class
+
     info = model_info(check_engine(check_config(load_config(args.config, args.overrides))))
     print(json.dumps(info) if args.json else task_class(info["kind"]).info_line(info))
     return 0
@@ -161,20 +223,26 @@ def cmd_config(args) -> int:
     from .config import load_config
     from .strategy import check_engine
     from .tasks import check_config
+
     print(check_engine(check_config(load_config(args.config, args.overrides))).to_toml(), end="")
     return 0
 
 
 def cmd_export(args) -> int:
     from .evaluate import export_checkpoint
+
     path = export_checkpoint(args.checkpoint, args.out, use_ema=not args.no_ema, fmt=args.format)
     print(f"wrote {path}")
     if args.format == "open_clip":
         from .interop.open_clip import CONFIG_FILE, load_call
+
         print(f"wrote {path.parent / CONFIG_FILE}")
         print(load_call(path))
-    if args.format == "timm":  # the call that builds the trained function, with its preprocessing config
+    if (
+        args.format == "timm"
+    ):  # the call that builds the trained function, with its preprocessing config
         from .interop.timm_vit import hub_config_path, read_hub_config, timm_load_call
+
         print(f"wrote {hub_config_path(path)}")
         print(f"load it: {timm_load_call(read_hub_config(path), path)}")
     return 0
@@ -183,18 +251,30 @@ def cmd_export(args) -> int:
 def cmd_data(args) -> int:
     if args.data_command == "prepare":
         from .data.offline.prepare import prepare_shards
+
         try:
-            done = prepare_shards(args.src, args.out, size=args.size, quality=args.quality,
-                                  shard_size=args.shard_size, workers=args.workers, seed=args.seed,
-                                  image_key=args.image_key, caption_key=args.caption_key,
-                                  val_fraction=args.val_fraction)
+            done = prepare_shards(
+                args.src,
+                args.out,
+                size=args.size,
+                quality=args.quality,
+                shard_size=args.shard_size,
+                workers=args.workers,
+                seed=args.seed,
+                image_key=args.image_key,
+                caption_key=args.caption_key,
+                val_fraction=args.val_fraction,
+            )
         except KeyboardInterrupt:
-            print("vitscale: interrupted; finished shards are kept: rerun the same command to resume",
-                  file=sys.stderr)
+            print(
+                "vitscale: interrupted; finished shards are kept: rerun the same command to resume",
+                file=sys.stderr,
+            )
             return 130
         print(f"prepared {done.summary()}")
         return 0
     from .data.offline.fetch import download
+
     path = download(args.name, args.root)
     print(f"{args.name} ready in {path}")
     return 0
@@ -203,8 +283,14 @@ def cmd_data(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="vitscale: warning: %(message)s")
     args = _parser().parse_args(argv)
-    handler = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "export": cmd_export, "config": cmd_config,
-               "data": cmd_data}.get(args.command)
+    handler = {
+        "train": cmd_train,
+        "eval": cmd_eval,
+        "info": cmd_info,
+        "export": cmd_export,
+        "config": cmd_config,
+        "data": cmd_data,
+    }.get(args.command)
     if handler is None:  # a performance-lab command (lab/commands.py): its module, imported now
         handler = importlib.import_module(f".lab.{args.command}", __package__).run
     launch = this_process()
@@ -215,23 +301,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vitscale: error: {where}{one_line(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # unreadable/unwritable paths, full disk: one line, nothing half-written
-        print(f"vitscale: error: {where}{e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        print(
+            f"vitscale: error: {where}{e.strerror or e}: {e.filename or ''}".rstrip(": "),
+            file=sys.stderr,
+        )
         return 2
     except Exception as e:
         from .strategy.dist import is_comm_failure
+
         if not (where and is_comm_failure(e)):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"vitscale: error: {where}lost contact with another process ({first[:300]}); stopping. "
-              "The last complete checkpoint is kept: resume with `vitscale train --resume RUN`, or launch "
-              "with `torchrun --max-restarts N ... --out RUN` to restart and resume automatically",
-              file=sys.stderr)
+        print(
+            f"vitscale: error: {where}lost contact with another process ({first[:300]}); stopping. "
+            "The last complete checkpoint is kept: resume with `vitscale train --resume RUN`, or launch "
+            "with `torchrun --max-restarts N ... --out RUN` to restart and resume automatically",
+            file=sys.stderr,
+        )
         # leave now: the broken process group's C++ destructors can abort (SIGABRT) at interpreter
         # exit when a peer is gone, which would turn this clean exit 1 into a crash
         _exit_now(1)
     except KeyboardInterrupt:
-        print("vitscale: interrupted; the last complete checkpoint is kept (resume with --resume RUN)",
-              file=sys.stderr)
+        print(
+            "vitscale: interrupted; the last complete checkpoint is kept (resume with --resume RUN)",
+            file=sys.stderr,
+        )
         return 130
     if where:
         # a finished multi-process run: leave without the interpreter's teardown, where the threads
@@ -249,7 +343,9 @@ def one_line(e: UserError) -> str:
         return text
     last = [x for x in text.strip().splitlines() if x.strip()][-1]
     prefix = f"{type(e).__module__}.{type(e).__qualname__}: "
-    return (last[len(prefix):] if last.startswith(prefix) else last.split(": ", 1)[-1]) + " (in a data-loading worker)"
+    return (
+        last[len(prefix) :] if last.startswith(prefix) else last.split(": ", 1)[-1]
+    ) + " (in a data-loading worker)"
 
 
 def _exit_now(rc: int) -> None:

@@ -4,6 +4,7 @@ Every section is a dataclass; a field's metadata may carry `choices` or `min`/`m
 Errors are one line: an unknown key names the closest valid key, a bad value names
 the key and what it accepts.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,13 +35,15 @@ def num(default, min=None, max=None, doc=""):
 @dataclass
 class RunConfig:
     name: str = "run"
-    out_dir: str = "runs"           # run folder = out_dir/name unless --out is given
+    out_dir: str = "runs"  # run folder = out_dir/name unless --out is given
     seed: int = num(0, min=0)
     device: str = choice("auto", "auto", "cpu", "cuda")
     threads: int = num(0, min=0, doc="torch intra-op threads; 0 = leave torch's default")
     log_every: int = num(50, min=1, doc="optimizer steps between metric lines")
     eval_every: int = num(1, min=0, doc="epochs between test-set evaluations (0 = end only)")
-    checkpoint_every: int = num(0, min=0, doc="optimizer steps between checkpoints (0 = each epoch)")
+    checkpoint_every: int = num(
+        0, min=0, doc="optimizer steps between checkpoints (0 = each epoch)"
+    )
     keep_last: int = num(2, min=1)
     max_steps: int = num(0, min=0, doc="stop after this many optimizer steps (0 = all epochs)")
     progress: str = choice("auto", "auto", "bar", "plain", "off")
@@ -49,15 +52,34 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    name: str = choice("fashion_mnist", "fashion_mnist", "cifar10", "cifar100", "folder", "synthetic",
-                       "openclipart", "csv", "webdataset",
-                       doc="openclipart/csv/webdataset are image-text pairs (CLIP models)")
-    root: str = ""                  # "" = the dataset's default location
-    test_root: str = field(default="", metadata={"doc": "image-text data: held-out CSV or shards "
-                                                 "(\"\" = hold out data.test_fraction of root)"})
-    test_fraction: float = num(0.1, min=0.0, max=0.9, doc="image-text data: held-out share when "
-                               "there is no test_root (a fixed split by sample key)")
-    captions: bool = False          # classification data as image-text pairs for CLIP (caption_template)
+    name: str = choice(
+        "fashion_mnist",
+        "fashion_mnist",
+        "cifar10",
+        "cifar100",
+        "folder",
+        "synthetic",
+        "openclipart",
+        "csv",
+        "webdataset",
+        doc="openclipart/csv/webdataset are image-text pairs (CLIP models)",
+    )
+    root: str = ""  # "" = the dataset's default location
+    test_root: str = field(
+        default="",
+        metadata={
+            "doc": "image-text data: held-out CSV or shards "
+            '("" = hold out data.test_fraction of root)'
+        },
+    )
+    test_fraction: float = num(
+        0.1,
+        min=0.0,
+        max=0.9,
+        doc="image-text data: held-out share when "
+        "there is no test_root (a fixed split by sample key)",
+    )
+    captions: bool = False  # classification data as image-text pairs for CLIP (caption_template)
     caption_template: str = "a photo of a {}."
     csv_image_key: str = "filepath"  # csv/tsv columns (OpenCLIP's defaults)
     csv_caption_key: str = "title"
@@ -69,27 +91,62 @@ class DataConfig:
     batch_size: int = num(256, min=1, doc="global batch per optimizer step")
     eval_batch_size: int = num(1024, min=1)
     num_workers: int = num(2, min=0, doc="decoding workers (folder, csv and webdataset data)")
-    decoder: str = choice("auto", "auto", "pil", "simplejpeg", doc="JPEG decoding (folder, csv, webdataset): "
-                          "pil = Pillow with draft mode; simplejpeg = libjpeg-turbo, scaled in the DCT domain "
-                          "to what the crop needs; auto = simplejpeg when installed")
-    reader: str = choice("auto", "auto", "seek", "stream", doc="webdataset shards: seek = exact epochs by "
-                         "seeking in local uncompressed .tar files; stream = the webdataset library (local "
-                         "paths, brace patterns, pipe:, http(s)/s3 URLs, .tar.gz; shard order and a shuffle "
-                         "buffer per epoch and rank); auto = seek for local .tar files, stream otherwise")
-    val_fraction: float = num(0.0, min=0.0, max=0.5, doc="fashion_mnist, cifar10/100, synthetic: hold out this "
-                              "share of the TRAINING set (seeded by data.val_seed, stratified by class) and "
-                              "evaluate on it instead of the test set, which is then not read (0 = off: the "
-                              "test set); what `vitscale search` scores trials on")
-    val_seed: int = num(0, min=0, doc="the seed of the data.val_fraction split (not run.seed: every seed of a "
-                        "recipe sees the same split)")
-    shuffle_buffer: int = num(1000, min=0, doc="reader=stream: samples in each worker's shuffle buffer "
-                              "(0 = shard order only)")
-    on_device: bool = True          # keep small datasets whole on the training device
-    normalize: str = choice("auto", "auto", "dataset", "imagenet", "clip", doc="image mean/std: the "
-                            "dataset's own, ImageNet's or CLIP's; auto = the dataset's, or ImageNet's when "
-                            "model.init loads timm weights")
-    pin_memory: bool = field(default=True, metadata={"doc": "GPU runs: host batches go through pinned "
-                             "memory, copied without blocking"})
+    decoder: str = choice(
+        "auto",
+        "auto",
+        "pil",
+        "simplejpeg",
+        doc="JPEG decoding (folder, csv, webdataset): "
+        "pil = Pillow with draft mode; simplejpeg = libjpeg-turbo, scaled in the DCT domain "
+        "to what the crop needs; auto = simplejpeg when installed",
+    )
+    reader: str = choice(
+        "auto",
+        "auto",
+        "seek",
+        "stream",
+        doc="webdataset shards: seek = exact epochs by "
+        "seeking in local uncompressed .tar files; stream = the webdataset library (local "
+        "paths, brace patterns, pipe:, http(s)/s3 URLs, .tar.gz; shard order and a shuffle "
+        "buffer per epoch and rank); auto = seek for local .tar files, stream otherwise",
+    )
+    val_fraction: float = num(
+        0.0,
+        min=0.0,
+        max=0.5,
+        doc="fashion_mnist, cifar10/100, synthetic: hold out this "
+        "share of the TRAINING set (seeded by data.val_seed, stratified by class) and "
+        "evaluate on it instead of the test set, which is then not read (0 = off: the "
+        "test set); what `vitscale search` scores trials on",
+    )
+    val_seed: int = num(
+        0,
+        min=0,
+        doc="the seed of the data.val_fraction split (not run.seed: every seed of a "
+        "recipe sees the same split)",
+    )
+    shuffle_buffer: int = num(
+        1000,
+        min=0,
+        doc="reader=stream: samples in each worker's shuffle buffer (0 = shard order only)",
+    )
+    on_device: bool = True  # keep small datasets whole on the training device
+    normalize: str = choice(
+        "auto",
+        "auto",
+        "dataset",
+        "imagenet",
+        "clip",
+        doc="image mean/std: the "
+        "dataset's own, ImageNet's or CLIP's; auto = the dataset's, or ImageNet's when "
+        "model.init loads timm weights",
+    )
+    pin_memory: bool = field(
+        default=True,
+        metadata={
+            "doc": "GPU runs: host batches go through pinned memory, copied without blocking"
+        },
+    )
     drop_last: bool = True
     # batched augmentation (train split only)
     crop_padding: int = num(0, min=0, doc="random crop after zero padding by this many pixels")
@@ -103,36 +160,77 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str = "vit_tiny"          # registry name, see `vitscale.models.registry`
-    init: str = field(default="", metadata={"doc": "start from these weights: a timm ViT state dict "
-                      "(.safetensors/.bin/.pt/.pth, with timm's config.json beside it when it came from the "
-                      "hub), a hub folder, or a `vitscale export` file; the architecture is read from them "
-                      "(arch/dim/depth/patch_size/head are then ignored), the image size, channels and "
-                      "classes come from the data"})
-    init_head: str = choice("auto", "auto", "keep", "reset", doc="model.init: keep the weights' classifier "
-                            "(auto: when its class count matches the data's) or start a new one")
-    init_weights: str = choice("auto", "auto", "raw", "ema", doc="model.init of a training checkpoint that holds "
-                               "the weights and their EMA (timm's state_dict and state_dict_ema): which to read; "
-                               "auto = the raw ones where both are there (timm's validate.py without --use-ema), "
-                               "the EMA ones where only they are; the choice is announced")
-    init_arch: str = field(default="", metadata={"doc": "model.init of timm ViT weights without timm's "
-                           "config.json beside them: their timm architecture name (e.g. vit_base_patch16_224, "
-                           "optionally with its pretrained tag, .augreg_in21k), which says what the weights do "
-                           "not hold (heads, activation, pooling, norms, mean/std); \"\" = the config.json, else "
-                           "timm's defaults, announced in a warning"})
-    init_act: str = choice("auto", "auto", "gelu", "quick_gelu", doc="CLIP model.init: the MLP activation "
-                           "the weights were trained with (not stored in them): OpenAI's CLIP weights and "
-                           "OpenCLIP's -quickgelu models use QuickGELU; auto = the OpenCLIP configuration's "
-                           "(model.init_open_clip), else QuickGELU when the file name says quickgelu or openai")
-    init_open_clip: str = field(default="", metadata={"doc": "CLIP model.init: the OpenCLIP configuration of "
-                                "the weights (what they do not hold: head counts, activation, pooling, causal "
-                                "mask): an OpenCLIP model name (e.g. ViT-H-14, ViT-B-32-quickgelu) or an "
-                                "open_clip_config.json; \"\" = the open_clip_config.json beside the weights "
-                                "file, else OpenCLIP's defaults, announced in a warning"})
-    freeze: str = choice("none", "none", "embed", "backbone", doc="parameters that do not train: embed = the "
-                         "patch and position embeddings (and model.freeze_blocks blocks); backbone = all but "
-                         "the head (linear probing)")
-    freeze_blocks: int = num(0, min=0, doc="with freeze=embed: also freeze the first N transformer blocks")
+    arch: str = "vit_tiny"  # registry name, see `vitscale.models.registry`
+    init: str = field(
+        default="",
+        metadata={
+            "doc": "start from these weights: a timm ViT state dict "
+            "(.safetensors/.bin/.pt/.pth, with timm's config.json beside it when it came from the "
+            "hub), a hub folder, or a `vitscale export` file; the architecture is read from them "
+            "(arch/dim/depth/patch_size/head are then ignored), the image size, channels and "
+            "classes come from the data"
+        },
+    )
+    init_head: str = choice(
+        "auto",
+        "auto",
+        "keep",
+        "reset",
+        doc="model.init: keep the weights' classifier "
+        "(auto: when its class count matches the data's) or start a new one",
+    )
+    init_weights: str = choice(
+        "auto",
+        "auto",
+        "raw",
+        "ema",
+        doc="model.init of a training checkpoint that holds "
+        "the weights and their EMA (timm's state_dict and state_dict_ema): which to read; "
+        "auto = the raw ones where both are there (timm's validate.py without --use-ema), "
+        "the EMA ones where only they are; the choice is announced",
+    )
+    init_arch: str = field(
+        default="",
+        metadata={
+            "doc": "model.init of timm ViT weights without timm's "
+            "config.json beside them: their timm architecture name (e.g. vit_base_patch16_224, "
+            "optionally with its pretrained tag, .augreg_in21k), which says what the weights do "
+            'not hold (heads, activation, pooling, norms, mean/std); "" = the config.json, else '
+            "timm's defaults, announced in a warning"
+        },
+    )
+    init_act: str = choice(
+        "auto",
+        "auto",
+        "gelu",
+        "quick_gelu",
+        doc="CLIP model.init: the MLP activation "
+        "the weights were trained with (not stored in them): OpenAI's CLIP weights and "
+        "OpenCLIP's -quickgelu models use QuickGELU; auto = the OpenCLIP configuration's "
+        "(model.init_open_clip), else QuickGELU when the file name says quickgelu or openai",
+    )
+    init_open_clip: str = field(
+        default="",
+        metadata={
+            "doc": "CLIP model.init: the OpenCLIP configuration of "
+            "the weights (what they do not hold: head counts, activation, pooling, causal "
+            "mask): an OpenCLIP model name (e.g. ViT-H-14, ViT-B-32-quickgelu) or an "
+            'open_clip_config.json; "" = the open_clip_config.json beside the weights '
+            "file, else OpenCLIP's defaults, announced in a warning"
+        },
+    )
+    freeze: str = choice(
+        "none",
+        "none",
+        "embed",
+        "backbone",
+        doc="parameters that do not train: embed = the "
+        "patch and position embeddings (and model.freeze_blocks blocks); backbone = all but "
+        "the head (linear probing)",
+    )
+    freeze_blocks: int = num(
+        0, min=0, doc="with freeze=embed: also freeze the first N transformer blocks"
+    )
     patch_size: int = num(0, min=0, doc="0 = the arch's default")
     dim: int = num(0, min=0, doc="0 = the arch's default")
     depth: int = num(0, min=0, doc="0 = the arch's default")
@@ -141,11 +239,18 @@ class ModelConfig:
     num_classes: int = num(0, min=0, doc="0 = the dataset's class count")
     head: str = choice("token", "token", "pool")
     attention: str = choice("sdpa", "sdpa", "explicit")
-    stem: str = choice("patch", "patch", "conv", doc="patch = ViT's stride-p conv; conv = 3x3 conv stages")
+    stem: str = choice(
+        "patch", "patch", "conv", doc="patch = ViT's stride-p conv; conv = 3x3 conv stages"
+    )
     drop_path: float = num(0.0, min=0.0, max=1.0)
-    drop_path_mode: str = choice("mask", "mask", "skip", doc="stochastic depth: mask = every sample's branch "
-                                 "computed, then zeroed with probability p (timm); skip = round(p x batch) rows "
-                                 "dropped per block and step, their branch not computed (docs/performance.md)")
+    drop_path_mode: str = choice(
+        "mask",
+        "mask",
+        "skip",
+        doc="stochastic depth: mask = every sample's branch "
+        "computed, then zeroed with probability p (timm); skip = round(p x batch) rows "
+        "dropped per block and step, their branch not computed (docs/performance.md)",
+    )
     dropout: float = num(0.0, min=0.0, max=1.0)
     # CLIP models (arch clip_*): the text tower and the shared embedding
     embed_dim: int = num(0, min=0, doc="CLIP: shared embedding size (0 = the arch's default)")
@@ -157,31 +262,80 @@ class ModelConfig:
 
 @dataclass
 class ClipConfig:
-    loss: str = choice("openclip", "openclip", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3",
-                       "sogclr", "isogclr", doc="openclip = mini-batch InfoNCE; the others are FastCLIP's "
-                       "global contrastive losses")
-    gamma_schedule: str = choice("auto", "auto", "cosine", "constant",
-                                 doc="inner-estimator gamma; auto = cosine for fastclip_*, constant for "
-                                 "sogclr/isogclr")
-    gamma_min: float = num(-1.0, min=-1.0, max=1.0, doc="gamma after the decay (and the constant value); "
-                           "< 0 = the reference's: 0.2 for fastclip_*, 0.8 for sogclr/isogclr")
-    gamma_decay_epochs: float = num(0.0, min=0.0, doc="epochs of the cosine decay (0 = half of train.epochs)")
-    tau_init: float = num(0.0, min=0.0, max=1.0, doc="initial temperature (openclip: logit_scale = 1/tau); "
-                          "0 = the reference's: 0.03 for fastclip_v2/isogclr, else 0.07")
-    tau_lr: float = num(-1.0, min=-1.0, doc="learning rate of learnable temperatures; < 0 = the "
-                        "reference's: optim.lr (v0), 2e-4 (v3), 0.0133 (v2/isogclr)")
-    tau_lr_schedule: str = choice("auto", "auto", "model", "threshold", "constant",
-                                  doc="global tau lr: model = the model's lr schedule (v0's), threshold "
-                                  "= divided by tau_lr_cut while tau <= 0.03 (v3's), constant")
-    tau_lr_cut: float = num(3.0, min=1.0, doc="threshold schedule: divide the tau lr by this while tau <= 0.03")
-    rho: float = num(-1.0, min=-1.0, doc="RGCL penalty (fastclip_v2/v3, isogclr); < 0 = the reference's: "
-                     "6.5 (v3), 7.0 (v2/isogclr)")
+    loss: str = choice(
+        "openclip",
+        "openclip",
+        "fastclip_v0",
+        "fastclip_v1",
+        "fastclip_v2",
+        "fastclip_v3",
+        "sogclr",
+        "isogclr",
+        doc="openclip = mini-batch InfoNCE; the others are FastCLIP's global contrastive losses",
+    )
+    gamma_schedule: str = choice(
+        "auto",
+        "auto",
+        "cosine",
+        "constant",
+        doc="inner-estimator gamma; auto = cosine for fastclip_*, constant for sogclr/isogclr",
+    )
+    gamma_min: float = num(
+        -1.0,
+        min=-1.0,
+        max=1.0,
+        doc="gamma after the decay (and the constant value); "
+        "< 0 = the reference's: 0.2 for fastclip_*, 0.8 for sogclr/isogclr",
+    )
+    gamma_decay_epochs: float = num(
+        0.0, min=0.0, doc="epochs of the cosine decay (0 = half of train.epochs)"
+    )
+    tau_init: float = num(
+        0.0,
+        min=0.0,
+        max=1.0,
+        doc="initial temperature (openclip: logit_scale = 1/tau); "
+        "0 = the reference's: 0.03 for fastclip_v2/isogclr, else 0.07",
+    )
+    tau_lr: float = num(
+        -1.0,
+        min=-1.0,
+        doc="learning rate of learnable temperatures; < 0 = the "
+        "reference's: optim.lr (v0), 2e-4 (v3), 0.0133 (v2/isogclr)",
+    )
+    tau_lr_schedule: str = choice(
+        "auto",
+        "auto",
+        "model",
+        "threshold",
+        "constant",
+        doc="global tau lr: model = the model's lr schedule (v0's), threshold "
+        "= divided by tau_lr_cut while tau <= 0.03 (v3's), constant",
+    )
+    tau_lr_cut: float = num(
+        3.0, min=1.0, doc="threshold schedule: divide the tau lr by this while tau <= 0.03"
+    )
+    rho: float = num(
+        -1.0,
+        min=-1.0,
+        doc="RGCL penalty (fastclip_v2/v3, isogclr); < 0 = the reference's: "
+        "6.5 (v3), 7.0 (v2/isogclr)",
+    )
     eps: float = num(1e-14, min=0.0, doc="log(eps + g) in the global losses")
     state_dtype: str = choice("fp32", "fp32", "bf16", doc="per-sample u / tau storage")
-    shard_state: bool = field(default=False, metadata={"doc": "keep 1/K of the per-sample state on each "
-                              "of K ranks (by dataset index) instead of all of it on every rank"})
-    prompt_templates: str = choice("default", "default", "single",
-                                   doc="zero-shot prompts: the dataset's set or just 'a photo of a {}.'")
+    shard_state: bool = field(
+        default=False,
+        metadata={
+            "doc": "keep 1/K of the per-sample state on each "
+            "of K ranks (by dataset index) instead of all of it on every rank"
+        },
+    )
+    prompt_templates: str = choice(
+        "default",
+        "default",
+        "single",
+        doc="zero-shot prompts: the dataset's set or just 'a photo of a {}.'",
+    )
 
 
 @dataclass
@@ -196,89 +350,181 @@ class OptimConfig:
     momentum: float = num(0.9, min=0.0, max=1.0)
     nesterov: bool = False
     schedule: str = choice("cosine", "cosine", "linear", "constant")
-    schedule_clock: str = choice("steps", "steps", "time", doc="what the lr decay follows: steps = the "
-                                 "optimizer step of train.epochs' steps; time = the training time spent of "
-                                 "train.time_limit_s, so the schedule ends when the time budget ends (the "
-                                 "warm-up stays in steps)")
+    schedule_clock: str = choice(
+        "steps",
+        "steps",
+        "time",
+        doc="what the lr decay follows: steps = the "
+        "optimizer step of train.epochs' steps; time = the training time spent of "
+        "train.time_limit_s, so the schedule ends when the time budget ends (the "
+        "warm-up stays in steps)",
+    )
     warmup_epochs: float = num(0.0, min=0.0)
     warmup_steps: int = num(0, min=0, doc="overrides warmup_epochs when > 0")
     min_lr_ratio: float = num(0.0, min=0.0, max=1.0)
     grad_clip: float = num(0.0, min=0.0, doc="max global grad norm (0 = off)")
-    lr_scaling: str = choice("none", "none", "linear", "sqrt",
-                             doc="scale lr with data.batch_size / lr_ref_batch (keep warmup on)")
+    lr_scaling: str = choice(
+        "none",
+        "none",
+        "linear",
+        "sqrt",
+        doc="scale lr with data.batch_size / lr_ref_batch (keep warmup on)",
+    )
     lr_ref_batch: int = num(256, min=1, doc="the global batch that optim.lr was tuned for")
-    layer_decay: float = num(1.0, min=0.0, max=1.0, doc="layer-wise lr decay (BEiT/timm): block i of L gets "
-                             "lr x decay^(L + 1 - (i + 1)), the embeddings decay^(L + 1), the head lr; 1 = off")
+    layer_decay: float = num(
+        1.0,
+        min=0.0,
+        max=1.0,
+        doc="layer-wise lr decay (BEiT/timm): block i of L gets "
+        "lr x decay^(L + 1 - (i + 1)), the embeddings decay^(L + 1), the head lr; 1 = off",
+    )
 
 
 @dataclass
 class TrainConfig:
     epochs: float = num(10.0, min=0.0)
-    time_limit_s: float = num(0.0, min=0.0, doc="stop training after this many seconds (0 = off; with "
-                              "several processes checked at log steps)")
-    precision: str = choice("fp32", "fp32", "bf16", "fp16", "pure_bf16", "pure_fp16", "auto",
-                            doc="auto = bf16 where the device computes bf16 in hardware (a CUDA GPU of compute "
-                            "capability 8.0+, a CPU with avx512_bf16 or amx_bf16), fp32 elsewhere; the choice is "
-                            "announced and written to the run's config.toml and summary.json")
-    master_weights: bool = True     # pure_* modes: keep an fp32 master copy for the optimizer
+    time_limit_s: float = num(
+        0.0,
+        min=0.0,
+        doc="stop training after this many seconds (0 = off; with "
+        "several processes checked at log steps)",
+    )
+    precision: str = choice(
+        "fp32",
+        "fp32",
+        "bf16",
+        "fp16",
+        "pure_bf16",
+        "pure_fp16",
+        "auto",
+        doc="auto = bf16 where the device computes bf16 in hardware (a CUDA GPU of compute "
+        "capability 8.0+, a CPU with avx512_bf16 or amx_bf16), fp32 elsewhere; the choice is "
+        "announced and written to the run's config.toml and summary.json",
+    )
+    master_weights: bool = True  # pure_* modes: keep an fp32 master copy for the optimizer
     loss_scale: float = num(65536.0, min=1.0, doc="initial dynamic loss scale (fp16)")
     accum_steps: int = num(1, min=1, doc="micro-batches per optimizer step")
     label_smoothing: float = num(0.0, min=0.0, max=1.0)
     ema_decay: float = num(0.0, min=0.0, max=1.0, doc="EMA of weights (0 = off)")
-    ema_eval: bool = True           # evaluate the EMA weights when EMA is on
+    ema_eval: bool = True  # evaluate the EMA weights when EMA is on
     compile: bool = False
-    compile_mode: str = choice("default", "default", "reduce-overhead", "max-autotune",
-                               "max-autotune-no-cudagraphs", doc="torch.compile mode: reduce-overhead "
-                               "= CUDA graphs (one launch per step: small, launch-bound models on a GPU)")
+    compile_mode: str = choice(
+        "default",
+        "default",
+        "reduce-overhead",
+        "max-autotune",
+        "max-autotune-no-cudagraphs",
+        doc="torch.compile mode: reduce-overhead "
+        "= CUDA graphs (one launch per step: small, launch-bound models on a GPU)",
+    )
     activation_checkpointing: bool = False
-    sdpa_backend: str = choice("auto", "auto", "flash", "cudnn", "efficient", "math", doc="model.attention="
-                               "sdpa: the kernel scaled_dot_product_attention may use (torch.nn.attention."
-                               "sdpa_kernel); auto = torch's choice. cudnn and efficient are CUDA kernels "
-                               "(refused on a CPU); the same function within the kernels' rounding")
-    fp8: str = choice("none", "none", "tensorwise", "rowwise", doc="torchao float8 training of the transformer "
-                      "blocks' Linear layers (dynamic scales per tensor or per row) with train.precision=bf16 "
-                      "or pure_bf16 around them: a GPU with compute capability 8.9+; refused where it was "
-                      "measured slower than bf16 (docs/performance.md)")
-    capture: str = choice("auto", "auto", "none", "step", doc="step = the whole training step (forward, backward, "
-                          "clipping, AdamW with its lr and step count on the device, EMA, the non-finite "
-                          "watch) as one unit with static shapes: one CUDA graph replay per step on a GPU "
-                          "(small, launch-bound models); on a CPU the same step runs uncaptured, with the "
-                          "same numbers as none (docs/gpu.md). auto = step on one CUDA GPU in one process "
-                          "for a recipe the capture takes, none otherwise (the reason announced)")
-    tf32: bool = field(default=True, metadata={"doc": "CUDA: fp32 matmuls and convolutions in TF32 "
-                       "(tensor cores, 10-bit mantissa); false = IEEE fp32. No effect on CPU"})
-    cudnn_benchmark: bool = field(default=True, metadata={"doc": "CUDA: cuDNN times its convolution "
-                                  "algorithms once per input shape and keeps the fastest"})
-    channels_last: bool = field(default=False, metadata={"doc": "conv stem weights and images in "
-                                "channels-last (NHWC) memory format"})
-    eval_hflip_tta: bool = False    # average logits of the image and its mirror at evaluation
+    sdpa_backend: str = choice(
+        "auto",
+        "auto",
+        "flash",
+        "cudnn",
+        "efficient",
+        "math",
+        doc="model.attention="
+        "sdpa: the kernel scaled_dot_product_attention may use (torch.nn.attention."
+        "sdpa_kernel); auto = torch's choice. cudnn and efficient are CUDA kernels "
+        "(refused on a CPU); the same function within the kernels' rounding",
+    )
+    fp8: str = choice(
+        "none",
+        "none",
+        "tensorwise",
+        "rowwise",
+        doc="torchao float8 training of the transformer "
+        "blocks' Linear layers (dynamic scales per tensor or per row) with train.precision=bf16 "
+        "or pure_bf16 around them: a GPU with compute capability 8.9+; refused where it was "
+        "measured slower than bf16 (docs/performance.md)",
+    )
+    capture: str = choice(
+        "auto",
+        "auto",
+        "none",
+        "step",
+        doc="step = the whole training step (forward, backward, "
+        "clipping, AdamW with its lr and step count on the device, EMA, the non-finite "
+        "watch) as one unit with static shapes: one CUDA graph replay per step on a GPU "
+        "(small, launch-bound models); on a CPU the same step runs uncaptured, with the "
+        "same numbers as none (docs/gpu.md). auto = step on one CUDA GPU in one process "
+        "for a recipe the capture takes, none otherwise (the reason announced)",
+    )
+    tf32: bool = field(
+        default=True,
+        metadata={
+            "doc": "CUDA: fp32 matmuls and convolutions in TF32 "
+            "(tensor cores, 10-bit mantissa); false = IEEE fp32. No effect on CPU"
+        },
+    )
+    cudnn_benchmark: bool = field(
+        default=True,
+        metadata={
+            "doc": "CUDA: cuDNN times its convolution "
+            "algorithms once per input shape and keeps the fastest"
+        },
+    )
+    channels_last: bool = field(
+        default=False,
+        metadata={"doc": "conv stem weights and images in channels-last (NHWC) memory format"},
+    )
+    eval_hflip_tta: bool = False  # average logits of the image and its mirror at evaluation
 
 
 @dataclass
 class StrategyConfig:
-    name: str = choice("single", "single", "ddp", "fsdp", "deepspeed",
-                       doc="ddp/fsdp/deepspeed: launch with torchrun --nproc-per-node N")
+    name: str = choice(
+        "single",
+        "single",
+        "ddp",
+        "fsdp",
+        "deepspeed",
+        doc="ddp/fsdp/deepspeed: launch with torchrun --nproc-per-node N",
+    )
     backend: str = choice("auto", "auto", "nccl", "gloo", doc="auto = nccl on GPUs, gloo on CPUs")
     timeout_s: float = num(600.0, min=1.0, doc="collective timeout: a dead rank stops the others")
     bucket_mb: float = num(25.0, min=0.0, doc="DDP gradient bucket size")
-    grad_compression: str = choice("none", "none", "bf16", "fp16", doc="DDP: all-reduce gradients in half")
-    reduce_dtype: str = choice("fp32", "fp32", "bf16", doc="FSDP: gradient reduce-scatter precision")
-    reshard_after_forward: bool = True  # FSDP: free gathered parameters after forward (ZeRO-3 style)
-    cpu_offload: bool = False           # FSDP: keep sharded parameters and optimizer state on CPU
-    checkpoint_format: str = choice("full", "full", "sharded", doc="FSDP checkpoints: full = model and "
-                                    "optimizer gathered into step_N.pt by the main process; sharded = "
-                                    "each rank writes its shards to step_N.dcp (torch.distributed."
-                                    "checkpoint; for models too large to gather). Other strategies have "
-                                    "one format and ignore it")
-    zero_stage: int = num(2, min=0, max=3, doc="DeepSpeed ZeRO stage: 0 = data parallel, 1 = optimizer "
-                          "state sharded, 2 = + gradients, 3 = + parameters")
-    offload_optimizer: bool = False     # DeepSpeed: optimizer state and step on the CPU (ZeRO 1-3)
-    offload_params: bool = False        # DeepSpeed: parameters on the CPU (ZeRO 3)
-    ds_config: str = field(default="", metadata={"doc": "DeepSpeed: JSON file merged over the generated "
-                                                 "ds_config (its keys win; batch keys must agree)"})
+    grad_compression: str = choice(
+        "none", "none", "bf16", "fp16", doc="DDP: all-reduce gradients in half"
+    )
+    reduce_dtype: str = choice(
+        "fp32", "fp32", "bf16", doc="FSDP: gradient reduce-scatter precision"
+    )
+    reshard_after_forward: bool = (
+        True  # FSDP: free gathered parameters after forward (ZeRO-3 style)
+    )
+    cpu_offload: bool = False  # FSDP: keep sharded parameters and optimizer state on CPU
+    checkpoint_format: str = choice(
+        "full",
+        "full",
+        "sharded",
+        doc="FSDP checkpoints: full = model and "
+        "optimizer gathered into step_N.pt by the main process; sharded = "
+        "each rank writes its shards to step_N.dcp (torch.distributed."
+        "checkpoint; for models too large to gather). Other strategies have "
+        "one format and ignore it",
+    )
+    zero_stage: int = num(
+        2,
+        min=0,
+        max=3,
+        doc="DeepSpeed ZeRO stage: 0 = data parallel, 1 = optimizer "
+        "state sharded, 2 = + gradients, 3 = + parameters",
+    )
+    offload_optimizer: bool = False  # DeepSpeed: optimizer state and step on the CPU (ZeRO 1-3)
+    offload_params: bool = False  # DeepSpeed: parameters on the CPU (ZeRO 3)
+    ds_config: str = field(
+        default="",
+        metadata={
+            "doc": "DeepSpeed: JSON file merged over the generated "
+            "ds_config (its keys win; batch keys must agree)"
+        },
+    )
     wall_clock_breakdown: bool = False  # DeepSpeed: forward/backward/step timers in its log
-    comms_logger: bool = False          # DeepSpeed: communication summary at each checkpoint
-    flops_profiler: bool = False        # DeepSpeed: FLOPs profile of the third step (after warm-up)
+    comms_logger: bool = False  # DeepSpeed: communication summary at each checkpoint
+    flops_profiler: bool = False  # DeepSpeed: FLOPs profile of the third step (after warm-up)
 
 
 @dataclass
@@ -322,7 +568,16 @@ def _section_types() -> dict[str, type]:
 def _coerce(key: str, value: Any, typ: type, meta) -> Any:
     """Check/convert one value for `key`; raise ConfigError with a one-line message."""
     if typ is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        if isinstance(value, str) and value.lower() in (
+            "true",
+            "false",
+            "1",
+            "0",
+            "yes",
+            "no",
+            "on",
+            "off",
+        ):
             value = value.lower() in ("true", "1", "yes", "on")
         if not isinstance(value, bool):
             raise ConfigError(f"config: {key} must be true or false, got {value!r}")
@@ -348,13 +603,19 @@ def _coerce(key: str, value: Any, typ: type, meta) -> Any:
         value = float(value)
     elif typ is str:
         if not isinstance(value, str):
-            value = str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+            value = (
+                str(value)
+                if isinstance(value, (int, float)) and not isinstance(value, bool)
+                else value
+            )
         if not isinstance(value, str):
             raise ConfigError(f"config: {key} must be a string, got {value!r}")
     choices = meta.get("choices")
     if choices and value not in choices:
-        raise ConfigError(f"config: {key} must be one of {', '.join(map(str, choices))}; got {value!r}"
-                          + did_you_mean(str(value), choices))
+        raise ConfigError(
+            f"config: {key} must be one of {', '.join(map(str, choices))}; got {value!r}"
+            + did_you_mean(str(value), choices)
+        )
     lo, hi = meta.get("min"), meta.get("max")
     if lo is not None and value < lo:
         raise ConfigError(f"config: {key} must be >= {lo}, got {value!r}")
@@ -368,7 +629,9 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
     naming the key where the key or the value is not valid; cross-field checks are `check`'s)."""
     parts = dotted.split(".")
     if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"config: key '{dotted}' must look like section.key (sections: {', '.join(SECTIONS)})")
+        raise ConfigError(
+            f"config: key '{dotted}' must look like section.key (sections: {', '.join(SECTIONS)})"
+        )
     sec, key = parts
     if sec not in SECTIONS:
         raise ConfigError(f"config: unknown section '{sec}'{did_you_mean(sec, SECTIONS)}")
@@ -385,7 +648,9 @@ def apply_dict(cfg: Config, data: dict, source: str = "config") -> Config:
     for sec, values in data.items():
         if not isinstance(values, dict):
             if sec not in SECTIONS:
-                raise ConfigError(f"{source}: unknown top-level key '{sec}'{did_you_mean(sec, SECTIONS)}")
+                raise ConfigError(
+                    f"{source}: unknown top-level key '{sec}'{did_you_mean(sec, SECTIONS)}"
+                )
             raise ConfigError(f"{source}: [{sec}] must be a table of keys")
         for key, value in values.items():
             try:
@@ -409,11 +674,21 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 # the recipe on a command line: CONFIG and --set, shared by the CLI and the lab's commands
 def add_overrides(p, help: str = "override one config value (repeatable)") -> None:
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=help)
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help=help,
+    )
 
 
-def add_recipe_arguments(p, help: str = "TOML recipe (path, or a name from configs/; default: the Fashion-MNIST "
-                         "recipe)", set_help: str = "override one config value (repeatable)") -> None:
+def add_recipe_arguments(
+    p,
+    help: str = "TOML recipe (path, or a name from configs/; default: the Fashion-MNIST recipe)",
+    set_help: str = "override one config value (repeatable)",
+) -> None:
     """CONFIG and --set, the same for train, info, config and the lab's commands."""
     p.add_argument("config", nargs="?", help=help)
     add_overrides(p, set_help)
@@ -458,14 +733,18 @@ def saved_config(saved: dict, overrides=(), source: str = "checkpoint") -> Confi
     return cfg
 
 
-def micro_batch(batch_size: int, world_size: int = 1, accum_steps: int = 1, error=ConfigError) -> int:
+def micro_batch(
+    batch_size: int, world_size: int = 1, accum_steps: int = 1, error=ConfigError
+) -> int:
     """The per-process micro-batch of a global batch split over processes x accumulation steps;
     a one-line `error` where it does not split evenly (every place that splits a batch asks here)."""
     per, rem = divmod(batch_size, world_size * accum_steps)
     if rem or not per:
         prefix = "config: " if error is ConfigError else ""
-        raise error(f"{prefix}data.batch_size ({batch_size}) must be a multiple of processes ({world_size}) x "
-                    f"train.accum_steps ({accum_steps})")
+        raise error(
+            f"{prefix}data.batch_size ({batch_size}) must be a multiple of processes ({world_size}) x "
+            f"train.accum_steps ({accum_steps})"
+        )
     return per
 
 
@@ -482,16 +761,22 @@ def capture_refusal(cfg: Config) -> str | None:
     if cfg.strategy.name != "single":
         why = f"it is for one device (strategy.name=single), not {cfg.strategy.name}"
     elif t.precision in ("fp16", "pure_fp16"):
-        why = (f"train.precision={t.precision}: the loss scaler decides on the host whether a step is "
-               "skipped; use bf16 or pure_bf16")
+        why = (
+            f"train.precision={t.precision}: the loss scaler decides on the host whether a step is "
+            "skipped; use bf16 or pure_bf16"
+        )
     elif cfg.optim.name != "adamw":
-        why = (f"optim.name={cfg.optim.name}: its lr and step count live on the host; AdamW keeps them "
-               "on the device (capturable)")
+        why = (
+            f"optim.name={cfg.optim.name}: its lr and step count live on the host; AdamW keeps them "
+            "on the device (capturable)"
+        )
     elif cfg.optim.schedule_clock == "time":
         why = "optim.schedule_clock=time reads the host clock each step; use schedule_clock=steps"
     elif t.compile and t.compile_mode in ("reduce-overhead", "max-autotune"):
-        why = (f"train.compile_mode={t.compile_mode} captures CUDA graphs of its own; use compile_mode="
-               "default or max-autotune-no-cudagraphs inside the captured step")
+        why = (
+            f"train.compile_mode={t.compile_mode} captures CUDA graphs of its own; use compile_mode="
+            "default or max-autotune-no-cudagraphs inside the captured step"
+        )
     return why
 
 
@@ -501,34 +786,52 @@ def check(cfg: Config) -> None:
     batch splits over processes and micro-batches is checked once, where the number of processes is
     known (the Trainer: `micro_batch`)."""
     if cfg.train.compile_mode != "default" and not cfg.train.compile:
-        raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} needs train.compile=true")
+        raise ConfigError(
+            f"config: train.compile_mode={cfg.train.compile_mode} needs train.compile=true"
+        )
     if cfg.train.compile_mode in ("reduce-overhead", "max-autotune"):  # the modes with CUDA graphs
         if cfg.train.accum_steps > 1:
-            raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} (CUDA graphs) with "
-                              "train.accum_steps > 1 is refused: a replay overwrites the gradient buffers "
-                              "the last micro-batch left in .grad (pytorch/pytorch#169545); use "
-                              "max-autotune-no-cudagraphs or accum_steps=1")
+            raise ConfigError(
+                f"config: train.compile_mode={cfg.train.compile_mode} (CUDA graphs) with "
+                "train.accum_steps > 1 is refused: a replay overwrites the gradient buffers "
+                "the last micro-batch left in .grad (pytorch/pytorch#169545); use "
+                "max-autotune-no-cudagraphs or accum_steps=1"
+            )
         if cfg.strategy.name != "single":
-            raise ConfigError(f"config: train.compile_mode={cfg.train.compile_mode} (CUDA graphs) is for "
-                              f"strategy.name=single (one GPU), not {cfg.strategy.name}; use "
-                              "max-autotune-no-cudagraphs")
+            raise ConfigError(
+                f"config: train.compile_mode={cfg.train.compile_mode} (CUDA graphs) is for "
+                f"strategy.name=single (one GPU), not {cfg.strategy.name}; use "
+                "max-autotune-no-cudagraphs"
+            )
     if cfg.train.capture == "step":
         check_capture(cfg)
     if cfg.train.fp8 != "none":
-        if cfg.train.precision not in ("bf16", "pure_bf16", "auto"):  # auto: checked where it is resolved
-            raise ConfigError(f"config: train.fp8={cfg.train.fp8} runs float8 matmuls inside bf16 training: set "
-                              f"train.precision=bf16 or pure_bf16 (not {cfg.train.precision})")
+        if cfg.train.precision not in (
+            "bf16",
+            "pure_bf16",
+            "auto",
+        ):  # auto: checked where it is resolved
+            raise ConfigError(
+                f"config: train.fp8={cfg.train.fp8} runs float8 matmuls inside bf16 training: set "
+                f"train.precision=bf16 or pure_bf16 (not {cfg.train.precision})"
+            )
     if cfg.train.sdpa_backend != "auto" and cfg.model.attention != "sdpa":
-        raise ConfigError(f"config: train.sdpa_backend={cfg.train.sdpa_backend} picks a kernel of fused attention: "
-                          f"it needs model.attention=sdpa (not {cfg.model.attention})")
+        raise ConfigError(
+            f"config: train.sdpa_backend={cfg.train.sdpa_backend} picks a kernel of fused attention: "
+            f"it needs model.attention=sdpa (not {cfg.model.attention})"
+        )
     if cfg.train.precision == "pure_fp16" and not cfg.train.master_weights:
-        raise ConfigError("config: train.precision=pure_fp16 with train.master_weights=false is refused: "
-                          "torch's loss scaler cannot unscale fp16 gradients, and fp16 optimizer state "
-                          "underflows AdamW's eps (1e-8 is 0 in fp16); keep master_weights=true or use pure_bf16")
+        raise ConfigError(
+            "config: train.precision=pure_fp16 with train.master_weights=false is refused: "
+            "torch's loss scaler cannot unscale fp16 gradients, and fp16 optimizer state "
+            "underflows AdamW's eps (1e-8 is 0 in fp16); keep master_weights=true or use pure_bf16"
+        )
     if cfg.optim.schedule_clock == "time" and not cfg.train.time_limit_s:
-        raise ConfigError("config: optim.schedule_clock=time needs train.time_limit_s > 0 (the budget the "
-                          "lr schedule spans)")
+        raise ConfigError(
+            "config: optim.schedule_clock=time needs train.time_limit_s > 0 (the budget the "
+            "lr schedule spans)"
+        )
     if cfg.model.heads and cfg.model.dim and cfg.model.dim % cfg.model.heads:
-        raise ConfigError(f"config: model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})")
-
-
+        raise ConfigError(
+            f"config: model.dim ({cfg.model.dim}) must be divisible by model.heads ({cfg.model.heads})"
+        )

@@ -1,4 +1,5 @@
 """User-facing errors: the CLI prints them as one line and exits with code 2."""
+
 from __future__ import annotations
 
 import difflib

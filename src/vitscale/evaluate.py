@@ -1,6 +1,7 @@
 """Checkpoint evaluation and safetensors export (model info: tasks.model_info). Knows no task,
 engine or dataset by name: the checkpoint's task evaluates, exports and says how its images were
 preprocessed (tasks/base.py)."""
+
 from __future__ import annotations
 
 import json
@@ -35,13 +36,15 @@ def _weights(state: dict, use_ema: bool, path: Path | str = "the checkpoint") ->
     not finite (a checkpoint written before training checked its state when saving)."""
     sd = state["strategy"]
     if use_ema and "ema" in sd:  # AveragedModel keys: module.<name>, plus n_averaged
-        weights = {k[len("module."):]: v for k, v in sd["ema"].items() if k.startswith("module.")}
+        weights = {k[len("module.") :]: v for k, v in sd["ema"].items() if k.startswith("module.")}
     else:
         weights = sd["model"]
     bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if bad:
-        raise TrainingError(f"{path} holds non-finite weights ({len(bad)} of {len(weights)} tensors, e.g. {bad[0]}): "
-                            "an update overflowed before it was written; use an earlier checkpoint of the run")
+        raise TrainingError(
+            f"{path} holds non-finite weights ({len(bad)} of {len(weights)} tensors, e.g. {bad[0]}): "
+            "an update overflowed before it was written; use an earlier checkpoint of the run"
+        )
     return weights
 
 
@@ -56,10 +59,14 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     """The run's own metrics for a checkpoint (the task's: accuracy for a ViT; held-out retrieval
     and zero-shot accuracy for a CLIP model), in this one process whatever trained it."""
     state, cfg, path = _load(checkpoint, overrides)
-    strategy = build_strategy(resolve_fast_paths(in_this_process(cfg)).cfg)  # an auto asked here: this machine's
+    strategy = build_strategy(
+        resolve_fast_paths(in_this_process(cfg)).cfg
+    )  # an auto asked here: this machine's
     task = build_task(cfg, kind_of(state))
     data = task.build_data(strategy)
-    model = _rebuild(task, state, _weights(state, cfg.train.ema_decay > 0 and cfg.train.ema_eval, path))
+    model = _rebuild(
+        task, state, _weights(state, cfg.train.ema_decay > 0 and cfg.train.ema_eval, path)
+    )
     strategy.setup_eval(model)
     try:
         result = task.evaluate_all(strategy, data)
@@ -70,7 +77,10 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     return {**result, "step": state["step"], "checkpoint": str(path), "task": task.kind}
 
 
-DEFAULT_OUT = {"vitscale": "model.safetensors", "timm": "timm/model.safetensors"}  # under the run folder
+DEFAULT_OUT = {
+    "vitscale": "model.safetensors",
+    "timm": "timm/model.safetensors",
+}  # under the run folder
 
 
 def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vitscale") -> Path:
@@ -80,16 +90,26 @@ def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vi
     the run evaluated with (`Task.run_preprocess`)."""
     state, cfg, path = _load(checkpoint, command="export")
     weights = {k: v.float() for k, v in _weights(state, use_ema, path).items()}
-    out = Path(out) if out else path.parent.parent / DEFAULT_OUT.get(fmt, f"model_{fmt}.safetensors")
+    out = (
+        Path(out) if out else path.parent.parent / DEFAULT_OUT.get(fmt, f"model_{fmt}.safetensors")
+    )
     kind = kind_of(state)
     if fmt == "vitscale":
-        meta = {"format": f"vitscale-{kind}", "spec": json.dumps(state["spec"]), "config": json.dumps(cfg.to_dict()),
-                "step": str(state["step"])}
+        meta = {
+            "format": f"vitscale-{kind}",
+            "spec": json.dumps(state["spec"]),
+            "config": json.dumps(cfg.to_dict()),
+            "step": str(state["step"]),
+        }
         return export_safetensors(weights, out, meta)
-    task = build_task(cfg, kind)  # another library's layout: rebuild the model, let the task convert it
+    task = build_task(
+        cfg, kind
+    )  # another library's layout: rebuild the model, let the task convert it
     if fmt not in task.exports:
-        raise ConfigError(f"export --format {fmt}: {path} holds a {kind} model; {fmt}'s layout is for "
-                          f"{export_use(fmt)}")
+        raise ConfigError(
+            f"export --format {fmt}: {path} holds a {kind} model; {fmt}'s layout is for "
+            f"{export_use(fmt)}"
+        )
     model = _rebuild(task, state, weights)
     meta = {"format": fmt, "step": str(state["step"])}
     return task.export(fmt, model, task.run_preprocess(state), out, meta, path.parent.parent)

@@ -13,6 +13,7 @@ from its own config on any machine; keys the user named are never touched. Idemp
 config resolves to itself. The Trainer, a resumed run's checks (run_state) and the lab's recipes
 all ask here, so the decision is made in one place.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,6 +33,7 @@ from .tasks import build_task, task_capture_refusal
 class Machine:
     """What the auto keys depend on: the device type, its compute capability and name (CUDA),
     whether the CPU has bf16 instructions, and the number of processes."""
+
     device_type: str
     capability: tuple[int, int] | None = None
     name: str = ""
@@ -42,7 +44,9 @@ class Machine:
         if self.device_type == "cuda":
             cc = f", sm_{self.capability[0]}{self.capability[1]}" if self.capability else ""
             return f"cuda ({self.name}{cc})" if self.name else "cuda"
-        flags = {True: "bf16 instructions", False: "no bf16 instructions", None: "flags unknown"}[self.cpu_bf16]
+        flags = {True: "bf16 instructions", False: "no bf16 instructions", None: "flags unknown"}[
+            self.cpu_bf16
+        ]
         return f"cpu ({flags})"
 
 
@@ -52,18 +56,30 @@ def this_machine(cfg: Config, env: Mapping[str, str] = os.environ) -> Machine:
     device_type = resolve_device(cfg.run.device).type
     if device_type == "cuda":
         dev = device_for("cuda", launch.local_rank, torch.cuda.device_count())
-        return Machine("cuda", tuple(torch.cuda.get_device_capability(dev)), torch.cuda.get_device_name(dev),
-                       world_size=launch.world_size)
+        return Machine(
+            "cuda",
+            tuple(torch.cuda.get_device_capability(dev)),
+            torch.cuda.get_device_name(dev),
+            world_size=launch.world_size,
+        )
     return Machine("cpu", cpu_bf16=cpu_has_bf16(), world_size=launch.world_size)
 
 
 def auto_capture(cfg: Config, machine: Machine) -> tuple[str, str]:
     """train.capture=auto on `machine` for `cfg` (its precision already resolved): (step or none, why)."""
     if machine.world_size > 1 or needs_processes(cfg.strategy.name):
-        return "none", f"{machine.world_size} processes ({cfg.strategy.name}): the captured step is for one device"
+        return (
+            "none",
+            f"{machine.world_size} processes ({cfg.strategy.name}): the captured step is for one device",
+        )
     if machine.device_type != "cuda":
-        return "none", "a CUDA graph needs a GPU (on a CPU capture=step runs the same uncaptured step)"
-    why = capture_refusal(replace(cfg, train=replace(cfg.train, capture="step"))) or task_capture_refusal(build_task(cfg))
+        return (
+            "none",
+            "a CUDA graph needs a GPU (on a CPU capture=step runs the same uncaptured step)",
+        )
+    why = capture_refusal(
+        replace(cfg, train=replace(cfg.train, capture="step"))
+    ) or task_capture_refusal(build_task(cfg))
     if why:
         return "none", why
     return "step", "one GPU, one process, a step the capture takes"
@@ -72,9 +88,12 @@ def auto_capture(cfg: Config, machine: Machine) -> tuple[str, str]:
 @dataclass
 class FastPaths:
     """A config with its auto keys resolved, what they became and why, and the machine."""
+
     cfg: Config
     machine: Machine | None = None  # None: not asked (nothing was auto), `line` asks
-    chosen: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (value, why): auto keys only
+    chosen: dict[str, tuple[str, str]] = field(
+        default_factory=dict
+    )  # key -> (value, why): auto keys only
 
     def record(self) -> dict:
         """summary.json's "auto": {key: {"value", "why"}} of the keys resolved from auto."""
@@ -89,10 +108,13 @@ class FastPaths:
             if key in self.chosen:
                 return f"{short} {value} (auto: {self.chosen[key][1]})"
             return f"{short} {value}"
+
         compile_ = f"compile {t.compile_mode}" if t.compile else "compile off"
         machine = self.machine or this_machine(self.cfg)
-        return (f"fast paths on {machine.describe()}: {say('train.precision', t.precision)}; "
-                f"{say('train.capture', t.capture)}; {compile_}")
+        return (
+            f"fast paths on {machine.describe()}: {say('train.precision', t.precision)}; "
+            f"{say('train.capture', t.capture)}; {compile_}"
+        )
 
 
 def resolve(cfg: Config, machine: Machine | None = None) -> FastPaths:
@@ -104,7 +126,9 @@ def resolve(cfg: Config, machine: Machine | None = None) -> FastPaths:
     machine = machine or this_machine(cfg)
     chosen = {}
     if t.precision == "auto":
-        chosen["train.precision"] = auto_precision(machine.device_type, machine.capability, machine.cpu_bf16)
+        chosen["train.precision"] = auto_precision(
+            machine.device_type, machine.capability, machine.cpu_bf16
+        )
         cfg = replace(cfg, train=replace(cfg.train, precision=chosen["train.precision"][0]))
     if t.capture == "auto":
         chosen["train.capture"] = auto_capture(cfg, machine)

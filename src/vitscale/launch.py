@@ -1,6 +1,7 @@
 """Who this process is, from its launcher's environment (torchrun, the deepspeed launcher, srun):
 plain parsing, no torch, so that every layer (the CLI's first lines, checkpoint's messages) asks the
 same function instead of reading RANK / WORLD_SIZE itself."""
+
 from __future__ import annotations
 
 import os
@@ -16,14 +17,18 @@ class Launch:
     rank: int
     world_size: int
     local_rank: int
-    launcher: str               # "torchrun" (also the deepspeed launcher), "slurm" or "none"
+    launcher: str  # "torchrun" (also the deepspeed launcher), "slurm" or "none"
     master_addr: str | None = None
     master_port: int = 29500
 
     def env(self) -> dict:
         """The env:// variables this launch implies (what torchrun would have set)."""
-        out = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
-               "MASTER_PORT": str(self.master_port)}
+        out = {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "MASTER_PORT": str(self.master_port),
+        }
         if self.master_addr:
             out["MASTER_ADDR"] = self.master_addr
         return out
@@ -59,16 +64,35 @@ def launch_env(env: Mapping[str, str]) -> Launch:
     port = _int(env, "MASTER_PORT", 29500)
     if "RANK" in env and "WORLD_SIZE" in env:
         local = _int(env, "LOCAL_RANK", _int(env, "LOCAL_PROCESS_RANK", 0))
-        return Launch(_int(env, "RANK"), _int(env, "WORLD_SIZE"), local, "torchrun", env.get("MASTER_ADDR"), port)
+        return Launch(
+            _int(env, "RANK"),
+            _int(env, "WORLD_SIZE"),
+            local,
+            "torchrun",
+            env.get("MASTER_ADDR"),
+            port,
+        )
     # srun's own step (SLURM_STEP_NUM_TASKS), not the batch script, which has SLURM_NTASKS too
     if "SLURM_PROCID" in env and _int(env, "SLURM_STEP_NUM_TASKS", 1) > 1:
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        nodes = (
+            env.get("SLURM_STEP_NODELIST")
+            or env.get("SLURM_JOB_NODELIST")
+            or env.get("SLURM_NODELIST")
+        )
         addr = env.get("MASTER_ADDR") or (first_host(nodes) if nodes else None)
         if addr is None:
-            raise ConfigError("launcher: srun started several tasks but no node list is set "
-                              "(SLURM_STEP_NODELIST): set MASTER_ADDR")
-        return Launch(_int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS"), _int(env, "SLURM_LOCALID", 0),
-                      "slurm", addr, port)
+            raise ConfigError(
+                "launcher: srun started several tasks but no node list is set "
+                "(SLURM_STEP_NODELIST): set MASTER_ADDR"
+            )
+        return Launch(
+            _int(env, "SLURM_PROCID"),
+            _int(env, "SLURM_STEP_NUM_TASKS"),
+            _int(env, "SLURM_LOCALID", 0),
+            "slurm",
+            addr,
+            port,
+        )
     return Launch(0, 1, 0, "none", env.get("MASTER_ADDR"), port)
 
 

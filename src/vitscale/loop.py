@@ -1,4 +1,5 @@
 """The training loop: uses only strategy verbs, never an engine name."""
+
 from __future__ import annotations
 
 import contextlib
@@ -38,13 +39,18 @@ def _no_phase(name: str) -> None:
 class Window:
     """Time, global samples, data-wait time and skipped steps (a device tensor where the strategy
     keeps it there) since the last train log record."""
+
     seconds: float = 0.0
     images: int = 0
     data_s: float = 0.0
     skipped: object = 0
 
     def add(self, seconds: float, images: int, data_s: float, skipped=False) -> None:
-        self.seconds, self.images, self.data_s = self.seconds + seconds, self.images + images, self.data_s + data_s
+        self.seconds, self.images, self.data_s = (
+            self.seconds + seconds,
+            self.images + images,
+            self.data_s + data_s,
+        )
         self.skipped = self.skipped + skipped
 
 
@@ -81,12 +87,17 @@ def make_run_dir(cfg: Config, s, run_dir, resume) -> tuple[Path, RunLock | None,
     that was not there before (the folder itself last)."""
     problem, lock, made = None, None, []
     if s.is_main:
-        run_dir = Path(run_dir) if run_dir else \
-            Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = (
+            Path(run_dir)
+            if run_dir
+            else Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
         made = [p for p in (run_dir / "config.toml", run_dir / ".lock", run_dir) if not p.exists()]
         if resume is None and list_checkpoints(run_dir):
-            problem = (f"{run_dir} already holds a run's checkpoints: continue it with "
-                       f"`vitscale train --resume {run_dir}` or choose another --out")
+            problem = (
+                f"{run_dir} already holds a run's checkpoints: continue it with "
+                f"`vitscale train --resume {run_dir}` or choose another --out"
+            )
         else:
             lock = RunLock(run_dir)
             problem = lock.acquire()
@@ -129,7 +140,9 @@ class Trainer:
     step, train_time, images_seen = Progressed(), Progressed(), Progressed()
     steady, best_acc, last_eval = Progressed(), Progressed(), Progressed()
 
-    def __init__(self, cfg: Config, run_dir: Path | None = None, resume: Resume | str | Path | None = None):
+    def __init__(
+        self, cfg: Config, run_dir: Path | None = None, resume: Resume | str | Path | None = None
+    ):
         """`resume`: a checkpoint file or run folder, or one already opened and checked
         (run_state.resume_request: `vitscale train --resume`), which is taken as it is."""
         # train.precision / train.capture = auto answered for this machine: what the run saves
@@ -169,11 +182,16 @@ class Trainer:
         """A resumed run that run.max_steps stops where it already is, short of its epochs (a cap
         saved with the run, and more epochs asked for now): refused in one line naming the cap,
         rather than a run that trains nothing and reports the old result."""
-        cap, epochs = self.cfg.run.max_steps, math.ceil(self.cfg.train.epochs * self.steps_per_epoch)
+        cap, epochs = (
+            self.cfg.run.max_steps,
+            math.ceil(self.cfg.train.epochs * self.steps_per_epoch),
+        )
         if cap and self.step >= cap and epochs > cap:
-            raise UserError(f"resume: run.max_steps = {cap} caps this run at step {cap}, where it already is, "
-                            f"short of its {self.cfg.train.epochs:g} epochs ({epochs} steps): add --set "
-                            f"run.max_steps=0 to train them (or a larger cap)")
+            raise UserError(
+                f"resume: run.max_steps = {cap} caps this run at step {cap}, where it already is, "
+                f"short of its {self.cfg.train.epochs:g} epochs ({epochs} steps): add --set "
+                f"run.max_steps=0 to train them (or a larger cap)"
+            )
 
     def close(self) -> None:
         """After training, or when it stopped on an error (also half-built): the data's workers
@@ -188,10 +206,14 @@ class Trainer:
         self.task = task = build_task(cfg)
         self.data = task.build_data(s)
         if cfg.data.batch_size > self.data.train_size:
-            raise DataError(f"data.batch_size ({cfg.data.batch_size}) is larger than the training set "
-                            f"({self.data.train_size} images)")
+            raise DataError(
+                f"data.batch_size ({cfg.data.batch_size}) is larger than the training set "
+                f"({self.data.train_size} images)"
+            )
         self.spec = task.spec_for(self.data)
-        self.flops_per_image = task.flops(self.spec)  # per training sample (image, or image-caption pair)
+        self.flops_per_image = task.flops(
+            self.spec
+        )  # per training sample (image, or image-caption pair)
         torch.manual_seed(cfg.run.seed)
         model = task.build_model(self.spec)  # the same initial weights on every rank
         if s.rank:  # a stream of its own per rank for dropout / stochastic depth
@@ -202,21 +224,37 @@ class Trainer:
         remainder = self.data.train_size % cfg.data.batch_size
         self.empty_last_share = not cfg.data.drop_last and 0 < remainder < s.world_size
         if self.steps_per_epoch == 0:
-            raise DataError(f"data.batch_size ({cfg.data.batch_size}) gives no full batch per epoch")
+            raise DataError(
+                f"data.batch_size ({cfg.data.batch_size}) gives no full batch per epoch"
+            )
         total = math.ceil(cfg.train.epochs * self.steps_per_epoch)
         self.total_steps = min(total, cfg.run.max_steps) if cfg.run.max_steps else total
-        task.setup_training(lr=self.lr, dataset_size=self.data.train_size, total_steps=self.total_steps,
-                            steps_per_epoch=self.steps_per_epoch, device=s.device)
-        self.progress = RunProgress()  # step, training time, samples seen, best metric, last evaluation
+        task.setup_training(
+            lr=self.lr,
+            dataset_size=self.data.train_size,
+            total_steps=self.total_steps,
+            steps_per_epoch=self.steps_per_epoch,
+            device=s.device,
+        )
+        self.progress = (
+            RunProgress()
+        )  # step, training time, samples seen, best metric, last evaluation
         # optim.schedule_clock=time: the decay follows self.train_time to train.time_limit_s
-        self.scheduler = build_scheduler(self.strategy.optimizer, cfg.optim, self.total_steps,
-                                         self.steps_per_epoch, clock=lambda: self.train_time,
-                                         budget_s=cfg.train.time_limit_s)
+        self.scheduler = build_scheduler(
+            self.strategy.optimizer,
+            cfg.optim,
+            self.total_steps,
+            self.steps_per_epoch,
+            clock=lambda: self.train_time,
+            budget_s=cfg.train.time_limit_s,
+        )
         self.watch = FiniteWatch()
         # train.capture=step: the whole step as one unit (built at the first step: after a resume
         # has loaded the state it captures), its batches prepared many at a time
         self.whole: WholeStep | None = None
-        self.ahead = ahead_batches(cfg, self.data.train.batch_size, self.data) if s.whole_step else 1
+        self.ahead = (
+            ahead_batches(cfg, self.data.train.batch_size, self.data) if s.whole_step else 1
+        )
         self.last_ckpt: Path | None = None
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -227,8 +265,10 @@ class Trainer:
         if bad is None:
             return
         step, loss = bad
-        raise TrainingError(f"loss is {loss} at step {step} (epoch {(step - 1) // self.steps_per_epoch}): "
-                            f"training stopped{self._last_good()}")
+        raise TrainingError(
+            f"loss is {loss} at step {step} (epoch {(step - 1) // self.steps_per_epoch}): "
+            f"training stopped{self._last_good()}"
+        )
 
     def check_state(self) -> None:
         """check_finite, then the training state itself (weights, masters, optimizer state, EMA):
@@ -238,19 +278,26 @@ class Trainer:
         self.check_finite()
         bad = self.strategy.count_nonfinite()
         if bad:
-            raise TrainingError(f"the training state is not finite after step {self.step} ({bad} tensors hold "
-                                "NaN or inf although every loss was finite: an update overflowed; lower "
-                                f"optim.lr or set optim.grad_clip): training stopped{self._last_good()}")
+            raise TrainingError(
+                f"the training state is not finite after step {self.step} ({bad} tensors hold "
+                "NaN or inf although every loss was finite: an update overflowed; lower "
+                f"optim.lr or set optim.grad_clip): training stopped{self._last_good()}"
+            )
 
     def _last_good(self) -> str:
-        return f"; last good checkpoint: {self.last_ckpt}" if self.last_ckpt else \
-            "; no checkpoint was written before it"
+        return (
+            f"; last good checkpoint: {self.last_ckpt}"
+            if self.last_ckpt
+            else "; no checkpoint was written before it"
+        )
 
     def save(self) -> Path:
         """Collective (every rank's RNG goes in); the main process writes."""
         self.check_state()
         s = self.strategy
-        suffix = s.engine_suffix  # DeepSpeed, FSDP2 sharded: big state in a folder every rank writes
+        suffix = (
+            s.engine_suffix
+        )  # DeepSpeed, FSDP2 sharded: big state in a folder every rank writes
         if suffix:
             s.save_engine(self.run_dir / "checkpoints" / f"step_{self.step:08d}{suffix}")
         state = {**run_state(self), "engine": suffix}
@@ -266,15 +313,21 @@ class Trainer:
         self.check_state()
         self.strategy.sync_buffers()  # every rank evaluates the buffers that are saved (rank 0's)
         r = self.task.evaluate_all(self.strategy, self.data)
-        self.last_eval = {"step": self.step, "epoch": self.step / self.steps_per_epoch,
-                          "train_time_s": self.train_time, **r}
+        self.last_eval = {
+            "step": self.step,
+            "epoch": self.step / self.steps_per_epoch,
+            "train_time_s": self.train_time,
+            **r,
+        }
         value = r.get(self.task.metric)
         if value is not None:
             self.best_acc = value if self.best_acc is None else max(self.best_acc, value)
         return self.last_eval
 
     # -- training ---------------------------------------------------------------------------------
-    def train_step(self, batch: tuple, phase: Callable[[str], None] | None = None) -> tuple[torch.Tensor, dict]:
+    def train_step(
+        self, batch: tuple, phase: Callable[[str], None] | None = None
+    ) -> tuple[torch.Tensor, dict]:
         """One optimizer step over a batch ((images, labels) or (images, tokens, index)) split
         into accum_steps micro-batches; returns (the loss, the strategy's step info), both left
         on the device: nothing here waits for the GPU (the loop reads them at log steps).
@@ -329,9 +382,14 @@ class Trainer:
             # data.drop_last=false: the epoch's last global batch is partial, and where it has
             # fewer samples than processes some rank's share is empty: every rank skips that step,
             # decided from the sizes alone (no collective, no host sync)
-            if self.empty_last_share and self.step % self.steps_per_epoch == self.steps_per_epoch - 1:
-                self.bar.message(f"step {self.step + 1}: the epoch's last batch has fewer samples than "
-                                 "processes; step skipped on every rank")
+            if (
+                self.empty_last_share
+                and self.step % self.steps_per_epoch == self.steps_per_epoch - 1
+            ):
+                self.bar.message(
+                    f"step {self.step + 1}: the epoch's last batch has fewer samples than "
+                    "processes; step skipped on every rank"
+                )
                 self.scheduler.step()
                 self.step += 1
                 t_last = time.perf_counter()
@@ -341,9 +399,11 @@ class Trainer:
             # an orphan must not go on training (and writing) the run; one told to stop saves first
             # (a launcher that a stop signal ended: torchrun does not handle SIGUSR1)
             if self.launcher.gone() and self.agreement.stop.signal is None:
-                raise TrainingError(f"step {self.step + 1}: the launcher that started this process is gone "
-                                    "(killed or preempted): this rank stops; the last complete checkpoint "
-                                    f"is kept{self._last_good()}")
+                raise TrainingError(
+                    f"step {self.step + 1}: the launcher that started this process is gone "
+                    "(killed or preempted): this rank stops; the last complete checkpoint "
+                    f"is kept{self._last_good()}"
+                )
             loss, info = self.run_step(batch)
             self.scheduler.step()
             self.step += 1
@@ -362,7 +422,9 @@ class Trainer:
             t_last = time.perf_counter()  # checkpoint I/O is not training time
         return "done"
 
-    def account(self, dt: float, t_data: float, images: int, loss, info: dict, log_now: bool = True) -> None:
+    def account(
+        self, dt: float, t_data: float, images: int, loss, info: dict, log_now: bool = True
+    ) -> None:
         """Time and samples of a finished step (`images`: global); at log steps (`log_now`) the
         train log record, where the loss, gradient norm and skipped steps are read from the
         device; the progress line."""
@@ -377,12 +439,22 @@ class Trainer:
             self.check_finite()
             steps = w.images / images
             loss = float(loss)
-            self.log.log({"kind": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
-                          "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-                          "images_per_s": w.images / w.seconds, "step_time_s": w.seconds / max(1, steps),
-                          "data_time_s": w.data_s / max(1, steps),
-                          "grad_norm": float(info["grad_norm"]), "skipped": int(w.skipped),
-                          **self.task.logs(), **self.strategy.comm_stats(round(steps))})
+            self.log.log(
+                {
+                    "kind": "train",
+                    "step": self.step,
+                    "epoch": self.step / self.steps_per_epoch,
+                    "loss": loss,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "images_per_s": w.images / w.seconds,
+                    "step_time_s": w.seconds / max(1, steps),
+                    "data_time_s": w.data_s / max(1, steps),
+                    "grad_norm": float(info["grad_norm"]),
+                    "skipped": int(w.skipped),
+                    **self.task.logs(),
+                    **self.strategy.comm_stats(round(steps)),
+                }
+            )
             self.window = Window()
             self._bar_text = f"loss {loss:.4f} | {self.images_seen / self.train_time:.0f} img/s"
         self.bar.update(self.step, self._bar_text)
@@ -396,8 +468,10 @@ class Trainer:
         if cfg.run.eval_every and (self.step // self.steps_per_epoch) % cfg.run.eval_every == 0:
             ev = self.evaluate()
             self.log.log({"kind": "eval", **ev}, prefix="eval")
-            self.bar.message(f"epoch {ev['epoch']:.2f} step {self.step}: {self.task.describe_eval(ev, self.best_acc)}, "
-                             f"{self.train_time:.0f}s training")
+            self.bar.message(
+                f"epoch {ev['epoch']:.2f} step {self.step}: {self.task.describe_eval(ev, self.best_acc)}, "
+                f"{self.train_time:.0f}s training"
+            )
         if not cfg.run.checkpoint_every:
             self.save()
 
@@ -413,11 +487,16 @@ class Trainer:
         """Epochs until the end or a stop request; the reason ("done", "time limit", a signal's name,
         "job end"). A request that arrives during an evaluation or a checkpoint is handled at the
         epoch's end, before another step."""
-        deadline = slurm_deadline() if self.stop_on_signals else None  # the lab's trainers: their command's
+        deadline = (
+            slurm_deadline() if self.stop_on_signals else None
+        )  # the lab's trainers: their command's
         if deadline is not None and self.strategy.is_main:  # said whatever run.progress is
-            print(f"SLURM_JOB_END_TIME is set: the run stops with a checkpoint {SLURM_MARGIN_S:.0f} s "
-                  f"before the job's end, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(deadline))}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"SLURM_JOB_END_TIME is set: the run stops with a checkpoint {SLURM_MARGIN_S:.0f} s "
+                f"before the job's end, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(deadline))}",
+                file=sys.stderr,
+                flush=True,
+            )
         self.agreement = Agreement(self.strategy, stop, self.cfg.train.time_limit_s, deadline)
         stop_reason = "done"
         try:
@@ -437,21 +516,37 @@ class Trainer:
         """Train to the end (or the time limit), evaluating and checkpointing as configured;
         returns the summary (every rank), written to summary.json by the main process."""
         cfg, main = self.cfg, self.strategy.is_main
-        self.log = MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard, resumed_at=self.step) if main else NullLog()
-        self.bar = Progress(self.total_steps, cfg.run.progress if main else "off", start=self.step,
-                            every=cfg.run.log_every)
+        self.log = (
+            MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard, resumed_at=self.step)
+            if main
+            else NullLog()
+        )
+        self.bar = Progress(
+            self.total_steps,
+            cfg.run.progress if main else "off",
+            start=self.step,
+            every=cfg.run.log_every,
+        )
         self.bar.message(self.fast.line())
         self.bar.message(describe_run(self))
         self.window, self._first, self._bar_text = Window(), True, ""
         with StopRequest(quiet=not main, signals=self.stop_on_signals) as stop:
             stop_reason = self.train_until_stopped(stop)
-        if stop_reason in PREEMPTED:  # the exact state saved at once, no evaluation: the scheduler waits
+        if (
+            stop_reason in PREEMPTED
+        ):  # the exact state saved at once, no evaluation: the scheduler waits
             if not self.saved_now():
                 self.save()
             self.log.close()
-            return {"rank": self.strategy.rank, "stop_reason": stop_reason, "step": self.step,
-                    "total_steps": self.total_steps, "epoch": self.step / self.steps_per_epoch,
-                    "checkpoint": str(self.last_ckpt), "run_dir": str(self.run_dir)}
+            return {
+                "rank": self.strategy.rank,
+                "stop_reason": stop_reason,
+                "step": self.step,
+                "total_steps": self.total_steps,
+                "epoch": self.step / self.steps_per_epoch,
+                "checkpoint": str(self.last_ckpt),
+                "run_dir": str(self.run_dir),
+            }
         if self.last_eval is None or self.last_eval["step"] != self.step:
             self.log.log({"kind": "eval", **self.evaluate()}, prefix="eval")
         if not self.saved_now():
@@ -475,22 +570,27 @@ AHEAD_BYTES = 512 * 2**20
 
 def ahead_batches(cfg: Config, local_batch: int, data) -> int:
     """Batches a train loader prepares at once under train.capture=step."""
-    per_batch = 4 * local_batch * data.channels * data.image_size ** 2
+    per_batch = 4 * local_batch * data.channels * data.image_size**2
     return max(1, AHEAD_BYTES // max(1, per_batch))
 
 
 def describe_run(tr: Trainer) -> str:
     """The run in one line: model, data, batch split, lr, steps, device and precision."""
     cfg, s = tr.cfg, tr.strategy
-    scaling = '' if cfg.optim.lr_scaling == 'none' else \
-        f' ({cfg.optim.lr_scaling} scaling from {cfg.optim.lr:g} at batch {cfg.optim.lr_ref_batch})'
-    return (f"run {tr.run_dir}: {tr.task.describe(tr.spec)}, {tr.params / 1e6:.2f}M params, "
-            f"{tr.flops_per_image / 1e6:.1f} MFLOPs/{tr.task.sample} fwd; "
-            f"{tr.data.train_size} train / {tr.data.test_size} {tr.data.eval_split} {tr.task.samples}; "
-            f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
-            f"{cfg.train.accum_steps} micro-batches x "
-            f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; lr {tr.lr:.3g}{scaling}"
-            f"; {tr.total_steps} steps on {s.device} in {cfg.train.precision}")
+    scaling = (
+        ""
+        if cfg.optim.lr_scaling == "none"
+        else f" ({cfg.optim.lr_scaling} scaling from {cfg.optim.lr:g} at batch {cfg.optim.lr_ref_batch})"
+    )
+    return (
+        f"run {tr.run_dir}: {tr.task.describe(tr.spec)}, {tr.params / 1e6:.2f}M params, "
+        f"{tr.flops_per_image / 1e6:.1f} MFLOPs/{tr.task.sample} fwd; "
+        f"{tr.data.train_size} train / {tr.data.test_size} {tr.data.eval_split} {tr.task.samples}; "
+        f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
+        f"{cfg.train.accum_steps} micro-batches x "
+        f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; lr {tr.lr:.3g}{scaling}"
+        f"; {tr.total_steps} steps on {s.device} in {cfg.train.precision}"
+    )
 
 
 def run_summary(tr: Trainer, stop_reason: str) -> dict:
@@ -501,20 +601,38 @@ def run_summary(tr: Trainer, stop_reason: str) -> dict:
     images_per_s = n / t if t else 0.0
     peak, peak_src = peak_flops(s.device, cfg.train.precision, cfg.train.tf32)
     metrics = {k: v for k, v in tr.last_eval.items() if k not in ("step", "epoch", "train_time_s")}
-    return {**metrics, f"best_{tr.task.metric}": tr.best_acc, "train_time_s": tr.train_time,
-            "images_per_s": images_per_s, "params": tr.params,
-            "flops_per_image": tr.flops_per_image, "train_flops_per_image": 3 * tr.flops_per_image,
-            "mfu": mfu(tr.flops_per_image, images_per_s, peak, s.world_size),
-            "peak_flops": peak, "peak_source": peak_src, "world_size": s.world_size,
-            "steps": tr.step, "epochs": tr.step / tr.steps_per_epoch, "eval_split": tr.data.eval_split,
-            "images_seen": tr.images_seen, "stop_reason": stop_reason,
-            "precision": cfg.train.precision, "capture": cfg.train.capture, "auto": tr.fast.record(),
-            "tf32": tf32_active(s.device.type, cfg.train.precision, cfg.train.tf32),
-            "lr": tr.lr, "device": str(s.device),
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "checkpoint": str(tr.last_ckpt), "run_dir": str(tr.run_dir), "rank": s.rank,
-            "state_bytes_per_rank": s.gather_objects(tr.state_bytes()),
-            "task": tr.task.kind, **tr.task.summary_extra(tr.lr)}
+    return {
+        **metrics,
+        f"best_{tr.task.metric}": tr.best_acc,
+        "train_time_s": tr.train_time,
+        "images_per_s": images_per_s,
+        "params": tr.params,
+        "flops_per_image": tr.flops_per_image,
+        "train_flops_per_image": 3 * tr.flops_per_image,
+        "mfu": mfu(tr.flops_per_image, images_per_s, peak, s.world_size),
+        "peak_flops": peak,
+        "peak_source": peak_src,
+        "world_size": s.world_size,
+        "steps": tr.step,
+        "epochs": tr.step / tr.steps_per_epoch,
+        "eval_split": tr.data.eval_split,
+        "images_seen": tr.images_seen,
+        "stop_reason": stop_reason,
+        "precision": cfg.train.precision,
+        "capture": cfg.train.capture,
+        "auto": tr.fast.record(),
+        "tf32": tf32_active(s.device.type, cfg.train.precision, cfg.train.tf32),
+        "lr": tr.lr,
+        "device": str(s.device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "checkpoint": str(tr.last_ckpt),
+        "run_dir": str(tr.run_dir),
+        "rank": s.rank,
+        "state_bytes_per_rank": s.gather_objects(tr.state_bytes()),
+        "task": tr.task.kind,
+        **tr.task.summary_extra(tr.lr),
+    }
 
 
 def train(cfg: Config, run_dir: Path | None = None, resume: str | Path | None = None) -> dict:

@@ -2,6 +2,7 @@
 terminal, plain log lines otherwise), the timers' device synchronizer, and MFU with the peak FLOP/s
 it divides by (a table of dense peaks for known GPUs, measured on CPUs). Knows no engine: the
 number formats come from precision.py."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,10 @@ class MetricsLog:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resumed_at + 1 if resumed_at else None)
+
+                self.tb = SummaryWriter(
+                    str(Path(run_dir) / "tb"), purge_step=resumed_at + 1 if resumed_at else None
+                )
             except ImportError:  # tensorboard not installed: JSONL still has everything
                 self.tb = None
 
@@ -42,7 +46,9 @@ class MetricsLog:
         "superseded_at": the step resumed from); returns how many, announced in one line."""
         if not self.path.is_file():
             return 0
-        records = [(x, json.loads(x)) for x in self.path.read_text().splitlines(keepends=True) if x.strip()]
+        records = [
+            (x, json.loads(x)) for x in self.path.read_text().splitlines(keepends=True) if x.strip()
+        ]
         later = [r for _, r in records if r.get("step", 0) > step]
         if later:
             with open(self.path.with_name("metrics_superseded.jsonl"), "a") as f:
@@ -51,8 +57,12 @@ class MetricsLog:
             tmp = self.path.with_name(".metrics.jsonl.tmp")
             tmp.write_text("".join(kept))
             os.replace(tmp, self.path)
-            log.warning("metrics.jsonl: %d record(s) of steps after %d, written before this resume, moved to "
-                        "metrics_superseded.jsonl", len(later), step)
+            log.warning(
+                "metrics.jsonl: %d record(s) of steps after %d, written before this resume, moved to "
+                "metrics_superseded.jsonl",
+                len(later),
+                step,
+            )
         return len(later)
 
     def log(self, record: dict, prefix: str = "train") -> None:
@@ -60,7 +70,11 @@ class MetricsLog:
         if self.tb is not None:
             step = record.get("step", 0)
             for k, v in record.items():
-                if k not in ("step", "kind") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                if (
+                    k not in ("step", "kind")
+                    and isinstance(v, (int, float))
+                    and not isinstance(v, bool)
+                ):
                     self.tb.add_scalar(f"{prefix}/{k}", v, step)
 
     def close(self) -> None:
@@ -96,9 +110,17 @@ class Progress:
                 TimeRemainingColumn,
             )
             from rich.progress import Progress as RichProgress
-            self.bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                                    TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+
+            self.bar = RichProgress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
             self.task = self.bar.add_task("train", total=total, completed=start, info="")
             self.bar.start()
 
@@ -111,7 +133,11 @@ class Progress:
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
         elif self.mode == "plain" and (step % self.every == 0 or step == self.total):
-            print(f"step {step}/{self.total} {info} eta {self.eta():.0f}s", file=sys.stderr, flush=True)
+            print(
+                f"step {step}/{self.total} {info} eta {self.eta():.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def message(self, text: str) -> None:
         if self.bar is not None:
@@ -140,7 +166,12 @@ GPU_PEAKS = {
     "H100 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12, "tf32": 418e12},
     "H200 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12, "tf32": 418e12},
     "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12},  # SXM ("H100 80GB HBM3")
+    "H100": {
+        "bf16": 989e12,
+        "fp16": 989e12,
+        "fp32": 67e12,
+        "tf32": 494e12,
+    },  # SXM ("H100 80GB HBM3")
     "B200": {"bf16": 2250e12, "fp16": 2250e12},
     "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
     "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12, "tf32": 183e12},
@@ -185,7 +216,9 @@ def fitted_size(n: int, budget: float, seconds_at, smallest: int = 128) -> int:
     return n
 
 
-def measure_matmul_peak(device: torch.device, dtype: str = "fp32", n: int = 1024, seconds: float = 1.0) -> float:
+def measure_matmul_peak(
+    device: torch.device, dtype: str = "fp32", n: int = 1024, seconds: float = 1.0
+) -> float:
     """Best FLOP/s of square n x n matmuls over about `seconds` (the machine's usable peak). Where one
     n x n matmul alone takes over seconds / 8 (bf16 emulated on a CPU without bf16 instructions:
     about 1 s at n = 1024, 1-2 GFLOP/s), n is halved until it does not (down to 128), so that the
@@ -194,7 +227,9 @@ def measure_matmul_peak(device: torch.device, dtype: str = "fp32", n: int = 1024
     sync = synchronizer(device)
 
     def operands(size: int):
-        return torch.randn(size, size, device=device).to(dt), torch.randn(size, size, device=device).to(dt)
+        return torch.randn(size, size, device=device).to(dt), torch.randn(
+            size, size, device=device
+        ).to(dt)
 
     def one_matmul(size: int) -> float:
         a, b = operands(size)
@@ -204,6 +239,7 @@ def measure_matmul_peak(device: torch.device, dtype: str = "fp32", n: int = 1024
         a @ b
         sync()
         return time.perf_counter() - t0
+
     n = fitted_size(n, seconds / 8, one_matmul)
     a, b = operands(n)
     a @ b
@@ -214,7 +250,7 @@ def measure_matmul_peak(device: torch.device, dtype: str = "fp32", n: int = 1024
         for _ in range(4):
             a @ b
         sync()
-        best = max(best, 4 * 2 * n ** 3 / (time.perf_counter() - t0))
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
     return best
 
 
@@ -223,9 +259,14 @@ def peak_flops(device: torch.device, precision: str, tf32: bool = False) -> tupl
     train.tf32 (fp32 matmuls on a GPU then run at the TF32 peak)."""
     dtype = compute_dtype_name(precision, tf32_active(device.type, precision, tf32))
     if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype,
-                              lambda: measure_matmul_peak(device, "fp32" if dtype == "tf32" else dtype, n=4096))
-    return measure_matmul_peak(device, dtype), f"measured {dtype} matmul on CPU ({torch.get_num_threads()} threads)"
+        return gpu_peak_flops(
+            torch.cuda.get_device_name(device),
+            dtype,
+            lambda: measure_matmul_peak(device, "fp32" if dtype == "tf32" else dtype, n=4096),
+        )
+    return measure_matmul_peak(
+        device, dtype
+    ), f"measured {dtype} matmul on CPU ({torch.get_num_threads()} threads)"
 
 
 def mfu(flops_per_sample: float, samples_per_s: float, peak: float, world_size: int) -> float:

@@ -1,4 +1,5 @@
 """Optimizers (AdamW for-loop/foreach/fused, SGD, LAMB), weight-decay groups, LR schedules."""
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,9 @@ def layer_id(name: str, depth: int) -> int:
     block = block_index(name)
     if block is not None:
         return block + 1
-    if re.search(r"(?:^|\.)(patch_embed|cls_token|pos_embed|token_embed|positional_embedding)", name):
+    if re.search(
+        r"(?:^|\.)(patch_embed|cls_token|pos_embed|token_embed|positional_embedding)", name
+    ):
         return 0
     return depth + 1
 
@@ -41,11 +44,21 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0
         no_wd = p.ndim <= 1 or name in skip or name.split(".")[-1] in skip
         layer = layer_id(name, depth) if layer_decay < 1 else 0
         groups.setdefault((layer, no_wd), []).append(p)
-    if layer_decay >= 1:  # the two groups as always (also when one is empty: checkpoints expect two)
-        return [{"params": groups.get((0, False), []), "weight_decay": weight_decay},
-                {"params": groups.get((0, True), []), "weight_decay": 0.0}]
-    return [{"params": ps, "weight_decay": 0.0 if no_wd else weight_decay,
-             "lr_scale": layer_decay ** (depth + 1 - layer)} for (layer, no_wd), ps in sorted(groups.items())]
+    if (
+        layer_decay >= 1
+    ):  # the two groups as always (also when one is empty: checkpoints expect two)
+        return [
+            {"params": groups.get((0, False), []), "weight_decay": weight_decay},
+            {"params": groups.get((0, True), []), "weight_decay": 0.0},
+        ]
+    return [
+        {
+            "params": ps,
+            "weight_decay": 0.0 if no_wd else weight_decay,
+            "lr_scale": layer_decay ** (depth + 1 - layer),
+        }
+        for (layer, no_wd), ps in sorted(groups.items())
+    ]
 
 
 class Lamb(torch.optim.Optimizer):
@@ -73,11 +86,13 @@ class Lamb(torch.optim.Optimizer):
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.lerp_(p.grad, 1 - b1)
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                update = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
+                update = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + group["eps"])
                 if group["weight_decay"]:
                     update.add_(p, alpha=group["weight_decay"])
                 w_norm, u_norm = p.norm(), update.norm()
-                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+                trust = torch.where(
+                    (w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm)
+                )
                 p.add_(update * trust, alpha=-group["lr"])
         return loss
 
@@ -87,24 +102,39 @@ def with_lr(groups: list[dict], lr: float) -> list[dict]:
     return [{**g, "lr": lr * g["lr_scale"]} if "lr_scale" in g else g for g in groups]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, params=None, capturable: bool = False,
-                    lr: float | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module,
+    cfg: OptimConfig,
+    params=None,
+    capturable: bool = False,
+    lr: float | None = None,
+) -> torch.optim.Optimizer:
     """`params` (param groups) defaults to `param_groups(model)`; the strategy may pass master copies.
     `capturable`: AdamW keeps its step count on the device and takes its lr as a device tensor, so
     that a CUDA graph of the whole step replays it (train.capture=step on a GPU). `lr`: the base lr
     (default optim.lr; a run passes it scaled to its global batch, `scaled_lr`)."""
     lr = cfg.lr if lr is None else lr
-    groups = with_lr(params if params is not None else param_groups(model, cfg.weight_decay, cfg.layer_decay), lr)
-    impl = {"forloop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True),
-            "auto": {}}[cfg.impl]
+    groups = with_lr(
+        params if params is not None else param_groups(model, cfg.weight_decay, cfg.layer_decay), lr
+    )
+    impl = {
+        "forloop": dict(foreach=False),
+        "foreach": dict(foreach=True),
+        "fused": dict(fused=True),
+        "auto": {},
+    }[cfg.impl]
     if cfg.name == "adamw":
         extra = {"capturable": True} if capturable else {}
-        return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl, **extra)
+        return torch.optim.AdamW(
+            groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl, **extra
+        )
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl)
     if cfg.name == "lamb":
         if cfg.impl not in ("auto", "forloop"):
-            raise ConfigError(f"config: optim.impl={cfg.impl} is not available for LAMB (use auto or forloop)")
+            raise ConfigError(
+                f"config: optim.impl={cfg.impl} is not available for LAMB (use auto or forloop)"
+            )
         return Lamb(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     raise ConfigError(f"config: unknown optimizer {cfg.name}")  # unreachable: validated
 
@@ -157,6 +187,7 @@ def time_schedule(cfg: OptimConfig, budget_s: float, steps_per_epoch: int, clock
     def factor(step: int) -> float:
         ramp = (step + 1) / warmup if warmup and step < warmup else 1.0
         return ramp * decay_factor(min(1.0, clock() / budget_s), cfg.schedule, cfg.min_lr_ratio)
+
     return factor
 
 
@@ -170,12 +201,21 @@ def continue_schedule(scheduler, state: dict, base_lrs: list[float]) -> None:
     scheduler.step()
 
 
-def build_scheduler(optimizer, cfg: OptimConfig, total_steps: int, steps_per_epoch: int, *,
-                    clock=None, budget_s: float = 0.0):
+def build_scheduler(
+    optimizer,
+    cfg: OptimConfig,
+    total_steps: int,
+    steps_per_epoch: int,
+    *,
+    clock=None,
+    budget_s: float = 0.0,
+):
     """A LambdaLR of `schedule` (steps), or of `time_schedule` (optim.schedule_clock = time: `clock`
     and `budget_s`, the training seconds spent and train.time_limit_s)."""
     if cfg.schedule_clock == "time":
         if clock is None or budget_s <= 0:
             raise ConfigError("config: optim.schedule_clock=time needs train.time_limit_s > 0")
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, time_schedule(cfg, budget_s, steps_per_epoch, clock))
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, time_schedule(cfg, budget_s, steps_per_epoch, clock)
+        )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(cfg, total_steps, steps_per_epoch))

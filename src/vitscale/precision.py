@@ -2,6 +2,7 @@
 train.precision adds "pure_bf16" / "pure_fp16", whose weights themselves are half), and the number
 format a run's matmuls compute in. Plain functions of names: the strategies (strategy/), the losses'
 state, MFU peaks (metrics.py) and the lab use them."""
+
 from __future__ import annotations
 
 import torch
@@ -43,9 +44,15 @@ def fp8_slower(recipe: str, width: int) -> str | None:
     """The one-line refusal of train.fp8=`recipe` for a model `width` wide where a width at least
     as wide was measured slower than bf16 (a narrower model does relatively more scaling work per
     matmul), or None."""
-    slower = sorted((w, r, src) for (rec, w), (r, src) in FP8_MEASURED.items() if rec == recipe and r < 1 and w >= width)
+    slower = sorted(
+        (w, r, src)
+        for (rec, w), (r, src) in FP8_MEASURED.items()
+        if rec == recipe and r < 1 and w >= width
+    )
     if not slower:
         return None
     w, ratio, src = slower[0]
-    return (f"config: train.fp8={recipe} is refused at model width {width}: float8 measured {ratio:.3f}x bf16's "
-            f"speed at width {w} ({src}; docs/performance.md); use bf16")
+    return (
+        f"config: train.fp8={recipe} is refused at model width {width}: float8 measured {ratio:.3f}x bf16's "
+        f"speed at width {w} ({src}; docs/performance.md); use bf16"
+    )

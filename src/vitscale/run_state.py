@@ -1,6 +1,7 @@
 """A training run's checkpoint: what it holds of a `Trainer` (loop.py) and the Trainer put back
 from one (`vitscale train --resume`). The files themselves (atomic writes, keep-last-N, RNG
 states) are checkpoint.py's; whether an engine can resume another's is strategy/resume.py's."""
+
 from __future__ import annotations
 
 import logging
@@ -24,7 +25,7 @@ AS_WRITTEN = "DeepSpeed reads its engine checkpoint back only as written"
 OWN_FOLDER = "--resume continues its own folder (name another one with --out)"
 FIXED_ON_RESUME = {
     "model.*": "the checkpoint's weights have its architecture (start a new run from them with "
-               "model.init=<vitscale export of it>)",
+    "model.init=<vitscale export of it>)",
     "run.seed": "the data order and augmentation of the resumed epochs follow it",
     "run.name": OWN_FOLDER,
     "run.out_dir": OWN_FOLDER,
@@ -53,7 +54,13 @@ FIXED_ON_RESUME = {
     "clip.*": "the per-sample loss state and the temperature continue from the checkpoint's",
 }
 # exceptions inside a fixed section: these take effect on a resumed run
-CHANGEABLE_ON_RESUME = {"model.drop_path", "model.drop_path_mode", "model.dropout", "model.attention", "clip.prompt_templates"}
+CHANGEABLE_ON_RESUME = {
+    "model.drop_path",
+    "model.drop_path_mode",
+    "model.dropout",
+    "model.attention",
+    "clip.prompt_templates",
+}
 # train.precision: autocast modes share one state; pure_* and fp16 keep other state (half weights,
 # a loss scaler)
 AUTOCAST_ONLY = {"fp32", "bf16"}
@@ -69,8 +76,12 @@ def fixed_reason(key: str) -> str | None:
 def config_changes(saved: dict, cfg: Config) -> list[tuple[str, object, object]]:
     """(key, saved value, new value) of every key where `cfg` differs from a checkpoint's config."""
     old = saved_config(saved).to_dict()
-    return [(f"{sec}.{k}", old[sec][k], v) for sec, values in cfg.to_dict().items()
-            for k, v in values.items() if old[sec][k] != v]
+    return [
+        (f"{sec}.{k}", old[sec][k], v)
+        for sec, values in cfg.to_dict().items()
+        for k, v in values.items()
+        if old[sec][k] != v
+    ]
 
 
 def check_changes(saved: dict, cfg: Config, path) -> list[str]:
@@ -82,9 +93,13 @@ def check_changes(saved: dict, cfg: Config, path) -> list[str]:
         if key == "train.precision" and {old, new} <= AUTOCAST_ONLY:
             reason = None
         elif key == "train.precision":
-            reason = "pure half weights and fp16's loss scaler keep state that the other modes do not"
+            reason = (
+                "pure half weights and fp16's loss scaler keep state that the other modes do not"
+            )
         if reason:
-            raise ConfigError(f"resume: {key} cannot change on resume ({old!r} in {path}, {new!r} asked): {reason}")
+            raise ConfigError(
+                f"resume: {key} cannot change on resume ({old!r} in {path}, {new!r} asked): {reason}"
+            )
     return [f"{key} {old!r} -> {new!r}" for key, old, new in changes]
 
 
@@ -94,6 +109,7 @@ class RunProgress:
     from one: optimizer steps taken, training seconds (evaluation and checkpoints not counted),
     samples seen, the steady-state time and samples (each process's first step left out), the best
     evaluated metric and the last evaluation."""
+
     step: int = 0
     train_time: float = 0.0
     images_seen: int = 0
@@ -113,6 +129,7 @@ class RunProgress:
 class Resume:
     """A checkpoint to continue from, read once: the file and what it holds; `changes`: the keys
     this run changes on resume ("key old -> new"), once they are checked (None before)."""
+
     path: Path
     state: dict
     changes: list[str] | None = None
@@ -139,7 +156,9 @@ def resume_request(resume, overrides=(), out=None) -> tuple[Config, Path, Resume
     engine can continue it), and the run folder (its own, or --out). The Trainer takes the result
     as it is: nothing is read or checked twice."""
     r = open_resume(resume)
-    cfg = resolve_fast_paths(r.config(overrides)).cfg  # an auto asked on resume: this machine's answer
+    cfg = resolve_fast_paths(
+        r.config(overrides)
+    ).cfg  # an auto asked on resume: this machine's answer
     r.changes = check_resumable(r, cfg)
     return cfg, Path(out) if out else r.run_dir, r
 
@@ -147,10 +166,19 @@ def resume_request(resume, overrides=(), out=None) -> tuple[Config, Path, Resume
 def run_state(tr) -> dict:
     """The checkpoint of a Trainer at its current step (collective: every rank's RNG goes in)."""
     s = tr.strategy
-    return {"version": 1, "config": tr.cfg.to_dict(), "strategy": s.state_dict(),
-            "scheduler": tr.scheduler.state_dict(), "rng": s.gather_objects(rng_state()),
-            "world_size": s.world_size, **tr.progress.state_dict(), "spec": asdict(tr.spec),
-            "kind": tr.task.kind, "task": tr.task.state_dict(), "preprocess": tr.task.preprocess}
+    return {
+        "version": 1,
+        "config": tr.cfg.to_dict(),
+        "strategy": s.state_dict(),
+        "scheduler": tr.scheduler.state_dict(),
+        "rng": s.gather_objects(rng_state()),
+        "world_size": s.world_size,
+        **tr.progress.state_dict(),
+        "spec": asdict(tr.spec),
+        "kind": tr.task.kind,
+        "task": tr.task.state_dict(),
+        "preprocess": tr.task.preprocess,
+    }
 
 
 def check_resumable(r: Resume, cfg: Config) -> list[str]:
@@ -183,7 +211,9 @@ def restore_run(tr, state: dict, hyper: list[dict]) -> None:
     s.load_state_dict(state["strategy"])
     for group, h in zip(s.optimizer.param_groups, hyper):
         group.update(h)
-    tr.progress.load_state_dict(state)  # before the schedule: a time-clock schedule reads train_time
+    tr.progress.load_state_dict(
+        state
+    )  # before the schedule: a time-clock schedule reads train_time
     # this config's base lrs and schedule (a new lr, more epochs) at the restored step
     continue_schedule(tr.scheduler, state["scheduler"], [h["initial_lr"] for h in hyper])
     rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]

@@ -13,6 +13,7 @@ and never inside one.
 Several processes agree on the request at log steps, through one small all-reduce (Agreement), so
 every rank stops and saves at the same step; one process checks at every step (no collective).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,10 @@ import torch
 
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 SLURM_MARGIN_S = 120.0  # stop this long before SLURM_JOB_END_TIME: the checkpoint write, the exit
-PREEMPTED = (*SIGNALS, "job end")  # the reasons after which the run saves and exits at once, unevaluated
+PREEMPTED = (
+    *SIGNALS,
+    "job end",
+)  # the reasons after which the run saves and exits at once, unevaluated
 REASONS = ("time limit", *PREEMPTED)  # the order of Agreement's flags
 
 
@@ -56,8 +60,11 @@ class StopRequest:
         self.signal: str | None = None  # the first stop signal received
         self._old: dict = {}
         self._install = signals  # False: the signals keep their handlers (the lab's trainers)
-        self._announce = (lambda text: None) if quiet else \
-            announce or (lambda text: print(text, file=sys.stderr, flush=True))
+        self._announce = (
+            (lambda text: None)
+            if quiet
+            else announce or (lambda text: print(text, file=sys.stderr, flush=True))
+        )
 
     def __enter__(self) -> StopRequest:
         if self._install and threading.current_thread() is threading.main_thread():
@@ -80,12 +87,18 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.signal is not None and name == "SIGINT" and time.monotonic() - self._since >= self.SECOND_SIGINT_S:
+        if (
+            self.signal is not None
+            and name == "SIGINT"
+            and time.monotonic() - self._since >= self.SECOND_SIGINT_S
+        ):
             raise KeyboardInterrupt  # the second Ctrl-C: stop now, the last complete checkpoint kept
         if self.signal is None:
             self.signal, self._since = name, time.monotonic()
-            self._announce(f"vitscale: {name} received: stopping after the current step with a checkpoint "
-                           "(Ctrl-C again to stop now, without it)")
+            self._announce(
+                f"vitscale: {name} received: stopping after the current step with a checkpoint "
+                "(Ctrl-C again to stop now, without it)"
+            )
 
 
 class Agreement:
@@ -94,19 +107,36 @@ class Agreement:
     every step; several sum a flag per reason over the ranks at collective steps only (a host sync
     where the loop already has one) and stop on any rank's reason."""
 
-    def __init__(self, strategy, stop: StopRequest, time_limit_s: float, deadline: float | None,
-                 clock=time.time):
-        self.s, self.stop, self.limit, self.deadline, self.clock = strategy, stop, time_limit_s, deadline, clock
+    def __init__(
+        self,
+        strategy,
+        stop: StopRequest,
+        time_limit_s: float,
+        deadline: float | None,
+        clock=time.time,
+    ):
+        self.s, self.stop, self.limit, self.deadline, self.clock = (
+            strategy,
+            stop,
+            time_limit_s,
+            deadline,
+            clock,
+        )
 
     def local_flags(self, train_time: float) -> list[bool]:
-        return [bool(self.limit) and train_time >= self.limit, *(self.stop.signal == n for n in SIGNALS),
-                self.deadline is not None and self.clock() >= self.deadline]
+        return [
+            bool(self.limit) and train_time >= self.limit,
+            *(self.stop.signal == n for n in SIGNALS),
+            self.deadline is not None and self.clock() >= self.deadline,
+        ]
 
     def reason(self, train_time: float, collective: bool) -> str | None:
         if self.s.world_size > 1 and not collective:
             return None
         flags = self.local_flags(train_time)
         if self.s.world_size > 1:
-            total = self.s.all_reduce_sum(torch.tensor([float(f) for f in flags], device=self.s.device))
+            total = self.s.all_reduce_sum(
+                torch.tensor([float(f) for f in flags], device=self.s.device)
+            )
             flags = [v > 0 for v in total.tolist()]
         return next((r for r, f in zip(REASONS, flags) if f), None)

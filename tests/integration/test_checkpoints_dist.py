@@ -1,5 +1,6 @@
 """Sharded FSDP2 checkpoints (torch.distributed.checkpoint) and resuming across strategies and
 world sizes: an interrupted run resumed elsewhere ends where the uninterrupted run ends."""
+
 import shutil
 
 import pytest
@@ -20,6 +21,7 @@ NO_LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 def final_weights(run_dir):
     """The last checkpoint's model, consolidated (a sharded run's from its step_N.dcp folder)."""
     from vitscale.evaluate import _load
+
     return _load(run_dir)[0]["strategy"]["model"]
 
 
@@ -66,9 +68,13 @@ def test_sharded_layout(sharded_run):
     assert [p.name for p in pts] == [f"step_{s:08d}.pt" for s in (3, 6, 9, 12)]
     for p in pts:
         dcp = p.with_suffix(".dcp")
-        assert (dcp / ".metadata").is_file() and len(list(dcp.glob("*.distcp"))) == 2  # one per rank
+        assert (dcp / ".metadata").is_file() and len(
+            list(dcp.glob("*.distcp"))
+        ) == 2  # one per rank
         state = torch.load(p, weights_only=False)
-        assert state["engine"] == ".dcp" and "model" not in state["strategy"]  # small: no tensors of the model
+        assert (
+            state["engine"] == ".dcp" and "model" not in state["strategy"]
+        )  # small: no tensors of the model
     assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temp folder left
 
 
@@ -85,20 +91,41 @@ def test_sharded_resumes_on_one_rank(sharded_run, tmp_path):
     p = torchrun(None, [], nproc=2, resume=back)
     assert p.returncode == 0, p.stderr[-3000:]
     d = rel_diff(final_weights(back), final_weights(sharded_run))
-    print(f"relative weight difference FSDP sharded 2->1->2 ranks resumed vs uninterrupted: {d:.2e}")
+    print(
+        f"relative weight difference FSDP sharded 2->1->2 ranks resumed vs uninterrupted: {d:.2e}"
+    )
     assert d <= 1e-5, d
 
 
-def test_sharded_resumes_under_single_and_exports(sharded_run, tmp_path, monkeypatch, capsys, pytestconfig):
+def test_sharded_resumes_under_single_and_exports(
+    sharded_run, tmp_path, monkeypatch, capsys, pytestconfig
+):
     alone(monkeypatch)
     part = interrupted_copy(sharded_run, tmp_path / "part")
     # FSDP2 sharded (name-keyed optimizer state) -> one process without FSDP (index-keyed)
-    assert main(["train", "--resume", str(part), "--set", "strategy.name=single", "--set", "run.keep_last=1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--resume",
+                str(part),
+                "--set",
+                "strategy.name=single",
+                "--set",
+                "run.keep_last=1",
+            ]
+        )
+        == 0
+    )
     # pruning the step-6 checkpoint took its .dcp folder too, though this strategy writes none
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["step_00000012.pt"]
     d = rel_diff(final_weights(part), final_weights(sharded_run))
-    shown(pytestconfig, capsys, f"relative weight difference FSDP sharded (2 ranks) -> single resumed vs "
-                                f"uninterrupted: {d:.2e}")
+    shown(
+        pytestconfig,
+        capsys,
+        f"relative weight difference FSDP sharded (2 ranks) -> single resumed vs "
+        f"uninterrupted: {d:.2e}",
+    )
     assert d <= 1e-5, d
     # eval and export consolidate the sharded folder in this one process
     dcp = read_dcp(sharded_run / "checkpoints" / "step_00000012.dcp")["model"]
@@ -111,32 +138,52 @@ def test_single_resumes_under_fsdp_and_back(single_run, tmp_path):
     part = interrupted_copy(single_run, tmp_path / "part")
     p = torchrun(None, SHARDED + ["run.keep_last=2"], resume=part)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert sorted(p.name for p in (part / "checkpoints").iterdir()) == \
-        ["step_00000009.dcp", "step_00000009.pt", "step_00000012.dcp", "step_00000012.pt"]
+    assert sorted(p.name for p in (part / "checkpoints").iterdir()) == [
+        "step_00000009.dcp",
+        "step_00000009.pt",
+        "step_00000012.dcp",
+        "step_00000012.pt",
+    ]
     d = rel_diff(final_weights(part), final_weights(single_run))
-    print(f"relative weight difference single -> FSDP sharded (2 ranks) resumed vs uninterrupted: {d:.2e}")
+    print(
+        f"relative weight difference single -> FSDP sharded (2 ranks) resumed vs uninterrupted: {d:.2e}"
+    )
     assert d <= 1e-5, d
     # single -> FSDP2 full from step 3 (name-keyed optimizer state in its .pt), then that run
     # interrupted after step 6 and resumed under DDP (2 ranks)
     full = interrupted_copy(single_run, tmp_path / "full", step=3)
     p = torchrun(None, ["strategy.name=fsdp"], resume=full)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert all(isinstance(k, str) for k in torch.load(ckpt.list_checkpoints(full)[-1], weights_only=False)
-               ["strategy"]["optimizer"]["state"])
+    assert all(
+        isinstance(k, str)
+        for k in torch.load(ckpt.list_checkpoints(full)[-1], weights_only=False)["strategy"][
+            "optimizer"
+        ]["state"]
+    )
     d = rel_diff(final_weights(full), final_weights(single_run))
-    print(f"relative weight difference single -> FSDP full (2 ranks) resumed vs uninterrupted: {d:.2e}")
+    print(
+        f"relative weight difference single -> FSDP full (2 ranks) resumed vs uninterrupted: {d:.2e}"
+    )
     assert d <= 1e-5, d
     ddp = interrupted_copy(full, tmp_path / "ddp")
     p = torchrun(None, ["strategy.name=ddp"], resume=ddp)
     assert p.returncode == 0, p.stderr[-3000:]
     last = torch.load(ckpt.list_checkpoints(ddp)[-1], weights_only=False)
-    assert last["config"]["strategy"]["name"] == "ddp" and last["world_size"] == 2 and last["step"] == 12
+    assert (
+        last["config"]["strategy"]["name"] == "ddp"
+        and last["world_size"] == 2
+        and last["step"] == 12
+    )
     d = rel_diff(final_weights(ddp), final_weights(single_run))
-    print(f"relative weight difference single -> FSDP full -> DDP (2 ranks) resumed vs uninterrupted: {d:.2e}")
+    print(
+        f"relative weight difference single -> FSDP full -> DDP (2 ranks) resumed vs uninterrupted: {d:.2e}"
+    )
     assert d <= 1e-5, d
 
 
-def test_deepspeed_and_other_engines_refuse_each_other(single_run, tmp_path, monkeypatch, capsys, pytestconfig):
+def test_deepspeed_and_other_engines_refuse_each_other(
+    single_run, tmp_path, monkeypatch, capsys, pytestconfig
+):
     alone(monkeypatch)
     part = interrupted_copy(single_run, tmp_path / "part")
     capsys.readouterr()
@@ -150,8 +197,11 @@ def test_deepspeed_and_other_engines_refuse_each_other(single_run, tmp_path, mon
     path = ckpt.list_checkpoints(part)[-1]
     state = torch.load(path, weights_only=False)
     state["config"]["strategy"]["name"] = "deepspeed"
-    with pytest.raises(UserError, match=r"under strategy.name=fsdp: it was written by "
-                                        r"strategy.name=deepspeed.*ds_to_universal.*vitscale export"):
+    with pytest.raises(
+        UserError,
+        match=r"under strategy.name=fsdp: it was written by "
+        r"strategy.name=deepspeed.*ds_to_universal.*vitscale export",
+    ):
         check_resume(state, path, "fsdp")
     del state["strategy"]["optimizer"]  # as DeepSpeed writes it: the optimizer is in step_N.ds
     torch.save(state, path)
@@ -163,8 +213,12 @@ def test_deepspeed_and_other_engines_refuse_each_other(single_run, tmp_path, mon
 
 def test_optimizer_state_conversion_round_trips():
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    opt = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
-                             {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0}])
+    opt = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[1].weight]},
+            {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0},
+        ]
+    )
     model(torch.randn(5, 3)).sum().backward()
     opt.step()
     names = ["0.weight", "1.weight", "0.bias", "1.bias"]

@@ -2,6 +2,7 @@
 slice of the global batch gets the single-process full-batch gradient (which test_clip_losses.py
 checks against naive float64 references); per-sample state and temperature gradients match too.
 One launch per world size (tests/integration/clip_losses_dist_worker.py) runs every check and writes a JSON."""
+
 import json
 import subprocess
 import sys
@@ -18,8 +19,12 @@ SCALAR_COLUMNS = {"fastclip_v0": 4, "fastclip_v1": 3, "fastclip_v3": 4, "fastcli
 @pytest.fixture(scope="module", params=[2, 3])
 def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"clip{request.param}") / "results.json"
-    p = subprocess.run([sys.executable, str(WORKER), str(request.param), str(out)],
-                       capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [sys.executable, str(WORKER), str(request.param), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -50,12 +55,12 @@ def test_gradients_state_and_temperatures_match_single_process(results):
     tol = float32_tolerance(results["k"], results["b"], results["steps"], results["tau_min"])
     for variant, r in results["results"].items():
         rel = r["max_rel"]
-        assert rel["grad"] <= tol, (variant, rel, tol)           # DDP-averaged parameter gradients
-        assert rel["loss"] <= tol, (variant, rel, tol)           # loss value (global estimate / mean)
+        assert rel["grad"] <= tol, (variant, rel, tol)  # DDP-averaged parameter gradients
+        assert rel["loss"] <= tol, (variant, rel, tol)  # loss value (global estimate / mean)
         if variant != "openclip":
-            assert rel["state"] <= tol, (variant, rel, tol)      # u (and per-sample / global tau state)
+            assert rel["state"] <= tol, (variant, rel, tol)  # u (and per-sample / global tau state)
         if variant in ("fastclip_v0", "fastclip_v3"):
-            assert rel["tau_grad"] <= tol, (variant, rel, tol)   # the all-ranks temperature gradient
+            assert rel["tau_grad"] <= tol, (variant, rel, tol)  # the all-ranks temperature gradient
     assert set(results["results"]) == {"openclip", *SCALAR_COLUMNS}
 
 
@@ -63,11 +68,18 @@ def test_comm_elements_follow_the_formulas(results):
     k, b, d, steps = results["k"], results["b"], results["d"], results["steps"]
     comm = {v: r["comm"] for v, r in results["results"].items()}
     # OpenCLIP: 2 autograd all_gathers of [b, d] forward + their 2 reduce-scatters backward
-    assert comm["openclip"] == {"features": 4 * (k - 1) * b * d * steps, "scalars": 0, "steps": steps}
+    assert comm["openclip"] == {
+        "features": 4 * (k - 1) * b * d * steps,
+        "scalars": 0,
+        "steps": steps,
+    }
     # FastCLIP: one all_gather of [b, 2d] features (no autograd) + one of [b, m] scalars
     for v, m in SCALAR_COLUMNS.items():
-        assert comm[v] == {"features": 2 * (k - 1) * b * d * steps, "scalars": m * (k - 1) * b * steps,
-                           "steps": steps}, v
+        assert comm[v] == {
+            "features": 2 * (k - 1) * b * d * steps,
+            "scalars": m * (k - 1) * b * steps,
+            "steps": steps,
+        }, v
 
 
 def test_sharded_state_is_bit_identical_to_replicated(results):
@@ -82,6 +94,6 @@ def test_sharded_state_is_bit_identical_to_replicated(results):
         assert sh["identical"] == [True] * k, v
         assert sh["rows"] == [-(-n // k)] * k, v
         assert sh["bytes"] == [sh["replicated_bytes"] * -(-n // k) // n] * k, v
-        c = 6 if v == "fastclip_v2" else 2                    # lu1, lu2 (+ tau1, tau2, bound1, bound2)
+        c = 6 if v == "fastclip_v2" else 2  # lu1, lu2 (+ tau1, tau2, bound1, bound2)
         extra = ((k - 1) * b + 2 * (k - 1) * b * c) * steps
         assert sh["comm"]["scalars"] == r["comm"]["scalars"] + extra, v

@@ -1,6 +1,7 @@
 """CLIP training on 2 gloo ranks (torchrun): DDP, FSDP2 and DeepSpeed give the single-process
 weights and per-sample state (the losses' distributed gradient is exact), and a corrupt image among
 the pairs leaves every rank's batches full."""
+
 import json
 
 import pytest
@@ -19,17 +20,30 @@ from vitscale.losses.fastclip_temperature import TAU_MIN
 STATE_ATOL = 4 * torch.finfo(torch.float32).eps * (2 / TAU_MIN + 1)  # 9.6e-5
 
 
-@pytest.mark.parametrize("loss,extra,tol", [
-    ("openclip", ["strategy.name=ddp"], 1e-5),
-    ("fastclip_v3", ["strategy.name=ddp"], 1e-5),
-    ("fastclip_v2", ["strategy.name=fsdp"], 1e-5),
-    ("fastclip_v2", ["strategy.name=ddp", "clip.shard_state=true"], 1e-5),  # each rank half the table
-    ("fastclip_v3", ["strategy.name=deepspeed", "strategy.zero_stage=2"], 1e-5),
-])
+@pytest.mark.parametrize(
+    "loss,extra,tol",
+    [
+        ("openclip", ["strategy.name=ddp"], 1e-5),
+        ("fastclip_v3", ["strategy.name=ddp"], 1e-5),
+        ("fastclip_v2", ["strategy.name=fsdp"], 1e-5),
+        (
+            "fastclip_v2",
+            ["strategy.name=ddp", "clip.shard_state=true"],
+            1e-5,
+        ),  # each rank half the table
+        ("fastclip_v3", ["strategy.name=deepspeed", "strategy.zero_stage=2"], 1e-5),
+    ],
+)
 def test_two_ranks_match_single_process(tmp_path, loss, extra, tol):
     pytest.importorskip("deepspeed") if "deepspeed" in extra[0] else None
     # SGD: weight differences follow gradient differences (Adam amplifies round-off of tiny gradients)
-    base = ["run.threads=1", "optim.grad_clip=1.0", "optim.name=sgd", "optim.lr=0.05", f"clip.loss={loss}"]
+    base = [
+        "run.threads=1",
+        "optim.grad_clip=1.0",
+        "optim.name=sgd",
+        "optim.lr=0.05",
+        f"clip.loss={loss}",
+    ]
     one = tmp_path / "one"
     assert main(["train", CLIP, "--out", str(one), *sets(base)]) == 0
     out = tmp_path / "two"
@@ -41,12 +55,21 @@ def test_two_ranks_match_single_process(tmp_path, loss, extra, tol):
     two, single = last_state(out)["task"], last_state(one)["task"]
     for k, v in single.items():
         if torch.is_tensor(v) and v.is_floating_point():
-            torch.testing.assert_close(two[k], v, rtol=1e-4, atol=STATE_ATOL if k.startswith(("lu", "bound"))
-                                       else 1e-6, msg=k)
+            torch.testing.assert_close(
+                two[k],
+                v,
+                rtol=1e-4,
+                atol=STATE_ATOL if k.startswith(("lu", "bound")) else 1e-6,
+                msg=k,
+            )
     # the loss's collectives per step in the metrics: FastCLIP's formulas (SOURCES.md) at K=2, b=8, d=32
     k, b, d = 2, 8, 32
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    comm = {(r["loss_comm_features_per_step"], r["loss_comm_scalars_per_step"]) for r in rows if r["kind"] == "train"}
+    comm = {
+        (r["loss_comm_features_per_step"], r["loss_comm_scalars_per_step"])
+        for r in rows
+        if r["kind"] == "train"
+    }
     scalars = {"openclip": 0, "fastclip_v3": 4, "fastclip_v2": 7}[loss] * (k - 1) * b
     if "clip.shard_state=true" in extra:  # + the index gather and the rows' all_reduce (6 columns)
         scalars += (k - 1) * b + 2 * (k - 1) * b * 6
@@ -54,8 +77,9 @@ def test_two_ranks_match_single_process(tmp_path, loss, extra, tol):
     s2 = json.loads((out / "summary.json").read_text())
     s1 = json.loads((one / "summary.json").read_text())
     shards = 2 if "clip.shard_state=true" in extra else 1  # the per-sample state's bytes per rank
-    assert [r["loss_state"] for r in s2["state_bytes_per_rank"]] == \
-        [s1["state_bytes_per_rank"][0]["loss_state"] // shards] * 2
+    assert [r["loss_state"] for r in s2["state_bytes_per_rank"]] == [
+        s1["state_bytes_per_rank"][0]["loss_state"] // shards
+    ] * 2
     assert s2["test_pairs"] == s1["test_pairs"] == 32
     assert abs(s2["test_i2t_r1"] - s1["test_i2t_r1"]) <= 1 / 32
 
@@ -69,6 +93,7 @@ def _pairs(root, n=40, bad=(), shards=0):
 
     import numpy as np
     from PIL import Image
+
     (root / "img").mkdir(parents=True)
     rows = {"pairs.csv": ["filepath,title"], "held.csv": ["filepath,title"]}
     for i in range(n + 8):
@@ -82,13 +107,18 @@ def _pairs(root, n=40, bad=(), shards=0):
         (root / name).write_text("\n".join(lines) + "\n")
     if not shards:
         return root / "pairs.csv", root / "held.csv"
-    for split, ks in (("train", np.array_split(range(n), shards)), ("held", np.array_split(range(n, n + 8), 2))):
+    for split, ks in (
+        ("train", np.array_split(range(n), shards)),
+        ("held", np.array_split(range(n, n + 8), 2)),
+    ):
         (root / split).mkdir()
         for s, part in enumerate(ks):
             with tarfile.open(root / split / f"{s:05d}.tar", "w") as tf:
                 for k in part.tolist():
-                    for name, blob in ((f"{k:05d}.jpg", (root / "img" / f"{k}.jpg").read_bytes()),
-                                       (f"{k:05d}.txt", f"a picture number {k}".encode())):
+                    for name, blob in (
+                        (f"{k:05d}.jpg", (root / "img" / f"{k}.jpg").read_bytes()),
+                        (f"{k:05d}.txt", f"a picture number {k}".encode()),
+                    ):
                         ti = tarfile.TarInfo(name)
                         ti.size = len(blob)
                         tf.addfile(ti, io.BytesIO(blob))
@@ -106,22 +136,33 @@ def test_two_ranks_get_full_batches_despite_a_corrupt_image(tmp_path, source):
     from vitscale.data.loaders.stream_plan import StreamPlan
     from vitscale.data.sampler import EpochPlan
     from vitscale.data.sources.shard_sets import ShardSet
+
     n, batch, epochs = 40, 8, 2
     if source == "csv":
         plan = [EpochPlan(n, batch, seed=0, drop_last=True, rank=r, world_size=2) for r in (0, 1)]
-        bad = int(plan[1].indices(0)[0])               # in rank 1's slice of the first step
+        bad = int(plan[1].indices(0)[0])  # in rank 1's slice of the first step
         holds = lambda r, e: bad in plan[r].indices(e).tolist()  # noqa: E731
         data = ["data.name=csv"]
-    else:                                              # 4 shards of 10: every sample once an epoch
+    else:  # 4 shards of 10: every sample once an epoch
         shards = ShardSet([str(s) for s in range(4)], [10] * 4, "txt")
         plan = [StreamPlan(shards, batch, seed=0, rank=r, world_size=2, streams=1) for r in (0, 1)]
         bad = 10 * plan[1].stream_shards(0, 0)[0] + 3  # in a shard rank 1 reads in epoch 0
         holds = lambda r, e: bad // 10 in plan[r].stream_shards(e, 0)  # noqa: E731
         data = ["data.name=webdataset", "data.reader=stream", "data.shuffle_buffer=4"]
     train, held = _pairs(tmp_path / "data", n, bad=(bad,), shards=4 if source == "stream" else 0)
-    base = ["run.threads=1", f"train.epochs={epochs}", "clip.loss=fastclip_v3", "strategy.name=ddp", *data,
-            f"data.root={train}", f"data.test_root={held}", "data.image_size=8", f"data.batch_size={batch}",
-            "data.eval_batch_size=8", "data.num_workers=0"]
+    base = [
+        "run.threads=1",
+        f"train.epochs={epochs}",
+        "clip.loss=fastclip_v3",
+        "strategy.name=ddp",
+        *data,
+        f"data.root={train}",
+        f"data.test_root={held}",
+        "data.image_size=8",
+        f"data.batch_size={batch}",
+        "data.eval_batch_size=8",
+        "data.num_workers=0",
+    ]
     out = tmp_path / "two"
     p = torchrun(out, [], config=CLIP, base=base, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -130,7 +171,7 @@ def test_two_ranks_get_full_batches_despite_a_corrupt_image(tmp_path, source):
     assert s["steps"] == steps and s["images_seen"] == steps * batch and s["test_pairs"] == 8
     # the count each rank reports: its own loader's, once per epoch its share holds the bad sample
     ranks = [r for e in range(epochs) for r in (0, 1) if holds(r, e)]
-    want = sorted(ranks[:k + 1].count(r) for k, r in enumerate(ranks))
+    want = sorted(ranks[: k + 1].count(r) for k, r in enumerate(ranks))
     warned = [ln for ln in p.stderr.splitlines() if "skipped" in ln and "so far" in ln]
     name = f"img/{bad}.jpg" if source == "csv" else f"{bad:05d}"
     assert len(warned) == len(ranks) and all(name in ln for ln in warned), p.stderr[-3000:]

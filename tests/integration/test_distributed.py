@@ -1,4 +1,5 @@
 """DDP and FSDP2 on CPU: 2 gloo ranks launched by torchrun give the single-process result."""
+
 import json
 import shutil
 import socket
@@ -16,15 +17,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("extra,tol", [
-    (["strategy.name=ddp"], 1e-5),
-    (["strategy.name=ddp", "train.accum_steps=2"], 1e-5),     # no_sync micro-steps, then one all-reduce
-    (["strategy.name=ddp", "strategy.grad_compression=bf16"], 2e-2),  # bf16 gradients: ~3 digits
-    (["strategy.name=fsdp"], 1e-5),
-    (["strategy.name=fsdp", "train.accum_steps=2", "strategy.reshard_after_forward=false"], 1e-5),
-    (["strategy.name=fsdp", "train.precision=bf16"], 5e-2),  # bf16 compute, fp32 reduce and master
-    (["strategy.name=fsdp", "train.compile=true"], 1e-5),      # each block compiled, then sharded
-])
+@pytest.mark.parametrize(
+    "extra,tol",
+    [
+        (["strategy.name=ddp"], 1e-5),
+        (
+            ["strategy.name=ddp", "train.accum_steps=2"],
+            1e-5,
+        ),  # no_sync micro-steps, then one all-reduce
+        (
+            ["strategy.name=ddp", "strategy.grad_compression=bf16"],
+            2e-2,
+        ),  # bf16 gradients: ~3 digits
+        (["strategy.name=fsdp"], 1e-5),
+        (
+            ["strategy.name=fsdp", "train.accum_steps=2", "strategy.reshard_after_forward=false"],
+            1e-5,
+        ),
+        (
+            ["strategy.name=fsdp", "train.precision=bf16"],
+            5e-2,
+        ),  # bf16 compute, fp32 reduce and master
+        (["strategy.name=fsdp", "train.compile=true"], 1e-5),  # each block compiled, then sharded
+    ],
+)
 def test_ddp_two_ranks_match_single_process(tmp_path, single, extra, tol):
     out = tmp_path / "ddp"
     p = torchrun(out, extra)
@@ -43,14 +59,19 @@ def test_ddp_two_ranks_match_single_process(tmp_path, single, extra, tol):
     if "strategy.name=ddp" in extra:  # every gradient all-reduced once per optimizer step
         width = 2 if "strategy.grad_compression=bf16" in extra else 4
         train = [e for e in evals if e["kind"] == "train"]
-        assert train and all(e["comm_allreduce_bytes_per_step"] == width * s_one["params"] for e in train)
+        assert train and all(
+            e["comm_allreduce_bytes_per_step"] == width * s_one["params"] for e in train
+        )
         assert all(e["comm_allreduce_s_per_step"] > 0 for e in train)
         assert all(set(c) == {"allreduce"} for c in comm_per_step(out))  # nothing else communicates
     else:  # FSDP2: parameters all-gathered per micro-batch (again in backward when resharded), in the
         # compute dtype; gradients reduce-scattered once per step in fp32; shards padded to equal size
         A = 2 if "train.accum_steps=2" in extra else 1
-        gathers = A * (1 if "strategy.reshard_after_forward=false" in extra else 2) * \
-            (0.5 if "train.precision=bf16" in extra else 1)
+        gathers = (
+            A
+            * (1 if "strategy.reshard_after_forward=false" in extra else 2)
+            * (0.5 if "train.precision=bf16" in extra else 1)
+        )
         for c in comm_per_step(out):
             print(f"FSDP2 {extra}: bytes per step / 4P: {c}")
             assert gathers <= c["allgather"] <= 1.05 * gathers, c
@@ -68,17 +89,34 @@ def test_ddp_two_ranks_match_single_process(tmp_path, single, extra, tol):
 
 
 def test_ddp_batch_not_divisible_is_a_clear_error(tmp_path):
-    p = torchrun(tmp_path / "bad", ["strategy.name=ddp", "data.batch_size=18", "train.accum_steps=2"])
+    p = torchrun(
+        tmp_path / "bad", ["strategy.name=ddp", "data.batch_size=18", "train.accum_steps=2"]
+    )
     assert p.returncode != 0
     for rank in (0, 1):  # one line per rank, named; torchrun adds its own report after them
-        assert (f"vitscale: error: [rank {rank}] config: data.batch_size (18) must be a multiple of "
-                f"processes (2) x train.accum_steps (2)") in p.stderr
+        assert (
+            f"vitscale: error: [rank {rank}] config: data.batch_size (18) must be a multiple of "
+            f"processes (2) x train.accum_steps (2)"
+        ) in p.stderr
     assert "src/vitscale" not in p.stderr  # no traceback from vitscale itself
 
 
 def test_fsdp_refuses_what_it_does_not_support(tmp_path, capsys):
-    assert main(["train", TINY, "--out", str(tmp_path / "x"), "--set", "strategy.name=fsdp",
-                 "--set", "train.ema_decay=0.9"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                TINY,
+                "--out",
+                str(tmp_path / "x"),
+                "--set",
+                "strategy.name=fsdp",
+                "--set",
+                "train.ema_decay=0.9",
+            ]
+        )
+        == 2
+    )
     assert "strategy.name=fsdp does not support train.ema_decay" in capsys.readouterr().err
 
 
@@ -93,10 +131,20 @@ def test_fsdp_uneven_eval_shards_do_not_hang(tmp_path):
     # 33 test images over 2 ranks in batches of 16: 2 batches on rank 0, 1 on rank 1; the short
     # rank pads with empty forwards so that every all-gather has both ranks
     out = tmp_path / "uneven"
-    p = torchrun(out, ["strategy.name=fsdp", "data.test_size=33", "data.eval_batch_size=16",
-                       "strategy.timeout_s=60"], timeout=150)
+    p = torchrun(
+        out,
+        [
+            "strategy.name=fsdp",
+            "data.test_size=33",
+            "data.eval_batch_size=16",
+            "strategy.timeout_s=60",
+        ],
+        timeout=150,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
-    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+    evals = [
+        json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in x
+    ]
     assert evals and all(e["test_count"] == 33 for e in evals)
 
 

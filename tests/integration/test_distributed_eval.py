@@ -2,6 +2,7 @@
 of the final checkpoint and the evaluation of a run resumed from an earlier checkpoint agree, for
 every engine, on a model with BatchNorm (the conv stem), whose running statistics each rank
 updates from its own batches (2 gloo ranks)."""
+
 import json
 
 import pytest
@@ -21,7 +22,9 @@ def last_eval(run_dir) -> dict:
 def test_live_checkpoint_and_resumed_evaluations_agree(tmp_path, capsys, engine, resume):
     if engine == "deepspeed":
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed")
-    extra = [f"strategy.name={engine}", *BN] + (["strategy.zero_stage=2"] if engine == "deepspeed" else [])
+    extra = [f"strategy.name={engine}", *BN] + (
+        ["strategy.zero_stage=2"] if engine == "deepspeed" else []
+    )
     full = tmp_path / "full"
     p = torchrun(full, extra, timeout=400)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -31,22 +34,38 @@ def test_live_checkpoint_and_resumed_evaluations_agree(tmp_path, capsys, engine,
     saved = json.loads(capsys.readouterr().out)
     assert saved["test_count"] == live["test_count"] == 32
     assert saved["test_accuracy"] == live["test_accuracy"]
-    assert abs(saved["test_loss"] - live["test_loss"]) <= 1e-5, (saved["test_loss"], live["test_loss"])
+    assert abs(saved["test_loss"] - live["test_loss"]) <= 1e-5, (
+        saved["test_loss"],
+        live["test_loss"],
+    )
     if resume:  # from the end of epoch 1 (6 steps of 16): the same last evaluation
         part = interrupted_copy(full, tmp_path / "part", 6)
         p = torchrun(part, extra, resume=part, timeout=400)
         assert p.returncode == 0, p.stderr[-3000:]
         again = last_eval(part)
-        assert again["step"] == live["step"] == 12 and again["test_accuracy"] == live["test_accuracy"]
-        assert abs(again["test_loss"] - live["test_loss"]) <= 1e-5, (again["test_loss"], live["test_loss"])
+        assert (
+            again["step"] == live["step"] == 12 and again["test_accuracy"] == live["test_accuracy"]
+        )
+        assert abs(again["test_loss"] - live["test_loss"]) <= 1e-5, (
+            again["test_loss"],
+            live["test_loss"],
+        )
 
 
 def test_an_epoch_ending_in_fewer_samples_than_processes_skips_that_step_on_every_rank(tmp_path):
     """data.drop_last=false, 65 samples in batches of 16 on 2 ranks: the 5th batch holds 1 sample,
     so rank 1's share is empty; both ranks skip it (decided without a collective) and go on."""
     out = tmp_path / "r"
-    p = torchrun(out, ["strategy.name=ddp", "data.train_size=65", "data.drop_last=false", "train.epochs=2",
-                     "run.progress=plain"])
+    p = torchrun(
+        out,
+        [
+            "strategy.name=ddp",
+            "data.train_size=65",
+            "data.drop_last=false",
+            "train.epochs=2",
+            "run.progress=plain",
+        ],
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["steps"] == 10 and s["images_seen"] == 2 * 64

@@ -1,5 +1,6 @@
 """A rank that dies or hangs stops the others with a clear error within a bounded time; under
 torchrun --max-restarts the run restarts and resumes from its last complete checkpoint."""
+
 import json
 import os
 import signal
@@ -25,20 +26,47 @@ from helpers import (
 
 from vitscale import checkpoint as ckpt
 
-LONG = ["run.threads=1", "strategy.name=ddp", "train.epochs=2000", "run.progress=plain",
-        "run.checkpoint_every=20", "run.eval_every=0"]
+LONG = [
+    "run.threads=1",
+    "strategy.name=ddp",
+    "train.epochs=2000",
+    "run.progress=plain",
+    "run.checkpoint_every=20",
+    "run.eval_every=0",
+]
 
 
 def spawn_ranks(out, extra, timeout_s=20):
     port = free_port()
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "vitscale", "train", TINY, "--out", str(out),
-             *sets(LONG + [f"strategy.timeout_s={timeout_s}"] + extra)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "2",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "vitscale",
+                    "train",
+                    TINY,
+                    "--out",
+                    str(out),
+                    *sets(LONG + [f"strategy.timeout_s={timeout_s}"] + extra),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -82,22 +110,45 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     steps = ["train.epochs=20", "run.checkpoint_every=10", "run.keep_last=100"]
     ddp = BASE + ["strategy.name=ddp", "strategy.timeout_s=30"]  # torchrun() adds BASE itself
     reference = tmp_path / "uninterrupted"
-    p = torchrun(reference, ddp[len(BASE):] + steps)
+    p = torchrun(reference, ddp[len(BASE) :] + steps)
     assert p.returncode == 0, p.stderr[-2000:]
     out = tmp_path / "elastic"
     # 2 restarts allowed: now and then gloo's re-connection after a kill needs a second go
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-           "-m", "vitscale", "train", TINY, "--out", str(out),
-           *sets(ddp + steps)]
-    agent = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "-m",
+        "vitscale",
+        "train",
+        TINY,
+        "--out",
+        str(out),
+        *sets(ddp + steps),
+    ]
+    agent = subprocess.Popen(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while not ckpt.list_checkpoints(out):
             assert time.time() < deadline and agent.poll() is None, "no checkpoint appeared"
             time.sleep(0.1)
-        workers = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+        workers = subprocess.run(
+            ["pgrep", "-P", str(agent.pid)], capture_output=True, text=True
+        ).stdout.split()
         assert workers, "no worker processes found"
         os.kill(int(workers[-1]), signal.SIGKILL)
         _, err = agent.communicate(timeout=240)
@@ -115,8 +166,16 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
 # -- kill -9 of a launcher or of its ranks, then resume (issue 33) --------------------------------
 
 
-@pytest.mark.parametrize("engine,kill", [("single", "ranks"), ("ddp", "launcher"), ("ddp", "ranks"),
-                                         ("fsdp", "ranks"), ("zero2", "ranks")])
+@pytest.mark.parametrize(
+    "engine,kill",
+    [
+        ("single", "ranks"),
+        ("ddp", "launcher"),
+        ("ddp", "ranks"),
+        ("fsdp", "ranks"),
+        ("zero2", "ranks"),
+    ],
+)
 def test_kill_9_then_resume_is_bit_equal(tmp_path, uninterrupted, engine, kill):
     """kill -9 of the launcher alone (its ranks notice they are orphans and stop by themselves,
     so that the resumed launch is the folder's only writer) or of every rank and the launcher;
@@ -126,10 +185,14 @@ def test_kill_9_then_resume_is_bit_equal(tmp_path, uninterrupted, engine, kill):
     agent = launch(out, extra, nproc)
     try:
         wait_for_checkpoint(out, (agent,), limit=180)
-        ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True,
-                                                text=True).stdout.split()]
+        ranks = [
+            int(p)
+            for p in subprocess.run(
+                ["pgrep", "-P", str(agent.pid)], capture_output=True, text=True
+            ).stdout.split()
+        ]
         assert ranks, "no rank processes found"
-        for pid in ([agent.pid] + ranks if kill == "ranks" else [agent.pid]):
+        for pid in [agent.pid] + ranks if kill == "ranks" else [agent.pid]:
             os.kill(pid, signal.SIGKILL)
         deadline = time.time() + 90  # orphans stop at their next step; a bound, not a timing
         while any(alive(p) for p in ranks) and time.time() < deadline:

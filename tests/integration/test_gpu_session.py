@@ -4,6 +4,7 @@ read as the image's 2.11.0+cu130): it records the versions, reaches its GPU chec
 in one line without a GPU; names missing packages in one line; installs carried wheels into a
 target folder (never torch); and (ALLOW_CPU=1, tiny recipe) writes the files it promises. The GPU
 numbers themselves come from running it on a GPU machine (docs/gpu.md)."""
+
 import json
 import os
 import subprocess
@@ -18,18 +19,33 @@ from vitscale.config import load_config
 SCRIPT = "scripts/gpu_session.sh"
 GPU_IMAGE = str(Path(__file__).parents[1] / "gpu_image")  # its sitecustomize simulates the image
 # what the GPU image lacks (scripts/gpu_wheels.sh carries them); open_clip: its vocabulary file
-NOT_ON_THE_GPU_IMAGE = "deepspeed webdataset braceexpand simplejpeg open_clip ftfy wcwidth hjson pydantic"
+NOT_ON_THE_GPU_IMAGE = (
+    "deepspeed webdataset braceexpand simplejpeg open_clip ftfy wcwidth hjson pydantic"
+)
 IMAGE_TORCH = "2.11.0+cu130"
-NO_GPU = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the stop on a machine without a GPU")
+NO_GPU = pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the stop on a machine without a GPU"
+)
 
 
 def run(out, *args, block=NOT_ON_THE_GPU_IMAGE, wheels=None, **env):
     e = {k: v for k, v in os.environ.items() if k not in ("ALLOW_CPU", "SKIP_STEPS")}
     wheels = wheels or out.parent / "no_wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    e.update({"PYTHON": sys.executable, "PYTHONPATH": GPU_IMAGE, "VITSCALE_BLOCK_IMPORTS": block,
-              "VITSCALE_FAKE_TORCH_VERSION": IMAGE_TORCH, "WHEELS": str(wheels), "SITE": str(out.parent / "site"), **env})
-    return subprocess.run(["bash", SCRIPT, str(out), *args], capture_output=True, text=True, env=e, timeout=600)
+    e.update(
+        {
+            "PYTHON": sys.executable,
+            "PYTHONPATH": GPU_IMAGE,
+            "VITSCALE_BLOCK_IMPORTS": block,
+            "VITSCALE_FAKE_TORCH_VERSION": IMAGE_TORCH,
+            "WHEELS": str(wheels),
+            "SITE": str(out.parent / "site"),
+            **env,
+        }
+    )
+    return subprocess.run(
+        ["bash", SCRIPT, str(out), *args], capture_output=True, text=True, env=e, timeout=600
+    )
 
 
 def one_line(p) -> str:
@@ -45,9 +61,13 @@ def test_dry_run_on_the_image_records_versions_and_stops_at_the_gpu_check(tmp_pa
     out = tmp_path / "o"
     p = run(out, "tests,bench")
     assert p.returncode == 2
-    assert one_line(p).startswith("gpu_session.sh: stopped at the GPU check: no CUDA GPU visible to")
+    assert one_line(p).startswith(
+        "gpu_session.sh: stopped at the GPU check: no CUDA GPU visible to"
+    )
     log = (out / "log.txt").read_text()
-    assert f"torch {IMAGE_TORCH} " in log and f"this run uses torch {IMAGE_TORCH} as installed" in log
+    assert (
+        f"torch {IMAGE_TORCH} " in log and f"this run uses torch {IMAGE_TORCH} as installed" in log
+    )
     for name in NOT_ON_THE_GPU_IMAGE.split():
         if name != "open_clip":
             assert any(line.split()[:2] == [name, "missing"] for line in log.splitlines()), name
@@ -73,17 +93,25 @@ def test_missing_package_named_in_one_line(tmp_path):
 
 
 def test_the_simulation_of_the_gpu_image():
-    e = {**os.environ, "PYTHONPATH": GPU_IMAGE, "VITSCALE_BLOCK_IMPORTS": NOT_ON_THE_GPU_IMAGE,
-         "VITSCALE_FAKE_TORCH_VERSION": IMAGE_TORCH}
-    code = ("import importlib, importlib.util, sys\n"
-            "for n in ('ftfy', 'deepspeed', 'webdataset', 'simplejpeg'):\n"
-            "    try:\n        importlib.import_module(n)\n        sys.exit(n + ' imported')\n"
-            "    except ImportError:\n        pass\n"
-            "try:\n    importlib.util.find_spec('open_clip')\n    sys.exit('open_clip found')\n"
-            "except ImportError:\n    pass\n"
-            "import torch\nassert torch.__version__ == '2.11.0+cu130' and torch.__version__ < (2, 12), torch.__version__\n"
-            "import numpy, rich, safetensors, regex, yaml")
-    p = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
+    e = {
+        **os.environ,
+        "PYTHONPATH": GPU_IMAGE,
+        "VITSCALE_BLOCK_IMPORTS": NOT_ON_THE_GPU_IMAGE,
+        "VITSCALE_FAKE_TORCH_VERSION": IMAGE_TORCH,
+    }
+    code = (
+        "import importlib, importlib.util, sys\n"
+        "for n in ('ftfy', 'deepspeed', 'webdataset', 'simplejpeg'):\n"
+        "    try:\n        importlib.import_module(n)\n        sys.exit(n + ' imported')\n"
+        "    except ImportError:\n        pass\n"
+        "try:\n    importlib.util.find_spec('open_clip')\n    sys.exit('open_clip found')\n"
+        "except ImportError:\n    pass\n"
+        "import torch\nassert torch.__version__ == '2.11.0+cu130' and torch.__version__ < (2, 12), torch.__version__\n"
+        "import numpy, rich, safetensors, regex, yaml"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr
 
 
@@ -92,8 +120,11 @@ def wheel(folder: Path, name: str, version: str, files: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}-{version}-py3-none-any.whl"
     info = f"{name}-{version}.dist-info"
-    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {
+        **files,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{info}/RECORD,,\n"
     with zipfile.ZipFile(path, "w") as z:
         for f, text in files.items():
@@ -129,20 +160,26 @@ def test_a_failing_tf32_check_stops_the_script(tmp_path):
     script stops there in one line with status 3."""
     real = sys.executable
     wrapper = tmp_path / "python"
-    patch = ("import sys, torch; sys.path.insert(0, 'scripts'); import gpu_checks; from vitscale.strategy import devices\n"
-             "def old(flags):\n"
-             "    torch.backends.cuda.matmul.fp32_precision = 'tf32' if flags['matmul_tf32'] else 'ieee'\n"
-             "    torch.backends.cudnn.conv.fp32_precision = 'tf32' if flags['conv_tf32'] else 'ieee'\n"
-             "devices.apply_backend_flags = old\n"
-             "sys.exit(gpu_checks.main(['gpu']))")
-    wrapper.write_text(f'#!/usr/bin/env bash\nif [ "$1 $2" = "scripts/gpu_checks.py gpu" ]; then exec {real} -c "{patch}"; fi\n'
-                       f'exec {real} "$@"\n')
+    patch = (
+        "import sys, torch; sys.path.insert(0, 'scripts'); import gpu_checks; from vitscale.strategy import devices\n"
+        "def old(flags):\n"
+        "    torch.backends.cuda.matmul.fp32_precision = 'tf32' if flags['matmul_tf32'] else 'ieee'\n"
+        "    torch.backends.cudnn.conv.fp32_precision = 'tf32' if flags['conv_tf32'] else 'ieee'\n"
+        "devices.apply_backend_flags = old\n"
+        "sys.exit(gpu_checks.main(['gpu']))"
+    )
+    wrapper.write_text(
+        f'#!/usr/bin/env bash\nif [ "$1 $2" = "scripts/gpu_checks.py gpu" ]; then exec {real} -c "{patch}"; fi\n'
+        f'exec {real} "$@"\n'
+    )
     wrapper.chmod(0o755)
     out = tmp_path / "o"
     p = run(out, "bench", ALLOW_CPU="1", PYTHON=str(wrapper))
     assert p.returncode == 3
-    assert one_line(p).startswith("gpu_session.sh: stopped at the GPU check: TF32 flags: "
-                                  "torch.get_float32_matmul_precision() raised RuntimeError")
+    assert one_line(p).startswith(
+        "gpu_session.sh: stopped at the GPU check: TF32 flags: "
+        "torch.get_float32_matmul_precision() raised RuntimeError"
+    )
     log = (out / "log.txt").read_text()
     assert "== gpu_check exit 1" in log and "== bench" not in log
 
@@ -152,22 +189,42 @@ def test_bench_and_deepspeed_parts_on_the_image(tmp_path):
     steps are skipped with the reason, both benches of the default recipe and the b16 one write
     their files (the CUDA graphs bench is left out here: it compiles, ~1 min on 2 CPU cores)."""
     out = tmp_path / "o"
-    p = run(out, "deepspeed,bench", ALLOW_CPU="1", CFG="configs/tests/tiny.toml", BATCH="16",
-            LAB_ARGS="--steps 2 --trials 1 --warmup 1 --set run.threads=1", SKIP_STEPS="bench_default_graphs")
+    p = run(
+        out,
+        "deepspeed,bench",
+        ALLOW_CPU="1",
+        CFG="configs/tests/tiny.toml",
+        BATCH="16",
+        LAB_ARGS="--steps 2 --trials 1 --warmup 1 --set run.threads=1",
+        SKIP_STEPS="bench_default_graphs",
+    )
     assert p.returncode == 0, p.stderr
     log = (out / "log.txt").read_text()
     assert f"torch {IMAGE_TORCH} " in log  # the versions that open the log
     assert "gpu_check: PASS (TF32 flags readable both ways; compiled matmul skipped: no GPU" in log
-    assert "cpu_adam: SKIP: DeepSpeed is not importable" in log and "== deepspeed_offload skipped: cpu_adam: SKIP" in log
+    assert (
+        "cpu_adam: SKIP: DeepSpeed is not importable" in log
+        and "== deepspeed_offload skipped: cpu_adam: SKIP" in log
+    )
     assert "== bench_b16 exit 0" in log and "== bench_default exit 0" in log
     assert "== bench_default_graphs skipped" in log
-    b16, default = (json.loads((out / f).read_text()) for f in ("bench_b16.json", "bench_default.json"))
+    b16, default = (
+        json.loads((out / f).read_text()) for f in ("bench_b16.json", "bench_default.json")
+    )
     assert b16["synthetic"] and b16["batch_size"] == 16 and b16["images_per_s"] > 0
-    recipe = load_config()  # the default recipe (configs/fashion_mnist.toml), benched on synthetic images
+    recipe = (
+        load_config()
+    )  # the default recipe (configs/fashion_mnist.toml), benched on synthetic images
     assert default["config"]["data"]["name"] == "synthetic"
-    assert (default["config"]["model"]["dim"], default["config"]["model"]["depth"]) == (recipe.model.dim,
-                                                                                      recipe.model.depth)
-    assert sorted(f.name for f in out.iterdir()) == ["bench_b16.json", "bench_default.json", "log.txt"]
+    assert (default["config"]["model"]["dim"], default["config"]["model"]["depth"]) == (
+        recipe.model.dim,
+        recipe.model.depth,
+    )
+    assert sorted(f.name for f in out.iterdir()) == [
+        "bench_b16.json",
+        "bench_default.json",
+        "log.txt",
+    ]
 
 
 @NO_GPU
@@ -175,20 +232,36 @@ def test_the_peer_part_on_the_image(tmp_path):
     """The peer part (issue 32): vitscale's step beside timm's ViT (timm is on the GPU image), and a
     CLIP recipe on synthetic pairs with FastCLIP-v3 and with the OpenCLIP loss; open_clip (the
     vocabulary file) as a carried wheel would give it. Tiny recipes, eager, on the CPU here."""
-    pytest.importorskip("timm", reason="timm does not import here (see ../shared/tools/tv_cpu_stub)")
+    pytest.importorskip(
+        "timm", reason="timm does not import here (see ../shared/tools/tv_cpu_stub)"
+    )
     out = tmp_path / "o"
-    block = " ".join(n for n in NOT_ON_THE_GPU_IMAGE.split() if n not in ("open_clip", "ftfy", "wcwidth"))
-    p = run(out, "peer", block=block, ALLOW_CPU="1", CFG="configs/tests/tiny.toml", BATCH="16",
-            CLIP_CFG="configs/tests/clip_tiny.toml", CLIP_BATCH="16", PEER_ROUNDS="2",
-            LAB_ARGS="--steps 2 --trials 1 --warmup 1 --set run.threads=1 --set train.compile=false "
-                     "--set train.precision=fp32")
+    block = " ".join(
+        n for n in NOT_ON_THE_GPU_IMAGE.split() if n not in ("open_clip", "ftfy", "wcwidth")
+    )
+    p = run(
+        out,
+        "peer",
+        block=block,
+        ALLOW_CPU="1",
+        CFG="configs/tests/tiny.toml",
+        BATCH="16",
+        CLIP_CFG="configs/tests/clip_tiny.toml",
+        CLIP_BATCH="16",
+        PEER_ROUNDS="2",
+        LAB_ARGS="--steps 2 --trials 1 --warmup 1 --set run.threads=1 --set train.compile=false "
+        "--set train.precision=fp32",
+    )
     assert p.returncode == 0, p.stderr
     log = (out / "log.txt").read_text()
     for name in ("bench_peer_b16", "bench_clip_v3", "bench_clip_openclip"):
         assert f"== {name} exit 0" in log, log[-3000:]
     peer = json.loads((out / "bench_peer_b16.json").read_text())["peer"]
     assert peer["name"] == "timm" and len(peer["speedup_rounds"]) == 2
-    losses = [json.loads((out / f"bench_clip_{x}.json").read_text())["config"]["clip"]["loss"] for x in ("v3", "openclip")]
+    losses = [
+        json.loads((out / f"bench_clip_{x}.json").read_text())["config"]["clip"]["loss"]
+        for x in ("v3", "openclip")
+    ]
     assert losses == ["fastclip_v3", "openclip"]
 
 
@@ -198,8 +271,14 @@ def test_the_capture_part_on_the_image(tmp_path):
     run (skipped here, with the reason), the bench of the recipe beside train.capture=step and the
     captured training run write their files."""
     out = tmp_path / "o"
-    p = run(out, "capture", ALLOW_CPU="1", TRAIN_CFG="configs/tests/tiny.toml", PEER_ROUNDS="2",
-            LAB_ARGS="configs/tests/tiny.toml --steps 2 --trials 1 --warmup 1 --set run.threads=1")
+    p = run(
+        out,
+        "capture",
+        ALLOW_CPU="1",
+        TRAIN_CFG="configs/tests/tiny.toml",
+        PEER_ROUNDS="2",
+        LAB_ARGS="configs/tests/tiny.toml --steps 2 --trials 1 --warmup 1 --set run.threads=1",
+    )
     assert p.returncode == 0, p.stderr
     log = (out / "log.txt").read_text()
     for name in ("capture_tests", "bench_capture", "train_capture"):
@@ -209,8 +288,13 @@ def test_the_capture_part_on_the_image(tmp_path):
     assert beside["overrides"] == {"train.capture": "step"} and len(beside["speedup_rounds"]) == 2
     summary = json.loads((out / "capture_summary.json").read_text())
     assert summary["steps"] > 0 and (out / "capture_metrics.jsonl").read_text().strip()
-    assert sorted(f.name for f in out.iterdir()) == ["bench_capture.json", "capture_metrics.jsonl",
-                                                      "capture_summary.json", "capture_tests.txt", "log.txt"]
+    assert sorted(f.name for f in out.iterdir()) == [
+        "bench_capture.json",
+        "capture_metrics.jsonl",
+        "capture_summary.json",
+        "capture_tests.txt",
+        "log.txt",
+    ]
 
 
 @NO_GPU
@@ -219,9 +303,15 @@ def test_the_default_part_on_the_image(tmp_path):
     shortened here to a few steps of synthetic images (DEFAULT_SETS), in one tar with each run's
     summary, metrics and resolved config, and one line per run in log.txt."""
     import tarfile
+
     out = tmp_path / "o"
-    p = run(out, "default", ALLOW_CPU="1", DEFAULT_SETS="--set data.name=synthetic --set data.channels=1 "
-            "--set data.train_size=256 --set data.test_size=64 --set run.max_steps=2 --set run.threads=1")
+    p = run(
+        out,
+        "default",
+        ALLOW_CPU="1",
+        DEFAULT_SETS="--set data.name=synthetic --set data.channels=1 "
+        "--set data.train_size=256 --set data.test_size=64 --set run.max_steps=2 --set run.threads=1",
+    )
     assert p.returncode == 0, p.stderr
     log = (out / "log.txt").read_text()
     names = ["default_seed0", "default_seed1", "default_seed2", "default_eager"]
@@ -231,7 +321,11 @@ def test_the_default_part_on_the_image(tmp_path):
     with tarfile.open(out / "default_runs.tar") as tar:
         files = set(tar.getnames())
         summaries = {n: json.load(tar.extractfile(f"{n}/summary.json")) for n in names}
-    assert files == {f"{n}/{f}" for n in names for f in ("summary.json", "metrics.jsonl", "config.toml")}
+    assert files == {
+        f"{n}/{f}" for n in names for f in ("summary.json", "metrics.jsonl", "config.toml")
+    }
     assert summaries["default_eager"]["capture"] == "none"
-    assert "train.capture" in summaries["default_seed0"]["auto"]  # the plain command: auto, answered
+    assert (
+        "train.capture" in summaries["default_seed0"]["auto"]
+    )  # the plain command: auto, answered
     assert [line for line in log.splitlines() if line.startswith("default_seed2: test accuracy")]

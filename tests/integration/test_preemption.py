@@ -10,6 +10,7 @@ job step: torchrun does not handle SIGUSR1 and ends at once, and its ranks save 
 orphans). The signal
 handling itself (each signal, a second Ctrl-C, a signal during a checkpoint write or an evaluation,
 the scheduler's end time) is tests/unit/test_stop.py, in one process."""
+
 import os
 import re
 import signal
@@ -34,28 +35,43 @@ from helpers import (
 import vitscale
 from vitscale import checkpoint as ckpt
 
-CASES = [("single", "SIGUSR1", "process"), ("ddp", "SIGTERM", "launcher"), ("fsdp", "SIGINT", "launcher"),
-         ("zero2", "SIGUSR1", "all")]
+CASES = [
+    ("single", "SIGUSR1", "process"),
+    ("ddp", "SIGTERM", "launcher"),
+    ("fsdp", "SIGINT", "launcher"),
+    ("zero2", "SIGUSR1", "all"),
+]
 
 
 def plain(out, extra):
-    return subprocess.Popen([sys.executable, "-m", "vitscale", "train", TINY, "--out", str(out), *sets(BASE + extra)],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_signals)
+    return subprocess.Popen(
+        [sys.executable, "-m", "vitscale", "train", TINY, "--out", str(out), *sets(BASE + extra)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_signals,
+    )
 
 
 @pytest.mark.parametrize("engine,sig,to", CASES)
 def test_a_stop_signal_saves_the_step_every_rank_stopped_at_and_the_resume_is_bit_equal(
-        tmp_path, uninterrupted, engine, sig, to):
+    tmp_path, uninterrupted, engine, sig, to
+):
     nproc, extra, reference = engine_case(uninterrupted, engine)
     out = tmp_path / "stopped"
     proc = plain(out, extra) if to == "process" else launch(out, extra, nproc)
     try:
-        wait_for_checkpoint(out, (proc,), limit=180)  # a few steps in: the signal comes at a step of its own
+        wait_for_checkpoint(
+            out, (proc,), limit=180
+        )  # a few steps in: the signal comes at a step of its own
         number = getattr(signal, sig)
         # "all": the launcher and each rank, as SLURM signals every process of a job step (torchrun
         # starts its ranks in sessions of their own, so a process group would not reach them)
-        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        ranks = subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
         for pid in [proc.pid] + ([int(r) for r in ranks] if to == "all" else []):
             os.kill(pid, number)
         _, err = proc.communicate(timeout=120)
@@ -67,16 +83,26 @@ def test_a_stop_signal_saves_the_step_every_rank_stopped_at_and_the_resume_is_bi
         proc.wait()
     if to == "process":
         assert proc.returncode == 128 + number, (proc.returncode, err[-3000:])
-    stopped = re.findall(rf"vitscale: stopped by {sig} at step (\d+) of 40 \(epoch [\d.]+\); checkpoint (\S+); "
-                         rf"continue with: vitscale train --resume (\S+)", err)
+    stopped = re.findall(
+        rf"vitscale: stopped by {sig} at step (\d+) of 40 \(epoch [\d.]+\); checkpoint (\S+); "
+        rf"continue with: vitscale train --resume (\S+)",
+        err,
+    )
     assert len(stopped) == 1, err[-3000:]  # one line, from the main process
     step, path, run = int(stopped[0][0]), stopped[0][1], stopped[0][2]
     assert 0 < step < 40 and run == str(out)
-    assert ckpt.list_checkpoints(out)[-1].as_posix() == path and ckpt.load_checkpoint(out)["step"] == step
-    assert step % 2 == 0 or nproc == 1  # several processes stop at a log step (run.log_every=2), together
+    assert (
+        ckpt.list_checkpoints(out)[-1].as_posix() == path
+        and ckpt.load_checkpoint(out)["step"] == step
+    )
+    assert (
+        step % 2 == 0 or nproc == 1
+    )  # several processes stop at a log step (run.log_every=2), together
     # no traceback from vitscale's code (torchrun prints its own SignalException when it is signalled
     # itself); vitscale's frames named by the package's own folder, whatever the checkout is called
-    assert f'File "{Path(vitscale.__file__).parent}' not in err and ("Traceback" not in err or "SignalException" in err)
+    assert f'File "{Path(vitscale.__file__).parent}' not in err and (
+        "Traceback" not in err or "SignalException" in err
+    )
     assert not (out / "summary.json").exists()
     p = torchrun(None, [], nproc=nproc, resume=out)
     assert p.returncode == 0, p.stderr[-3000:]

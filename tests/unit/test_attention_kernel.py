@@ -1,6 +1,7 @@
 """CpuFlashAttention (torch's CPU flash forward + a matmul backward) against independent references:
 fp64 explicit attention for values and gradients, finite differences, torch's own SDPA in bf16,
 and the model-level switch (it is used exactly where torch's backward is slow)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,9 @@ def test_values_and_gradients_match_fp64_explicit_attention(causal):
 def test_backward_passes_finite_differences_in_fp64():
     """The backward formula checked against central differences (flash CPU takes fp64 too)."""
     q, k, v = qkv(torch.float64, shape=(1, 2, 5, 4), seed=1)
-    assert torch.autograd.gradcheck(lambda a, b, c: CpuFlashAttention.apply(a, b, c, True, 0.5), (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: CpuFlashAttention.apply(a, b, c, True, 0.5), (q, k, v)
+    )
 
 
 def test_bf16_is_as_close_to_fp64_as_torchs_own_sdpa():
@@ -58,11 +61,11 @@ def test_attention_kernel_uses_it_only_where_torchs_backward_is_slow(monkeypatch
     real = CpuFlashAttention.apply
     monkeypatch.setattr(CpuFlashAttention, "apply", lambda *a: calls.append(a[0].dtype) or real(*a))
     bf = qkv(torch.bfloat16)
-    attention_kernel(*bf)                      # CPU, bf16, gradients: ours
-    attention_kernel(*qkv(torch.float32))      # fp32: torch's backward is fast there
-    attention_kernel(*bf, dropout=0.1)         # dropout: torch's
+    attention_kernel(*bf)  # CPU, bf16, gradients: ours
+    attention_kernel(*qkv(torch.float32))  # fp32: torch's backward is fast there
+    attention_kernel(*bf, dropout=0.1)  # dropout: torch's
     with torch.no_grad():
-        attention_kernel(*bf)                  # inference: torch's forward alone
+        attention_kernel(*bf)  # inference: torch's forward alone
     assert calls == [torch.bfloat16]
 
 

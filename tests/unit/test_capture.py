@@ -6,6 +6,7 @@ them again on the same tensors without running any Python of the step, writing e
 the tensor the capture produced (a graph's static memory). A value the step took from the host
 during the capture stays frozen in every replay, as on a GPU. So a captured run that equals the
 eager run bit for bit shows that the step takes nothing from the host that changes per step."""
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,19 @@ from vitscale.tasks import check_config
 TINY = "configs/tests/tiny.toml"
 # EMA, clipping, weight decay, warm-up and decay, mirrored images, label smoothing: every part of
 # the step that the capture must carry
-RECIPE = ["train.ema_decay=0.9", "optim.grad_clip=1.0", "optim.weight_decay=0.05", "optim.impl=fused",
-          "optim.schedule=cosine", "data.hflip=true", "data.crop_padding=1", "train.label_smoothing=0.1",
-          "train.epochs=3", "run.eval_every=1", "model.drop_path=0.1"]
+RECIPE = [
+    "train.ema_decay=0.9",
+    "optim.grad_clip=1.0",
+    "optim.weight_decay=0.05",
+    "optim.impl=fused",
+    "optim.schedule=cosine",
+    "data.hflip=true",
+    "data.crop_padding=1",
+    "train.label_smoothing=0.1",
+    "train.epochs=3",
+    "run.eval_every=1",
+    "model.drop_path=0.1",
+]
 
 
 def _written(func, args, kwargs) -> list[torch.Tensor]:
@@ -56,8 +67,11 @@ class _Recorder(TorchDispatchMode):
                 self.saved[st.data_ptr()] = (st, st.clone())
         out = func(*args, **kwargs)
         if not any(r.alias_info is not None for r in func._schema.returns):  # new memory
-            self.born |= {t.untyped_storage().data_ptr() for t in tree_flatten(out)[0]
-                          if isinstance(t, torch.Tensor)}
+            self.born |= {
+                t.untyped_storage().data_ptr()
+                for t in tree_flatten(out)[0]
+                if isinstance(t, torch.Tensor)
+            }
         self.ops.append((func, args, kwargs, out))
         return out
 
@@ -95,17 +109,22 @@ class ReplayGraph:
         for func, args, kwargs, out in self.ops:
             new = func(*args, **kwargs)
             for old_t, new_t in zip(tree_flatten(out)[0], tree_flatten(new)[0]):
-                if isinstance(old_t, torch.Tensor) and new_t is not old_t and \
-                        new_t.untyped_storage().data_ptr() != old_t.untyped_storage().data_ptr():
+                if (
+                    isinstance(old_t, torch.Tensor)
+                    and new_t is not old_t
+                    and new_t.untyped_storage().data_ptr() != old_t.untyped_storage().data_ptr()
+                ):
                     old_t.copy_(new_t)
 
 
 def _run(tmp_path, name, sets, graph=None, monkeypatch=None, resume=None):
     graphs = []
     if monkeypatch is not None:
+
         def make(device):
             graphs.append(graph())
             return graphs[-1]
+
         monkeypatch.setattr(vitscale.capture, "graph_for", make)
     cfg = load_config(TINY, [*RECIPE, *sets])
     tr = Trainer(cfg, tmp_path / name, resume=resume)
@@ -130,14 +149,18 @@ def _assert_equal_states(a: dict, b: dict):
     assert not diff, f"differ: {diff[:5]}"
 
 
-@pytest.mark.parametrize("extra", [[], ["data.drop_last=false", "data.train_size=72", "train.precision=bf16"]])
+@pytest.mark.parametrize(
+    "extra", [[], ["data.drop_last=false", "data.train_size=72", "train.precision=bf16"]]
+)
 def test_the_captured_step_replayed_equals_the_eager_step_bit_for_bit(tmp_path, monkeypatch, extra):
     """capture=none against capture=step whose step is recorded once and replayed as a graph
     would be: the same weights, EMA, optimizer state, losses, lr and accuracy at every log. With
     drop_last=false the last partial batch of each epoch runs the same step eagerly; bf16 too."""
     eager, s_eager, _ = _run(tmp_path, "eager", extra)
-    cap, s_cap, graphs = _run(tmp_path, "cap", ["train.capture=step", *extra], ReplayGraph, monkeypatch)
-    g, = graphs
+    cap, s_cap, graphs = _run(
+        tmp_path, "cap", ["train.capture=step", *extra], ReplayGraph, monkeypatch
+    )
+    (g,) = graphs
     steps = s_cap["steps"]
     partial = 3 if extra else 0  # one partial batch per epoch
     assert (g.warmups, g.captures, g.replays) == (3, 1, steps - 3 - partial)
@@ -163,19 +186,25 @@ def test_a_captured_run_resumed_from_its_checkpoint_continues_exactly(tmp_path, 
     sets = ["train.capture=step", "run.checkpoint_every=5", "run.keep_last=5"]
     whole, _, _ = _run(tmp_path, "whole", sets, ReplayGraph, monkeypatch)
     from vitscale.run_state import open_resume
+
     ckpt = tmp_path / "whole" / "checkpoints" / "step_00000005.pt"
-    resumed, _, graphs = _run(tmp_path, "resumed", sets, ReplayGraph, monkeypatch, resume=open_resume(ckpt))
+    resumed, _, graphs = _run(
+        tmp_path, "resumed", sets, ReplayGraph, monkeypatch, resume=open_resume(ckpt)
+    )
     assert graphs[-1].captures == 1 and resumed.step == whole.step == 12
     _assert_equal_states(_state(whole), _state(resumed))
 
 
-@pytest.mark.parametrize("sets, words", [
-    (["train.precision=fp16"], "loss scaler"),
-    (["optim.name=sgd"], "optim.name=sgd"),
-    (["optim.schedule_clock=time", "train.time_limit_s=10"], "schedule_clock=time"),
-    (["train.compile=true", "train.compile_mode=reduce-overhead"], "CUDA graphs of its own"),
-    (["strategy.name=ddp"], "strategy.name=single"),
-])
+@pytest.mark.parametrize(
+    "sets, words",
+    [
+        (["train.precision=fp16"], "loss scaler"),
+        (["optim.name=sgd"], "optim.name=sgd"),
+        (["optim.schedule_clock=time", "train.time_limit_s=10"], "schedule_clock=time"),
+        (["train.compile=true", "train.compile_mode=reduce-overhead"], "CUDA graphs of its own"),
+        (["strategy.name=ddp"], "strategy.name=single"),
+    ],
+)
 def test_what_a_captured_step_cannot_hold_is_refused_in_one_line(sets, words):
     with pytest.raises(ConfigError) as e:
         load_config(TINY, ["train.capture=step", *sets])
@@ -188,13 +217,19 @@ def test_a_clip_run_refuses_capture_naming_its_host_side_schedules():
         check_config(cfg)
 
 
-@pytest.mark.parametrize("aug", [["data.crop_padding=2", "data.hflip=true"],
-                                 ["data.randaugment_ops=2", "data.randaugment_magnitude=0.5", "data.hflip=true"],
-                                 ["data.mixup_alpha=0.8", "data.cutmix_alpha=1.0", "data.crop_padding=1"]])
+@pytest.mark.parametrize(
+    "aug",
+    [
+        ["data.crop_padding=2", "data.hflip=true"],
+        ["data.randaugment_ops=2", "data.randaugment_magnitude=0.5", "data.hflip=true"],
+        ["data.mixup_alpha=0.8", "data.cutmix_alpha=1.0", "data.crop_padding=1"],
+    ],
+)
 def test_batches_prepared_many_at_once_equal_batches_prepared_one_by_one(aug):
     """The in-memory loader's `ahead`: the same batches, whatever the block (drop_last=false: the
     short last batch too), from any start batch (exact resume)."""
     from vitscale.data.build import build_data
+
     cfg = load_config(TINY, ["data.train_size=70", "data.drop_last=false", "data.channels=3", *aug])
     data = build_data(cfg.data, device="cpu", seed=3)
     one = list(data.train.iterate(1, start_batch=1))
@@ -216,10 +251,13 @@ def test_the_ema_update_without_host_reads_is_averaged_models_arithmetic():
     from vitscale.config import OptimConfig, TrainConfig
     from vitscale.models import vit
     from vitscale.strategy import SingleDevice
+
     torch.manual_seed(0)
     s = SingleDevice(TrainConfig(ema_decay=0.9), OptimConfig(), torch.device("cpu"))
     s.setup(vit("vit_pico", image_size=8, patch_size=4, in_chans=1, num_classes=4, depth=1))
-    ref = AveragedModel(copy.deepcopy(s.module), multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    ref = AveragedModel(
+        copy.deepcopy(s.module), multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True
+    )
     for _ in range(4):
         s.backward(s.model(torch.randn(4, 1, 8, 8)).square().mean())
         s.step()
@@ -229,10 +267,13 @@ def test_the_ema_update_without_host_reads_is_averaged_models_arithmetic():
     assert int(s.ema.n_averaged) == s.ema_updates == 4
 
 
-def test_evaluation_reads_the_device_a_fixed_number_of_times_whatever_its_batches(tmp_path, monkeypatch):
+def test_evaluation_reads_the_device_a_fixed_number_of_times_whatever_its_batches(
+    tmp_path, monkeypatch
+):
     """Issue 31 item 3: evaluation sums on the device and reads once at the end: 4 batches of 8 and
     1 batch of 32 read the device equally often (checkpoints' and evaluations' state check aside)."""
     from test_gpu_paths_cpu import _count_host_reads
+
     reads = []
     for eval_batch in (8, 32):
         cfg = load_config(TINY, [f"data.eval_batch_size={eval_batch}", "train.eval_hflip_tta=true"])

@@ -1,4 +1,5 @@
 """Retrieval recall@k against a naive sort-based reference, with unique and repeated captions."""
+
 import torch
 
 from vitscale.tasks.clip import caption_ids, recall_at_k
@@ -7,8 +8,10 @@ from vitscale.tasks.clip import caption_ids, recall_at_k
 def naive_recall(img, txt, cap, ks=(1, 5, 10)):
     sim = (img @ txt.T).tolist()
     out = {}
-    for name, rows, same in (("i2t", sim, lambda q, c: cap[q] == cap[c]),
-                             ("t2i", [list(col) for col in zip(*sim)], lambda q, c: cap[c] == cap[q])):
+    for name, rows, same in (
+        ("i2t", sim, lambda q, c: cap[q] == cap[c]),
+        ("t2i", [list(col) for col in zip(*sim)], lambda q, c: cap[c] == cap[q]),
+    ):
         for k in ks:
             hits = 0
             for q, row in enumerate(rows):
@@ -23,7 +26,10 @@ def test_recall_matches_naive_reference_unique_and_repeated_captions():
     n, d = 40, 8
     img = torch.nn.functional.normalize(torch.randn(n, d, dtype=torch.float64), dim=-1)
     txt = torch.nn.functional.normalize(img + 0.8 * torch.randn(n, d, dtype=torch.float64), dim=-1)
-    for cap in (torch.arange(n), torch.arange(n) % 7):  # unique captions; 7 repeated "class" captions
+    for cap in (
+        torch.arange(n),
+        torch.arange(n) % 7,
+    ):  # unique captions; 7 repeated "class" captions
         got, want = recall_at_k(img, txt, cap), naive_recall(img, txt, cap.tolist())
         assert got.keys() == want.keys()
         for k in want:

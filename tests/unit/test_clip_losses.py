@@ -1,4 +1,5 @@
 """CLIP losses on one process against naive float64 references written with explicit loops."""
+
 import math
 
 import pytest
@@ -37,8 +38,11 @@ def ref_g(e1, e2, i, tau, text_anchor):
     """g_i = mean_{j != i} exp((s_ij - s_ii)/tau) (image anchor) or with s_ji (text anchor)."""
     n = e1.shape[0]
     sii = e1[i] @ e2[i]
-    terms = [torch.exp(((e1[j] @ e2[i] if text_anchor else e1[i] @ e2[j]) - sii) / tau)
-             for j in range(n) if j != i]
+    terms = [
+        torch.exp(((e1[j] @ e2[i] if text_anchor else e1[i] @ e2[j]) - sii) / tau)
+        for j in range(n)
+        if j != i
+    ]
     return sum(terms) / (n - 1)
 
 
@@ -55,8 +59,8 @@ def ref_fastclip(e1, e2, tau1, tau2, u1_old, u2_old, gamma, rho=0.0):
         u1 = (1 - gamma) * u1_old[i] + gamma * g1.detach()
         u2 = (1 - gamma) * u2_old[i] + gamma * g2.detach()
         total = total + g1 / (EPS + u1) + g2 / (EPS + u2)
-        dg1, = torch.autograd.grad(g1, ti1, retain_graph=True)
-        dg2, = torch.autograd.grad(g2, ti2, retain_graph=True)
+        (dg1,) = torch.autograd.grad(g1, ti1, retain_graph=True)
+        (dg2,) = torch.autograd.grad(g2, ti2, retain_graph=True)
         h1.append(torch.log(EPS + u1) + ti1.detach() * dg1 / (EPS + u1) + rho)
         h2.append(torch.log(EPS + u2) + ti2.detach() * dg2 / (EPS + u2) + rho)
         u1n.append(u1), u2n.append(u2)
@@ -64,8 +68,17 @@ def ref_fastclip(e1, e2, tau1, tau2, u1_old, u2_old, gamma, rho=0.0):
 
 
 def make(variant, n_data=50, **kw):
-    kw = dict(dict(dataset_size=n_data, gamma_schedule="cosine", gamma_min=0.2, gamma_decay_epochs=4,
-                   tau_init=0.07, eps=EPS), **kw)
+    kw = dict(
+        dict(
+            dataset_size=n_data,
+            gamma_schedule="cosine",
+            gamma_min=0.2,
+            gamma_decay_epochs=4,
+            tau_init=0.07,
+            eps=EPS,
+        ),
+        **kw,
+    )
     return FastClipLoss(variant, **kw)
 
 
@@ -98,7 +111,7 @@ def test_fastclip_gradient_matches_naive_estimator(variant):
     e1, e2 = feats(n, d, seed=1)
     index = torch.tensor([3, 17, 5, 30, 22, 8, 11])
     m = make(variant, n_data=n_data, rho=6.5)
-    m.set_epoch(2)                                          # gamma = 0.5(1+cos(pi/2))(0.8)+0.2 = 0.6
+    m.set_epoch(2)  # gamma = 0.5(1+cos(pi/2))(0.8)+0.2 = 0.6
     assert m.gamma == pytest.approx(0.6)
     g = torch.Generator().manual_seed(5)
     u_old = torch.rand(2, n_data, generator=g, dtype=torch.float64) * 3 + 0.5
@@ -123,16 +136,18 @@ def test_fastclip_gradient_matches_naive_estimator(variant):
     value = v.item()
     if variant == "fastclip_v3":
         value = tau * v.item() + 6.5 * tau + tau * (u1.log() + u2.log()).mean().item() / 2
-    assert logs["loss"] == pytest.approx(value, rel=1e-5) and loss.item() == pytest.approx(value, rel=1e-5)
+    assert logs["loss"] == pytest.approx(value, rel=1e-5) and loss.item() == pytest.approx(
+        value, rel=1e-5
+    )
     assert rel(m.lu1[index].exp(), u1) < 1e-5 and rel(m.lu2[index].exp(), u2) < 1e-5
     untouched = torch.ones(n_data, dtype=torch.bool)
-    untouched[index] = False                                # u updates touch only the batch's indices
+    untouched[index] = False  # u updates touch only the batch's indices
     assert torch.equal(m.lu1[untouched], before["lu1"][untouched])
     assert torch.equal(m.lu2[untouched], before["lu2"][untouched])
-    if variant == "fastclip_v2":                            # h clamped to [-5, 5]
+    if variant == "fastclip_v2":  # h clamped to [-5, 5]
         _, p1, p2 = m.temperature_grad()
         assert rel(p1, h1.clamp(-5, 5)) < 1e-5 and rel(p2, h2.clamp(-5, 5)) < 1e-5
-        m.after_step()                                      # per-sample tau: only the batch's indices
+        m.after_step()  # per-sample tau: only the batch's indices
         for k in ("tau1", "tau2", "m1", "v1"):
             assert torch.equal(getattr(m.temperatures, k)[untouched], before[k][untouched])
             assert not torch.equal(getattr(m.temperatures, k)[index], before[k][index])
@@ -165,22 +180,35 @@ def test_global_temperature_gradient_is_the_reference_objective_derivative(varia
     e1, e2 = feats(n, 4, seed=3)
     m = make(variant, rho=6.5, tau_init=0.05)
     m(e1.float(), e2.float(), None, torch.arange(n))
-    u = [torch.stack([ref_g(e1, e2, i, torch.tensor(0.05, dtype=torch.float64), t) for i in range(n)])
-         for t in (False, True)]
+    u = [
+        torch.stack(
+            [ref_g(e1, e2, i, torch.tensor(0.05, dtype=torch.float64), t) for i in range(n)]
+        )
+        for t in (False, True)
+    ]
 
     def f(theta):
         tau = torch.exp(-theta)
-        v = sum(ref_g(e1, e2, i, tau, False) / (EPS + u[0][i]) + ref_g(e1, e2, i, tau, True) / (EPS + u[1][i])
-                for i in range(n)) / n
+        v = (
+            sum(
+                ref_g(e1, e2, i, tau, False) / (EPS + u[0][i])
+                + ref_g(e1, e2, i, tau, True) / (EPS + u[1][i])
+                for i in range(n)
+            )
+            / n
+        )
         if variant == "fastclip_v0":
             return v
         return v * math.exp(-theta0) + 6.5 * tau + (u[0].log() + u[1].log()).mean() / 2 * tau
 
     theta = torch.tensor(theta0, dtype=torch.float64, requires_grad=True)
-    dtheta, = torch.autograd.grad(f(theta), theta)
+    (dtheta,) = torch.autograd.grad(f(theta), theta)
     assert m.temperature_grad().item() == pytest.approx(dtheta.item(), rel=1e-5)
     h = 1e-6
-    fd = (f(torch.tensor(theta0 + h, dtype=torch.float64)) - f(torch.tensor(theta0 - h, dtype=torch.float64))) / (2 * h)
+    fd = (
+        f(torch.tensor(theta0 + h, dtype=torch.float64))
+        - f(torch.tensor(theta0 - h, dtype=torch.float64))
+    ) / (2 * h)
     assert fd.item() == pytest.approx(dtheta.item(), rel=1e-5)
 
 
@@ -196,7 +224,11 @@ def test_lse_stability_at_tau_001():
         x1, x2 = e1.float().requires_grad_(True), e2.float().requires_grad_(True)
         loss, logs = m(x1, x2, None, torch.arange(n))
         loss.backward()
-        assert torch.isfinite(loss) and torch.isfinite(x1.grad).all() and torch.isfinite(m.lu1[:n]).all()
+        assert (
+            torch.isfinite(loss)
+            and torch.isfinite(x1.grad).all()
+            and torch.isfinite(m.lu1[:n]).all()
+        )
         r1, r2 = e1.clone().requires_grad_(True), e2.clone().requires_grad_(True)
         tau = torch.full((n,), 0.01, dtype=torch.float64)
         v, u1, _, h1, _ = ref_fastclip(r1, r2, tau, tau, torch.zeros(n), torch.zeros(n), 1.0, m.rho)
@@ -211,7 +243,7 @@ def test_lse_stability_at_tau_001():
 # ---------------------------------------------------------------- schedules, temperatures, state
 def test_gamma_schedule():
     assert gamma_at(0, "cosine", 0.2, 10) == 1.0 and gamma_at(0, "constant", 0.2, 10) == 1.0
-    assert gamma_at(5, "cosine", 0.2, 10) == pytest.approx(0.6)          # 0.5*(1+0)*0.8+0.2
+    assert gamma_at(5, "cosine", 0.2, 10) == pytest.approx(0.6)  # 0.5*(1+0)*0.8+0.2
     assert gamma_at(2, "cosine", 0.2, 4) == pytest.approx(0.6)
     assert gamma_at(1, "cosine", 0.2, 3) == pytest.approx(0.5 * 1.5 * 0.8 + 0.2)  # cos(pi/3) = 0.5
     assert gamma_at(10, "cosine", 0.2, 10) == 0.2 and gamma_at(25, "cosine", 0.2, 10) == 0.2
@@ -221,29 +253,52 @@ def test_gamma_schedule():
     m = build_clip_loss(c, o, lr=1e-3, dataset_size=10, epochs=20, device="cpu")
     m.set_epoch(3)
     assert m.gamma == 0.3
-    c.loss = "fastclip_v1"                                  # auto = cosine, E = epochs / 2 = 10
+    c.loss = "fastclip_v1"  # auto = cosine, E = epochs / 2 = 10
     m = build_clip_loss(c, o, lr=1e-3, dataset_size=10, epochs=20, device="cpu")
     m.set_epoch(5)
     assert m.gamma == pytest.approx(0.5 * 0.7 + 0.3)
 
 
-@pytest.mark.parametrize("loss, tau_init, tau_lr, schedule, rho, gamma_min", [
-    ("fastclip_v0", 0.07, 5e-4, "model", 0.0, 0.2),          # lr_tau < 0 in the reference: the model's lr
-    ("fastclip_v1", 0.07, 0.0, "constant", 0.0, 0.2),
-    ("fastclip_v2", 0.03, 0.0133, "constant", 7.0, 0.2),
-    ("fastclip_v3", 0.07, 2e-4, "threshold", 6.5, 0.2),
-    ("sogclr", 0.07, 0.0, "constant", 0.0, 0.8),
-    ("isogclr", 0.03, 0.0133, "constant", 7.0, 0.8)])
+@pytest.mark.parametrize(
+    "loss, tau_init, tau_lr, schedule, rho, gamma_min",
+    [
+        (
+            "fastclip_v0",
+            0.07,
+            5e-4,
+            "model",
+            0.0,
+            0.2,
+        ),  # lr_tau < 0 in the reference: the model's lr
+        ("fastclip_v1", 0.07, 0.0, "constant", 0.0, 0.2),
+        ("fastclip_v2", 0.03, 0.0133, "constant", 7.0, 0.2),
+        ("fastclip_v3", 0.07, 2e-4, "threshold", 6.5, 0.2),
+        ("sogclr", 0.07, 0.0, "constant", 0.0, 0.8),
+        ("isogclr", 0.03, 0.0133, "constant", 7.0, 0.8),
+    ],
+)
 def test_auto_settings_are_the_reference_recipe(loss, tau_init, tau_lr, schedule, rho, gamma_min):
     c = ClipConfig()
     c.loss = loss
-    m = build_clip_loss(c, OptimConfig(beta2=0.98, eps=1e-6), lr=5e-4, dataset_size=10, epochs=8, device="cpu")
-    assert (m.temperature, m.tau_lr, m.tau_lr_schedule, m.rho, m.gamma_min) == \
-        (pytest.approx(tau_init), tau_lr, schedule, rho, gamma_min)
-    assert m.betas == (0.9, 0.98) and m.tau_eps == 1e-6     # the model optimizer's, as the reference
+    m = build_clip_loss(
+        c, OptimConfig(beta2=0.98, eps=1e-6), lr=5e-4, dataset_size=10, epochs=8, device="cpu"
+    )
+    assert (m.temperature, m.tau_lr, m.tau_lr_schedule, m.rho, m.gamma_min) == (
+        pytest.approx(tau_init),
+        tau_lr,
+        schedule,
+        rho,
+        gamma_min,
+    )
+    assert m.betas == (0.9, 0.98) and m.tau_eps == 1e-6  # the model optimizer's, as the reference
     c.tau_init, c.tau_lr, c.rho, c.gamma_min, c.tau_lr_schedule = 0.05, 1e-3, 3.0, 0.5, "constant"
     m = build_clip_loss(c, OptimConfig(), lr=5e-4, dataset_size=10, epochs=8, device="cpu")
-    assert (m.temperature, m.tau_lr, m.tau_lr_schedule, m.gamma_min) == (pytest.approx(0.05), 1e-3, "constant", 0.5)
+    assert (m.temperature, m.tau_lr, m.tau_lr_schedule, m.gamma_min) == (
+        pytest.approx(0.05),
+        1e-3,
+        "constant",
+        0.5,
+    )
 
 
 def adam_steps(m, grads, steps=None):
@@ -259,29 +314,34 @@ def test_global_temperature_adam_on_logit_scale_clamp_and_lr_cut():
     th = lambda tau: math.log(1 / tau)  # noqa: E731
     m = make("fastclip_v3", tau_lr=1e-3, tau_lr_cut=3.0, tau_init=math.exp(-(th(0.03) - 1.5e-3)))
     m.multiply_tau = False  # feed d/dtheta directly (v3 scales its per-anchor sum by tau)
-    adam_steps(m, [-1.0])                                   # tau > 0.03: full lr, theta rises by 1e-3
+    adam_steps(m, [-1.0])  # tau > 0.03: full lr, theta rises by 1e-3
     assert m.temperatures.theta.item() == pytest.approx(th(0.03) - 0.5e-3, abs=1e-9)
     assert m.temperatures.lr_at().item() == pytest.approx(1e-3)
-    adam_steps(m, [-1.0])                                   # still the full lr; now tau < 0.03
+    adam_steps(m, [-1.0])  # still the full lr; now tau < 0.03
     assert m.temperatures.theta.item() == pytest.approx(th(0.03) + 0.5e-3, abs=1e-9)
     assert m.temperatures.lr_at().item() == pytest.approx(1e-3 / 3)
-    adam_steps(m, [-1.0])                                   # the cut lr
+    adam_steps(m, [-1.0])  # the cut lr
     assert m.temperatures.theta.item() == pytest.approx(th(0.03) + 0.5e-3 + 1e-3 / 3, abs=1e-9)
     m.temperatures.theta.fill_(th(0.031))
-    assert m.temperatures.lr_at().item() == pytest.approx(1e-3)      # not latched: back to the full lr
+    assert m.temperatures.lr_at().item() == pytest.approx(1e-3)  # not latched: back to the full lr
     m.temperatures.theta.fill_(math.log(100.0) - 1e-4)
     adam_steps(m, [-5.0] * 3)
-    assert m.temperature == pytest.approx(0.01)             # clamped at theta = ln 100
-    m = make("fastclip_v3", tau_lr=1e-3, tau_init=0.9995)   # fresh Adam state
+    assert m.temperature == pytest.approx(0.01)  # clamped at theta = ln 100
+    m = make("fastclip_v3", tau_lr=1e-3, tau_init=0.9995)  # fresh Adam state
     m.multiply_tau = False
     adam_steps(m, [1e4])
-    assert m.temperatures.theta.item() == 0.0 and m.temperature == 1.0   # clamped at theta = 0
-    v0 = make("fastclip_v0", tau_lr=1e-3, tau_init=0.07, tau_lr_schedule="model",
-              lr_factor=lambda s: [0.5, 1.0, 0.25][s])      # v0: the model's schedule, no cut
+    assert m.temperatures.theta.item() == 0.0 and m.temperature == 1.0  # clamped at theta = 0
+    v0 = make(
+        "fastclip_v0",
+        tau_lr=1e-3,
+        tau_init=0.07,
+        tau_lr_schedule="model",
+        lr_factor=lambda s: [0.5, 1.0, 0.25][s],
+    )  # v0: the model's schedule, no cut
     assert [v0.temperatures.lr_at(s).item() for s in range(3)] == [5e-4, 1e-3, 2.5e-4]
     adam_steps(v0, [1.0, 1.0, 1.0], steps=[0, 1, 2])
     assert v0.temperatures.theta.item() == pytest.approx(th(0.07) - 5e-4 - 1e-3 - 2.5e-4, abs=1e-9)
-    v1 = make("fastclip_v1")                                # constant tau
+    v1 = make("fastclip_v1")  # constant tau
     v1(*(f.float() for f in feats(4, 3)), None, torch.arange(4))
     assert v1.temperature_grad() is None
     v1.after_step()
@@ -290,21 +350,29 @@ def test_global_temperature_adam_on_logit_scale_clamp_and_lr_cut():
 
 def test_per_sample_tau_adam_betas_zero_in_epoch_0_and_clamp():
     m = make("isogclr", n_data=10, tau_lr=0.02, tau_init=0.03, tau_beta1=0.9, tau_beta2=0.999)
-    m.pending_grad = (torch.tensor([2, 5]), torch.tensor([1.0, -1.0], dtype=torch.float64),
-                  torch.tensor([3.0, 0.0], dtype=torch.float64))
-    m.after_step()                                          # epoch 0: betas 0, the step is lr * sign(h)
+    m.pending_grad = (
+        torch.tensor([2, 5]),
+        torch.tensor([1.0, -1.0], dtype=torch.float64),
+        torch.tensor([3.0, 0.0], dtype=torch.float64),
+    )
+    m.after_step()  # epoch 0: betas 0, the step is lr * sign(h)
     t = m.temperatures
     assert t.tau1[2].item() == pytest.approx(0.01) and t.tau1[5].item() == pytest.approx(0.05)
-    assert t.tau2[2].item() == pytest.approx(0.01) and t.tau2[5].item() == pytest.approx(0.03)  # zero gradient
+    assert t.tau2[2].item() == pytest.approx(0.01) and t.tau2[5].item() == pytest.approx(
+        0.03
+    )  # zero gradient
     assert t.m1[2].item() == 1.0 and t.v1[5].item() == 1.0  # m = h, v = h^2
     others = [i for i in range(10) if i not in (2, 5)]
     assert (t.tau1[others] == 0.03).all() and (t.m1[others] == 0).all()
-    m.set_epoch(2)                                          # betas back; bias correction 1 - b^(epoch+1)
-    m.pending_grad = (torch.tensor([5]), torch.tensor([2.0], dtype=torch.float64),
-                  torch.tensor([0.0], dtype=torch.float64))
+    m.set_epoch(2)  # betas back; bias correction 1 - b^(epoch+1)
+    m.pending_grad = (
+        torch.tensor([5]),
+        torch.tensor([2.0], dtype=torch.float64),
+        torch.tensor([0.0], dtype=torch.float64),
+    )
     m.after_step()
     mi, vi = 0.9 * -1.0 + 0.1 * 2.0, 0.999 * 1.0 + 0.001 * 4.0
-    step = 0.02 * (mi / (1 - 0.9 ** 3)) / (math.sqrt(vi / (1 - 0.999 ** 3)) + 1e-8)
+    step = 0.02 * (mi / (1 - 0.9**3)) / (math.sqrt(vi / (1 - 0.999**3)) + 1e-8)
     assert t.tau1[5].item() == pytest.approx(0.05 - step, rel=1e-6)
 
 
@@ -333,7 +401,7 @@ def test_state_dict_round_trip(variant):
 
 def test_state_bytes_and_bf16():
     n = 1000
-    assert make("fastclip_v1", n_data=n).state_bytes() == 2 * 4 * n          # u1, u2
+    assert make("fastclip_v1", n_data=n).state_bytes() == 2 * 4 * n  # u1, u2
     assert make("fastclip_v3", n_data=n).state_bytes() == 2 * 4 * n
     assert make("isogclr", n_data=n).state_bytes() == 10 * 4 * n  # + tau1,2, m1,2, v1,2, bound1,2
     assert make("fastclip_v1", n_data=n, state_dtype=torch.bfloat16).state_bytes() == 2 * 2 * n

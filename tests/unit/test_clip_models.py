@@ -1,5 +1,6 @@
 """The CLIP model: shapes, causality of the text tower, FLOP counts against torch's counter,
 parameter counts against OpenCLIP's published architecture, FSDP-friendly logit_scale."""
+
 import math
 from dataclasses import replace
 
@@ -26,7 +27,7 @@ def tokens(batch, length, lengths, vocab=49408, seed=0):
     t = torch.zeros(batch, length, dtype=torch.long)
     for i, n in enumerate(lengths):
         t[i, 0] = 49406
-        t[i, 1:n - 1] = torch.randint(1, vocab - 2, (n - 2,), generator=g)
+        t[i, 1 : n - 1] = torch.randint(1, vocab - 2, (n - 2,), generator=g)
         t[i, n - 1] = EOT
     return t
 
@@ -42,8 +43,13 @@ def test_every_registered_clip_builds(arch):
 
 def test_forward_shapes_normalized_and_one_sided_calls():
     torch.manual_seed(0)
-    m = CLIP(resolve_clip_spec("clip_tiny", vision=dict(in_chans=1, image_size=16, patch_size=4),
-                               text=dict(context_length=12)))
+    m = CLIP(
+        resolve_clip_spec(
+            "clip_tiny",
+            vision=dict(in_chans=1, image_size=16, patch_size=4),
+            text=dict(context_length=12),
+        )
+    )
     x, t = torch.randn(3, 1, 16, 16), tokens(3, 12, [5, 12, 3])
     img, txt, scale = m(x, t)
     assert img.shape == txt.shape == (3, 32)
@@ -63,21 +69,32 @@ def test_forward_shapes_normalized_and_one_sided_calls():
 @pytest.mark.parametrize("attention", ["sdpa", "explicit"])
 def test_text_tower_is_causal_and_pools_at_end_of_text(attention):
     torch.manual_seed(0)
-    m = TextTransformer(TextSpec(vocab_size=100, context_length=10, dim=16, depth=2, heads=2, embed_dim=8,
-                                 attention=attention)).eval()
+    m = TextTransformer(
+        TextSpec(
+            vocab_size=100,
+            context_length=10,
+            dim=16,
+            depth=2,
+            heads=2,
+            embed_dim=8,
+            attention=attention,
+        )
+    ).eval()
     t = torch.tensor([[5, 6, 7, 99, 0, 0, 0, 0, 0, 0]])  # "end of text" = the largest id, at 3
     out = m(t)
     later = t.clone()
-    later[0, 4:] = torch.tensor([1, 2, 3, 4, 5, 6])     # tokens after the end: invisible to it
+    later[0, 4:] = torch.tensor([1, 2, 3, 4, 5, 6])  # tokens after the end: invisible to it
     torch.testing.assert_close(m(later), out)
     earlier = t.clone()
-    earlier[0, 1] = 8                                     # a token before it changes the feature
+    earlier[0, 1] = 8  # a token before it changes the feature
     assert not torch.allclose(m(earlier), out)
 
 
 def test_fused_and_explicit_causal_attention_agree():
     torch.manual_seed(0)
-    a = TextTransformer(TextSpec(context_length=16, dim=32, depth=2, heads=4, embed_dim=8, attention="explicit"))
+    a = TextTransformer(
+        TextSpec(context_length=16, dim=32, depth=2, heads=4, embed_dim=8, attention="explicit")
+    )
     b = TextTransformer(replace(a.spec, attention="sdpa"))
     b.load_state_dict(a.state_dict())
     t = tokens(4, 16, [16, 9, 4, 2])
@@ -85,8 +102,11 @@ def test_fused_and_explicit_causal_attention_agree():
 
 
 def test_flops_match_torch_flop_counter():
-    spec = resolve_clip_spec("clip_tiny", vision=dict(image_size=16, patch_size=4, attention="explicit"),
-                             text=dict(context_length=12, attention="explicit"))
+    spec = resolve_clip_spec(
+        "clip_tiny",
+        vision=dict(image_size=16, patch_size=4, attention="explicit"),
+        text=dict(context_length=12, attention="explicit"),
+    )
     m = CLIP(spec)
     x, t = torch.randn(3, 3, 16, 16), tokens(3, 12, [5, 12, 3])
     with FlopCounterMode(display=False) as fc:

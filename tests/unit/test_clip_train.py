@@ -1,6 +1,7 @@
 """CLIP training end to end: every loss trains through `vitscale train`; resume is exact with the
 FastCLIP per-sample state; `vitscale eval` reproduces the run's metrics (2 gloo ranks under DDP, FSDP2
 and DeepSpeed: integration/test_clip_train_dist.py)."""
+
 import json
 
 import pytest
@@ -11,7 +12,15 @@ from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 
 CLIP = "configs/tests/clip_tiny.toml"
-LOSSES = ["openclip", "fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr"]
+LOSSES = [
+    "openclip",
+    "fastclip_v0",
+    "fastclip_v1",
+    "fastclip_v2",
+    "fastclip_v3",
+    "sogclr",
+    "isogclr",
+]
 
 
 def run(out, *extra):
@@ -23,8 +32,15 @@ def run(out, *extra):
 def test_every_loss_trains_and_reports_clip_metrics(tmp_path, loss):
     s = run(tmp_path / loss, f"clip.loss={loss}")
     assert s["steps"] == 8 and s["world_size"] == 1
-    for k in ("test_i2t_r1", "test_i2t_r5", "test_t2i_r1", "test_t2i_r10", "retrieval_r1",
-              "zeroshot_synthetic_top1", "best_retrieval_r1"):
+    for k in (
+        "test_i2t_r1",
+        "test_i2t_r5",
+        "test_t2i_r1",
+        "test_t2i_r10",
+        "retrieval_r1",
+        "zeroshot_synthetic_top1",
+        "best_retrieval_r1",
+    ):
         assert 0.0 <= s[k] <= 1.0, k
     assert s["test_pairs"] == 32 and s["zeroshot_synthetic_count"] == 32
     rows = [json.loads(x) for x in (tmp_path / loss / "metrics.jsonl").read_text().splitlines()]
@@ -43,8 +59,19 @@ def test_a_bad_clip_setup_is_one_line_error(tmp_path, capsys):
     assert "accum_steps" in capsys.readouterr().err
     assert main(["train", CLIP, "--out", str(tmp_path / "b"), "--set", "data.captions=false"]) == 2
     assert "image-text pairs" in capsys.readouterr().err
-    assert main(["train", "configs/tests/tiny.toml", "--out", str(tmp_path / "c"),
-                 "--set", "data.name=openclipart"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "configs/tests/tiny.toml",
+                "--out",
+                str(tmp_path / "c"),
+                "--set",
+                "data.name=openclipart",
+            ]
+        )
+        == 2
+    )
     assert "CLIP model" in capsys.readouterr().err
 
 

@@ -1,6 +1,7 @@
 """The batch contract every data path keeps (data/types.py), labelled and image-text pairs alike:
 in memory (Fashion-MNIST files, synthetic, OpenClipArt), folder, CSV, webdataset shards read by
 seeking and streamed, and a labelled set captioned for CLIP (data/loaders/captions.py)."""
+
 import importlib.util
 from dataclasses import replace
 
@@ -14,8 +15,10 @@ from vitscale.config import DataConfig
 from vitscale.data import build_data, build_image_text
 from vitscale.data.types import EvalLoader, TrainLoader
 
-L = 12                       # context length
-HAS_VOCAB = importlib.util.find_spec("open_clip") is not None   # the BPE vocabulary ships in open-clip-torch
+L = 12  # context length
+HAS_VOCAB = (
+    importlib.util.find_spec("open_clip") is not None
+)  # the BPE vocabulary ships in open-clip-torch
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +26,13 @@ def roots(tmp_path_factory):
     root = tmp_path_factory.mktemp("contract")
     write_fmnist(root / "fmnist", n_train=12, n_test=5)
     make_tree(root / "tree")
-    write_shards(root / "shards" / "train", n_shards=4, per=6)              # 24 samples
-    write_shards(root / "shards" / "test", n_shards=2, per=4, start=100)    # 8 held-out samples
+    write_shards(root / "shards" / "train", n_shards=4, per=6)  # 24 samples
+    write_shards(root / "shards" / "test", n_shards=2, per=4, start=100)  # 8 held-out samples
     (root / "img").mkdir()
     rows = ["filepath,title"]
     for i in range(24):
         (root / "img" / f"{i}.jpg").write_bytes(shard_jpeg(i))
-        rows.append(f"img/{i}.jpg,\"caption number {i}\"")
+        rows.append(f'img/{i}.jpg,"caption number {i}"')
     (root / "pairs.csv").write_text("\n".join(rows) + "\n")
     write_openclipart(root / "openclipart")
     return root
@@ -48,19 +51,32 @@ def write_openclipart(root):
 
 
 def data_config(path: str, root) -> DataConfig:
-    shards = dict(name="webdataset", root=str(root / "shards" / "train"), test_root=str(root / "shards" / "test"))
+    shards = dict(
+        name="webdataset",
+        root=str(root / "shards" / "train"),
+        test_root=str(root / "shards" / "test"),
+    )
     synthetic = dict(name="synthetic", train_size=12, test_size=5, num_classes=3, channels=3)
-    kw = {"memory": dict(name="fashion_mnist", root=str(root / "fmnist"), image_size=0),
-          "synthetic": synthetic,
-          "folder": dict(name="folder", root=str(root / "tree")),
-          "csv": dict(name="csv", root=str(root / "pairs.csv"), test_fraction=0.25),
-          "openclipart": dict(name="openclipart", root=str(root / "openclipart"), test_fraction=0.4),
-          "seek": dict(shards, reader="seek"),
-          "stream": dict(shards, reader="stream"),
-          "captions-memory": dict(synthetic, captions=True),
-          "captions-folder": dict(name="folder", root=str(root / "tree"), captions=True)}[path]
-    base = dict(image_size=16, batch_size=4, eval_batch_size=3, num_workers=0, on_device=False,
-                drop_last=True, hflip=True)
+    kw = {
+        "memory": dict(name="fashion_mnist", root=str(root / "fmnist"), image_size=0),
+        "synthetic": synthetic,
+        "folder": dict(name="folder", root=str(root / "tree")),
+        "csv": dict(name="csv", root=str(root / "pairs.csv"), test_fraction=0.25),
+        "openclipart": dict(name="openclipart", root=str(root / "openclipart"), test_fraction=0.4),
+        "seek": dict(shards, reader="seek"),
+        "stream": dict(shards, reader="stream"),
+        "captions-memory": dict(synthetic, captions=True),
+        "captions-folder": dict(name="folder", root=str(root / "tree"), captions=True),
+    }[path]
+    base = dict(
+        image_size=16,
+        batch_size=4,
+        eval_batch_size=3,
+        num_workers=0,
+        on_device=False,
+        drop_last=True,
+        hflip=True,
+    )
     return replace(DataConfig(), **{**base, **kw})
 
 
@@ -105,7 +121,9 @@ def check_second(batch, bundle, kind, n, num_classes):
 def test_batch_contract(roots, path, kind, tmp_path, monkeypatch):
     if kind == "pairs" and not HAS_VOCAB:
         pytest.skip("the BPE vocabulary ships in open-clip-torch")
-    monkeypatch.setenv("VITSCALE_DATA", str(tmp_path))      # caches (OpenClipArt's decoded set, shard indexes)
+    monkeypatch.setenv(
+        "VITSCALE_DATA", str(tmp_path)
+    )  # caches (OpenClipArt's decoded set, shard indexes)
     cfg = data_config(path, roots)
     if kind == "labels":
         bundle = build_data(cfg, device="cpu", seed=0)
@@ -116,13 +134,15 @@ def test_batch_contract(roots, path, kind, tmp_path, monkeypatch):
         num_classes = 0
     try:
         train = bundle.train
-        assert isinstance(train, TrainLoader) and isinstance(bundle.test, EvalLoader)   # data/types.py
+        assert isinstance(train, TrainLoader) and isinstance(
+            bundle.test, EvalLoader
+        )  # data/types.py
         steps = bundle.train_size // cfg.batch_size
-        assert len(train) == steps > 0                    # whole global batches, the same on every path
+        assert len(train) == steps > 0  # whole global batches, the same on every path
         batches = list(train.iterate(0))
         assert len(batches) == steps
         for batch in batches:
-            check_images(batch[0], bundle, n=train.batch_size)     # always full (substitutes)
+            check_images(batch[0], bundle, n=train.batch_size)  # always full (substitutes)
             check_second(batch, bundle, kind, train.batch_size, num_classes)
         evaluated = 0
         for n, batch in enumerate(bundle.test.iterate(), 1):  # noqa: B007 - n is read after the loop
@@ -133,7 +153,7 @@ def test_batch_contract(roots, path, kind, tmp_path, monkeypatch):
             check_second(batch, bundle, kind, b, num_classes)
             evaluated += b
         assert n == len(bundle.test) and 0 < evaluated <= bundle.test_size
-        for zs in bundle.zeroshot.values():               # the captioned sets' labels
+        for zs in bundle.zeroshot.values():  # the captioned sets' labels
             for x, y in zs.loader.iterate():
                 check_images(x, bundle)
                 assert y.dtype == torch.int64 and ((0 <= y) & (y < len(zs.class_names))).all()

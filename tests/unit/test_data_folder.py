@@ -1,4 +1,5 @@
 """ImageNet-style folder datasets: odd image modes, broken files, worker-count independence."""
+
 import logging
 
 import numpy as np
@@ -15,8 +16,20 @@ from vitscale.errors import DataError
 
 
 def cfg(root, **kw):
-    return DataConfig(**{**dict(name="folder", root=str(root), image_size=16, batch_size=4,
-                                eval_batch_size=2, num_workers=0, hflip=True), **kw})
+    return DataConfig(
+        **{
+            **dict(
+                name="folder",
+                root=str(root),
+                image_size=16,
+                batch_size=4,
+                eval_batch_size=2,
+                num_workers=0,
+                hflip=True,
+            ),
+            **kw,
+        }
+    )
 
 
 def test_to_rgb_modes():
@@ -25,10 +38,15 @@ def test_to_rgb_modes():
     assert np.array(to_rgb(sixteen))[0, :, 0].tolist() == [0, 100, 255]
     i32 = Image.fromarray(np.array([[65535, 257 * 7]], dtype=np.int32), "I")
     assert np.array(to_rgb(i32))[0, :, 1].tolist() == [255, 7]
-    cmyk = Image.new("CMYK", (2, 2), (0, 255, 255, 0))                    # pure red in CMYK
+    cmyk = Image.new("CMYK", (2, 2), (0, 255, 255, 0))  # pure red in CMYK
     assert np.array(to_rgb(cmyk))[0, 0].tolist() == [255, 0, 0]
-    for img in (Image.new("L", (2, 2), 9), Image.new("1", (2, 2), 1), Image.new("LA", (2, 2), (5, 0)),
-                Image.new("P", (2, 2), 3), Image.new("RGBA", (2, 2), (1, 2, 3, 0))):
+    for img in (
+        Image.new("L", (2, 2), 9),
+        Image.new("1", (2, 2), 1),
+        Image.new("LA", (2, 2), (5, 0)),
+        Image.new("P", (2, 2), 3),
+        Image.new("RGBA", (2, 2), (1, 2, 3, 0)),
+    ):
         assert to_rgb(img).mode == "RGB"
 
 
@@ -39,14 +57,16 @@ def test_folder_loads_and_skips_bad_files(tmp_path, caplog):
     assert "empty class folder" in caplog.text and "empty" in caplog.text
     assert b.class_names == ["cat", "dog"] and b.num_classes == 2 and b.channels == 3
     assert (b.train_size, b.test_size, b.image_size) == (14, 3, 16)
-    assert len(b.train) == 3                                             # 14 // 4, drop_last
+    assert len(b.train) == 3  # 14 // 4, drop_last
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="vitscale.data"):
         out = list(b.train.iterate(0))
     n_seen = sum(len(y) for _, y in out)
     used = set(b.train.indices(0).tolist())
-    bad = {i for i, p in enumerate(b.train.dataset.paths) if "truncated" in p or "not_an_image" in p}
-    assert b.train.skipped == len(bad & used) and n_seen == 12        # full batches: substitutes
+    bad = {
+        i for i, p in enumerate(b.train.dataset.paths) if "truncated" in p or "not_an_image" in p
+    }
+    assert b.train.skipped == len(bad & used) and n_seen == 12  # full batches: substitutes
     assert caplog.text.count("skipped unreadable image") == b.train.skipped
     for x, y in out:
         assert x.dtype == torch.float32 and x.shape[1:] == (3, 16, 16) and len(x) == len(y)
@@ -57,7 +77,7 @@ def test_bad_files_counted_over_full_epoch(tmp_path):
     make_tree(tmp_path)
     b = build_data(cfg(tmp_path, drop_last=False), device="cpu", seed=0)
     n = sum(len(y) for _, y in b.train.iterate(0))
-    assert b.train.skipped == 2 and n == 14                            # each replaced, counted once
+    assert b.train.skipped == 2 and n == 14  # each replaced, counted once
     assert sum(len(y) for _, y in b.train.iterate(1)) == 14 and b.train.skipped == 4
 
 
@@ -70,7 +90,9 @@ def test_eval_transform_centre_crop_and_labels(tmp_path):
     assert y.tolist() == [0, 1, 1]
     pix = x * torch.tensor(b.std).view(1, 3, 1, 1) + torch.tensor(b.mean).view(1, 3, 1, 1)
     assert torch.allclose(pix[0].mean((1, 2)) * 255, torch.tensor(RED, dtype=torch.float), atol=1.0)
-    assert torch.allclose(pix[1].mean((1, 2)) * 255, torch.tensor(BLUE, dtype=torch.float), atol=1.0)
+    assert torch.allclose(
+        pix[1].mean((1, 2)) * 255, torch.tensor(BLUE, dtype=torch.float), atol=1.0
+    )
 
 
 def test_workers_do_not_change_batches(tmp_path):
@@ -84,15 +106,17 @@ def test_workers_do_not_change_batches(tmp_path):
         for (xa, ya), (xb, yb) in zip(ba, bb):
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert a.train.skipped == b.train.skipped > 0
-    tail = list(b.train.iterate(1, start_batch=1))                        # resume mid-epoch
+    tail = list(b.train.iterate(1, start_batch=1))  # resume mid-epoch
     assert len(tail) == 2 and all(torch.equal(p[0], q[0]) for p, q in zip(tail, bb[1:]))
     ea, eb = list(a.test.iterate()), list(b.test.iterate())
     assert all(torch.equal(p[0], q[0]) for p, q in zip(ea, eb))
     workers = b.train.worker_processes()
-    assert len(workers) == 2 and all(w.is_alive() for w in workers)       # persistent across epochs
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)  # persistent across epochs
     b.close()
     assert not any(w.is_alive() for w in workers)
-    assert torch.equal(next(b.train.iterate(0))[0], next(a.train.iterate(0))[0])   # restarts after close
+    assert torch.equal(
+        next(b.train.iterate(0))[0], next(a.train.iterate(0))[0]
+    )  # restarts after close
 
 
 def test_train_crops_are_random_but_seeded(tmp_path):
@@ -105,8 +129,10 @@ def test_train_crops_are_random_but_seeded(tmp_path):
 
 def test_folder_sharding(tmp_path):
     make_tree(tmp_path)
-    r = [build_data(cfg(tmp_path, drop_last=False), device="cpu", seed=0, rank=k, world_size=2)
-         for k in (0, 1)]
+    r = [
+        build_data(cfg(tmp_path, drop_last=False), device="cpu", seed=0, rank=k, world_size=2)
+        for k in (0, 1)
+    ]
     idx = torch.cat([r[0].train.indices(0), r[1].train.indices(0)]).tolist()
     assert sorted(idx) == list(range(14))
     assert torch.equal(torch.cat([r[0].test.indices(), r[1].test.indices()]), torch.arange(3))
@@ -142,8 +168,17 @@ def test_alternative_eval_split_name(tmp_path):
 def test_collate_drops_failures_even_a_whole_batch():
     """What the evaluation batches do (training batches are filled before collation)."""
     ok = torch.full((3, 8, 8), 7, dtype=torch.uint8)
-    x, y, i, keep, fails = collate([(None, 0, 4, "a.jpg", "OSError: x"), (ok, 1, 5, "b.png", "")], size=8, pairs=False)
-    assert x.shape == (1, 3, 8, 8) and y.tolist() == [1] and i.tolist() == [5] and keep.tolist() == [1]
+    x, y, i, keep, fails = collate(
+        [(None, 0, 4, "a.jpg", "OSError: x"), (ok, 1, 5, "b.png", "")], size=8, pairs=False
+    )
+    assert (
+        x.shape == (1, 3, 8, 8) and y.tolist() == [1] and i.tolist() == [5] and keep.tolist() == [1]
+    )
     assert fails == [("a.jpg", "OSError: x")]
     x, y, i, keep, fails = collate([(None, 0, 4, "a.jpg", "e")], size=8, pairs=False)
-    assert x.shape == (0, 3, 8, 8) and x.dtype == torch.uint8 and len(y) == len(i) == 0 and len(fails) == 1
+    assert (
+        x.shape == (0, 3, 8, 8)
+        and x.dtype == torch.uint8
+        and len(y) == len(i) == 0
+        and len(fails) == 1
+    )

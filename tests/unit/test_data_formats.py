@@ -1,4 +1,5 @@
 """Fashion-MNIST idx files and CIFAR pickles: parsing, validation, error messages."""
+
 import gzip
 from pathlib import Path
 
@@ -50,39 +51,46 @@ def test_idx_bad_magic(tmp_path):
 def test_idx_length_mismatch(tmp_path):
     write_fmnist(tmp_path)
     f = tmp_path / "train-images-idx3-ubyte.gz"
-    f.write_bytes(gzip.compress(gzip.decompress(f.read_bytes())[:-10]))   # valid gzip, short data
+    f.write_bytes(gzip.compress(gzip.decompress(f.read_bytes())[:-10]))  # valid gzip, short data
     with pytest.raises(DataError, match="train-images.*expected"):
         fashion_mnist.load(tmp_path)
     write_fmnist(tmp_path)
-    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.zeros(11))      # 11 labels, 12 images
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.zeros(11))  # 11 labels, 12 images
     with pytest.raises(DataError, match="11 labels for 12 images"):
         fashion_mnist.load(tmp_path)
 
 
 def test_fmnist_missing_names_the_fix(tmp_path):
     with pytest.raises(DataError, match="vitscale data download fashion-mnist") as e:
-        build_data(DataConfig(name="fashion_mnist", root=str(tmp_path / "nowhere")), device="cpu", seed=0)
+        build_data(
+            DataConfig(name="fashion_mnist", root=str(tmp_path / "nowhere")), device="cpu", seed=0
+        )
     assert str(tmp_path / "nowhere") in str(e.value) and "\n" not in str(e.value)
 
 
 def test_fmnist_resize_at_load(tmp_path):
     write_fmnist(tmp_path)
-    b = build_data(DataConfig(name="fashion_mnist", root=str(tmp_path), image_size=32, batch_size=4),
-                   device="cpu", seed=0)
+    b = build_data(
+        DataConfig(name="fashion_mnist", root=str(tmp_path), image_size=32, batch_size=4),
+        device="cpu",
+        seed=0,
+    )
     x, y = next(b.train.iterate(0))
     assert x.shape == (4, 1, 32, 32) and b.image_size == 32 and b.channels == 1
     assert next(b.test.iterate())[0].shape == (5, 1, 32, 32)
 
 
-@pytest.mark.skipif(not (REAL_FMNIST / "train-images-idx3-ubyte.gz").exists(),
-                    reason="dataset-fashion-mnist not installed")
+@pytest.mark.skipif(
+    not (REAL_FMNIST / "train-images-idx3-ubyte.gz").exists(),
+    reason="dataset-fashion-mnist not installed",
+)
 def test_real_fashion_mnist():
     s = fashion_mnist.load(REAL_FMNIST)
     assert s.train_x.shape == (60000, 1, 28, 28) and s.test_x.shape == (10000, 1, 28, 28)
     assert torch.bincount(s.train_y).tolist() == [6000] * 10
     assert torch.bincount(s.test_y).tolist() == [1000] * 10
     mean = s.train_x.float().mean().item() / 255
-    assert abs(mean - fashion_mnist.MEAN[0]) < 1e-3                # the constant we normalize with
+    assert abs(mean - fashion_mnist.MEAN[0]) < 1e-3  # the constant we normalize with
 
 
 # ---- CIFAR, written in the exact official format (protocol-2 pickles, bytes keys) ----
@@ -93,10 +101,15 @@ def test_cifar_pixel_order_labels_names(tmp_path, name):
     base, files = write_cifar(tmp_path, name)
     first = "data_batch_1" if name == "cifar10" else "train"
     files[first][0][0, :] = 0
-    files[first][0][0, 2 * 1024 + 5 * 32 + 7] = 201                 # blue plane, row 5, column 7
-    _dump(base / first, {b"data": files[first][0], (b"labels" if name == "cifar10" else b"fine_labels"):
-                         files[first][1]})
-    for root in (tmp_path, base):                                    # parent or the folder itself
+    files[first][0][0, 2 * 1024 + 5 * 32 + 7] = 201  # blue plane, row 5, column 7
+    _dump(
+        base / first,
+        {
+            b"data": files[first][0],
+            (b"labels" if name == "cifar10" else b"fine_labels"): files[first][1],
+        },
+    )
+    for root in (tmp_path, base):  # parent or the folder itself
         s = cifar.load(name, root)
         assert s.train_x.shape == (15, 3, 32, 32) and s.test_x.shape == (4, 3, 32, 32)
         assert s.train_x[0, 2, 5, 7] == 201 and s.train_x[0].sum() == 201
@@ -109,8 +122,16 @@ def test_cifar_pixel_order_labels_names(tmp_path, name):
 
 def test_cifar_build_data_normalizes(tmp_path):
     write_cifar(tmp_path, "cifar10")
-    b = build_data(DataConfig(name="cifar10", root=str(tmp_path), batch_size=5), device="cpu", seed=0)
-    assert (b.num_classes, b.channels, b.image_size, b.train_size, b.test_size) == (10, 3, 32, 15, 4)
+    b = build_data(
+        DataConfig(name="cifar10", root=str(tmp_path), batch_size=5), device="cpu", seed=0
+    )
+    assert (b.num_classes, b.channels, b.image_size, b.train_size, b.test_size) == (
+        10,
+        3,
+        32,
+        15,
+        4,
+    )
     x, y = next(b.test.iterate())
     raw = cifar.load("cifar10", tmp_path).test_x.float() / 255
     expect = (raw - torch.tensor(b.mean).view(1, 3, 1, 1)) / torch.tensor(b.std).view(1, 3, 1, 1)
@@ -135,6 +156,7 @@ def test_cifar_pickle_cannot_run_code(tmp_path):
     class Evil:
         def __reduce__(self):
             return (Path.touch, (tmp_path / "pwned",))
+
     _dump(base / "test_batch", {b"data": Evil(), b"labels": []})
     with pytest.raises(DataError, match="test_batch"):
         cifar.load("cifar10", tmp_path)

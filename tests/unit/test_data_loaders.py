@@ -1,4 +1,5 @@
 """In-memory loaders: determinism, exact resume, sharding over ranks, synthetic data, errors."""
+
 import pytest
 import torch
 
@@ -10,8 +11,16 @@ AUG = dict(crop_padding=2, hflip=True, randaugment_ops=2, randaugment_magnitude=
 
 
 def synth(**kw):
-    base = dict(name="synthetic", channels=1, image_size=12, num_classes=4, train_size=50,
-                test_size=23, batch_size=8, eval_batch_size=5)
+    base = dict(
+        name="synthetic",
+        channels=1,
+        image_size=12,
+        num_classes=4,
+        train_size=50,
+        test_size=23,
+        batch_size=8,
+        eval_batch_size=5,
+    )
     return DataConfig(**{**base, **kw})
 
 
@@ -21,9 +30,11 @@ def batches(loader, epoch, start=0):
 
 def test_train_batches_shapes_and_len():
     b = build_data(synth(**AUG), device="cpu", seed=0)
-    assert len(b.train) == 6 and b.train.skipped == 0           # 50 // 8, drop_last
+    assert len(b.train) == 6 and b.train.skipped == 0  # 50 // 8, drop_last
     out = batches(b.train, 0)
-    assert len(out) == 6 and all(x.shape == (8, 1, 12, 12) and x.dtype == torch.float32 for x, _ in out)
+    assert len(out) == 6 and all(
+        x.shape == (8, 1, 12, 12) and x.dtype == torch.float32 for x, _ in out
+    )
     assert all(y.dtype == torch.int64 and y.shape == (8,) for _, y in out)
     b2 = build_data(synth(drop_last=False), device="cpu", seed=0)
     assert len(b2.train) == 7 and len(batches(b2.train, 0)[-1][1]) == 2
@@ -34,7 +45,7 @@ def test_deterministic_by_seed_epoch_and_batch():
     for (xa, ya), (xb, yb) in zip(batches(a.train, 1), batches(b.train, 1)):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert not torch.equal(batches(a.train, 1)[0][0], batches(c.train, 1)[0][0])
-    assert not torch.equal(batches(a.train, 1)[0][0], batches(a.train, 2)[0][0])   # epochs differ
+    assert not torch.equal(batches(a.train, 1)[0][0], batches(a.train, 2)[0][0])  # epochs differ
 
 
 def test_start_batch_equals_tail_of_full_iteration():
@@ -63,15 +74,19 @@ def test_epoch_is_a_permutation():
 def test_sharding_covers_each_sample_once(drop_last, n):
     cfg = synth(drop_last=drop_last, **AUG)
     r0, r1 = (build_data(cfg, device="cpu", seed=1, rank=r, world_size=2) for r in (0, 1))
-    assert len(r0.train) == len(r1.train)                       # same number of steps per rank
+    assert len(r0.train) == len(r1.train)  # same number of steps per rank
     i0, i1 = r0.train.indices(0), r1.train.indices(0)
     both = torch.cat([i0, i1]).tolist()
-    assert len(both) == n and len(set(both)) == n               # no sample twice
+    assert len(both) == n and len(set(both)) == n  # no sample twice
     # rank batches are slices of the single-process global batch, augmentation included
     # (up to float rounding of the warp's matmul, which depends on the batch size)
     single = build_data(cfg, device="cpu", seed=1)
-    for (x, y), (xa, ya), (xb, yb) in zip(batches(single.train, 0), batches(r0.train, 0), batches(r1.train, 0)):
-        assert torch.allclose(torch.cat([xa, xb]), x, atol=1e-5) and torch.equal(torch.cat([ya, yb]), y)
+    for (x, y), (xa, ya), (xb, yb) in zip(
+        batches(single.train, 0), batches(r0.train, 0), batches(r1.train, 0)
+    ):
+        assert torch.allclose(torch.cat([xa, xb]), x, atol=1e-5) and torch.equal(
+            torch.cat([ya, yb]), y
+        )
         assert len(xa) == len(xb) or not drop_last
 
 
@@ -79,7 +94,10 @@ def test_eval_shards_partition_test_set():
     single = build_data(synth(), device="cpu", seed=0)
     assert len(single.test) == 5 and single.test.num_samples == 23
     ys = torch.cat([y for _, y in single.test.iterate()])
-    shards = [build_data(synth(batch_size=9), device="cpu", seed=0, rank=r, world_size=3).test for r in range(3)]
+    shards = [
+        build_data(synth(batch_size=9), device="cpu", seed=0, rank=r, world_size=3).test
+        for r in range(3)
+    ]
     assert [s.num_samples for s in shards] == [8, 8, 7]
     idx = torch.cat([s.indices() for s in shards])
     assert torch.equal(idx, torch.arange(23))
@@ -109,7 +127,9 @@ def test_on_device_false_gives_same_batches():
 
 
 def test_batch_size_errors():
-    with pytest.raises(DataError, match=r"data\.batch_size \(64\) is larger than the training set \(50"):
+    with pytest.raises(
+        DataError, match=r"data\.batch_size \(64\) is larger than the training set \(50"
+    ):
         build_data(synth(batch_size=64), device="cpu", seed=0)
     # a batch that does not split over the ranks: the Trainer's one check, where the world size is
     # known (tests/integration/test_distributed.py::test_ddp_batch_not_divisible_is_a_clear_error)

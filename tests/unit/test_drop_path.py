@@ -2,6 +2,7 @@
 same dropped rows it computes what the mask form computes, forward and gradients; its dropped rows are
 a uniform draw of a fixed count; everything that wraps a block (gradient checkpointing, compile, the
 tasks' builds) sees the same rows."""
+
 import copy
 
 import pytest
@@ -94,7 +95,9 @@ def test_counts_round_and_the_edges_drop_nothing_or_everything():
     x = torch.randn(4, 3, 16)
     branch = lambda t: t * 2 + 1  # noqa: E731
     torch.manual_seed(0)
-    assert torch.equal(residual(x, branch, 0.1, True, "skip"), x + branch(x))  # round(0.4) = 0: no row
+    assert torch.equal(
+        residual(x, branch, 0.1, True, "skip"), x + branch(x)
+    )  # round(0.4) = 0: no row
     assert torch.equal(residual(x, branch, 0.9, True, "skip"), x)  # round(3.6) = 4: every row
     for mode in ("mask", "skip"):  # evaluation and rate 0: the branch, whatever the mode
         assert torch.equal(residual(x, branch, 0.5, False, mode), x + branch(x))
@@ -117,12 +120,14 @@ def test_the_expected_output_is_the_undropped_one():
     branch = lambda t: t.sin()  # noqa: E731
     mean = sum(residual(x, branch, 0.5, True, "skip") for _ in range(6000)) / 6000
     # each draw: x + sin(x) * 2 on the 3 kept rows; the mean's sd per element is |sin(x)| / sqrt(6000)
-    assert ((mean - (x + x.sin())).abs() <= 5 * x.sin().abs() / 6000 ** 0.5 + 1e-12).all()
+    assert ((mean - (x + x.sin())).abs() <= 5 * x.sin().abs() / 6000**0.5 + 1e-12).all()
 
 
 def test_gradient_checkpointing_recomputes_the_same_rows():
     torch.manual_seed(0)
-    model = vit("vit_tiny_patch16", image_size=32, patch_size=8, num_classes=10, drop_path=0.5).train()
+    model = vit(
+        "vit_tiny_patch16", image_size=32, patch_size=8, num_classes=10, drop_path=0.5
+    ).train()
     set_drop_path_mode(model, "skip")
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
     out = []
@@ -153,13 +158,25 @@ def test_compiled_skip_blocks_compute_the_eager_ones():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("arch,sets", [
-    ("vit_tiny_patch16", []),
-    ("clip_tiny", ["data.name=synthetic", "data.captions=true"]),
-])
+@pytest.mark.parametrize(
+    "arch,sets",
+    [
+        ("vit_tiny_patch16", []),
+        ("clip_tiny", ["data.name=synthetic", "data.captions=true"]),
+    ],
+)
 def test_the_tasks_build_every_block_in_the_configured_mode(arch, sets):
-    cfg = load_config(None, [f"model.arch={arch}", "model.drop_path=0.2", "model.drop_path_mode=skip",
-                             "data.image_size=32", "model.patch_size=8", *sets])
+    cfg = load_config(
+        None,
+        [
+            f"model.arch={arch}",
+            "model.drop_path=0.2",
+            "model.drop_path_mode=skip",
+            "data.image_size=32",
+            "model.patch_size=8",
+            *sets,
+        ],
+    )
     task = build_task(cfg)
     spec = task.build_spec(32, 3, 10)
     model = task.build_model(spec)

@@ -3,6 +3,7 @@
 scheduler code; tests/fixtures/fastclip_reference_README.md gives the conventions and the
 tolerances used here) is reproduced by vitscale's FastClipLoss in float32: one step from each
 step's `state_before`, and three steps chained from `initial_state`."""
+
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,9 @@ from vitscale.optim import lr_factor
 # a copy of ../shared/reference/fastclip_reference_cases.json (and its README), so that the parity
 # test runs on any clone; test_fixture_copy_matches_shared keeps the copy current where shared/ is
 REF = Path(__file__).resolve().parents[1] / "fixtures" / "fastclip_reference_cases.json"
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "reference" / "fastclip_reference_cases.json"
+SHARED = (
+    Path(__file__).resolve().parents[3] / "shared" / "reference" / "fastclip_reference_cases.json"
+)
 CASES = json.loads(REF.read_text())["cases"]
 SCHEDULES = {"cosine": "model", "step_thresh": "threshold"}
 
@@ -49,16 +52,34 @@ def build(case) -> FastClipLoss:
     if o["loss_class"] == "FastCLIPLossIndividual":
         schedule, betas, eps = "constant", (o["beta1_tau"], o["beta2_tau"]), o["eps_tau"]
     else:
-        schedule, betas, eps = SCHEDULES.get(o["lr_tau_scheduler"], "constant"), (o["beta1"], o["beta2"]), o["eps"]
-    factor = (lambda s: lr_factor(s, o["total_steps"], o["warmup"], "cosine", 0.0)) if schedule == "model" else None
+        schedule, betas, eps = (
+            SCHEDULES.get(o["lr_tau_scheduler"], "constant"),
+            (o["beta1"], o["beta2"]),
+            o["eps"],
+        )
+    factor = (
+        (lambda s: lr_factor(s, o["total_steps"], o["warmup"], "cosine", 0.0))
+        if schedule == "model"
+        else None
+    )
     if schedule == "model":
         assert o["lr_min"] == 0.0
-    return FastClipLoss(variant, dataset_size=o["data_size"], gamma_schedule=o["gamma_schedule"],
-                        gamma_min=o["gamma"], gamma_decay_epochs=o["gamma_decay_epochs"],
-                        tau_init=o["temperature"] or 0.07,
-                        tau_lr=o["lr_tau"] if "learnable" in o["temperature_scheme"] else 0.0,
-                        tau_lr_schedule=schedule, lr_factor=factor, rho=o["rho"], eps=o["fastclip_eps"],
-                        tau_beta1=betas[0], tau_beta2=betas[1], tau_eps=eps)
+    return FastClipLoss(
+        variant,
+        dataset_size=o["data_size"],
+        gamma_schedule=o["gamma_schedule"],
+        gamma_min=o["gamma"],
+        gamma_decay_epochs=o["gamma_decay_epochs"],
+        tau_init=o["temperature"] or 0.07,
+        tau_lr=o["lr_tau"] if "learnable" in o["temperature_scheme"] else 0.0,
+        tau_lr_schedule=schedule,
+        lr_factor=factor,
+        rho=o["rho"],
+        eps=o["fastclip_eps"],
+        tau_beta1=betas[0],
+        tau_beta2=betas[1],
+        tau_eps=eps,
+    )
 
 
 def load_state(m: FastClipLoss, st: dict) -> None:
@@ -104,8 +125,12 @@ def check_step(m: FastClipLoss, step: dict, what: str) -> None:
         close_abs(h2, out["grad_tau2_batch"], 5e-5, f"{what} h2")
         for side in (1, 2):  # the diagonal's z is 0 up to rounding: scaled by the largest bound
             ref = t64(out[f"bound{side}_batch"])
-            close_abs(getattr(m.temperatures, f"bound{side}")[idx], ref.tolist(), 1e-5 * ref.abs().max().item() + 1e-6,
-                      f"{what} bound{side}")
+            close_abs(
+                getattr(m.temperatures, f"bound{side}")[idx],
+                ref.tolist(),
+                1e-5 * ref.abs().max().item() + 1e-6,
+                f"{what} bound{side}",
+            )
     else:
         assert grad is None
     m.after_step(step.get("global_step"))
@@ -113,7 +138,9 @@ def check_step(m: FastClipLoss, step: dict, what: str) -> None:
     if m.learn_global:
         close_abs(m.temperatures.theta, out["logit_scale_param_after_clamp"], 2e-6, f"{what} theta")
         hit = out["logit_scale_clamp_hit"]
-        assert (m.temperatures.theta.item() in (0.0, math.log(100.0))) == bool(hit), f"{what}: clamp event differs"
+        assert (m.temperatures.theta.item() in (0.0, math.log(100.0))) == bool(hit), (
+            f"{what}: clamp event differs"
+        )
         close(m.temperatures.tau, out["tau_after"], 1e-5, f"{what} tau")
         assert m.temperatures.theta_step.item() == after["adamw_step"]
         for k, ref_k in (("theta_m", "adamw_exp_avg"), ("theta_v", "adamw_exp_avg_sq")):
@@ -125,16 +152,27 @@ def check_step(m: FastClipLoss, step: dict, what: str) -> None:
             tau = getattr(m.temperatures, f"tau{side}")[idx]
             close(tau, out[f"tau{side}_batch_after"], 1e-5, f"{what} tau{side}")
             clamped = set(out[f"tau{side}_clamped_indices"])
-            for j, i in enumerate(step["indices"]):   # the clamp events are the reference's
+            for j, i in enumerate(step["indices"]):  # the clamp events are the reference's
                 at_bound = min(abs(tau[j].item() - 0.01), abs(tau[j].item() - 1.0)) < 1e-7
-                assert at_bound == (i in clamped) or (at_bound and (
-                    abs(step["state_before"][f"tau{side}"][i] - tau[j].item()) < 1e-7)), f"{what} clamp {i}"
+                assert at_bound == (i in clamped) or (
+                    at_bound and (abs(step["state_before"][f"tau{side}"][i] - tau[j].item()) < 1e-7)
+                ), f"{what} clamp {i}"
             for mom in ("m", "v"):
-                got, ref = getattr(m.temperatures, f"{mom}{side}")[idx].double(), t64(out[f"{mom}{side}_batch_after"])
+                got, ref = (
+                    getattr(m.temperatures, f"{mom}{side}")[idx].double(),
+                    t64(out[f"{mom}{side}_batch_after"]),
+                )
                 err = (got - ref).abs().max().item()
-                assert err <= 1e-4 * ref.abs().max().item() + 1e-5 * ref.abs().max().item(), f"{what} {mom}{side}"
+                assert err <= 1e-4 * ref.abs().max().item() + 1e-5 * ref.abs().max().item(), (
+                    f"{what} {mom}{side}"
+                )
     else:
-        close(m.temperatures.tau, after.get("tau", step["state_before"]["tau"]), 1e-7, f"{what} constant tau")
+        close(
+            m.temperatures.tau,
+            after.get("tau", step["state_before"]["tau"]),
+            1e-7,
+            f"{what} constant tau",
+        )
     # every entry of the table, not only the batch's, is the reference's
     close_log_u(m.lu1, after["u1"], f"{what} u1 (all)")
     close_log_u(m.lu2, after["u2"], f"{what} u2 (all)")
@@ -161,12 +199,20 @@ def test_each_step_alone_matches_the_reference(case):
 
 def test_the_gamma_schedules_are_the_reference():
     from vitscale.losses import gamma_at
+
     sched = json.loads(REF.read_text())["gamma_schedules"]
     for name, s in sched.items():
         for e, v in zip(s["epochs"], s["values"]):
-            assert abs(gamma_at(e, s["gamma_schedule"], s["gamma"], s["gamma_decay_epochs"]) - v) <= 1e-12, (name, e)
+            assert (
+                abs(gamma_at(e, s["gamma_schedule"], s["gamma"], s["gamma_decay_epochs"]) - v)
+                <= 1e-12
+            ), (name, e)
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason=f"no shared reference folder at {SHARED} (the fixture copy is used)")
+@pytest.mark.skipif(
+    not SHARED.exists(), reason=f"no shared reference folder at {SHARED} (the fixture copy is used)"
+)
 def test_fixture_copy_matches_shared():
-    assert REF.read_bytes() == SHARED.read_bytes(), "tests/fixtures/fastclip_reference_cases.json is stale: copy it again"
+    assert REF.read_bytes() == SHARED.read_bytes(), (
+        "tests/fixtures/fastclip_reference_cases.json is stale: copy it again"
+    )

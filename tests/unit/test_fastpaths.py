@@ -2,6 +2,7 @@
 them for the machine from plain inputs (device type, compute capability, the CPU's bf16 flag,
 processes), so the GPU branches are driven here on a CPU; what it chose goes into config.toml and
 summary.json, and keys the user named are never touched."""
+
 import json
 from dataclasses import replace
 
@@ -21,12 +22,15 @@ H200 = Machine("cuda", (9, 0), "NVIDIA H200")
 T4 = Machine("cuda", (7, 5), "Tesla T4")
 
 
-@pytest.mark.parametrize("flags,expected", [
-    ("fpu sse2 avx avx2 fma", "fp32"),                 # an AVX2 laptop or EPYC: bf16 emulated
-    ("fpu avx2 avx512f avx512bw avx512_vnni", "fp32"),  # AVX-512 without its BF16 extension
-    ("fpu avx2 avx512f avx512_bf16", "bf16"),           # Zen 4, Cooper Lake
-    ("fpu avx2 avx512f amx_bf16 amx_tile", "bf16"),     # Sapphire Rapids (AMX)
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        ("fpu sse2 avx avx2 fma", "fp32"),  # an AVX2 laptop or EPYC: bf16 emulated
+        ("fpu avx2 avx512f avx512bw avx512_vnni", "fp32"),  # AVX-512 without its BF16 extension
+        ("fpu avx2 avx512f avx512_bf16", "bf16"),  # Zen 4, Cooper Lake
+        ("fpu avx2 avx512f amx_bf16 amx_tile", "bf16"),  # Sapphire Rapids (AMX)
+    ],
+)
 def test_auto_precision_reads_the_cpu_flags(tmp_path, flags, expected):
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
@@ -35,8 +39,17 @@ def test_auto_precision_reads_the_cpu_flags(tmp_path, flags, expected):
     assert devices.auto_precision("cpu", cpu_bf16=None)[0] == "fp32"  # flags unreadable (not Linux)
 
 
-@pytest.mark.parametrize("capability,expected", [((7, 0), "fp32"), ((7, 5), "fp32"), ((8, 0), "bf16"),
-                                                 ((8, 9), "bf16"), ((9, 0), "bf16"), ((10, 0), "bf16")])
+@pytest.mark.parametrize(
+    "capability,expected",
+    [
+        ((7, 0), "fp32"),
+        ((7, 5), "fp32"),
+        ((8, 0), "bf16"),
+        ((8, 9), "bf16"),
+        ((9, 0), "bf16"),
+        ((10, 0), "bf16"),
+    ],
+)
 def test_auto_precision_on_cuda_follows_the_compute_capability(capability, expected):
     precision, why = devices.auto_precision("cuda", capability)
     assert precision == expected and f"{capability[0]}.{capability[1]}" in why
@@ -47,10 +60,17 @@ def test_the_default_recipe_resolves_per_machine():
     assert (cfg.train.precision, cfg.train.capture) == ("auto", "auto")
     got = {m: resolve(cfg, m) for m in (AVX2, AVX512_BF16, H200, T4)}
     assert {m: (f.cfg.train.precision, f.cfg.train.capture) for m, f in got.items()} == {
-        AVX2: ("fp32", "none"), AVX512_BF16: ("bf16", "none"), H200: ("bf16", "step"), T4: ("fp32", "step")}
+        AVX2: ("fp32", "none"),
+        AVX512_BF16: ("bf16", "none"),
+        H200: ("bf16", "step"),
+        T4: ("fp32", "step"),
+    }
     assert set(got[H200].record()) == {"train.precision", "train.capture"}
     line = got[H200].line()
-    assert line.startswith("fast paths on cuda (NVIDIA H200, sm_90): precision bf16 (auto: ") and "capture step" in line
+    assert (
+        line.startswith("fast paths on cuda (NVIDIA H200, sm_90): precision bf16 (auto: ")
+        and "capture step" in line
+    )
     assert "compile off" in line
     assert cfg.train.precision == "auto"  # the recipe itself is left as it was
 
@@ -64,9 +84,16 @@ def test_on_a_bf16_cpu_the_default_job_is_the_recipe_as_it_was():
     assert resolve(load_config(), AVX2).cfg.to_dict() == fp32.to_dict()
 
 
-@pytest.mark.parametrize("sets", [["train.precision=fp32"], ["train.precision=pure_bf16"],
-                                  ["train.capture=none"], ["train.capture=step"],
-                                  ["train.precision=fp32", "train.capture=none"]])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["train.precision=fp32"],
+        ["train.precision=pure_bf16"],
+        ["train.capture=none"],
+        ["train.capture=step"],
+        ["train.precision=fp32", "train.capture=none"],
+    ],
+)
 def test_named_keys_are_never_changed(sets):
     cfg = load_config(None, sets)
     for m in (AVX2, AVX512_BF16, H200, T4):
@@ -78,12 +105,15 @@ def test_named_keys_are_never_changed(sets):
         assert resolve(out.cfg, m).cfg == out.cfg  # idempotent: resolved resolves to itself
 
 
-@pytest.mark.parametrize("sets,world,needle", [
-    (["strategy.name=ddp"], 2, "2 processes"),
-    (["train.precision=fp16"], 1, "loss scaler"),
-    (["optim.name=sgd"], 1, "optim.name=sgd"),
-    (["train.compile=true", "train.compile_mode=reduce-overhead"], 1, "CUDA graphs of its own"),
-])
+@pytest.mark.parametrize(
+    "sets,world,needle",
+    [
+        (["strategy.name=ddp"], 2, "2 processes"),
+        (["train.precision=fp16"], 1, "loss scaler"),
+        (["optim.name=sgd"], 1, "optim.name=sgd"),
+        (["train.compile=true", "train.compile_mode=reduce-overhead"], 1, "CUDA graphs of its own"),
+    ],
+)
 def test_auto_capture_on_a_gpu_runs_uncaptured_with_the_reason(sets, world, needle):
     cfg = load_config(None, sets)
     out = resolve(cfg, replace(H200, world_size=world))
@@ -99,7 +129,9 @@ def test_auto_capture_of_a_clip_model_names_the_task():
 
 def test_auto_precision_that_becomes_fp32_refuses_fp8_in_one_line():
     cfg = load_config(None, ["train.fp8=rowwise"])  # auto: not refused before it is resolved
-    with pytest.raises(ConfigError, match="train.fp8=rowwise runs float8 matmuls inside bf16 training"):
+    with pytest.raises(
+        ConfigError, match="train.fp8=rowwise runs float8 matmuls inside bf16 training"
+    ):
         resolve(cfg, T4)
 
 
@@ -113,9 +145,13 @@ def _train(tmp_path, capsys, name, *sets):
 
 
 @pytest.mark.parametrize("has_bf16,expected", [(False, "fp32"), (True, "bf16")])
-def test_a_run_announces_and_records_what_auto_chose(tmp_path, capsys, monkeypatch, has_bf16, expected):
+def test_a_run_announces_and_records_what_auto_chose(
+    tmp_path, capsys, monkeypatch, has_bf16, expected
+):
     monkeypatch.setattr(fastpaths, "cpu_has_bf16", lambda: has_bf16)
-    out, summary, said = _train(tmp_path, capsys, expected, "train.precision=auto", "train.epochs=1")
+    out, summary, said = _train(
+        tmp_path, capsys, expected, "train.precision=auto", "train.epochs=1"
+    )
     assert summary["precision"] == expected and summary["capture"] == "none"
     assert summary["auto"]["train.precision"]["value"] == expected
     assert f'precision = "{expected}"' in (out / "config.toml").read_text()

@@ -49,8 +49,16 @@ def test_info_of_shipped_recipe():
 @pytest.mark.parametrize("size,patch", [(28, 4), (32, 8), (28, 7)])
 def test_flops_match_torch_flop_counter(head, size, patch):
     # explicit attention: on CPU the counter does not see inside fused SDPA
-    m = vit("vit_pico", image_size=size, patch_size=patch, in_chans=1, num_classes=10, head=head,
-            attention="explicit", depth=2)
+    m = vit(
+        "vit_pico",
+        image_size=size,
+        patch_size=patch,
+        in_chans=1,
+        num_classes=10,
+        head=head,
+        attention="explicit",
+        depth=2,
+    )
     x = torch.randn(3, 1, size, size)
     with FlopCounterMode(display=False) as fc:
         m(x)
@@ -58,7 +66,7 @@ def test_flops_match_torch_flop_counter(head, size, patch):
     with FlopCounterMode(display=False) as fc:
         m(x).sum().backward()
     # training = 3x forward, less the input gradient of the patch embedding (images need none)
-    patch = 2 * (size // patch) ** 2 * patch ** 2 * 1 * m.spec.dim
+    patch = 2 * (size // patch) ** 2 * patch**2 * 1 * m.spec.dim
     assert fc.get_total_flops() == 3 * (3 * vit_forward_flops(m.spec) - patch)
 
 
@@ -78,7 +86,9 @@ def test_pool_head_has_no_class_token_and_token_head_does():
     assert {"pos_embed", "cls_token"} <= m.no_weight_decay()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: CpuFlashAttention recomputed
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16]
+)  # bf16: CpuFlashAttention recomputed
 def test_activation_checkpointing_gives_same_gradients(dtype):
     torch.manual_seed(0)
     m = vit("vit_pico", image_size=28, in_chans=1, num_classes=10, depth=2)
@@ -88,6 +98,7 @@ def test_activation_checkpointing_gives_same_gradients(dtype):
         with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
             y = m(x)
         y.float().square().sum().backward()
+
     backward()
     g1 = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
@@ -115,8 +126,16 @@ def test_unknown_arch_suggests_closest():
 
 @pytest.mark.parametrize("patch", [2, 4, 8])
 def test_conv_stem_flops_and_grid(patch):
-    m = vit("vit_pico", image_size=32, patch_size=patch, in_chans=3, num_classes=10, stem="conv",
-            attention="explicit", depth=1)
+    m = vit(
+        "vit_pico",
+        image_size=32,
+        patch_size=patch,
+        in_chans=3,
+        num_classes=10,
+        stem="conv",
+        attention="explicit",
+        depth=1,
+    )
     x = torch.randn(2, 3, 32, 32)
     assert m.patch_embed(x).shape == (2, (32 // patch) ** 2, m.spec.dim)
     with FlopCounterMode(display=False) as fc:
@@ -128,8 +147,17 @@ def test_conv_stem_flops_and_grid(patch):
 def test_tokens_leave_the_stem_token_major(stem):
     """The residual stream inherits the stem output's memory order; a [B, D, N]-ordered stream made
     every layer norm reduce over strided memory (the default recipe's step was 4-19% slower)."""
-    m = vit("vit_pico", image_size=32, patch_size=8, in_chans=3, num_classes=10, stem=stem, depth=1,
-            head="pool", attention="explicit")
+    m = vit(
+        "vit_pico",
+        image_size=32,
+        patch_size=8,
+        in_chans=3,
+        num_classes=10,
+        stem=stem,
+        depth=1,
+        head="pool",
+        attention="explicit",
+    )
     tokens = m.patch_embed(torch.randn(2, 3, 32, 32))
     assert tokens.is_contiguous()
     assert (tokens + m.pos_embed).stride() == (16 * m.spec.dim, m.spec.dim, 1)
@@ -144,6 +172,7 @@ def test_conv_stem_batchnorm_runs_with_half_weights_and_fp32_statistics():
     # FSDP2 / DeepSpeed bf16 cast parameters but not buffers: the stem must still run, normalize
     # in fp32 and update its fp32 running statistics exactly as the fp32 module would
     from vitscale.models.layers import ConvStem
+
     torch.manual_seed(0)
     ref = ConvStem(16, 4, 1, 32)
     half = ConvStem(16, 4, 1, 32)

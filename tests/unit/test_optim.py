@@ -12,7 +12,9 @@ from vitscale.strategy import SingleDevice
 
 def tiny():
     torch.manual_seed(0)
-    return vit("vit_pico", image_size=8, patch_size=4, in_chans=1, num_classes=4, dim=16, depth=2, heads=2)
+    return vit(
+        "vit_pico", image_size=8, patch_size=4, in_chans=1, num_classes=4, dim=16, depth=2, heads=2
+    )
 
 
 def test_no_weight_decay_on_norms_biases_pos_embed_cls_token():
@@ -40,7 +42,7 @@ def test_lamb_matches_naive_formula():
         g = g.double()
         m = 0.9 * m + 0.1 * g
         v = 0.99 * v + 0.01 * g * g
-        u = (m / (1 - 0.9 ** t)) / ((v / (1 - 0.99 ** t)).sqrt() + 1e-6) + 0.01 * w
+        u = (m / (1 - 0.9**t)) / ((v / (1 - 0.99**t)).sqrt() + 1e-6) + 0.01 * w
         w = w - 0.1 * (w.norm() / u.norm()) * u
     torch.testing.assert_close(p.detach().double(), w, rtol=1e-5, atol=1e-6)
 
@@ -57,17 +59,26 @@ def test_adamw_implementations_agree(impl):
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    for a, b in zip(ref.parameters(), m.parameters()):  # 3 steps of size lr=1e-2: equal to fp32 rounding
+    for a, b in zip(
+        ref.parameters(), m.parameters()
+    ):  # 3 steps of size lr=1e-2: equal to fp32 rounding
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_lr_scaling_rules():
     from vitscale.optim import scaled_lr
+
     cfg = OptimConfig(lr=1e-3, lr_ref_batch=256)
     assert scaled_lr(cfg, 1024) == 1e-3
-    assert scaled_lr(OptimConfig(lr=1e-3, lr_ref_batch=256, lr_scaling="linear"), 1024) == pytest.approx(4e-3)
-    assert scaled_lr(OptimConfig(lr=1e-3, lr_ref_batch=256, lr_scaling="sqrt"), 1024) == pytest.approx(2e-3)
-    assert scaled_lr(OptimConfig(lr=1e-3, lr_ref_batch=256, lr_scaling="linear"), 64) == pytest.approx(2.5e-4)
+    assert scaled_lr(
+        OptimConfig(lr=1e-3, lr_ref_batch=256, lr_scaling="linear"), 1024
+    ) == pytest.approx(4e-3)
+    assert scaled_lr(
+        OptimConfig(lr=1e-3, lr_ref_batch=256, lr_scaling="sqrt"), 1024
+    ) == pytest.approx(2e-3)
+    assert scaled_lr(
+        OptimConfig(lr=1e-3, lr_ref_batch=256, lr_scaling="linear"), 64
+    ) == pytest.approx(2.5e-4)
 
 
 def test_lr_schedule_formulas():
@@ -77,7 +88,9 @@ def test_lr_schedule_formulas():
     assert lr_factor(10, 100, 10, "cosine", 0.0) == pytest.approx(1.0)
     assert lr_factor(55, 100, 10, "cosine", 0.0) == pytest.approx(0.5)
     assert lr_factor(100, 100, 10, "cosine", 0.1) == pytest.approx(0.1)
-    assert lr_factor(32, 100, 10, "cosine", 0.0) == pytest.approx(0.5 * (1 + math.cos(math.pi * 22 / 90)))
+    assert lr_factor(32, 100, 10, "cosine", 0.0) == pytest.approx(
+        0.5 * (1 + math.cos(math.pi * 22 / 90))
+    )
     assert lr_factor(55, 100, 10, "linear", 0.0) == pytest.approx(0.5)
     assert lr_factor(70, 100, 0, "constant", 0.0) == 1.0
 
@@ -85,12 +98,18 @@ def test_lr_schedule_formulas():
 def _run(accum: int, precision="fp32", steps=3, batch=16, dtype=torch.float32):
     torch.manual_seed(0)
     m = tiny().to(dtype)
-    s = SingleDevice(TrainConfig(accum_steps=accum, precision=precision), OptimConfig(lr=1e-2, grad_clip=1.0),
-                     torch.device("cpu"))
+    s = SingleDevice(
+        TrainConfig(accum_steps=accum, precision=precision),
+        OptimConfig(lr=1e-2, grad_clip=1.0),
+        torch.device("cpu"),
+    )
     s.setup(m)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        x, y = torch.randn(batch, 1, 8, 8, generator=g, dtype=dtype), torch.randint(0, 4, (batch,), generator=g)
+        x, y = (
+            torch.randn(batch, 1, 8, 8, generator=g, dtype=dtype),
+            torch.randint(0, 4, (batch,), generator=g),
+        )
         for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
             with s.autocast():
                 loss = torch.nn.functional.cross_entropy(s.model(s.prepare(xm)).float(), ym) / accum
@@ -112,7 +131,9 @@ def test_gradient_accumulation_equals_big_batch(accum):
 def test_pure_bf16_with_master_weights_tracks_fp32():
     ref, pure = _run(1, "fp32"), _run(1, "pure_bf16")
     assert all(p.dtype == torch.bfloat16 for p in pure.parameters())
-    diffs = [(a - b.float()).abs().max().item() for a, b in zip(ref.parameters(), pure.parameters())]
+    diffs = [
+        (a - b.float()).abs().max().item() for a, b in zip(ref.parameters(), pure.parameters())
+    ]
     assert max(diffs) < 0.05  # bf16 weights: ~3 significant digits
 
 

@@ -1,4 +1,5 @@
 """The scaling predictor's formulas against hand-computed numbers; the predict command end to end."""
+
 import json
 import math
 
@@ -43,25 +44,29 @@ def test_strategy_volumes():
     ddp = cm.comm_times("ddp", b, k, free, free, 8, 25e6)
     z12 = cm.comm_times("zero12", b, k, free, free, 8, 25e6)
     z3 = cm.comm_times("zero3", b, k, free, free, 8, 25e6)
-    assert sum(ddp.values()) == pytest.approx(2 * ring)       # all-reduce 2(K-1)/K B
-    assert sum(z12.values()) == pytest.approx(2 * ring)       # reduce-scatter + all-gather: the same
-    assert sum(z3.values()) == pytest.approx(3 * ring)        # 2 all-gathers + reduce-scatter: 3(K-1)/K B
-    assert z12["after"] == pytest.approx(ring)                # the parameter all-gather after the step
+    assert sum(ddp.values()) == pytest.approx(2 * ring)  # all-reduce 2(K-1)/K B
+    assert sum(z12.values()) == pytest.approx(2 * ring)  # reduce-scatter + all-gather: the same
+    assert sum(z3.values()) == pytest.approx(3 * ring)  # 2 all-gathers + reduce-scatter: 3(K-1)/K B
+    assert z12["after"] == pytest.approx(ring)  # the parameter all-gather after the step
 
 
 def test_overlap_clamp():
     free = cm.Link("no latency", 10e9, 0.0)
-    comm = 2 * 1 / 2 * 100e6 / 10e9                           # K = 2: 10 ms
+    comm = 2 * 1 / 2 * 100e6 / 10e9  # K = 2: 10 ms
     slow_bwd = cm.StepCost(batch=32, forward=0.1, backward=0.2)
     s = cm.step_time(slow_bwd, "ddp", 100e6, 2, free, free, overlap=0.7)
-    assert s["comm_s"] == pytest.approx(comm) and s["exposed_s"] == 0.0      # hidden: 10 ms < 0.7 x 200 ms
+    assert (
+        s["comm_s"] == pytest.approx(comm) and s["exposed_s"] == 0.0
+    )  # hidden: 10 ms < 0.7 x 200 ms
     fast_bwd = cm.StepCost(batch=32, forward=0.002, backward=0.004)
     s = cm.step_time(fast_bwd, "ddp", 100e6, 2, free, free, overlap=0.5)
     assert s["exposed_s"] == pytest.approx(comm - 0.5 * 0.004)
     assert s["step_s"] == pytest.approx(0.006 + comm - 0.002)
     # only the last micro-batch's backward hides the all-reduce
     acc = cm.StepCost(batch=32, forward=0.002, backward=0.004, accum=2)
-    assert cm.step_time(acc, "ddp", 100e6, 2, free, free, overlap=0.5)["exposed_s"] == pytest.approx(comm - 0.001)
+    assert cm.step_time(acc, "ddp", 100e6, 2, free, free, overlap=0.5)[
+        "exposed_s"
+    ] == pytest.approx(comm - 0.001)
     # sharded optimizer: ZeRO updates 1/K of the parameters
     opt = cm.StepCost(batch=32, forward=0.1, backward=0.2, optimizer=0.04)
     assert cm.step_time(opt, "zero12", 1e3, 4, free, free)["optimizer_s"] == pytest.approx(0.01)
@@ -83,47 +88,117 @@ def test_efficiency_definitions():
     # a real link: weak efficiency = T(1) / (T(1) + exposed)
     link = cm.Link("l", 1e9, 0.0)
     r2 = cm.scaling_table(cost, "ddp", 1e8, [2], link, link, overlap=0.0)[-1]
-    assert r2["weak_efficiency"] == pytest.approx(0.4 / (0.4 + 0.1))    # 2 * 1/2 * 1e8 / 1e9 = 0.1 s
+    assert r2["weak_efficiency"] == pytest.approx(0.4 / (0.4 + 0.1))  # 2 * 1/2 * 1e8 / 1e9 = 0.1 s
 
 
 def test_parse_links():
     (label, intra, inter), (l2, i2, e2) = cm.parse_links("nvlink+infiniband,3.5:40")
-    assert label == "nvlink+infiniband" and intra is cm.LINKS["nvlink"] and inter is cm.LINKS["infiniband"]
+    assert (
+        label == "nvlink+infiniband"
+        and intra is cm.LINKS["nvlink"]
+        and inter is cm.LINKS["infiniband"]
+    )
     assert i2 == e2 and i2.bw == 3.5e9 and i2.latency == pytest.approx(40e-6)
     with pytest.raises(ValueError):
         cm.parse_links("carrier-pigeon")
 
 
 def test_predict_command_estimate_and_bench(tmp_path, capsys):
-    assert main(["predict", "configs/tests/tiny.toml", "--gpu", "T4", "--mfu", "0.5", "--gpus", "2,4,16",
-                 "--link", "pcie+ethernet", "--out", str(tmp_path / "est")]) == 0
+    assert (
+        main(
+            [
+                "predict",
+                "configs/tests/tiny.toml",
+                "--gpu",
+                "T4",
+                "--mfu",
+                "0.5",
+                "--gpus",
+                "2,4,16",
+                "--link",
+                "pcie+ethernet",
+                "--out",
+                str(tmp_path / "est"),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "estimated" in text and "| 16 |" in text
     res = json.loads((tmp_path / "est" / "predict.json").read_text())
     info = model_info(load_config("configs/tests/tiny.toml"))
     # compute = train FLOPs per image x batch / (peak x MFU), forward one third of it
-    assert res["cost"]["forward"] == pytest.approx(info["train_flops_per_image"] * 16 / (8.1e12 * 0.5) / 3)
+    assert res["cost"]["forward"] == pytest.approx(
+        info["train_flops_per_image"] * 16 / (8.1e12 * 0.5) / 3
+    )
     assert (tmp_path / "est" / "predict_speedup.png").stat().st_size > 1000
-    bench = {"world_size": 1, "batch_size": 16, "step_time_s": {"min": 0.09, "median": 0.1, "max": 0.2},
-             "split": {"data": 0.0, "forward": 0.03, "backward": 0.05, "optimizer": 0.01, "comm_exposed": None}}
+    bench = {
+        "world_size": 1,
+        "batch_size": 16,
+        "step_time_s": {"min": 0.09, "median": 0.1, "max": 0.2},
+        "split": {
+            "data": 0.0,
+            "forward": 0.03,
+            "backward": 0.05,
+            "optimizer": 0.01,
+            "comm_exposed": None,
+        },
+    }
     (tmp_path / "b.json").write_text(json.dumps(bench))
-    assert main(["predict", "configs/tests/tiny.toml", "--bench", str(tmp_path / "b.json"), "--gpus", "2",
-                 "--link", "pcie", "--strategy", "ddp,zero3", "--out", str(tmp_path / "m")]) == 0
+    assert (
+        main(
+            [
+                "predict",
+                "configs/tests/tiny.toml",
+                "--bench",
+                str(tmp_path / "b.json"),
+                "--gpus",
+                "2",
+                "--link",
+                "pcie",
+                "--strategy",
+                "ddp,zero3",
+                "--out",
+                str(tmp_path / "m"),
+            ]
+        )
+        == 0
+    )
     res = json.loads((tmp_path / "m" / "predict.json").read_text())
     # the untimed remainder (0.1 - 0.09) is counted as backward
-    assert res["cost"]["backward"] == pytest.approx(0.06) and res["step_1gpu_s"] == pytest.approx(0.1)
+    assert res["cost"]["backward"] == pytest.approx(0.06) and res["step_1gpu_s"] == pytest.approx(
+        0.1
+    )
     assert [c["strategy"] for c in res["curves"]] == ["ddp", "zero3"]
-    bench["split"].update(forward=0.06, backward=0.1, optimizer=0.04)     # instrumented pass: 0.2 s > 0.1 s step
+    bench["split"].update(
+        forward=0.06, backward=0.1, optimizer=0.04
+    )  # instrumented pass: 0.2 s > 0.1 s step
     (tmp_path / "b.json").write_text(json.dumps(bench))
-    assert main(["predict", "configs/tests/tiny.toml", "--bench", str(tmp_path / "b.json"), "--gpus", "2",
-                 "--out", str(tmp_path / "s")]) == 0
+    assert (
+        main(
+            [
+                "predict",
+                "configs/tests/tiny.toml",
+                "--bench",
+                str(tmp_path / "b.json"),
+                "--gpus",
+                "2",
+                "--out",
+                str(tmp_path / "s"),
+            ]
+        )
+        == 0
+    )
     res = json.loads((tmp_path / "s" / "predict.json").read_text())
-    assert res["step_1gpu_s"] == pytest.approx(0.1) and res["cost"]["forward"] == pytest.approx(0.03)
+    assert res["step_1gpu_s"] == pytest.approx(0.1) and res["cost"]["forward"] == pytest.approx(
+        0.03
+    )
     assert main(["predict", "configs/tests/tiny.toml", "--link", "pigeon"]) == 2
 
 
 def test_link_fit_recovers_the_ring_model():
     from vitscale.lab.linkbench import fit
+
     bw, lat, k = 3e9, 20e-6, 2
     rows = [(b, 2 * (k - 1) * lat + 2 * (k - 1) / k * b / bw) for b in (1e3, 1e6, 1e7, 6e7)]
     got_bw, got_lat = fit(rows, k)
@@ -132,5 +207,6 @@ def test_link_fit_recovers_the_ring_model():
 
 def test_measure_gloo_runs_two_processes():
     from vitscale.lab.linkbench import measure_gloo
+
     m = measure_gloo(2, sizes=(2**12, 2**18), iters=2)
     assert [b for b, _ in m["rows"]] == [2**12, 2**18] and all(t > 0 for _, t in m["rows"])

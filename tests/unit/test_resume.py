@@ -1,6 +1,7 @@
 """What a checkpoint may hold and what a resume does (issue 33): no checkpoint, evaluation or
 export of a non-finite state; a key changed on resume takes effect or is refused in one line;
 one live writer per run folder; a damaged newest checkpoint is passed over with one line."""
+
 import json
 import os
 import shutil
@@ -23,7 +24,11 @@ def sets(*items):
 
 
 def records(run_dir, kind="train"):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+    return [
+        r
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == kind
+    ]
 
 
 def overflow_update(monkeypatch, call: int) -> None:
@@ -39,6 +44,7 @@ def overflow_update(monkeypatch, call: int) -> None:
             with torch.no_grad():
                 next(self.module.parameters()).view(-1)[0] = float("inf")
         return info
+
     monkeypatch.setattr(SingleDevice, "step", step)
 
 
@@ -65,9 +71,14 @@ def test_eval_and_export_refuse_a_checkpoint_with_non_finite_weights(tmp_path, c
     key = next(iter(state["strategy"]["model"]))
     state["strategy"]["model"][key].view(-1)[0] = float("nan")  # as written before saving checked
     torch.save(state, path)
-    for argv in (["eval", str(out)], ["export", str(out), "--out", str(tmp_path / "m.safetensors")]):
+    for argv in (
+        ["eval", str(out)],
+        ["export", str(out), "--out", str(tmp_path / "m.safetensors")],
+    ):
         rc, _, err = run(capsys, *argv)
-        assert rc == 2 and "non-finite weights (1 of" in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert (
+            rc == 2 and "non-finite weights (1 of" in err and len(err.strip().splitlines()) == 1
+        ), (argv, err)
     assert not (tmp_path / "m.safetensors").exists()
 
 
@@ -81,19 +92,34 @@ def test_a_changed_lr_and_weight_decay_take_effect_on_resume(tmp_path, capsys, c
     rc, _, err = run(capsys, "train", "--resume", str(part), *sets(*new))
     assert rc == 0, err
     said = [r.getMessage() for r in caplog.records if "resume:" in r.getMessage()]
-    assert len(said) == 1 and "from step 4 with optim.lr 0.003 -> 0.001, optim.weight_decay 0.05 -> 0.3, " \
-        "train.epochs 1.0 -> 2.0" in said[0], said
+    assert (
+        len(said) == 1
+        and "from step 4 with optim.lr 0.003 -> 0.001, optim.weight_decay 0.05 -> 0.3, "
+        "train.epochs 1.0 -> 2.0"
+        in said[0]
+    ), said
     assert run(capsys, "train", TINY, "--out", str(fresh), *sets(*new))[0] == 0
     lr = {r["step"]: r["lr"] for r in records(fresh)}
     resumed = {r["step"]: r["lr"] for r in records(part) if r["step"] > 4}
-    assert resumed and all(v == pytest.approx(lr[s], rel=1e-12) for s, v in resumed.items()), (resumed, lr)
+    assert resumed and all(v == pytest.approx(lr[s], rel=1e-12) for s, v in resumed.items()), (
+        resumed,
+        lr,
+    )
     groups = ckpt.load_checkpoint(part)["strategy"]["optimizer"]["param_groups"]
     assert groups[0]["weight_decay"] == 0.3 and groups[1]["weight_decay"] == 0.0
     assert "lr = 0.001" in (part / "config.toml").read_text()
 
 
-@pytest.mark.parametrize("key", ["model.dim=64", "data.batch_size=32", "optim.name=sgd", "run.seed=3",
-                                 "train.precision=pure_bf16"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.dim=64",
+        "data.batch_size=32",
+        "optim.name=sgd",
+        "run.seed=3",
+        "train.precision=pure_bf16",
+    ],
+)
 def test_a_key_that_cannot_change_on_resume_is_refused_by_name(tmp_path, capsys, key):
     out = tmp_path / "run"
     assert run(capsys, "train", TINY, "--out", str(out), *sets("train.epochs=1"))[0] == 0
@@ -110,21 +136,89 @@ def test_every_config_key_either_takes_effect_or_is_refused_on_resume():
     effect (listed here, where the resume re-applies it: the optimizer's hyperparameters, the
     schedule, run and evaluation settings, the engine's runtime switches)."""
     takes_effect = {
-        "run": {"device", "threads", "log_every", "eval_every", "checkpoint_every", "keep_last", "max_steps",
-                "progress", "tensorboard"},
-        "data": {"root", "test_root", "csv_image_key", "csv_caption_key", "caption_template", "test_size",
-                 "eval_batch_size", "num_workers", "decoder", "on_device", "pin_memory", "crop_padding", "hflip",
-                 "randaugment_ops", "randaugment_magnitude", "mixup_alpha", "cutmix_alpha", "mix_prob"},
+        "run": {
+            "device",
+            "threads",
+            "log_every",
+            "eval_every",
+            "checkpoint_every",
+            "keep_last",
+            "max_steps",
+            "progress",
+            "tensorboard",
+        },
+        "data": {
+            "root",
+            "test_root",
+            "csv_image_key",
+            "csv_caption_key",
+            "caption_template",
+            "test_size",
+            "eval_batch_size",
+            "num_workers",
+            "decoder",
+            "on_device",
+            "pin_memory",
+            "crop_padding",
+            "hflip",
+            "randaugment_ops",
+            "randaugment_magnitude",
+            "mixup_alpha",
+            "cutmix_alpha",
+            "mix_prob",
+        },
         "model": {"drop_path", "drop_path_mode", "dropout", "attention"},
-        "optim": {"impl", "lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "nesterov", "schedule",
-                  "schedule_clock", "warmup_epochs", "warmup_steps", "min_lr_ratio", "grad_clip", "lr_scaling",
-                  "lr_ref_batch"},
-        "train": {"epochs", "time_limit_s", "precision", "accum_steps", "label_smoothing", "ema_decay", "ema_eval",
-                  "compile", "compile_mode", "activation_checkpointing", "tf32", "cudnn_benchmark",
-                  "channels_last", "eval_hflip_tta", "capture", "sdpa_backend", "fp8"},
-        "strategy": {"name", "backend", "timeout_s", "bucket_mb", "grad_compression", "reduce_dtype",
-                     "reshard_after_forward", "cpu_offload", "checkpoint_format", "wall_clock_breakdown",
-                     "comms_logger", "flops_profiler"},
+        "optim": {
+            "impl",
+            "lr",
+            "weight_decay",
+            "beta1",
+            "beta2",
+            "eps",
+            "momentum",
+            "nesterov",
+            "schedule",
+            "schedule_clock",
+            "warmup_epochs",
+            "warmup_steps",
+            "min_lr_ratio",
+            "grad_clip",
+            "lr_scaling",
+            "lr_ref_batch",
+        },
+        "train": {
+            "epochs",
+            "time_limit_s",
+            "precision",
+            "accum_steps",
+            "label_smoothing",
+            "ema_decay",
+            "ema_eval",
+            "compile",
+            "compile_mode",
+            "activation_checkpointing",
+            "tf32",
+            "cudnn_benchmark",
+            "channels_last",
+            "eval_hflip_tta",
+            "capture",
+            "sdpa_backend",
+            "fp8",
+        },
+        "strategy": {
+            "name",
+            "backend",
+            "timeout_s",
+            "bucket_mb",
+            "grad_compression",
+            "reduce_dtype",
+            "reshard_after_forward",
+            "cpu_offload",
+            "checkpoint_format",
+            "wall_clock_breakdown",
+            "comms_logger",
+            "flops_profiler",
+        },
         "clip": {"prompt_templates"},
     }
     cfg = Config()
@@ -134,7 +228,9 @@ def test_every_config_key_either_takes_effect_or_is_refused_on_resume():
             if f.name in takes_effect.get(sec.name, ()):
                 assert fixed_reason(key) is None, key
             else:
-                assert fixed_reason(key), f"{key}: neither refused on resume nor known to take effect"
+                assert fixed_reason(key), (
+                    f"{key}: neither refused on resume nor known to take effect"
+                )
     assert {k.split(".")[1] for k in CHANGEABLE_ON_RESUME} <= set().union(*takes_effect.values())
 
 
@@ -149,11 +245,18 @@ def test_a_live_writer_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, caps
     finally:
         held = (out / ".lock").read_text()
         other.fd and os.close(other.fd)  # dies without releasing: its record stays
-    assert rc == 2 and "is being written by another live run" in err and f"process {os.getpid()}" in err
+    assert (
+        rc == 2
+        and "is being written by another live run" in err
+        and f"process {os.getpid()}" in err
+    )
     assert len(err.strip().splitlines()) == 1 and len(ckpt.list_checkpoints(out)) == 1
     rc, _, err = run(capsys, "train", "--resume", str(out), *sets("train.epochs=2"))
     assert rc == 0, err
-    assert any("took over the lock of a run that is no longer running" in r.getMessage() for r in caplog.records)
+    assert any(
+        "took over the lock of a run that is no longer running" in r.getMessage()
+        for r in caplog.records
+    )
     assert json.loads(held)["pid"] == os.getpid()
     assert (out / ".lock").read_text() == ""  # released at the end
 
@@ -172,13 +275,19 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tmp_path, capsy
     # a file given by name: refused with the command that resumes the one before
     rc, _, err = run(capsys, "train", "--resume", str(newest))
     # short, whatever folder the test runs in (the message names the two paths in full)
-    assert rc == 2 and len(err.strip().splitlines()) == 1 and len(err.replace(str(part), "RUN")) < 300, err
+    assert (
+        rc == 2 and len(err.strip().splitlines()) == 1 and len(err.replace(str(part), "RUN")) < 300
+    ), err
     assert f"vitscale train --resume {part / 'checkpoints' / 'step_00000004.pt'}" in err
     # the run folder: the newest readable one, with one line naming both
     rc, _, err = run(capsys, "train", "--resume", str(part))
     assert rc == 0, err
     line = [r.getMessage() for r in caplog.records if "cannot read" in r.getMessage()]
-    assert len(line) == 1 and "step_00000006.pt" in line[0] and "resuming from step_00000004.pt" in line[0]
+    assert (
+        len(line) == 1
+        and "step_00000006.pt" in line[0]
+        and "resuming from step_00000004.pt" in line[0]
+    )
     a = ckpt.load_checkpoint(full)["strategy"]["model"]
     b = ckpt.load_checkpoint(part)["strategy"]["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -190,8 +299,19 @@ def test_train_resume_reads_and_checks_the_checkpoint_once(tmp_path, capsys, mon
     import vitscale.loop
     import vitscale.run_state
     import vitscale.tasks
+
     out = tmp_path / "run"
-    run(capsys, "train", TINY, "--out", str(out), "--set", "run.max_steps=4", "--set", "run.checkpoint_every=2")
+    run(
+        capsys,
+        "train",
+        TINY,
+        "--out",
+        str(out),
+        "--set",
+        "run.max_steps=4",
+        "--set",
+        "run.checkpoint_every=2",
+    )
     saved = ckpt.load_checkpoint(out / "checkpoints" / "step_00000004.pt")
     counts = {"load": 0, "resumable": 0, "config": 0}
 
@@ -199,11 +319,20 @@ def test_train_resume_reads_and_checks_the_checkpoint_once(tmp_path, capsys, mon
         def f(*a, **k):
             counts[name] += 1
             return real(*a, **k)
+
         return f
-    monkeypatch.setattr(ckpt, "load_checkpoint", counting("load", ckpt.load_checkpoint))  # newest_readable's
-    monkeypatch.setattr(vitscale.run_state, "check_resumable",
-                        counting("resumable", vitscale.run_state.check_resumable))
-    monkeypatch.setattr(vitscale.loop, "check_resumable", counting("resumable", vitscale.loop.check_resumable))
+
+    monkeypatch.setattr(
+        ckpt, "load_checkpoint", counting("load", ckpt.load_checkpoint)
+    )  # newest_readable's
+    monkeypatch.setattr(
+        vitscale.run_state,
+        "check_resumable",
+        counting("resumable", vitscale.run_state.check_resumable),
+    )
+    monkeypatch.setattr(
+        vitscale.loop, "check_resumable", counting("resumable", vitscale.loop.check_resumable)
+    )
     checks = counting("config", vitscale.tasks.check_config)  # the CLI's import and the Trainer's
     monkeypatch.setattr(vitscale.tasks, "check_config", checks)
     monkeypatch.setattr(vitscale.loop, "check_config", checks)
@@ -213,6 +342,7 @@ def test_train_resume_reads_and_checks_the_checkpoint_once(tmp_path, capsys, mon
     def fit(self):
         seen.update(self.progress.state_dict())  # the record as restored, before training on
         return real_fit(self)
+
     monkeypatch.setattr(vitscale.loop.Trainer, "fit", fit)
     run(capsys, "train", "--resume", str(out), "--set", "run.max_steps=6")
     assert counts == {"load": 1, "resumable": 1, "config": 1}

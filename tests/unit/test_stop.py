@@ -2,6 +2,7 @@
 step boundary with a checkpoint of that step, and a resume continues bit-equal. In one process here
 (signals sent to this process from inside the step, the checkpoint write and the evaluation); the
 launched engines at 2 ranks are tests/integration/test_preemption.py."""
+
 import json
 import os
 import signal
@@ -17,18 +18,30 @@ from vitscale import loop
 from vitscale.cli import main
 from vitscale.stop import SLURM_MARGIN_S, Agreement, StopRequest, exit_status, slurm_deadline
 
-RUN = BASE + ["train.epochs=6", "run.checkpoint_every=5", "run.keep_last=100"]  # 24 steps, 6 epochs of 4
+RUN = BASE + [
+    "train.epochs=6",
+    "run.checkpoint_every=5",
+    "run.keep_last=100",
+]  # 24 steps, 6 epochs of 4
 
 
 def train(out, *extra, resume=False):
-    args = ["train", "--resume", str(out)] if resume else ["train", TINY, "--out", str(out), *sets(RUN + list(extra))]
+    args = (
+        ["train", "--resume", str(out)]
+        if resume
+        else ["train", TINY, "--out", str(out), *sets(RUN + list(extra))]
+    )
     return main(args)
 
 
 def signal_at(monkeypatch, step: int, sig=signal.SIGTERM, where="run_step"):
     """Send `sig` to this process during `step` (run_step: inside the step's call), or during the
     first checkpoint write / evaluation at or after it."""
-    target = {"run_step": loop.Trainer.run_step, "save": loop.Trainer.save, "evaluate": loop.Trainer.evaluate}[where]
+    target = {
+        "run_step": loop.Trainer.run_step,
+        "save": loop.Trainer.save,
+        "evaluate": loop.Trainer.evaluate,
+    }[where]
 
     def hooked(self, *a, **k):
         current = self.step + 1 if where == "run_step" else self.step
@@ -36,6 +49,7 @@ def signal_at(monkeypatch, step: int, sig=signal.SIGTERM, where="run_step"):
             hooked.sent = True
             os.kill(os.getpid(), sig)
         return target(self, *a, **k)
+
     hooked.sent = False
     monkeypatch.setattr(loop.Trainer, where, hooked)
 
@@ -65,10 +79,18 @@ def newest_step(out) -> int:
     return ckpt.load_checkpoint(out)["step"]
 
 
-@pytest.mark.parametrize("sig, step, extra", [(signal.SIGTERM, 7, []), (signal.SIGUSR1, 13, []), (signal.SIGINT, 2, []),
-                                              (signal.SIGTERM, 10, ["train.capture=step"])])
+@pytest.mark.parametrize(
+    "sig, step, extra",
+    [
+        (signal.SIGTERM, 7, []),
+        (signal.SIGUSR1, 13, []),
+        (signal.SIGINT, 2, []),
+        (signal.SIGTERM, 10, ["train.capture=step"]),
+    ],
+)
 def test_a_signal_stops_at_the_step_with_its_checkpoint_and_the_resume_is_bit_equal(
-        tmp_path, capsys, monkeypatch, stop_uninterrupted, sig, step, extra):
+    tmp_path, capsys, monkeypatch, stop_uninterrupted, sig, step, extra
+):
     """train.capture=step: the step as one unit (on a CPU its replay stand-in, bit-equal to the
     uncaptured step: test_capture.py); the stop is read outside it."""
     out = tmp_path / "run"
@@ -80,10 +102,14 @@ def test_a_signal_stops_at_the_step_with_its_checkpoint_and_the_resume_is_bit_eq
     assert newest_step(out) == step  # the step at which it was handled: no step lost, none beyond
     lines = err.strip().splitlines()
     assert f"vitscale: {name} received: stopping after the current step" in err
-    assert lines[-1] == (f"vitscale: stopped by {name} at step {step} of 24 (epoch {step / 4:.2f}); checkpoint "
-                         f"{out / 'checkpoints' / f'step_{step:08d}.pt'}; continue with: vitscale train --resume {out}")
+    assert lines[-1] == (
+        f"vitscale: stopped by {name} at step {step} of 24 (epoch {step / 4:.2f}); checkpoint "
+        f"{out / 'checkpoints' / f'step_{step:08d}.pt'}; continue with: vitscale train --resume {out}"
+    )
     assert not (out / "summary.json").exists()  # not finished: no result to report
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are the process's again
+    assert (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    )  # the handlers are the process's again
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     monkeypatch.undo()
     assert train(out, resume=True) == 0
@@ -94,7 +120,9 @@ def test_a_signal_stops_at_the_step_with_its_checkpoint_and_the_resume_is_bit_eq
     assert resumed["steps"] == whole["steps"] and resumed["test_accuracy"] == whole["test_accuracy"]
 
 
-def test_a_signal_during_a_checkpoint_write_lets_it_complete_then_stops_there(tmp_path, capsys, monkeypatch):
+def test_a_signal_during_a_checkpoint_write_lets_it_complete_then_stops_there(
+    tmp_path, capsys, monkeypatch
+):
     out = tmp_path / "run"
     signal_at(monkeypatch, 5, where="save")  # the write at step 5 (run.checkpoint_every=5)
     assert train(out) == exit_status("SIGTERM")
@@ -103,7 +131,8 @@ def test_a_signal_during_a_checkpoint_write_lets_it_complete_then_stops_there(tm
 
 
 def test_a_second_ctrl_c_during_a_checkpoint_write_keeps_the_previous_checkpoint_the_newest(
-        tmp_path, capsys, monkeypatch):
+    tmp_path, capsys, monkeypatch
+):
     """The first Ctrl-C asks for a stop; a second one (a person's, SECOND_SIGINT_S or more later)
     stops now: inside the write, which leaves no part of its file behind."""
     out = tmp_path / "run"
@@ -117,10 +146,13 @@ def test_a_second_ctrl_c_during_a_checkpoint_write_keeps_the_previous_checkpoint
             time.sleep(StopRequest.SECOND_SIGINT_S + 0.05)
             os.kill(os.getpid(), signal.SIGINT)  # KeyboardInterrupt, half-way through the file
         return real(obj, f, *a, **k)
+
     monkeypatch.setattr(torch, "save", interrupted_save)
     assert train(out) == 130 and writes == [5, 10]
     assert "interrupted; the last complete checkpoint is kept" in capsys.readouterr().err
-    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000005.pt"]  # no part of step 10's
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [
+        "step_00000005.pt"
+    ]  # no part of step 10's
 
 
 def test_a_duplicate_sigint_from_a_launcher_is_not_a_second_ctrl_c(tmp_path, capsys, monkeypatch):
@@ -134,16 +166,21 @@ def test_a_duplicate_sigint_from_a_launcher_is_not_a_second_ctrl_c(tmp_path, cap
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
         return real(self, batch)
+
     monkeypatch.setattr(loop.Trainer, "run_step", twice)
     assert train(out) == 130 and newest_step(out) == 6
 
 
-def test_a_signal_during_the_evaluation_stops_at_the_epoch_end_after_its_checkpoint(tmp_path, capsys, monkeypatch):
+def test_a_signal_during_the_evaluation_stops_at_the_epoch_end_after_its_checkpoint(
+    tmp_path, capsys, monkeypatch
+):
     out = tmp_path / "run"
     signal_at(monkeypatch, 8, where="evaluate")  # the evaluation at the end of epoch 2 (step 8)
     assert train(out) == exit_status("SIGTERM")
     assert newest_step(out) == 8
-    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in x]
+    evals = [
+        json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in x
+    ]
     assert [e["step"] for e in evals] == [4, 8]  # no step beyond, no extra evaluation
 
 
@@ -155,11 +192,15 @@ def test_the_scheduler_end_time_stops_the_run_with_its_checkpoint(tmp_path, caps
     def slow(self, batch):  # 0.25 s a step: the deadline falls inside the run
         time.sleep(0.25)
         return real(self, batch)
+
     monkeypatch.setattr(loop.Trainer, "run_step", slow)
     rc = train(out)
     err = capsys.readouterr().err
     assert rc == exit_status("job end") == 143, err[-2000:]
-    assert "SLURM_JOB_END_TIME is set: the run stops with a checkpoint 120 s before the job's end" in err
+    assert (
+        "SLURM_JOB_END_TIME is set: the run stops with a checkpoint 120 s before the job's end"
+        in err
+    )
     step = newest_step(out)
     assert 0 < step < 24 and f"stopped by job end at step {step} of 24" in err
 
@@ -196,14 +237,16 @@ def test_stop_request_outside_the_main_thread_installs_nothing():
 
 
 def test_exit_status_and_deadline():
-    assert [exit_status(r) for r in ("SIGTERM", "SIGUSR1", "SIGINT", "job end", "time limit", "done")] == \
-        [143, 128 + signal.SIGUSR1, 130, 143, 0, 0]
+    assert [
+        exit_status(r) for r in ("SIGTERM", "SIGUSR1", "SIGINT", "job end", "time limit", "done")
+    ] == [143, 128 + signal.SIGUSR1, 130, 143, 0, 0]
     assert slurm_deadline({"SLURM_JOB_END_TIME": "1000"}) == 1000 - SLURM_MARGIN_S
     assert slurm_deadline({}) is None and slurm_deadline({"SLURM_JOB_END_TIME": "soon"}) is None
 
 
 class FakeRanks:
     """Two ranks' flags summed, as all_reduce_sum over a process group would."""
+
     world_size, device = 2, torch.device("cpu")
 
     def __init__(self, other):
@@ -218,9 +261,14 @@ def test_several_ranks_agree_at_collective_steps_only_on_any_ranks_reason():
     stop = StopRequest(signals=False)
     ranks = FakeRanks([0.0, 0.0, 1.0, 0.0, 0.0])  # the other rank got SIGUSR1
     a = Agreement(ranks, stop, time_limit_s=0.0, deadline=None)
-    assert a.reason(1.0, collective=False) is None and ranks.calls == 0  # no collective between log steps
+    assert (
+        a.reason(1.0, collective=False) is None and ranks.calls == 0
+    )  # no collective between log steps
     assert a.reason(1.0, collective=True) == "SIGUSR1" and ranks.calls == 1
     one = Agreement(type("One", (), {"world_size": 1})(), stop, time_limit_s=5.0, deadline=None)
-    assert one.reason(4.9, collective=False) is None and one.reason(5.0, collective=False) == "time limit"
+    assert (
+        one.reason(4.9, collective=False) is None
+        and one.reason(5.0, collective=False) == "time limit"
+    )
     late = Agreement(FakeRanks([0.0] * 5), stop, 0.0, deadline=10.0, clock=lambda: 10.0)
     assert late.reason(0.0, collective=True) == "job end"

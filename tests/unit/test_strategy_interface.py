@@ -1,5 +1,6 @@
 """The strategy protocol is complete: every member the trainer, tasks, eval and the lab use is
 declared in strategy/base.py and implemented by every strategy class."""
+
 from pathlib import Path
 
 import pytest
@@ -48,15 +49,24 @@ def test_the_trainer_tasks_eval_and_lab_use_only_declared_members(tmp_path, monk
     from vitscale.config import load_config
     from vitscale.lab.bench import measure
     from vitscale.loop import train
+
     seen, written = set(), set()
     for mod in (vitscale.loop, vitscale.evaluate):
         real = mod.build_strategy
-        monkeypatch.setattr(mod, "build_strategy", lambda cfg, real=real: Recorder(real(cfg), seen, written))
+        monkeypatch.setattr(
+            mod, "build_strategy", lambda cfg, real=real: Recorder(real(cfg), seen, written)
+        )
     cfg = load_config(recipe, ["run.max_steps=2", "run.progress=off", "run.tensorboard=false"])
     summary = train(cfg, tmp_path / "run")
     vitscale.evaluate.evaluate_checkpoint(summary["run_dir"])
     measure(cfg, steps=1, warmup=0, trials=1, synthetic=False, split_steps=1)
-    assert {"step", "backward", "autocast", "eval_module", "state_bytes"} <= seen  # the recorder saw the run
+    assert {
+        "step",
+        "backward",
+        "autocast",
+        "eval_module",
+        "state_bytes",
+    } <= seen  # the recorder saw the run
     undeclared = sorted(seen - set(MEMBERS) - INSTANCE)
     assert not undeclared, f"used but not declared in strategy/base.py: {undeclared}"
     assert not written, f"strategy attributes set from outside: {sorted(written)}"
@@ -74,10 +84,23 @@ def test_no_module_outside_strategy_names_an_engine_internal():
 # -- layering: who may know an engine, a task kind or a dataset by name -----------------------------
 import ast  # noqa: E402
 
-ENGINES = {"single", "ddp", "fsdp", "deepspeed"}                     # strategy.name values
-TASK_KINDS = {"vit", "clip", "classification"}                       # Task.kind values (and the word)
-DATASETS = {"fashion_mnist", "cifar10", "cifar100", "folder", "synthetic", "openclipart", "csv", "webdataset"}
-HOMES = ((ENGINES, "strategy/"), (TASK_KINDS, "tasks/"), (DATASETS, "data/"))  # the one package that may branch
+ENGINES = {"single", "ddp", "fsdp", "deepspeed"}  # strategy.name values
+TASK_KINDS = {"vit", "clip", "classification"}  # Task.kind values (and the word)
+DATASETS = {
+    "fashion_mnist",
+    "cifar10",
+    "cifar100",
+    "folder",
+    "synthetic",
+    "openclipart",
+    "csv",
+    "webdataset",
+}
+HOMES = (
+    (ENGINES, "strategy/"),
+    (TASK_KINDS, "tasks/"),
+    (DATASETS, "data/"),
+)  # the one package that may branch
 # (file, literal): the branches allowed outside their home, each with its reason
 ALLOWED = {
     # config.py sits below strategy/ and checks keys together as soon as a config is read:
@@ -85,7 +108,8 @@ ALLOWED = {
     ("config.py", "single"),
     # the lab's analytical communication models are named ddp / zero12 / zero3: cost formulas
     # (comm_model.py, predict.py --strategy), not engines
-    ("lab/comm_model.py", "ddp"), ("lab/predict.py", "ddp"),
+    ("lab/comm_model.py", "ddp"),
+    ("lab/predict.py", "ddp"),
     # a prepared shard set holds labels or captions: the writer's own kind word, not a model task
     ("data/offline/shard_writer.py", "classification"),
 }
@@ -95,7 +119,9 @@ def _literals(node) -> set:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return {node.value}
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        return {
+            e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)
+        }
     return set()
 
 
@@ -132,19 +158,30 @@ def test_no_branch_on_an_engine_task_kind_or_dataset_name_outside_its_package():
 
 
 def test_the_scan_sees_branches_not_docstrings():
-    src = '"""ddp, fsdp and folder are named here."""\nif cfg.strategy.name == "fsdp" or d.name in ("folder", "csv"):\n' \
-          '    x = {"vit": 1, "clip": 2}[kind]\nname = "ddp"\n'
-    assert sorted(v for _, v in _branch_literals(ast.parse(src))) == ["clip", "csv", "folder", "fsdp", "vit"]
+    src = (
+        '"""ddp, fsdp and folder are named here."""\nif cfg.strategy.name == "fsdp" or d.name in ("folder", "csv"):\n'
+        '    x = {"vit": 1, "clip": 2}[kind]\nname = "ddp"\n'
+    )
+    assert sorted(v for _, v in _branch_literals(ast.parse(src))) == [
+        "clip",
+        "csv",
+        "folder",
+        "fsdp",
+        "vit",
+    ]
 
 
 def test_only_strategy_and_the_losses_collectives_use_torch_distributed():
     """Issue 34: the CLI and the lab reach the process group through strategy/ (the CLIP losses keep
     their own collectives, with the group passed in)."""
     import re
+
     allowed = ("strategy", "losses")
     for path in SRC.rglob("*.py"):
         if path.relative_to(SRC).parts[0] in allowed:
             continue
         code = re.sub(r'"""[\s\S]*?"""|#.*', "", path.read_text())
-        assert not re.search(r"import torch\.(distributed|multiprocessing)|from torch\.(distributed|multiprocessing)",
-                             code), f"{path.relative_to(SRC)} imports torch.distributed or torch.multiprocessing"
+        assert not re.search(
+            r"import torch\.(distributed|multiprocessing)|from torch\.(distributed|multiprocessing)",
+            code,
+        ), f"{path.relative_to(SRC)} imports torch.distributed or torch.multiprocessing"

@@ -1,4 +1,5 @@
 """CLIP BPE tokenizer: fixed ids from OpenCLIP, and parity with open_clip when it imports."""
+
 import importlib.util
 
 import pytest
@@ -7,9 +8,10 @@ import torch
 from vitscale.data import tokenizer as tk
 from vitscale.errors import DataError
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("open_clip") is None,
-                                reason="the BPE vocabulary ships in open-clip-torch "
-                                       "(pip install --no-deps open-clip-torch)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("open_clip") is None,
+    reason="the BPE vocabulary ships in open-clip-torch (pip install --no-deps open-clip-torch)",
+)
 
 CAPTIONS = [
     "a photo of a cat.",
@@ -20,7 +22,7 @@ CAPTIONS = [
     "Tom &amp; Jerry &lt;3 &amp;amp; friends",
     "caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00fcber Stra\u00dfe",
     "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 and \u4e2d\u6587",
-    "emoji \U0001F600\U0001F431 party \U0001F389",
+    "emoji \U0001f600\U0001f431 party \U0001f389",
     "numbers 1234567 3.14159 1,000,000 and 42nd",
     "it's they're we've I'm you'll he'd don't",
     "punctuation!!! ??? ... --- (brackets) [square] {curly} <angle>",
@@ -48,14 +50,60 @@ CAPTIONS = [
 # with torchvision stubbed), non-zero part of the 77-token rows
 EXPECTED = {
     "a photo of a cat.": [49406, 320, 1125, 539, 320, 2368, 269, 49407],
-    "clip art of 2 dead frogs: kwaakwaa, squeleton, froggies, green":
-        [49406, 9289, 794, 539, 273, 2747, 20781, 281, 32784, 819, 35874, 267, 9721, 7462, 267,
-         26494, 5505, 267, 1901, 49407],
-    "Tom &amp; Jerry caf\u00e9 \U0001F600 42nd": [49406, 2435, 261, 9164, 15304, 7334, 275, 273, 1764, 49407],
+    "clip art of 2 dead frogs: kwaakwaa, squeleton, froggies, green": [
+        49406,
+        9289,
+        794,
+        539,
+        273,
+        2747,
+        20781,
+        281,
+        32784,
+        819,
+        35874,
+        267,
+        9721,
+        7462,
+        267,
+        26494,
+        5505,
+        267,
+        1901,
+        49407,
+    ],
+    "Tom &amp; Jerry caf\u00e9 \U0001f600 42nd": [
+        49406,
+        2435,
+        261,
+        9164,
+        15304,
+        7334,
+        275,
+        273,
+        1764,
+        49407,
+    ],
 }
 # open_clip 3.3.0 tokenize(CAPTIONS[19], context_length=16): truncated, last token = eot
-EXPECTED_LONG_16 = [49406, 320, 1070, 1538, 11327, 593, 1346, 27904, 2709, 537, 940, 5282, 267,
-                    593, 1346, 49407]
+EXPECTED_LONG_16 = [
+    49406,
+    320,
+    1070,
+    1538,
+    11327,
+    593,
+    1346,
+    27904,
+    2709,
+    537,
+    940,
+    5282,
+    267,
+    593,
+    1346,
+    49407,
+]
 
 
 @pytest.mark.parametrize("text", list(EXPECTED))
@@ -63,7 +111,7 @@ def test_known_ids(text):
     t = tk.tokenize(text)
     assert t.shape == (1, 77) and t.dtype == torch.int64
     ids = EXPECTED[text]
-    assert t[0, :len(ids)].tolist() == ids and not t[0, len(ids):].any()
+    assert t[0, : len(ids)].tolist() == ids and not t[0, len(ids) :].any()
 
 
 def test_truncation_keeps_eot_last():
@@ -84,10 +132,10 @@ def test_vocab_and_specials():
     assert torch.equal(t[0], t[1])
     assert tok.decode(t[2]) == "hello world "
     # every row: one sot first, one eot, zeros after it
-    t = tk.tokenize([c for c in CAPTIONS if "_of_text>" not in c])   # (those become specials,
-    for row in t.tolist():                                           # as in OpenCLIP)
+    t = tk.tokenize([c for c in CAPTIONS if "_of_text>" not in c])  # (those become specials,
+    for row in t.tolist():  # as in OpenCLIP)
         end = row.index(49407)
-        assert row[0] == 49406 and 49407 not in row[:end] and not any(row[end + 1:])
+        assert row[0] == 49406 and 49407 not in row[:end] and not any(row[end + 1 :])
         assert all(0 < i < 49406 for i in row[1:end])
 
 
@@ -103,8 +151,10 @@ def test_parity_with_open_clip():
     try:
         import open_clip
     except Exception as e:  # noqa: BLE001 - CPU torch: torchvision's CUDA ops make it fail
-        pytest.skip(f"open_clip does not import here ({type(e).__name__}); parity is checked "
-                    f"in a venv with torchvision stubbed (shared/tools/tv_cpu_stub)")
+        pytest.skip(
+            f"open_clip does not import here ({type(e).__name__}); parity is checked "
+            f"in a venv with torchvision stubbed (shared/tools/tv_cpu_stub)"
+        )
     for n in (77, 16):
         assert torch.equal(tk.tokenize(CAPTIONS, n), open_clip.tokenize(CAPTIONS, context_length=n))
 

@@ -1,4 +1,5 @@
 """End-to-end: the CLI on a tiny synthetic recipe; resume equivalence; NaN stop; bad input."""
+
 import json
 
 import pytest
@@ -17,13 +18,29 @@ def final_weights(run_dir):
 
 def test_train_eval_export_info_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
-    rc, stdout, err = run(capsys, "train", TINY, "--out", str(out), "--set", "run.tensorboard=true",
-                          "--set", "train.epochs=4")
+    rc, stdout, err = run(
+        capsys,
+        "train",
+        TINY,
+        "--out",
+        str(out),
+        "--set",
+        "run.tensorboard=true",
+        "--set",
+        "train.epochs=4",
+    )
     assert rc == 0, err
     assert "test accuracy" in stdout
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("test_accuracy", "best_test_accuracy", "train_time_s", "images_per_s", "params",
-                "flops_per_image", "mfu"):
+    for key in (
+        "test_accuracy",
+        "best_test_accuracy",
+        "train_time_s",
+        "images_per_s",
+        "params",
+        "flops_per_image",
+        "mfu",
+    ):
         assert key in summary
     assert summary["steps"] == 16 and summary["epochs"] == 4.0
     assert summary["test_accuracy"] > 0.5  # 4 learnable classes: chance is 0.25
@@ -50,14 +67,27 @@ def test_train_eval_export_info_end_to_end(tmp_path, capsys):
     assert rc == 0 and json.loads(stdout)["params"] == summary["params"]
 
 
-@pytest.mark.parametrize("extra", [
-    [],  # plain fp32
-    ["data.mixup_alpha=0.4", "data.crop_padding=1", "data.hflip=true", "model.drop_path=0.2",
-     "train.ema_decay=0.9", "train.accum_steps=2", "optim.grad_clip=1.0"],
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],  # plain fp32
+        [
+            "data.mixup_alpha=0.4",
+            "data.crop_padding=1",
+            "data.hflip=true",
+            "model.drop_path=0.2",
+            "train.ema_decay=0.9",
+            "train.accum_steps=2",
+            "optim.grad_clip=1.0",
+        ],
+    ],
+)
 def test_resumed_run_ends_with_the_same_weights(tmp_path, capsys, extra):
-    sets = [a for e in extra + ["run.checkpoint_every=3", "run.keep_last=100", "train.epochs=3"]
-            for a in ("--set", e)]
+    sets = [
+        a
+        for e in extra + ["run.checkpoint_every=3", "run.keep_last=100", "train.epochs=3"]
+        for a in ("--set", e)
+    ]
     full = tmp_path / "full"
     assert run(capsys, "train", TINY, "--out", str(full), *sets)[0] == 0
     # an interrupted copy: only the checkpoint at step 6 (mid-epoch 2) survives
@@ -100,27 +130,47 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     monkeypatch.undo()
     for step in range(2, 6):
         ckpt.save_checkpoint(tmp_path, step, {"a": torch.zeros(3)}, keep_last=2)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000004.pt", "step_00000005.pt"]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
+        "step_00000004.pt",
+        "step_00000005.pt",
+    ]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "pure_bf16"])
 def test_half_precision_runs_train(tmp_path, capsys, precision):
     out = tmp_path / precision
-    rc, _, err = run(capsys, "train", TINY, "--out", str(out), "--set", f"train.precision={precision}",
-                     "--set", "train.epochs=3", "--set", "model.attention=sdpa")
+    rc, _, err = run(
+        capsys,
+        "train",
+        TINY,
+        "--out",
+        str(out),
+        "--set",
+        f"train.precision={precision}",
+        "--set",
+        "train.epochs=3",
+        "--set",
+        "model.attention=sdpa",
+    )
     assert rc == 0, err
     assert json.loads((out / "summary.json").read_text())["test_accuracy"] > 0.4
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["train", TINY, "--set", "data.batch_size=128"], "larger than the training set"),
-    (["train", TINY, "--set", "optim.lrr=1"], "did you mean 'optim.lr'"),
-    (["train", TINY, "--set", "train.precision=fp16"], "refused on CPU"),
-    (["train", TINY, "--set", "model.arch=vit_nan"], "unknown model 'vit_nan'"),
-    (["train", TINY, "--set", "model.stem=conv", "--set", "model.patch_size=3"], "patch size"),
-    (["train", "--set", "data.root=/nonexistent/fmnist"], "vitscale data download fashion-mnist"),
-    (["eval", "/nonexistent/run"], "checkpoint not found"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["train", TINY, "--set", "data.batch_size=128"], "larger than the training set"),
+        (["train", TINY, "--set", "optim.lrr=1"], "did you mean 'optim.lr'"),
+        (["train", TINY, "--set", "train.precision=fp16"], "refused on CPU"),
+        (["train", TINY, "--set", "model.arch=vit_nan"], "unknown model 'vit_nan'"),
+        (["train", TINY, "--set", "model.stem=conv", "--set", "model.patch_size=3"], "patch size"),
+        (
+            ["train", "--set", "data.root=/nonexistent/fmnist"],
+            "vitscale data download fashion-mnist",
+        ),
+        (["eval", "/nonexistent/run"], "checkpoint not found"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, needle):
     rc, _, err = run(capsys, *argv, *(["--out", str(tmp_path / "o")] if argv[0] == "train" else []))
     assert rc == 2
@@ -147,11 +197,27 @@ def test_refuses_to_train_over_an_existing_run(tmp_path, capsys):
 
 def test_lr_scaling_reaches_the_optimizer(tmp_path, capsys):
     out = tmp_path / "scaled"
-    rc, _, err = run(capsys, "train", TINY, "--out", str(out), "--set", "optim.lr_scaling=linear",
-                     "--set", "optim.lr_ref_batch=4", "--set", "optim.schedule=constant",
-                     "--set", "optim.warmup_steps=0", "--set", "train.epochs=1")
+    rc, _, err = run(
+        capsys,
+        "train",
+        TINY,
+        "--out",
+        str(out),
+        "--set",
+        "optim.lr_scaling=linear",
+        "--set",
+        "optim.lr_ref_batch=4",
+        "--set",
+        "optim.schedule=constant",
+        "--set",
+        "optim.warmup_steps=0",
+        "--set",
+        "train.epochs=1",
+    )
     assert rc == 0, err
     assert json.loads((out / "summary.json").read_text())["lr"] == pytest.approx(3e-3 * 16 / 4)
     state = torch.load(ckpt.list_checkpoints(out)[-1], weights_only=False)
     assert state["strategy"]["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1.2e-2)
-    assert state["config"]["optim"]["lr"] == pytest.approx(3e-3)  # the saved config keeps the user's value
+    assert state["config"]["optim"]["lr"] == pytest.approx(
+        3e-3
+    )  # the saved config keeps the user's value

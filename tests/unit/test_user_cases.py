@@ -1,5 +1,6 @@
 """The cases a review found by trying vitscale as a user (issue 42, item 10): each does what it says
 or is refused in one line."""
+
 import json
 
 import pytest
@@ -14,23 +15,39 @@ def test_a_resume_that_its_saved_cap_stops_short_of_new_epochs_names_the_cap(tmp
     assert run(capsys, "train", TINY, "--out", out, *set_list(["run.max_steps=4"]))[0] == 0
     rc, _, err = run(capsys, "train", "--resume", out, *set_list(["train.epochs=3"]))
     last = err.strip().splitlines()[-1]
-    assert rc == 2 and last.startswith("vitscale: error: resume: run.max_steps = 4 caps this run at step 4")
+    assert rc == 2 and last.startswith(
+        "vitscale: error: resume: run.max_steps = 4 caps this run at step 4"
+    )
     assert "--set run.max_steps=0" in last
     assert ckpt.load_checkpoint(out)["step"] == 4  # nothing written
-    rc, _, err = run(capsys, "train", "--resume", out, *set_list(["train.epochs=3", "run.max_steps=0"]))
+    rc, _, err = run(
+        capsys, "train", "--resume", out, *set_list(["train.epochs=3", "run.max_steps=0"])
+    )
     assert rc == 0, err
     assert json.loads((out / "summary.json").read_text())["steps"] == 12  # 3 epochs of 4
 
 
 def damaged_run(tmp_path, capsys):
     out = tmp_path / "run"
-    assert run(capsys, "train", TINY, "--out", out, *set_list(["run.checkpoint_every=2", "run.keep_last=10"]))[0] == 0
+    assert (
+        run(
+            capsys,
+            "train",
+            TINY,
+            "--out",
+            out,
+            *set_list(["run.checkpoint_every=2", "run.keep_last=10"]),
+        )[0]
+        == 0
+    )
     newest = ckpt.list_checkpoints(out)[-1]
     newest.write_bytes(newest.read_bytes()[:1000])  # a disk that filled up
     return out, newest
 
 
-def test_eval_and_export_of_a_run_pass_over_a_damaged_newest_checkpoint_with_one_line(tmp_path, capsys, caplog):
+def test_eval_and_export_of_a_run_pass_over_a_damaged_newest_checkpoint_with_one_line(
+    tmp_path, capsys, caplog
+):
     out, newest = damaged_run(tmp_path, capsys)
     rc, text, err = run(capsys, "eval", out)
     assert rc == 0 and "step_00000006.pt" in text, err
@@ -52,7 +69,17 @@ def test_metrics_of_steps_a_resume_goes_back_over_are_moved_aside(tmp_path, caps
     """A resume from step 4 of a run that had gone to step 8: the records of steps 5-8 written before
     are not the run's any more. metrics.jsonl keeps one record per step and kind, in order."""
     out = tmp_path / "run"
-    assert run(capsys, "train", TINY, "--out", out, *set_list(["run.checkpoint_every=2", "run.keep_last=10"]))[0] == 0
+    assert (
+        run(
+            capsys,
+            "train",
+            TINY,
+            "--out",
+            out,
+            *set_list(["run.checkpoint_every=2", "run.keep_last=10"]),
+        )[0]
+        == 0
+    )
     before = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert run(capsys, "train", "--resume", out / "checkpoints" / "step_00000004.pt")[0] == 0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -64,12 +91,22 @@ def test_metrics_of_steps_a_resume_goes_back_over_are_moved_aside(tmp_path, caps
 
 
 def test_a_missing_model_init_file_is_one_line_with_no_warning_before_it(tmp_path, capsys):
-    rc, _, err = run(capsys, "train", "--out", tmp_path / "run", *set_list(["model.init=/nonexistent.safetensors"]))
-    assert rc == 2 and err.strip().splitlines() == ["vitscale: error: weights file not found: /nonexistent.safetensors"]
+    rc, _, err = run(
+        capsys,
+        "train",
+        "--out",
+        tmp_path / "run",
+        *set_list(["model.init=/nonexistent.safetensors"]),
+    )
+    assert rc == 2 and err.strip().splitlines() == [
+        "vitscale: error: weights file not found: /nonexistent.safetensors"
+    ]
 
 
 def test_a_run_refused_after_its_start_leaves_no_folder_behind(tmp_path, capsys):
-    rc, _, err = run(capsys, "train", "--out", tmp_path / "new", *set_list(["data.root=/nonexistent"]))
+    rc, _, err = run(
+        capsys, "train", "--out", tmp_path / "new", *set_list(["data.root=/nonexistent"])
+    )
     assert rc == 2 and "Fashion-MNIST not found in /nonexistent" in err
     assert not (tmp_path / "new").exists()
     mine = tmp_path / "mine"  # a folder that was there: what was in it stays, nothing is added
@@ -79,13 +116,21 @@ def test_a_run_refused_after_its_start_leaves_no_folder_behind(tmp_path, capsys)
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
 
 
-@pytest.mark.parametrize("sets_", [
-    ["strategy.name=fsdp", "train.ema_decay=0.999"],
-    ["strategy.name=fsdp", "train.ema_decay=0", "train.precision=pure_bf16"],
-    ["strategy.name=deepspeed", "train.ema_decay=0.999"],
-    ["strategy.name=deepspeed", "train.ema_decay=0", "strategy.zero_stage=2", "optim.name=lamb"],
-    ["train.precision=fp16"],  # this CPU's refusal, whatever the engine
-])
+@pytest.mark.parametrize(
+    "sets_",
+    [
+        ["strategy.name=fsdp", "train.ema_decay=0.999"],
+        ["strategy.name=fsdp", "train.ema_decay=0", "train.precision=pure_bf16"],
+        ["strategy.name=deepspeed", "train.ema_decay=0.999"],
+        [
+            "strategy.name=deepspeed",
+            "train.ema_decay=0",
+            "strategy.zero_stage=2",
+            "optim.name=lamb",
+        ],
+        ["train.precision=fp16"],  # this CPU's refusal, whatever the engine
+    ],
+)
 def test_config_and_info_refuse_what_train_refuses_with_the_same_line(tmp_path, capsys, sets_):
     """Issue 42, item 5: the engines' refusals are asked before anything starts, so `vitscale config`
     and `vitscale info` give the line `vitscale train` gives."""

@@ -1,5 +1,6 @@
 """Errors from data-loading workers reach the user as one line, and the CLIP vocabulary is looked up
 before a run starts (issue 24's small items)."""
+
 import pytest
 import torch
 
@@ -28,6 +29,7 @@ def test_missing_clip_vocabulary_is_one_line_before_the_run_starts(tmp_path, cap
     """A CSV of pairs decoded by 2 workers: the vocabulary used to be read only inside the workers
     (a whole traceback, after the run had started)."""
     from PIL import Image
+
     rows = ["filepath,title"]
     for i in range(16):
         Image.new("RGB", (12, 12), (16 * i, 0, 0)).save(tmp_path / f"{i}.png")
@@ -35,11 +37,27 @@ def test_missing_clip_vocabulary_is_one_line_before_the_run_starts(tmp_path, cap
     (tmp_path / "pairs.csv").write_text("\n".join(rows) + "\n")
     monkeypatch.setenv("VITSCALE_BPE_VOCAB", str(tmp_path / "missing.txt.gz"))
     import vitscale.data.tokenizer as tok
+
     tok.get_tokenizer.cache_clear()  # read the (missing) vocabulary again
     try:
-        rc = main(["train", "configs/tests/clip_tiny.toml", "--out", str(tmp_path / "run"), "--set", "data.name=csv",
-                   "--set", f"data.root={tmp_path / 'pairs.csv'}", "--set", "data.num_workers=2",
-                   "--set", "data.batch_size=8", "--set", "data.image_size=16"])
+        rc = main(
+            [
+                "train",
+                "configs/tests/clip_tiny.toml",
+                "--out",
+                str(tmp_path / "run"),
+                "--set",
+                "data.name=csv",
+                "--set",
+                f"data.root={tmp_path / 'pairs.csv'}",
+                "--set",
+                "data.num_workers=2",
+                "--set",
+                "data.batch_size=8",
+                "--set",
+                "data.image_size=16",
+            ]
+        )
     finally:
         tok.get_tokenizer.cache_clear()
     err = capsys.readouterr().err

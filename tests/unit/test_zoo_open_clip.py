@@ -21,6 +21,7 @@ file): vitscale takes OpenCLIP's defaults, said in one warning line, or refuses;
 files are exact, refused or different under the announced defaults is reported, not asserted (the
 announcement is what the user gets). The counts print with `pytest -s`; 0 silently different and
 every refusal naming a real cause are asserted. ~25 s on 2 CPU cores."""
+
 from __future__ import annotations
 
 import collections
@@ -42,10 +43,14 @@ from vitscale.errors import UserError
 try:
     import open_clip
     import timm
+
     HAVE, WHY = True, ""
 except Exception as e:  # not installed, or torchvision missing
     open_clip = timm = None
-    HAVE, WHY = False, f"open_clip/timm do not import ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+    HAVE, WHY = (
+        False,
+        f"open_clip/timm do not import ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})",
+    )
 pytestmark = pytest.mark.skipif(not HAVE, reason=WHY)
 
 VOCAB, CONTEXT = 256, 16
@@ -98,7 +103,9 @@ def small(name: str) -> dict:
         t["context_length"] = min(t.get("context_length", 77), CONTEXT)
     if "multimodal_cfg" in c:
         c["multimodal_cfg"].update(layers=1, vocab_size=VOCAB)
-        c["multimodal_cfg"]["context_length"] = min(c["multimodal_cfg"].get("context_length", 76), CONTEXT)
+        c["multimodal_cfg"]["context_length"] = min(
+            c["multimodal_cfg"].get("context_length", 76), CONTEXT
+        )
     return c
 
 
@@ -110,6 +117,7 @@ def timm_one_block(create):
             except TypeError:
                 continue
         return create(name, *args, **kwargs)
+
     return create_model
 
 
@@ -117,7 +125,13 @@ def build_meta(c: dict):
     """open_clip's model of configuration `c`, on the meta device (no memory, no initialization)."""
     c = dict(c)
     custom = c.pop("custom_text", False) or bool(c["text_cfg"].get("hf_model_name"))
-    cls = open_clip.CoCa if "multimodal_cfg" in c else open_clip.CustomTextCLIP if custom else open_clip.CLIP
+    cls = (
+        open_clip.CoCa
+        if "multimodal_cfg" in c
+        else open_clip.CustomTextCLIP
+        if custom
+        else open_clip.CLIP
+    )
     with torch.device("meta"):
         return cls(**c)
 
@@ -138,13 +152,29 @@ class Pool:
             if n > self.values.numel():
                 raise AssertionError(f"{k}: {n} values, the pool holds {self.values.numel()}")
             start = int(torch.randint(0, self.values.numel() - n + 1, (1,), generator=self.g))
-            x = self.values[start:start + n].view(t.shape)
-            if t.ndim >= 2:      # fan-in scaling: features of order 1 through the towers
-                fan_in = t.shape[0] if k == "visual.proj" or k.endswith("text_projection") else t[0].numel()
-                x = x * fan_in ** -0.5
-            elif t.ndim == 1:    # norms around 1, biases and embeddings around 0
-                x = 1 + 0.1 * x if k.endswith(("ln_1.weight", "ln_2.weight", "ln_pre.weight", "ln_post.weight",
-                                                "ln_final.weight", "norm.weight")) else 0.1 * x
+            x = self.values[start : start + n].view(t.shape)
+            if t.ndim >= 2:  # fan-in scaling: features of order 1 through the towers
+                fan_in = (
+                    t.shape[0]
+                    if k == "visual.proj" or k.endswith("text_projection")
+                    else t[0].numel()
+                )
+                x = x * fan_in**-0.5
+            elif t.ndim == 1:  # norms around 1, biases and embeddings around 0
+                x = (
+                    1 + 0.1 * x
+                    if k.endswith(
+                        (
+                            "ln_1.weight",
+                            "ln_2.weight",
+                            "ln_pre.weight",
+                            "ln_post.weight",
+                            "ln_final.weight",
+                            "norm.weight",
+                        )
+                    )
+                    else 0.1 * x
+                )
             else:
                 x = torch.tensor(math.log(1 / 0.07))
             out[k] = x.contiguous()
@@ -203,21 +233,28 @@ def scratch(tmp_path):
     """A folder in memory where there is room (the sweep writes 17 GB of weights, at most 0.53 GB
     at a time: each file is deleted before the next)."""
     shm = "/dev/shm"
-    roomy = os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 << 30  # (containers: often 64 MB)
+    roomy = (
+        os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 << 30
+    )  # (containers: often 64 MB)
     base = shm if roomy else str(tmp_path)
     d = Path(tempfile.mkdtemp(dir=base, prefix="zoo_open_clip_"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
 
-QUICK_EVERY = 6  # the fast tier's subset: every 6th configuration by name (the full sweep is the slow tier's)
+QUICK_EVERY = (
+    6  # the fast tier's subset: every 6th configuration by name (the full sweep is the slow tier's)
+)
 
 
 @pytest.mark.parametrize("scope", ["quick", "all"])  # all: the slow tier (tests/tiers.py)
-def test_every_open_clip_configuration_is_exact_or_refused(scratch, one_thread, monkeypatch, caplog, scope):
+def test_every_open_clip_configuration_is_exact_or_refused(
+    scratch, one_thread, monkeypatch, caplog, scope
+):
     import json
 
     from vitscale.interop.open_clip import load_open_clip, open_clip_config, to_open_clip
+
     monkeypatch.setattr(timm, "create_model", timm_one_block(timm.create_model))
     torch.manual_seed(0)
     start, pool = time.perf_counter(), Pool()
@@ -235,7 +272,9 @@ def test_every_open_clip_configuration_is_exact_or_refused(scratch, one_thread, 
         except Exception as e:  # a Hugging Face text tower without `transformers`
             assert c["text_cfg"].get("hf_model_name"), f"{name}: {e}"
             with torch.device("meta"):
-                visual = open_clip.model._build_vision_tower(c["embed_dim"], c["vision_cfg"], c.get("quick_gelu", False))
+                visual = open_clip.model._build_vision_tower(
+                    c["embed_dim"], c["vision_cfg"], c.get("quick_gelu", False)
+                )
             meta, built = None, {f"visual.{k}": v for k, v in visual.state_dict().items()}
         else:
             built = meta.state_dict()
@@ -249,17 +288,24 @@ def test_every_open_clip_configuration_is_exact_or_refused(scratch, one_thread, 
             hit = [what for what, word in causes if word.lower() in msg.lower()]
             if not hit:
                 wrong_cause.append(f"{name}: {msg}")
-            counts[f"refused: {hit[0] if hit else 'WRONG CAUSE'}"
-                   + ("" if meta is not None else " (text tower not built: needs transformers)")] += 1
+            counts[
+                f"refused: {hit[0] if hit else 'WRONG CAUSE'}"
+                + ("" if meta is not None else " (text tower not built: needs transformers)")
+            ] += 1
         else:
             theirs = materialize(meta, sd)
             images, tokens = inputs(c)
             with torch.no_grad():
                 a, b = theirs.encode_image(images), theirs.encode_text(tokens)
-                p, q = ours.encode_image(images, normalize=False), ours.encode_text(tokens, normalize=False)
+                p, q = (
+                    ours.encode_image(images, normalize=False),
+                    ours.encode_text(tokens, normalize=False),
+                )
             if causes or not (close(p, a) and close(q, b)):
-                silent.append(f"{name}: image {(p - a).abs().max():.2e}, text {(q - b).abs().max():.2e}, "
-                              f"causes {causes}")
+                silent.append(
+                    f"{name}: image {(p - a).abs().max():.2e}, text {(q - b).abs().max():.2e}, "
+                    f"causes {causes}"
+                )
                 counts["SILENTLY DIFFERENT"] += 1
             else:
                 # the export round trip: every tensor back, and open_clip's CLIP of the exported config
@@ -268,7 +314,9 @@ def test_every_open_clip_configuration_is_exact_or_refused(scratch, one_thread, 
                 assert all(torch.equal(back[k], sd[k]) for k in sd), name
                 again = materialize(build_meta(cfg), back)
                 with torch.no_grad():
-                    assert torch.equal(again.encode_image(images), a) and torch.equal(again.encode_text(tokens), b), name
+                    assert torch.equal(again.encode_image(images), a) and torch.equal(
+                        again.encode_text(tokens), b
+                    ), name
                 counts["exact"] += 1
             # the same file without its configuration
             (folder / "open_clip_config.json").unlink()
@@ -280,20 +328,27 @@ def test_every_open_clip_configuration_is_exact_or_refused(scratch, one_thread, 
                     one_line_refusal(e)
                     bare["refused"] += 1
                 else:
-                    announced = [r for r in caplog.records if "OpenCLIP's defaults" in r.getMessage()]
+                    announced = [
+                        r for r in caplog.records if "OpenCLIP's defaults" in r.getMessage()
+                    ]
                     assert len(announced) == 1 and "\n" not in announced[0].getMessage(), name
                     with torch.no_grad():
-                        same = close(plain.encode_image(images, normalize=False), a) and \
-                            close(plain.encode_text(tokens, normalize=False), b)
-                    bare["exact (defaults announced)" if same else "different (defaults announced)"] += 1
+                        same = close(plain.encode_image(images, normalize=False), a) and close(
+                            plain.encode_text(tokens, normalize=False), b
+                        )
+                    bare[
+                        "exact (defaults announced)" if same else "different (defaults announced)"
+                    ] += 1
             del theirs, ours
         shutil.rmtree(folder)
     seconds = time.perf_counter() - start
     print(f"\nOpenCLIP {open_clip.__version__}: {len(names)} configurations in {seconds:.1f} s")
     for k, n in sorted(counts.items()):
         print(f"  {n:4d}  {k}")
-    print("  bare weights files (no configuration) of those imported: " +
-          ", ".join(f"{n} {k}" for k, n in sorted(bare.items())))
+    print(
+        "  bare weights files (no configuration) of those imported: "
+        + ", ".join(f"{n} {k}" for k, n in sorted(bare.items()))
+    )
     assert sum(counts.values()) == len(names)
     assert not silent, f"{len(silent)} silently different: {silent[:5]}"
     assert not wrong_cause, f"{len(wrong_cause)} refused without a real cause: {wrong_cause[:5]}"
@@ -304,6 +359,9 @@ def test_the_table_of_configurations_is_open_clips():
     """vitscale's copy of OpenCLIP's model configurations (scripts/open_clip_configs.py) is the
     installed open_clip's; after an open_clip upgrade, run the script again."""
     from vitscale.interop.open_clip_configs import CONFIGS, OPEN_CLIP_VERSION
+
     installed = {n: open_clip.get_model_config(n) for n in open_clip.list_models()}
-    assert CONFIGS == installed, (f"vitscale's table is OpenCLIP {OPEN_CLIP_VERSION}'s, open_clip "
-                                  f"{open_clip.__version__} is installed: run scripts/open_clip_configs.py")
+    assert CONFIGS == installed, (
+        f"vitscale's table is OpenCLIP {OPEN_CLIP_VERSION}'s, open_clip "
+        f"{open_clip.__version__} is installed: run scripts/open_clip_configs.py"
+    )

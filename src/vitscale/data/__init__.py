@@ -7,15 +7,23 @@
 Layout: sources/ (one module per format), loaders/ (how batches reach the device), offline/
 (download, `vitscale data prepare`), transforms.py, jpeg.py, tokenizer.py.
 """
+
 from .build import (
-           IMAGE_TEXT,
-           PAIRS_ONLY,
-           build_data,
-           build_image_text,
-           geometry,
-           synthetic_stand_in,
+    IMAGE_TEXT,
+    PAIRS_ONLY,
+    build_data,
+    build_image_text,
+    geometry,
+    synthetic_stand_in,
 )
 from .types import DataBundle
 
-__all__ = ["IMAGE_TEXT", "PAIRS_ONLY", "DataBundle", "build_data", "build_image_text", "geometry",
-           "synthetic_stand_in"]
+__all__ = [
+    "IMAGE_TEXT",
+    "PAIRS_ONLY",
+    "DataBundle",
+    "build_data",
+    "build_image_text",
+    "geometry",
+    "synthetic_stand_in",
+]

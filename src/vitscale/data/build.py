@@ -13,6 +13,7 @@ Held-out pairs of csv / seek-read shards: data.test_root (another CSV / shard se
 folder's val split, else the samples whose crc32(key) falls below data.test_fraction
 (sources/held_out.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,8 +35,8 @@ from .types import DataBundle
 # (image size, channels, classes) of the built-in labelled sets
 NATIVE_GEOMETRY = {"fashion_mnist": (28, 1, 10), "cifar10": (32, 3, 10), "cifar100": (32, 3, 100)}
 IMAGE_TEXT = ("openclipart", "csv", "webdataset")
-PAIRS_ONLY = ("openclipart", "csv")   # webdataset shards hold pairs (.txt) or labels (.cls)
-MEAN, STD = NORMALIZATIONS["imagenet"]      # folder and shard data ("dataset" normalization)
+PAIRS_ONLY = ("openclipart", "csv")  # webdataset shards hold pairs (.txt) or labels (.cls)
+MEAN, STD = NORMALIZATIONS["imagenet"]  # folder and shard data ("dataset" normalization)
 CLIP_MEAN, CLIP_STD = NORMALIZATIONS["clip"]  # OpenAI CLIP's: image-text files and shards
 
 
@@ -62,12 +63,21 @@ def synthetic_stand_in(d, model_classes: int = 0) -> dict | None:
     if d.name not in (*NATIVE_GEOMETRY, "folder"):
         return None
     if d.name == "folder" and not model_classes:
-        raise UserError("--synthetic with a folder dataset needs model.num_classes (the folder's class "
-                        "count), e.g. --set model.num_classes=1000")
+        raise UserError(
+            "--synthetic with a folder dataset needs model.num_classes (the folder's class "
+            "count), e.g. --set model.num_classes=1000"
+        )
     size, channels, classes = geometry(d, model_classes)
-    return {"data.name": "synthetic", "data.root": "", "data.test_root": "",
-            "data.image_size": size, "data.channels": channels, "data.num_classes": classes,
-            "data.train_size": d.batch_size, "data.test_size": min(d.eval_batch_size, 256)}
+    return {
+        "data.name": "synthetic",
+        "data.root": "",
+        "data.test_root": "",
+        "data.image_size": size,
+        "data.channels": channels,
+        "data.num_classes": classes,
+        "data.train_size": d.batch_size,
+        "data.test_size": min(d.eval_batch_size, 256),
+    }
 
 
 def synthetic_pairs_stand_in(d) -> dict | None:
@@ -78,9 +88,17 @@ def synthetic_pairs_stand_in(d) -> dict | None:
     if d.name == "synthetic":
         return None
     size, channels = (d.image_size or 224, 3) if d.name == "webdataset" else geometry(d)[:2]
-    return {"data.name": "synthetic", "data.captions": True, "data.root": "", "data.test_root": "",
-            "data.image_size": size, "data.channels": channels, "data.num_classes": 10,
-            "data.train_size": d.batch_size, "data.test_size": min(d.eval_batch_size, 256)}
+    return {
+        "data.name": "synthetic",
+        "data.captions": True,
+        "data.root": "",
+        "data.test_root": "",
+        "data.image_size": size,
+        "data.channels": channels,
+        "data.num_classes": 10,
+        "data.train_size": d.batch_size,
+        "data.test_size": min(d.eval_batch_size, 256),
+    }
 
 
 # ---------------------------------------------------------------- labelled sets
@@ -88,25 +106,38 @@ def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) ->
     """Load `cfg.name` and build this rank's train/test loaders (see data/types.py)."""
     device = torch.device(device)
     if cfg.name in PAIRS_ONLY:
-        raise ConfigError(f"config: data.name={cfg.name} holds image-text pairs: train a CLIP model "
-                          f"(model.arch=clip_mini, clip_vit_b32, ...)")
+        raise ConfigError(
+            f"config: data.name={cfg.name} holds image-text pairs: train a CLIP model "
+            f"(model.arch=clip_mini, clip_vit_b32, ...)"
+        )
     kw = dict(device=device, seed=seed, rank=rank, world_size=world_size)
     if cfg.val_fraction and cfg.name not in (*NATIVE_GEOMETRY, "synthetic"):
-        raise DataError(f"data.val_fraction: a validation split is carved from in-memory labelled sets "
-                        f"({', '.join(NATIVE_GEOMETRY)}, synthetic), not from data.name = '{cfg.name}'")
+        raise DataError(
+            f"data.val_fraction: a validation split is carved from in-memory labelled sets "
+            f"({', '.join(NATIVE_GEOMETRY)}, synthetic), not from data.name = '{cfg.name}'"
+        )
     if cfg.name == "folder":
         return _folder(cfg, **kw)
-    if cfg.name == "webdataset":                  # labelled shards (KEY.cls)
-        return _stream_labelled(cfg, **kw) if resolve_reader(cfg) == "stream" else _seek_labelled(cfg, **kw)
+    if cfg.name == "webdataset":  # labelled shards (KEY.cls)
+        return (
+            _stream_labelled(cfg, **kw)
+            if resolve_reader(cfg) == "stream"
+            else _seek_labelled(cfg, **kw)
+        )
     if cfg.name == "fashion_mnist":
         from .sources import fashion_mnist
+
         splits = fashion_mnist.load(cfg.root, test=not cfg.val_fraction)
     elif cfg.name in ("cifar10", "cifar100"):
         from .sources import cifar
+
         splits = cifar.load(cfg.name, cfg.root, test=not cfg.val_fraction)
     elif cfg.name == "synthetic":
         from .sources import synthetic
-        return tensor_bundle(*_held_out_validation(synthetic.make(cfg, seed), cfg), resize=False, **kw)
+
+        return tensor_bundle(
+            *_held_out_validation(synthetic.make(cfg, seed), cfg), resize=False, **kw
+        )
     else:
         raise DataError(f"data.name: unknown dataset '{cfg.name}'")
     return tensor_bundle(*_held_out_validation(splits, cfg), **kw)
@@ -118,11 +149,13 @@ def _held_out_validation(splits, cfg) -> tuple:
     if not cfg.val_fraction:
         return splits, cfg
     from .val_split import carve_validation
+
     return carve_validation(splits, cfg.val_fraction, cfg.val_seed), cfg
 
 
 def _folder(cfg, *, device, seed: int, rank: int, world_size: int) -> DataBundle:
     from .sources.folder import scan
+
     if not cfg.root:
         raise DataError("data.root must be set for data.name = 'folder' (ROOT/train/<class>/...)")
     root = Path(cfg.root).expanduser()
@@ -130,66 +163,137 @@ def _folder(cfg, *, device, seed: int, rank: int, world_size: int) -> DataBundle
         raise DataError(f"folder dataset: {root} is not a directory")
     classes, (train_p, train_y), (eval_p, eval_y) = scan(root)
     size = cfg.image_size or 224
-    plan = EpochPlan(len(train_p), cfg.batch_size, seed=seed, drop_last=cfg.drop_last,
-                     rank=rank, world_size=world_size)
+    plan = EpochPlan(
+        len(train_p),
+        cfg.batch_size,
+        seed=seed,
+        drop_last=cfg.drop_last,
+        rank=rank,
+        world_size=world_size,
+    )
     mean, std = normalization(cfg.normalize, MEAN, STD)  # "dataset": ImageNet's, as before
     augment = BatchAugment(cfg, mean=mean, std=std, num_classes=len(classes), crop_flip=False)
-    train = FolderTrainLoader(FolderDataset(train_p, train_y, size, cfg.hflip, cfg.decoder), plan, augment, cfg,
-                              seed=seed, device=device)
-    test = FolderEvalLoader(FolderDataset(eval_p, eval_y, size, False, cfg.decoder), cfg, augment.norm,
-                            device=device, rank=rank, world_size=world_size)
-    return DataBundle(train=train, test=test, num_classes=len(classes), channels=3, image_size=size,
-                      class_names=classes, train_size=len(train_p), test_size=len(eval_p),
-                      mean=mean, std=std)
+    train = FolderTrainLoader(
+        FolderDataset(train_p, train_y, size, cfg.hflip, cfg.decoder),
+        plan,
+        augment,
+        cfg,
+        seed=seed,
+        device=device,
+    )
+    test = FolderEvalLoader(
+        FolderDataset(eval_p, eval_y, size, False, cfg.decoder),
+        cfg,
+        augment.norm,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+    )
+    return DataBundle(
+        train=train,
+        test=test,
+        num_classes=len(classes),
+        channels=3,
+        image_size=size,
+        class_names=classes,
+        train_size=len(train_p),
+        test_size=len(eval_p),
+        mean=mean,
+        std=std,
+    )
 
 
 def _seek_labelled(cfg, *, device, seed: int, rank: int, world_size: int) -> DataBundle:
     """Labelled local shards read by seeking (exact epochs): a DataBundle like folder data's."""
-    train, test = _record_splits(cfg, lambda root, split="train": shards.read_shards(root, split, "cls"))
+    train, test = _record_splits(
+        cfg, lambda root, split="train": shards.read_shards(root, split, "cls")
+    )
     size = cfg.image_size or 224
-    train_ds, test_ds = ShardImages(train, size, cfg.hflip, cfg.decoder), ShardImages(test, size, False, cfg.decoder)
+    train_ds, test_ds = (
+        ShardImages(train, size, cfg.hflip, cfg.decoder),
+        ShardImages(test, size, False, cfg.decoder),
+    )
     m = shards.read_manifest(cfg.root)
     classes = list(m.get("classes", [])) if m else []
     num_classes = len(classes) or int(max(train_ds.labels.max(), test_ds.labels.max(initial=0))) + 1
-    plan = EpochPlan(len(train), cfg.batch_size, seed=seed, drop_last=cfg.drop_last, rank=rank,
-                     world_size=world_size)
+    plan = EpochPlan(
+        len(train),
+        cfg.batch_size,
+        seed=seed,
+        drop_last=cfg.drop_last,
+        rank=rank,
+        world_size=world_size,
+    )
     mean, std = normalization(cfg.normalize, MEAN, STD)
     augment = BatchAugment(cfg, mean=mean, std=std, num_classes=num_classes, crop_flip=False)
     return DataBundle(
         train=FolderTrainLoader(train_ds, plan, augment, cfg, seed=seed, device=device),
-        test=FolderEvalLoader(test_ds, cfg, augment.norm, device=device, rank=rank, world_size=world_size),
-        num_classes=num_classes, channels=3, image_size=size,
-        class_names=classes or [str(i) for i in range(num_classes)], train_size=len(train), test_size=len(test),
-        mean=mean, std=std)
+        test=FolderEvalLoader(
+            test_ds, cfg, augment.norm, device=device, rank=rank, world_size=world_size
+        ),
+        num_classes=num_classes,
+        channels=3,
+        image_size=size,
+        class_names=classes or [str(i) for i in range(num_classes)],
+        train_size=len(train),
+        test_size=len(test),
+        mean=mean,
+        std=std,
+    )
 
 
 def _stream_labelled(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> DataBundle:
     """Streamed labelled shards (KEY.jpg + KEY.cls): a DataBundle like folder data's."""
     from .sources.shard_sets import shard_sets
+
     train, test = shard_sets(cfg, "cls")
     num_classes = max(train.num_classes, test.num_classes)
     if num_classes < 2:
-        raise DataError(f"webdataset {cfg.root}: labels (.cls) span {num_classes} class(es); need at least 2")
+        raise DataError(
+            f"webdataset {cfg.root}: labels (.cls) span {num_classes} class(es); need at least 2"
+        )
     names = train.classes or [str(i) for i in range(num_classes)]
     mean, std = normalization(cfg.normalize, MEAN, STD)
     augment = BatchAugment(cfg, mean=mean, std=std, num_classes=num_classes, crop_flip=False)
-    tr, te = stream_loaders(cfg, train, test, augment, device=device, seed=seed, rank=rank, world_size=world_size)
-    return DataBundle(train=tr, test=te, num_classes=num_classes, channels=3, image_size=cfg.image_size or 224,
-                      class_names=names, train_size=len(train), test_size=len(test), mean=mean, std=std)
+    tr, te = stream_loaders(
+        cfg, train, test, augment, device=device, seed=seed, rank=rank, world_size=world_size
+    )
+    return DataBundle(
+        train=tr,
+        test=te,
+        num_classes=num_classes,
+        channels=3,
+        image_size=cfg.image_size or 224,
+        class_names=names,
+        train_size=len(train),
+        test_size=len(test),
+        mean=mean,
+        std=std,
+    )
 
 
 # ---------------------------------------------------------------- image-text pairs
-def build_image_text(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1,
-                     context_length: int = 77) -> DataBundle:
+def build_image_text(
+    cfg, *, device, seed: int, rank: int = 0, world_size: int = 1, context_length: int = 77
+) -> DataBundle:
     """Load `cfg.name` as image-text pairs and build this rank's loaders (see data/types.py)."""
     if cfg.name not in IMAGE_TEXT and not cfg.captions:
-        raise DataError(f"data.name={cfg.name} holds no image-text pairs, which a CLIP model needs: use "
-                        f"data.name=openclipart|csv|webdataset, or data.captions=true to caption its labels")
+        raise DataError(
+            f"data.name={cfg.name} holds no image-text pairs, which a CLIP model needs: use "
+            f"data.name=openclipart|csv|webdataset, or data.captions=true to caption its labels"
+        )
     if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
-        raise DataError("data.mixup_alpha / data.cutmix_alpha: mixing images makes no sense for "
-                        "image-text pairs (CLIP); set them to 0")
-    kw = dict(device=torch.device(device), seed=seed, rank=rank, world_size=world_size,
-              context_length=context_length)
+        raise DataError(
+            "data.mixup_alpha / data.cutmix_alpha: mixing images makes no sense for "
+            "image-text pairs (CLIP); set them to 0"
+        )
+    kw = dict(
+        device=torch.device(device),
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        context_length=context_length,
+    )
     if cfg.name == "openclipart":
         return openclipart_bundle(cfg, **kw)
     if cfg.name == "webdataset" and resolve_reader(cfg) == "stream":
@@ -197,28 +301,41 @@ def build_image_text(cfg, *, device, seed: int, rank: int = 0, world_size: int =
     if cfg.name in ("csv", "webdataset"):
         return _file_pairs(cfg, **kw)
     if cfg.captions:
-        cfg = copy.copy(cfg)            # a copy: drop_last for lockstep steps (mixing is refused above)
+        cfg = copy.copy(cfg)  # a copy: drop_last for lockstep steps (mixing is refused above)
         cfg.drop_last = True
         data = build_data(cfg, device=kw["device"], seed=seed, rank=rank, world_size=world_size)
         return as_pairs(cfg, data, **kw)
-    raise DataError(f"data.name = '{cfg.name}' is a classification dataset: set data.captions = "
-                    f"true to train CLIP on it (captions from data.caption_template)")
+    raise DataError(
+        f"data.name = '{cfg.name}' is a classification dataset: set data.captions = "
+        f"true to train CLIP on it (captions from data.caption_template)"
+    )
 
 
-def openclipart_bundle(cfg, *, device, seed: int, rank: int, world_size: int, context_length: int,
-                       limit=None) -> DataBundle:
+def openclipart_bundle(
+    cfg, *, device, seed: int, rank: int, world_size: int, context_length: int, limit=None
+) -> DataBundle:
     """OpenClipArt decoded once, held in memory (`limit`: an uncached subset, for tests)."""
     from .sources import openclipart
-    return memory_bundle(cfg, **openclipart.pairs(cfg, context_length, limit=limit), device=device,
-                         seed=seed, rank=rank, world_size=world_size)
+
+    return memory_bundle(
+        cfg,
+        **openclipart.pairs(cfg, context_length, limit=limit),
+        device=device,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+    )
 
 
-def _file_pairs(cfg, *, device, seed: int, rank: int, world_size: int, context_length: int) -> DataBundle:
+def _file_pairs(
+    cfg, *, device, seed: int, rank: int, world_size: int, context_length: int
+) -> DataBundle:
     """A CSV's pairs or local shards read by seeking, decoded in workers."""
     if cfg.name == "csv":
         if not cfg.root:
             raise DataError("data.root must name the csv/tsv file for data.name = 'csv'")
         from .sources.csv import read_csv
+
         read = lambda p: read_csv(p, cfg.csv_image_key, cfg.csv_caption_key)  # noqa: E731
     else:
         read = shards.read_shards
@@ -226,27 +343,69 @@ def _file_pairs(cfg, *, device, seed: int, rank: int, world_size: int, context_l
     if not len(train):
         raise DataError(f"{cfg.name} dataset {cfg.root}: every sample fell in the held-out split")
     size = cfg.image_size or 224
-    plan = EpochPlan(len(train), cfg.batch_size, seed=seed, drop_last=True, rank=rank,
-                     world_size=world_size)
+    plan = EpochPlan(
+        len(train), cfg.batch_size, seed=seed, drop_last=True, rank=rank, world_size=world_size
+    )
     augment = BatchAugment(cfg, mean=CLIP_MEAN, std=CLIP_STD, num_classes=1, crop_flip=False)
-    train_loader = PairFileTrainLoader(PairDataset(train, size, cfg.hflip, context_length, cfg.decoder), plan,
-                                       augment, cfg, seed=seed, device=device)
-    test_loader = FolderEvalLoader(PairDataset(test, size, False, context_length, cfg.decoder), cfg, augment.norm,
-                                   device=device, rank=rank, world_size=world_size)
-    return DataBundle(train=train_loader, test=test_loader, train_size=len(train), test_size=len(test),
-                      channels=3, image_size=size, mean=CLIP_MEAN, std=CLIP_STD,
-                      captions_test=test.captions.tolist())
+    train_loader = PairFileTrainLoader(
+        PairDataset(train, size, cfg.hflip, context_length, cfg.decoder),
+        plan,
+        augment,
+        cfg,
+        seed=seed,
+        device=device,
+    )
+    test_loader = FolderEvalLoader(
+        PairDataset(test, size, False, context_length, cfg.decoder),
+        cfg,
+        augment.norm,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+    )
+    return DataBundle(
+        train=train_loader,
+        test=test_loader,
+        train_size=len(train),
+        test_size=len(test),
+        channels=3,
+        image_size=size,
+        mean=CLIP_MEAN,
+        std=CLIP_STD,
+        captions_test=test.captions.tolist(),
+    )
 
 
-def _stream_pairs(cfg, *, device, seed: int, rank: int, world_size: int, context_length: int) -> DataBundle:
+def _stream_pairs(
+    cfg, *, device, seed: int, rank: int, world_size: int, context_length: int
+) -> DataBundle:
     """Streamed image-text shards (KEY.jpg + KEY.txt), no zero-shot sets."""
     from .sources.shard_sets import shard_sets
+
     train, test = shard_sets(cfg, "txt")
     augment = BatchAugment(cfg, mean=CLIP_MEAN, std=CLIP_STD, num_classes=1, crop_flip=False)
-    tr, te = stream_loaders(cfg, train, test, augment, device=device, seed=seed, rank=rank, world_size=world_size,
-                            context_length=context_length)
-    return DataBundle(train=tr, test=te, train_size=len(train), test_size=len(test), channels=3,
-                      image_size=cfg.image_size or 224, mean=CLIP_MEAN, std=CLIP_STD, captions_test=[])
+    tr, te = stream_loaders(
+        cfg,
+        train,
+        test,
+        augment,
+        device=device,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        context_length=context_length,
+    )
+    return DataBundle(
+        train=tr,
+        test=te,
+        train_size=len(train),
+        test_size=len(test),
+        channels=3,
+        image_size=cfg.image_size or 224,
+        mean=CLIP_MEAN,
+        std=CLIP_STD,
+        captions_test=[],
+    )
 
 
 # ---------------------------------------------------------------- which reader, which split
@@ -282,8 +441,14 @@ def eval_preprocess(cfg, mean, std, image_size: int) -> dict:
     folders and shards: the shorter side, the central 87.5% (jpeg.py; OpenCLIP's "shortest" crops
     the central 100%), bilinear; tensor datasets: bilinear to the size."""
     mode, interp = ("longest", "bicubic") if cfg.name == "openclipart" else ("shortest", "bilinear")
-    out = {"size": image_size, "mode": "RGB", "mean": list(mean), "std": list(std), "interpolation": interp,
-           "resize_mode": mode}
+    out = {
+        "size": image_size,
+        "mode": "RGB",
+        "mean": list(mean),
+        "std": list(std),
+        "interpolation": interp,
+        "resize_mode": mode,
+    }
     if cfg.name == "openclipart":
         out["fill_color"] = 255
     out["crop_pct"] = 0.875 if cfg.name in ("folder", "webdataset", "csv") else 1.0
@@ -300,12 +465,15 @@ def dataset_normalization(cfg, seed: int, pairs: bool) -> tuple:
         from dataclasses import replace
 
         from .sources import synthetic
+
         s = synthetic.make(replace(cfg, test_size=1), seed)  # (the training split's statistics)
         return normalization(cfg.normalize, s.mean, s.std)
     if cfg.name == "fashion_mnist":
         from .sources import fashion_mnist
+
         return normalization(cfg.normalize, fashion_mnist.MEAN, fashion_mnist.STD)
     if cfg.name in ("cifar10", "cifar100"):
         from .sources.cifar import SPECS
+
         return normalization(cfg.normalize, *SPECS[cfg.name][-2:])
     return normalization(cfg.normalize, MEAN, STD)  # folder and labelled shards: ImageNet's

@@ -1,6 +1,7 @@
 """Where datasets and data caches live at run time: data_home(), each built-in set's default
 folder, and cached_json (the shard indexes and counts of sources/shards.py and
 sources/shard_sets.py). Downloading them is offline/fetch.py's job."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,11 +12,19 @@ from pathlib import Path
 
 from ..errors import DataError
 
-SYSTEM_FMNIST = Path("/usr/share/datasets/fashion-mnist")   # Debian's dataset-fashion-mnist
-FMNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
-                "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+SYSTEM_FMNIST = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
+FMNIST_FILES = (
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+)
 # the folder each built-in set is kept in under data_home()
-FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python", "fashion_mnist": "fashion-mnist"}
+FOLDERS = {
+    "cifar10": "cifar-10-batches-py",
+    "cifar100": "cifar-100-python",
+    "fashion_mnist": "fashion-mnist",
+}
 
 
 def canonical(name: str) -> str:

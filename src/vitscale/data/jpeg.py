@@ -21,6 +21,7 @@ a different flip for ~2-3%). The pixels differ by the DCT scaling and the resize
 absolute difference to the PIL path ~0.03-0.5 grey levels at 224 px, up to ~2 at 32 px (the box is
 rounded to whole pixels of a 1/8-scale decode).
 """
+
 from __future__ import annotations
 
 import io
@@ -52,7 +53,9 @@ FASTDCT = FASTUPSAMPLE = False
 def resolve_decoder(name: str) -> str:
     """data.decoder -> "pil" or "simplejpeg" (auto = simplejpeg when it imports)."""
     if name not in DECODERS:
-        raise DataError(f"data.decoder: unknown decoder '{name}' (choose from {', '.join(DECODERS)})")
+        raise DataError(
+            f"data.decoder: unknown decoder '{name}' (choose from {', '.join(DECODERS)})"
+        )
     if name == "pil":
         return "pil"
     try:
@@ -60,8 +63,10 @@ def resolve_decoder(name: str) -> str:
     except ImportError as e:
         if name == "simplejpeg":
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"data.decoder=simplejpeg but simplejpeg does not import ({why}); "
-                            "pip install simplejpeg, or set data.decoder=pil") from None
+            raise DataError(
+                f"data.decoder=simplejpeg but simplejpeg does not import ({why}); "
+                "pip install simplejpeg, or set data.decoder=pil"
+            ) from None
         return "pil"
     return "simplejpeg"
 
@@ -75,7 +80,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
         a = a / 257.0 if img.mode != "F" else a * (255.0 if a.max() <= 1.0 else 1.0)
         return Image.fromarray(np.clip(np.round(a), 0, 255).astype(np.uint8), "L").convert("RGB")
     if img.mode == "P":
-        img = img.convert("RGBA")         # applies palette transparency without a warning
+        img = img.convert("RGBA")  # applies palette transparency without a warning
     return img.convert("RGB")
 
 
@@ -88,7 +93,7 @@ def rrc_box(w: int, h: int, rng: random.Random):
         if 0 < cw <= w and 0 < ch <= h:
             x0, y0 = rng.randint(0, w - cw), rng.randint(0, h - ch)
             return x0, y0, x0 + cw, y0 + ch
-    ratio = min(max(w / h, RATIO[0]), RATIO[1])               # fallback: central crop
+    ratio = min(max(w / h, RATIO[0]), RATIO[1])  # fallback: central crop
     cw, ch = (w, round(w / ratio)) if w / h < ratio else (round(h * ratio), h)
     return (w - cw) // 2, (h - ch) // 2, (w - cw) // 2 + cw, (h - ch) // 2 + ch
 
@@ -138,7 +143,7 @@ def decode_pil(src, size: int, sample_seed: int, hflip: bool) -> torch.Tensor:
         src = io.BytesIO(src)
     train = sample_seed >= 0
     with Image.open(src) as img:
-        if img.format == "JPEG":          # decode at reduced scale when the image is large
+        if img.format == "JPEG":  # decode at reduced scale when the image is large
             img.draft("RGB", (2 * size, 2 * size) if train else (round(size / CROP_FRACTION),) * 2)
         img = to_rgb(img)
         img.load()
@@ -167,6 +172,7 @@ def jpeg_size(data):
     """(width, height) of a JPEG that the simplejpeg path takes, else None (not a JPEG, CMYK/YCCK,
     a header libjpeg-turbo cannot read)."""
     import simplejpeg
+
     if bytes(data[:3]) != b"\xff\xd8\xff":
         return None
     try:
@@ -179,27 +185,42 @@ def jpeg_size(data):
 def decode_simplejpeg(src, size: int, sample_seed: int, hflip: bool) -> torch.Tensor:
     """libjpeg-turbo at the DCT scale the crop needs; other files go to decode_pil."""
     import simplejpeg
+
     data = read_bytes(src)
     wh = jpeg_size(data)
-    fallback = src if isinstance(src, (str, os.PathLike)) else io.BytesIO(data)  # PIL's errors name a path
+    fallback = (
+        src if isinstance(src, (str, os.PathLike)) else io.BytesIO(data)
+    )  # PIL's errors name a path
     if wh is None:
         return decode_pil(fallback, size, sample_seed, hflip)
     w, h = wh
     limit = Image.MAX_IMAGE_PIXELS and 2 * Image.MAX_IMAGE_PIXELS
-    if limit and w * h > limit:                                       # as Image.open refuses it
-        raise Image.DecompressionBombError(f"Image size ({w * h} pixels) exceeds limit of {limit} pixels, "
-                                           "could be decompression bomb DOS attack.")
+    if limit and w * h > limit:  # as Image.open refuses it
+        raise Image.DecompressionBombError(
+            f"Image size ({w * h} pixels) exceeds limit of {limit} pixels, "
+            "could be decompression bomb DOS attack."
+        )
     train = sample_seed >= 0
     rng = random.Random(sample_seed) if train else None
     box = train_box(w, h, size, rng) if train else eval_box(w, h, size)
     m = dct_eighths(box, size)
     try:
-        a = simplejpeg.decode_jpeg(data, "RGB", fastdct=FASTDCT, fastupsample=FASTUPSAMPLE,
-                                   min_height=-(-h * m // 8), min_width=-(-w * m // 8))
-    except ValueError:    # strict mode: truncated or corrupt data, or a libjpeg warning Pillow tolerates
+        a = simplejpeg.decode_jpeg(
+            data,
+            "RGB",
+            fastdct=FASTDCT,
+            fastupsample=FASTUPSAMPLE,
+            min_height=-(-h * m // 8),
+            min_width=-(-w * m // 8),
+        )
+    except (
+        ValueError
+    ):  # strict mode: truncated or corrupt data, or a libjpeg warning Pillow tolerates
         return decode_pil(fallback, size, sample_seed, hflip)
     if a.shape[:2] != (-(-h * m // 8), -(-w * m // 8)):
-        raise RuntimeError(f"simplejpeg decoded {a.shape[1]}x{a.shape[0]}, expected scale {m}/8 of {w}x{h}")
+        raise RuntimeError(
+            f"simplejpeg decoded {a.shape[1]}x{a.shape[0]}, expected scale {m}/8 of {w}x{h}"
+        )
     x = crop_resize(a, [c * m / 8 for c in box], size)
     if train and hflip and rng.random() < 0.5:
         x = x.flip(-1)
@@ -214,7 +235,10 @@ def crop_resize(a: np.ndarray, box, size: int) -> torch.Tensor:
     h, w = a.shape[:2]
     x0, y0 = min(round(box[0]), w - 1), min(round(box[1]), h - 1)
     x1, y1 = max(min(round(box[2]), w), x0 + 1), max(min(round(box[3]), h), y0 + 1)
-    t = torch.from_numpy(a)[y0:y1, x0:x1].permute(2, 0, 1).unsqueeze(0)   # a channels-last view
-    t = t.contiguous(memory_format=torch.channels_last)       # the crop copied: the kernel's fast path (-15%)
-    return torch.nn.functional.interpolate(t, size=(size, size), mode="bilinear", antialias=True,
-                                           align_corners=False)[0].contiguous()
+    t = torch.from_numpy(a)[y0:y1, x0:x1].permute(2, 0, 1).unsqueeze(0)  # a channels-last view
+    t = t.contiguous(
+        memory_format=torch.channels_last
+    )  # the crop copied: the kernel's fast path (-15%)
+    return torch.nn.functional.interpolate(
+        t, size=(size, size), mode="bilinear", antialias=True, align_corners=False
+    )[0].contiguous()

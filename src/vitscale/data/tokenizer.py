@@ -10,6 +10,7 @@ Too long captions are cut to `context_length` with the last token set to <end_of
 (OpenCLIP's behaviour). The vocabulary file is the one shipped in the PyPI package
 open-clip-torch (found without importing it) or the file named by $VITSCALE_BPE_VOCAB.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,15 +47,20 @@ def vocab_path() -> Path:
         p = Path(folder) / VOCAB_FILE
         if p.is_file():
             return p
-    raise DataError(f"CLIP tokenizer: {VOCAB_FILE} not found; install it with "
-                    f"'pip install --no-deps open-clip-torch' or set VITSCALE_BPE_VOCAB to the file")
+    raise DataError(
+        f"CLIP tokenizer: {VOCAB_FILE} not found; install it with "
+        f"'pip install --no-deps open-clip-torch' or set VITSCALE_BPE_VOCAB to the file"
+    )
 
 
 @functools.cache
 def bytes_to_unicode() -> dict:
     """Byte -> printable unicode character (the reversible byte-level alphabet of GPT-2/CLIP)."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -91,10 +97,12 @@ class SimpleTokenizer:
             lines = gzip.open(path).read().decode("utf-8").split("\n")
         except (OSError, EOFError, UnicodeDecodeError) as e:
             raise DataError(f"CLIP tokenizer: cannot read {path}: {e}") from None
-        merges = [tuple(m.split()) for m in lines[1:NUM_MERGES + 1]]
+        merges = [tuple(m.split()) for m in lines[1 : NUM_MERGES + 1]]
         if len(merges) != NUM_MERGES or any(len(m) != 2 for m in merges):
-            raise DataError(f"CLIP tokenizer: {path} is not CLIP's BPE vocabulary "
-                            f"({len(merges)} merges, expected {NUM_MERGES})")
+            raise DataError(
+                f"CLIP tokenizer: {path} is not CLIP's BPE vocabulary "
+                f"({len(merges)} merges, expected {NUM_MERGES})"
+            )
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {v: k for k, v in self.byte_encoder.items()}
         vocab = list(self.byte_encoder.values())
@@ -103,8 +111,11 @@ class SimpleTokenizer:
         self.decoder = {i: t for t, i in self.encoder.items()}
         self.bpe_ranks = {m: i for i, m in enumerate(merges)}
         self.cache = {SOT: SOT, EOT: EOT}
-        self.pat = regex.compile(rf"{SOT}|{EOT}|'s|'t|'re|'ve|'m|'ll|'d|[\p{{L}}]+|[\p{{N}}]|"
-                                 r"[^\s\p{L}\p{N}]+", regex.IGNORECASE)
+        self.pat = regex.compile(
+            rf"{SOT}|{EOT}|'s|'t|'re|'ve|'m|'ll|'d|[\p{{L}}]+|[\p{{N}}]|"
+            r"[^\s\p{L}\p{N}]+",
+            regex.IGNORECASE,
+        )
         self.vocab_size = len(self.encoder)
         self.sot_id, self.eot_id = self.encoder[SOT], self.encoder[EOT]
         assert (self.vocab_size, self.sot_id, self.eot_id) == (VOCAB_SIZE, SOT_ID, EOT_ID)
@@ -148,7 +159,7 @@ class SimpleTokenizer:
                 break
             pairs = _pairs(word)
         out = " ".join(word)
-        if len(self.cache) < 1_000_000:                  # bounded: captions can be endless
+        if len(self.cache) < 1_000_000:  # bounded: captions can be endless
             self.cache[token] = out
         return out
 
@@ -171,14 +182,16 @@ class SimpleTokenizer:
         if isinstance(texts, str):
             texts = [texts]
         if context_length < 2:
-            raise DataError(f"model.context_length must be >= 2 (start and end tokens), got {context_length}")
+            raise DataError(
+                f"model.context_length must be >= 2 (start and end tokens), got {context_length}"
+            )
         out = torch.zeros(len(texts), context_length, dtype=torch.long)
         for i, text in enumerate(texts):
             ids = [self.sot_id] + self.encode(text) + [self.eot_id]
             if len(ids) > context_length:
                 ids = ids[:context_length]
                 ids[-1] = self.eot_id
-            out[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         return out
 
 

@@ -5,6 +5,7 @@ checkpoint may hold the weights and their EMA (timm: `state_dict` and `state_dic
 `model_ema`): which is read is chosen (`model.init_weights`) and said in one line; its pickled
 `args` (an argparse.Namespace) are read as plain data, never as code, and its `arch` entry (or
 `args.model`) names the architecture. Every problem is a one-line UserError naming the file."""
+
 from __future__ import annotations
 
 import argparse
@@ -41,6 +42,7 @@ def read_weights(path: str | Path, which: str = "auto") -> tuple[dict[str, torch
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
+
         try:
             return load_file(str(path)), ""
         except (SafetensorError, OSError) as e:
@@ -56,9 +58,11 @@ def read_weights(path: str | Path, which: str = "auto") -> tuple[dict[str, torch
             if inner is not None:
                 obj = inner
     if not (isinstance(obj, dict) and obj and _is_state_dict(obj)):
-        raise UserError(f"{path}: does not hold a state dict (a mapping of parameter names to tensors)")
+        raise UserError(
+            f"{path}: does not hold a state dict (a mapping of parameter names to tensors)"
+        )
     if all(k.startswith("module.") for k in obj):
-        obj = {k[len("module."):]: v for k, v in obj.items()}
+        obj = {k[len("module.") :]: v for k, v in obj.items()}
     return obj, arch
 
 
@@ -77,9 +81,11 @@ def _torch_load(path: Path):
     `args` of timm's and many training scripts' checkpoints) only; one line where the file wants
     more, naming the object that a weights-only load refused."""
     if _is_torchscript(path):
-        raise UserError(f"{path}: a TorchScript archive (a program, as OpenAI's original CLIP .pt files are), which "
-                        "vitscale does not read; save its state dict (torch.jit.load(path).state_dict()) to a "
-                        "safetensors file, or take OpenCLIP's converted weights")
+        raise UserError(
+            f"{path}: a TorchScript archive (a program, as OpenAI's original CLIP .pt files are), which "
+            "vitscale does not read; save its state dict (torch.jit.load(path).state_dict()) to a "
+            "safetensors file, or take OpenCLIP's converted weights"
+        )
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -87,9 +93,11 @@ def _torch_load(path: Path):
         text = ANSI.sub("", str(e)).strip()
         blocked = re.search(r"GLOBAL ([\w.]+)", text)
         if blocked:
-            raise UserError(f"{path}: holds a pickled {blocked.group(1)}, which a weights-only load does not "
-                            "run (arbitrary code); save its state dict alone (torch.save(model.state_dict()) or "
-                            "safetensors) to use it") from None
+            raise UserError(
+                f"{path}: holds a pickled {blocked.group(1)}, which a weights-only load does not "
+                "run (arbitrary code); save its state dict alone (torch.save(model.state_dict()) or "
+                "safetensors) to use it"
+            ) from None
         first = text.splitlines()[0] if text else type(e).__name__
         raise UserError(f"{path}: not a torch state dict file ({first[:200]})") from None
 
@@ -107,9 +115,14 @@ def missing_weights(path) -> UserError:
     name (timm's vit_small_patch16_224.augreg_in21k_ft_in1k, hf-hub:org/name) must be downloaded."""
     name = str(path).removeprefix("hf-hub:").removeprefix("hf_hub:")
     repo = name if "/" in name else f"timm/{name}"
-    hint = "" if str(path).endswith(SUFFIXES) else (
-        f"; vitscale reads local files, not a hub: download it first, e.g. `huggingface-cli download {repo} "
-        f"--local-dir {Path(name).name}`, and give that folder")
+    hint = (
+        ""
+        if str(path).endswith(SUFFIXES)
+        else (
+            f"; vitscale reads local files, not a hub: download it first, e.g. `huggingface-cli download {repo} "
+            f"--local-dir {Path(name).name}`, and give that folder"
+        )
+    )
     return UserError(f"weights file not found: {path}{hint}")
 
 
@@ -119,7 +132,11 @@ def _arch_of(obj) -> str:
         return ""
     arch = obj.get("arch")
     if not isinstance(arch, str):
-        arch = getattr(obj.get("args"), "model", None) if isinstance(obj.get("args"), argparse.Namespace) else None
+        arch = (
+            getattr(obj.get("args"), "model", None)
+            if isinstance(obj.get("args"), argparse.Namespace)
+            else None
+        )
     return arch if isinstance(arch, str) else ""
 
 
@@ -133,14 +150,26 @@ def _choose(obj, which: str, path: Path):
     raw = next((k for k in WRAPPERS if isinstance(obj.get(k), dict) and obj[k]), None)
     if ema is None:
         if which == "ema":
-            raise UserError(f"model.init_weights=ema: {path} holds no EMA weights ({', '.join(EMA_WRAPPERS)})")
+            raise UserError(
+                f"model.init_weights=ema: {path} holds no EMA weights ({', '.join(EMA_WRAPPERS)})"
+            )
         return obj
     if which == "raw" and raw is None:
         raise UserError(f"model.init_weights=raw: {path} holds only EMA weights ({ema})")
     key = ema if which == "ema" or raw is None else raw
-    other = f"; model.init_weights={'raw' if key == ema else 'ema'} reads the {'raw' if key == ema else 'EMA'} " \
-            "ones" if raw is not None else " (it holds no others)"
-    log.warning("model.init: %s: reading its %s weights (%s)%s", path, "EMA" if key == ema else "raw", key, other)
+    other = (
+        f"; model.init_weights={'raw' if key == ema else 'ema'} reads the {'raw' if key == ema else 'EMA'} "
+        "ones"
+        if raw is not None
+        else " (it holds no others)"
+    )
+    log.warning(
+        "model.init: %s: reading its %s weights (%s)%s",
+        path,
+        "EMA" if key == ema else "raw",
+        key,
+        other,
+    )
     return obj[key]
 
 
@@ -155,6 +184,7 @@ def write_state_dict(sd: dict[str, torch.Tensor], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
         from safetensors.torch import save_file
+
         save_file(sd, str(path))
     else:
         torch.save(sd, path)
@@ -172,4 +202,6 @@ def refuse_unsupported(sd: dict, table: dict, source: str, target: str) -> None:
     for marker, what in table.items():
         hits = [k for k in sd if marker in k]
         if hits:
-            raise UserError(f"{source}: {what} ({first_keys(hits, 2)}) is not implemented by {target}")
+            raise UserError(
+                f"{source}: {what} ({first_keys(hits, 2)}) is not implemented by {target}"
+            )

@@ -7,6 +7,7 @@ them when it loads a checkpoint into another geometry:
   one spread over N channels, like timm's `adapt_input_conv`;
 - the classifier kept when the class count matches (`model.init_head=auto`), else a new one.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,7 +38,9 @@ def resample_pos_embed(pos: torch.Tensor, grid: int, prefix: int) -> torch.Tenso
     d = patches.shape[-1]
     img = patches.reshape(1, g, g, d).permute(0, 3, 1, 2).float()
     img = F.interpolate(img, size=(grid, grid), mode="bicubic", antialias=True, align_corners=False)
-    return torch.cat([head, img.permute(0, 2, 3, 1).reshape(1, grid * grid, d).to(pos.dtype)], dim=1)
+    return torch.cat(
+        [head, img.permute(0, 2, 3, 1).reshape(1, grid * grid, d).to(pos.dtype)], dim=1
+    )
 
 
 def adapt_in_chans(w: torch.Tensor, in_chans: int) -> torch.Tensor:
@@ -51,8 +54,10 @@ def adapt_in_chans(w: torch.Tensor, in_chans: int) -> torch.Tensor:
         return w.sum(dim=1, keepdim=True)
     if w.shape[1] == 1:
         return w.repeat(1, in_chans, 1, 1) / in_chans
-    raise UserError(f"model.init: the weights take {w.shape[1]}-channel images, the data has {in_chans} "
-                    "channels (adapted: 3 -> 1 and 1 -> N)")
+    raise UserError(
+        f"model.init: the weights take {w.shape[1]}-channel images, the data has {in_chans} "
+        "channels (adapted: 3 -> 1 and 1 -> N)"
+    )
 
 
 def weights_file(path) -> Path:
@@ -67,6 +72,7 @@ def _metadata(path) -> dict:
     if not str(path).endswith(".safetensors"):
         return {}
     from safetensors import safe_open
+
     try:
         with safe_open(str(path), "pt") as f:
             return f.metadata() or {}
@@ -88,9 +94,15 @@ def vitscale_export_spec(path) -> ViTSpec | None:
     then read from the keys)."""
     meta = _metadata(path)
     if meta.get("format", "").startswith("vitscale") and meta.get("format") != "vitscale-vit":
-        raise UserError(f"model.init: {path} holds a {meta['format'][len('vitscale-'):]} model; model.init "
-                        "starts ViT classifiers")
-    return ViTSpec(**json.loads(meta["spec"])) if meta.get("format") == "vitscale-vit" and "spec" in meta else None
+        raise UserError(
+            f"model.init: {path} holds a {meta['format'][len('vitscale-') :]} model; model.init "
+            "starts ViT classifiers"
+        )
+    return (
+        ViTSpec(**json.loads(meta["spec"]))
+        if meta.get("format") == "vitscale-vit" and "spec" in meta
+        else None
+    )
 
 
 def init_arch(path: str, arch: str = "") -> str:
@@ -107,13 +119,26 @@ def init_arch(path: str, arch: str = "") -> str:
 
 @functools.lru_cache(maxsize=8)
 def _announce_arch(file: str, arch: str) -> None:  # once per file and process
-    log.warning("model.init: %s: the architecture is the one the checkpoint names, %s (model.init_arch "
-                "sets another)", file, arch)
+    log.warning(
+        "model.init: %s: the architecture is the one the checkpoint names, %s (model.init_arch "
+        "sets another)",
+        file,
+        arch,
+    )
 
 
-def init_weights(path: str, *, image_size: int, in_chans: int, num_classes: int, heads: int = 0,
-                 head_policy: str = "auto", arch: str = "", which: str = "auto",
-                 **overrides) -> tuple[ViTSpec, dict]:
+def init_weights(
+    path: str,
+    *,
+    image_size: int,
+    in_chans: int,
+    num_classes: int,
+    heads: int = 0,
+    head_policy: str = "auto",
+    arch: str = "",
+    which: str = "auto",
+    **overrides,
+) -> tuple[ViTSpec, dict]:
     """(spec, state dict for it) from a `vitscale export` file (its spec in the metadata: any
     stem and head) or a timm ViT file or hub folder (the spec from the config.json beside the
     weights, or `arch`, timm's architecture name; else from the keys, with timm's defaults
@@ -123,34 +148,51 @@ def init_weights(path: str, *, image_size: int, in_chans: int, num_classes: int,
     sd = read_state_dict(file, which)
     src = vitscale_export_spec(file)
     if src is not None and arch:
-        raise UserError(f"model.init_arch={arch}: {path} is a vitscale export, which carries its own "
-                        "architecture (leave model.init_arch empty)")
+        raise UserError(
+            f"model.init_arch={arch}: {path} is a vitscale export, which carries its own "
+            "architecture (leave model.init_arch empty)"
+        )
     try:
-        src = src or timm_vit_spec(sd, heads, num_classes, config=weights_config(file), arch=arch,
-                                   announce=f"model.init: {path}")
+        src = src or timm_vit_spec(
+            sd,
+            heads,
+            num_classes,
+            config=weights_config(file),
+            arch=arch,
+            announce=f"model.init: {path}",
+        )
     except UserError as e:
         raise UserError(f"model.init: {path}: {str(e)}") from None
     if image_size % src.patch_size:
-        raise UserError(f"model.init: image size {image_size} is not divisible by the weights' patch size "
-                        f"{src.patch_size} (set data.image_size)")
-    spec = replace(src, image_size=image_size, in_chans=in_chans, num_classes=num_classes, **overrides)
+        raise UserError(
+            f"model.init: image size {image_size} is not divisible by the weights' patch size "
+            f"{src.patch_size} (set data.image_size)"
+        )
+    spec = replace(
+        src, image_size=image_size, in_chans=in_chans, num_classes=num_classes, **overrides
+    )
     with torch.device("meta"):  # the keys and shapes, without the memory
         want = VisionTransformer(src).state_dict()
     unknown, missing = set(sd) - set(want), set(want) - set(sd) - {"head.weight", "head.bias"}
     if unknown or missing:
-        parts = ([f"unknown keys {', '.join(sorted(unknown)[:4])}"] if unknown else []) + \
-                ([f"missing keys {', '.join(sorted(missing)[:4])}"] if missing else [])
+        parts = ([f"unknown keys {', '.join(sorted(unknown)[:4])}"] if unknown else []) + (
+            [f"missing keys {', '.join(sorted(missing)[:4])}"] if missing else []
+        )
         raise UserError(f"model.init: {path}: {'; '.join(parts)}")
     out = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
-    prefix = 0 if spec.no_embed_class else spec.num_prefix_tokens  # the class and register tokens' rows
+    prefix = (
+        0 if spec.no_embed_class else spec.num_prefix_tokens
+    )  # the class and register tokens' rows
     out["pos_embed"] = resample_pos_embed(out["pos_embed"], image_size // spec.patch_size, prefix)
     first = "patch_embed.proj.weight" if spec.stem == "patch" else "patch_embed.proj.0.weight"
     out[first] = adapt_in_chans(out[first], in_chans)
     same_head = "head.weight" in out and out["head.weight"].shape[0] == num_classes
     if head_policy == "keep" and not same_head:
-        raise UserError(f"model.init_head=keep: the weights' head has "
-                        f"{out['head.weight'].shape[0] if 'head.weight' in out else 'no'} classes, the data "
-                        f"{num_classes} (use init_head=auto or reset)")
+        raise UserError(
+            f"model.init_head=keep: the weights' head has "
+            f"{out['head.weight'].shape[0] if 'head.weight' in out else 'no'} classes, the data "
+            f"{num_classes} (use init_head=auto or reset)"
+        )
     if head_policy == "reset" or not same_head:
         out.pop("head.weight", None)
         out.pop("head.bias", None)
@@ -164,6 +206,7 @@ def weights_normalization(path: str, arch: str = "") -> str:
     ImageNet's or CLIP's mean/std are taken; any other, or none recorded, means ImageNet's, announced
     in one line."""
     from ..data.transforms import NORMALIZATIONS
+
     try:
         file = weights_file(path)
         if not file.is_file():  # init_weights says so in one line, with no warning before it
@@ -174,15 +217,27 @@ def weights_normalization(path: str, arch: str = "") -> str:
     except (UserError, ValueError):  # init_weights reports a bad file or name in one line
         return "imagenet"
     if not source:
-        log.warning("model.init: %s: the images are normalized with ImageNet's mean and std, which the weights "
-                    "do not record (no config.json beside them, no model.init_arch); data.normalize sets another",
-                    path)
+        log.warning(
+            "model.init: %s: the images are normalized with ImageNet's mean and std, which the weights "
+            "do not record (no config.json beside them, no model.init_arch); data.normalize sets another",
+            path,
+        )
         return "imagenet"
     mean, std = pcfg.get("mean"), pcfg.get("std")
     for name, (m, s) in NORMALIZATIONS.items():
-        if mean and std and len(mean) == len(m) and all(abs(a - b) < 1e-4 for a, b in zip([*mean, *std], [*m, *s])):
+        if (
+            mean
+            and std
+            and len(mean) == len(m)
+            and all(abs(a - b) < 1e-4 for a, b in zip([*mean, *std], [*m, *s]))
+        ):
             return name
-    log.warning("model.init: %s: the weights were trained with mean %s and std %s (%s), which data.normalize does "
-                "not offer; the images are normalized with ImageNet's (data.normalize sets another)",
-                path, tuple(mean or ()), tuple(std or ()), source)
+    log.warning(
+        "model.init: %s: the weights were trained with mean %s and std %s (%s), which data.normalize does "
+        "not offer; the images are normalized with ImageNet's (data.normalize sets another)",
+        path,
+        tuple(mean or ()),
+        tuple(std or ()),
+        source,
+    )
     return "imagenet"

@@ -23,6 +23,7 @@ What the weights do not hold comes from OpenCLIP's configuration of the model or
 defaults, and variants vitscale does not implement are refused: open_clip_arch.py. Nothing here
 imports open_clip.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,34 +47,62 @@ from .open_clip_arch import (
     resolve,
 )
 
-BLOCK_MAP = (("ln_1", "norm1"), ("attn.in_proj_weight", "attn.qkv.weight"), ("attn.in_proj_bias", "attn.qkv.bias"),
-             ("attn.out_proj", "attn.proj"), ("ln_2", "norm2"), ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"))
+BLOCK_MAP = (
+    ("ln_1", "norm1"),
+    ("attn.in_proj_weight", "attn.qkv.weight"),
+    ("attn.in_proj_bias", "attn.qkv.bias"),
+    ("attn.out_proj", "attn.proj"),
+    ("ln_2", "norm2"),
+    ("mlp.c_fc", "mlp.fc1"),
+    ("mlp.c_proj", "mlp.fc2"),
+)
 # what open_clip's `local-dir:` loader picks from a folder first (factory._find_checkpoint_in_dir)
-LOCAL_DIR_PREFERRED = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
-                       "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth", "model.safetensors",
-                       "pytorch_model.bin", "pytorch_model.pth", "model.pth")
+LOCAL_DIR_PREFERRED = (
+    "open_clip_model.safetensors",
+    "open_clip_pytorch_model.safetensors",
+    "open_clip_pytorch_model.bin",
+    "open_clip_pytorch_model.pth",
+    "model.safetensors",
+    "pytorch_model.bin",
+    "pytorch_model.pth",
+    "model.pth",
+)
 
 
 def _key_map(spec: ClipSpec) -> dict[str, str]:
     """OpenCLIP key -> vitscale key, for every parameter of the spec's model."""
-    m = {"visual.conv1.weight": "visual.patch_embed.proj.weight", "visual.class_embedding": "visual.cls_token",
-         "visual.positional_embedding": "visual.pos_embed", "visual.proj": "visual.head.weight",
-         "token_embedding.weight": "text.token_embedding.weight", "positional_embedding": "text.positional_embedding",
-         "text_projection": "text.proj.weight", "logit_scale": "logit_scale"}
+    m = {
+        "visual.conv1.weight": "visual.patch_embed.proj.weight",
+        "visual.class_embedding": "visual.cls_token",
+        "visual.positional_embedding": "visual.pos_embed",
+        "visual.proj": "visual.head.weight",
+        "token_embedding.weight": "text.token_embedding.weight",
+        "positional_embedding": "text.positional_embedding",
+        "text_projection": "text.proj.weight",
+        "logit_scale": "logit_scale",
+    }
     post = "visual.fc_norm" if spec.vision_norm_after_pool else "visual.norm"
     for p in ("weight", "bias"):
         m[f"visual.ln_post.{p}"] = f"{post}.{p}"
         m[f"ln_final.{p}"] = f"text.ln_final.{p}"
         if spec.ln_pre:
             m[f"visual.ln_pre.{p}"] = f"visual.norm_pre.{p}"
-    for theirs, ours, depth in (("visual.transformer.resblocks", "visual.blocks", spec.vision.depth),
-                                ("transformer.resblocks", "text.blocks", spec.text.depth)):
+    for theirs, ours, depth in (
+        ("visual.transformer.resblocks", "visual.blocks", spec.vision.depth),
+        ("transformer.resblocks", "text.blocks", spec.text.depth),
+    ):
         for i in range(depth):
             if ours == "visual.blocks" and getattr(spec.vision, "layer_scale", 0):
-                m[f"{theirs}.{i}.ls_1.gamma"], m[f"{theirs}.{i}.ls_2.gamma"] = f"{ours}.{i}.ls1.gamma", f"{ours}.{i}.ls2.gamma"
+                m[f"{theirs}.{i}.ls_1.gamma"], m[f"{theirs}.{i}.ls_2.gamma"] = (
+                    f"{ours}.{i}.ls1.gamma",
+                    f"{ours}.{i}.ls2.gamma",
+                )
             for a, b in BLOCK_MAP:
-                names = [(a, b)] if a.startswith("attn.in_proj") else [(f"{a}.weight", f"{b}.weight"),
-                                                                        (f"{a}.bias", f"{b}.bias")]
+                names = (
+                    [(a, b)]
+                    if a.startswith("attn.in_proj")
+                    else [(f"{a}.weight", f"{b}.weight"), (f"{a}.bias", f"{b}.bias")]
+                )
                 for x, y in names:
                     m[f"{theirs}.{i}.{x}"] = f"{ours}.{i}.{y}"
     return m
@@ -82,55 +111,104 @@ def _key_map(spec: ClipSpec) -> dict[str, str]:
 def _layout_problem(spec: ClipSpec) -> str:
     """'' when OpenCLIP's CLIP computes the spec's function, else what it lacks."""
     v = spec.vision
-    vit_variants = (getattr(v, "reg_tokens", 0) or not getattr(v, "qkv_bias", True) or getattr(v, "pre_norm", False)
-                    or not getattr(v, "final_norm", True) or getattr(v, "class_token", None) is False
-                    or getattr(v, "act", "gelu") != "gelu" or getattr(v, "norm_eps", 1e-6) != 1e-6)
-    if (spec.patch_bias or spec.proj_bias or v.stem != "patch" or v.head != "token" or v.no_embed_class or v.fc_norm
-            or vit_variants):
-        return ("the model lacks OpenCLIP's layout (it needs patch_bias=False, proj_bias=False, the patch stem and a "
-                "class token); start from OpenCLIP weights (from_open_clip) to export to OpenCLIP")
+    vit_variants = (
+        getattr(v, "reg_tokens", 0)
+        or not getattr(v, "qkv_bias", True)
+        or getattr(v, "pre_norm", False)
+        or not getattr(v, "final_norm", True)
+        or getattr(v, "class_token", None) is False
+        or getattr(v, "act", "gelu") != "gelu"
+        or getattr(v, "norm_eps", 1e-6) != 1e-6
+    )
+    if (
+        spec.patch_bias
+        or spec.proj_bias
+        or v.stem != "patch"
+        or v.head != "token"
+        or v.no_embed_class
+        or v.fc_norm
+        or vit_variants
+    ):
+        return (
+            "the model lacks OpenCLIP's layout (it needs patch_bias=False, proj_bias=False, the patch stem and a "
+            "class token); start from OpenCLIP weights (from_open_clip) to export to OpenCLIP"
+        )
     if spec.vision_act != spec.text.act or spec.vision_act not in ("gelu", "quick_gelu"):
-        return (f"the towers' activations ({spec.vision_act}, {spec.text.act}) are not one GELU or QuickGELU for both, "
-                "as OpenCLIP's quick_gelu sets them")
+        return (
+            f"the towers' activations ({spec.vision_act}, {spec.text.act}) are not one GELU or QuickGELU for both, "
+            "as OpenCLIP's quick_gelu sets them"
+        )
     if v.in_chans != 3:
-        return (f"the model takes {v.in_chans}-channel images; OpenCLIP's image tower takes RGB "
-                "(visual.conv1 has 3 input channels)")
+        return (
+            f"the model takes {v.in_chans}-channel images; OpenCLIP's image tower takes RGB "
+            "(visual.conv1 has 3 input channels)"
+        )
     return ""
 
 
-RESHAPED = ("visual.class_embedding", "visual.positional_embedding", "logit_scale")  # [W] / [N+1, W] / []
+RESHAPED = (
+    "visual.class_embedding",
+    "visual.positional_embedding",
+    "logit_scale",
+)  # [W] / [N+1, W] / []
 
 
-def from_open_clip(sd: dict, config=None, *, quick_gelu: bool | None = None, vision_heads: int = 0,
-                   text_heads: int = 0, attention: str = "sdpa") -> CLIP:
+def from_open_clip(
+    sd: dict,
+    config=None,
+    *,
+    quick_gelu: bool | None = None,
+    vision_heads: int = 0,
+    text_heads: int = 0,
+    attention: str = "sdpa",
+) -> CLIP:
     """vitscale's CLIP holding an OpenCLIP ViT CLIP state dict's weights (the same function, in
     fp32); `config` etc.: as open_clip_spec. `attention` ("sdpa" | "explicit", both towers) changes
     no weights."""
     sd = normalize(sd)
-    spec = open_clip_spec(sd, config, quick_gelu=quick_gelu, vision_heads=vision_heads, text_heads=text_heads)
+    spec = open_clip_spec(
+        sd, config, quick_gelu=quick_gelu, vision_heads=vision_heads, text_heads=text_heads
+    )
     return _build(sd, spec, attention)
 
 
 def _build(sd: dict, spec: ClipSpec, attention: str = "sdpa") -> CLIP:
-    spec = replace(spec, vision=replace(spec.vision, attention=attention),
-                   text=replace(spec.text, attention=attention))
+    spec = replace(
+        spec,
+        vision=replace(spec.vision, attention=attention),
+        text=replace(spec.text, attention=attention),
+    )
     with torch.device("meta"):  # no initialization: every parameter comes from the weights
         model = CLIP(spec)
     model.load_state_dict(_convert(sd, spec, model.state_dict()), strict=True, assign=True)
     return model
 
 
-def load_open_clip(path, config=None, *, quick_gelu: bool | None = None, vision_heads: int = 0,
-                   text_heads: int = 0, attention: str = "sdpa") -> CLIP:
+def load_open_clip(
+    path,
+    config=None,
+    *,
+    quick_gelu: bool | None = None,
+    vision_heads: int = 0,
+    text_heads: int = 0,
+    attention: str = "sdpa",
+) -> CLIP:
     """vitscale's CLIP from an OpenCLIP weights file as published: its configuration from `config`
     (a model name, an open_clip_config.json) or else the open_clip_config.json beside the file
     (OpenCLIP's hub folders keep one), else OpenCLIP's defaults, announced. The configuration is
     read, and checked against the file's keys and shapes, before the weights."""
     from .files import read_state_dict
+
     path = weights_path(path)
     try:
-        spec, assumed, _, _ = resolve(_header(path), config, quick_gelu=quick_gelu, vision_heads=vision_heads,
-                                       text_heads=text_heads, weights=path)
+        spec, assumed, _, _ = resolve(
+            _header(path),
+            config,
+            quick_gelu=quick_gelu,
+            vision_heads=vision_heads,
+            text_heads=text_heads,
+            weights=path,
+        )
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
     announce(f"OpenCLIP: {path}", assumed, PY_KEYS)
@@ -141,9 +219,11 @@ def _header(path) -> dict:
     """{key: an object with .shape} from a weights file: a safetensors header alone (meta tensors),
     other formats loaded."""
     from .files import read_state_dict
+
     path = Path(path)
     if path.suffix == ".safetensors" and path.is_file():
         from safetensors import safe_open
+
         try:
             with safe_open(str(path), "pt") as f:
                 return {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
@@ -158,8 +238,9 @@ def _convert(sd: dict, spec: ClipSpec, ours: dict) -> dict[str, torch.Tensor]:
     kmap = _key_map(spec)
     unknown, missing = set(sd) - set(kmap), set(kmap) - set(sd)
     if unknown or missing:
-        parts = ([f"unknown keys {first_keys(unknown)}"] if unknown else []) + \
-                ([f"missing keys {first_keys(missing)}"] if missing else [])
+        parts = ([f"unknown keys {first_keys(unknown)}"] if unknown else []) + (
+            [f"missing keys {first_keys(missing)}"] if missing else []
+        )
         raise UserError(f"OpenCLIP: {'; '.join(parts)}")
     out = {}
     for theirs, name in kmap.items():
@@ -169,8 +250,10 @@ def _convert(sd: dict, spec: ClipSpec, ours: dict) -> dict[str, torch.Tensor]:
         if theirs in RESHAPED and v.numel() == ours[name].numel():
             v = v.reshape(ours[name].shape)
         if v.shape != ours[name].shape:
-            raise UserError(f"OpenCLIP: {theirs} has shape {tuple(sd[theirs].shape)}, the model expects "
-                            f"{tuple(ours[name].shape)} at {name}")
+            raise UserError(
+                f"OpenCLIP: {theirs} has shape {tuple(sd[theirs].shape)}, the model expects "
+                f"{tuple(ours[name].shape)} at {name}"
+            )
         out[name] = v
     return out
 
@@ -191,7 +274,7 @@ def to_open_clip(model: CLIP) -> dict[str, torch.Tensor]:
         v = ours[name]
         if theirs in ("visual.proj", "text_projection"):
             v = v.t()
-        elif theirs == "visual.class_embedding":   # [1, 1, W] -> [W]
+        elif theirs == "visual.class_embedding":  # [1, 1, W] -> [W]
             v = v.reshape(-1)
         elif theirs == "visual.positional_embedding":  # [1, N+1, W] -> [N+1, W]
             v = v.reshape(v.shape[-2:])
@@ -208,8 +291,14 @@ def open_clip_config(spec: ClipSpec, preprocess: dict | None = None) -> dict:
     if problem:
         raise UserError(f"export to OpenCLIP: {problem}")
     v, t = spec.vision, spec.text
-    vision = {"image_size": v.image_size, "patch_size": v.patch_size, "width": v.dim, "layers": v.depth,
-              "head_width": v.dim // v.heads, "mlp_ratio": v.mlp_ratio}
+    vision = {
+        "image_size": v.image_size,
+        "patch_size": v.patch_size,
+        "width": v.dim,
+        "layers": v.depth,
+        "head_width": v.dim // v.heads,
+        "mlp_ratio": v.mlp_ratio,
+    }
     if not spec.ln_pre:
         vision["no_ln_pre"] = True
     if getattr(v, "layer_scale", 0):
@@ -218,8 +307,14 @@ def open_clip_config(spec: ClipSpec, preprocess: dict | None = None) -> dict:
         vision["pool_type"] = "avg"
     if spec.vision_norm_after_pool:
         vision["final_ln_after_pool"] = True
-    text = {"context_length": t.context_length, "vocab_size": t.vocab_size, "width": t.dim, "heads": t.heads,
-            "layers": t.depth, "mlp_ratio": t.mlp_ratio}
+    text = {
+        "context_length": t.context_length,
+        "vocab_size": t.vocab_size,
+        "width": t.dim,
+        "heads": t.heads,
+        "layers": t.depth,
+        "mlp_ratio": t.mlp_ratio,
+    }
     if not t.causal:
         text["no_causal_mask"] = True
     if t.pool != "argmax":
@@ -229,12 +324,18 @@ def open_clip_config(spec: ClipSpec, preprocess: dict | None = None) -> dict:
     for cfg, eps in ((vision, spec.vision_norm_eps), (text, t.norm_eps)):
         if eps != 1e-5:  # OpenCLIP's LayerNorm: torch's default
             cfg["norm_kwargs"] = {"eps": eps}
-    model_cfg = {"embed_dim": spec.embed_dim, "quick_gelu": spec.vision_act == "quick_gelu",
-                 "vision_cfg": vision, "text_cfg": text}
+    model_cfg = {
+        "embed_dim": spec.embed_dim,
+        "quick_gelu": spec.vision_act == "quick_gelu",
+        "vision_cfg": vision,
+        "text_cfg": text,
+    }
     return {"model_cfg": model_cfg, "preprocess_cfg": dict(preprocess or {})}
 
 
-def save_open_clip(model: CLIP, out, preprocess: dict | None = None, metadata: dict | None = None) -> Path:
+def save_open_clip(
+    model: CLIP, out, preprocess: dict | None = None, metadata: dict | None = None
+) -> Path:
     """OpenCLIP's layout on disk: the weights (safetensors) and open_clip_config.json beside them.
     `out`: a folder (the weights go to FOLDER/open_clip_model.safetensors, the name open_clip's
     `local-dir:` loader takes first) or a .safetensors file (open_clip_config.json in its folder).
@@ -242,11 +343,14 @@ def save_open_clip(model: CLIP, out, preprocess: dict | None = None, metadata: d
     path (load_call(path) is the call that loads them)."""
     from ..checkpoint import export_safetensors
     from .files import SUFFIXES
+
     sd = to_open_clip(model)
     config = open_clip_config(model.spec, preprocess)
     out = Path(out)
     if out.suffix in SUFFIXES and out.suffix != ".safetensors":
-        raise UserError(f"export --format open_clip: --out {out}: give a folder or a .safetensors file")
+        raise UserError(
+            f"export --format open_clip: --out {out}: give a folder or a .safetensors file"
+        )
     weights = out if out.suffix == ".safetensors" else out / LOCAL_DIR_PREFERRED[0]
     cfg_path = weights.parent / CONFIG_FILE
     if cfg_path.is_file():
@@ -255,8 +359,10 @@ def save_open_clip(model: CLIP, out, preprocess: dict | None = None, metadata: d
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             same = False
         if not same:
-            raise UserError(f"export --format open_clip: {cfg_path} already describes another model; export into a "
-                            "folder of its own (--out DIR)")
+            raise UserError(
+                f"export --format open_clip: {cfg_path} already describes another model; export into a "
+                "folder of its own (--out DIR)"
+            )
     weights.parent.mkdir(parents=True, exist_ok=True)
     path = export_safetensors(sd, weights, metadata or {"format": "open_clip"})
     cfg_path.write_text(json.dumps(config, indent=2) + "\n")
@@ -279,20 +385,30 @@ def load_call(path) -> str:
     and tokenizer (image size, mean/std, context length from open_clip_config.json)."""
     path = Path(path).resolve()
     folder = path.parent
-    call = (f'model, _, preprocess = open_clip.create_model_and_transforms("local-dir:{folder}"); '
-            f'tokenizer = open_clip.get_tokenizer("local-dir:{folder}")')
+    call = (
+        f'model, _, preprocess = open_clip.create_model_and_transforms("local-dir:{folder}"); '
+        f'tokenizer = open_clip.get_tokenizer("local-dir:{folder}")'
+    )
     chosen = local_dir_choice(folder)
     if chosen is not None and chosen.resolve() != path:
-        return (f"open_clip's local-dir: loader would read {chosen.name} from {folder}, not {path.name}: put "
-                f"{path.name} and {CONFIG_FILE} in a folder of their own (or export with --out DIR), then load it: "
-                + call.replace(str(folder), "DIR"))
+        return (
+            f"open_clip's local-dir: loader would read {chosen.name} from {folder}, not {path.name}: put "
+            f"{path.name} and {CONFIG_FILE} in a folder of their own (or export with --out DIR), then load it: "
+            + call.replace(str(folder), "DIR")
+        )
     return f"load it in OpenCLIP: {call}"
 
 
 # -- model.init ------------------------------------------------------------------------------------
-INIT_KEYS = {"config": "model.init_open_clip=NAME or CONFIG.json", "vision_heads": "model.heads=",
-             "text_heads": "model.text_heads=", "quick_gelu": "model.init_act="}
-INIT_HINT = "model.init_open_clip=NAME or CONFIG.json, or model.heads / model.text_heads / model.init_act"
+INIT_KEYS = {
+    "config": "model.init_open_clip=NAME or CONFIG.json",
+    "vision_heads": "model.heads=",
+    "text_heads": "model.text_heads=",
+    "quick_gelu": "model.init_act=",
+}
+INIT_HINT = (
+    "model.init_open_clip=NAME or CONFIG.json, or model.heads / model.text_heads / model.init_act"
+)
 
 
 def _refuse_tokenizer(mc: dict, where: str) -> None:
@@ -300,12 +416,18 @@ def _refuse_tokenizer(mc: dict, where: str) -> None:
     t = mc.get("text_cfg") or {}
     for key in ("hf_tokenizer_name", "tokenizer_mode"):
         if t.get(key):
-            raise UserError(f"OpenCLIP: {where}: the weights were trained with another tokenizer (text_cfg.{key}="
-                            f"{t[key]!r}); vitscale tokenizes captions with CLIP's BPE")
+            raise UserError(
+                f"OpenCLIP: {where}: the weights were trained with another tokenizer (text_cfg.{key}="
+                f"{t[key]!r}); vitscale tokenizes captions with CLIP's BPE"
+            )
 
 
-OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin", "model.safetensors",
-                     "pytorch_model.bin")  # an OpenCLIP hub folder's, in OpenCLIP's order of preference
+OPEN_CLIP_WEIGHTS = (
+    "open_clip_model.safetensors",
+    "open_clip_pytorch_model.bin",
+    "model.safetensors",
+    "pytorch_model.bin",
+)  # an OpenCLIP hub folder's, in OpenCLIP's order of preference
 
 
 def weights_path(path) -> Path:
@@ -317,7 +439,9 @@ def weights_path(path) -> Path:
     for name in OPEN_CLIP_WEIGHTS:
         if (path / name).is_file():
             return path / name
-    raise UserError(f"{path}: no OpenCLIP weights file ({', '.join(OPEN_CLIP_WEIGHTS)}) in this folder")
+    raise UserError(
+        f"{path}: no OpenCLIP weights file ({', '.join(OPEN_CLIP_WEIGHTS)}) in this folder"
+    )
 
 
 def check_init(path, open_clip: str = "") -> None:
@@ -337,17 +461,25 @@ def check_init(path, open_clip: str = "") -> None:
             _refuse_tokenizer(mc, where)
         except UserError as e:
             raise UserError(f"model.init={path}: {e}") from None
-    keys = {k[len("text."):] if k.startswith("text.") else k for k in sd}
-    if "pos_embed" in keys and "patch_embed.proj.weight" in keys and "visual.conv1.weight" not in keys:
-        raise UserError(f"model.init={path} holds ViT classifier weights (pos_embed, patch_embed); CLIP models cannot "
-                        "be initialized from ViT classifier weights, only from OpenCLIP CLIP weights")
+    keys = {k[len("text.") :] if k.startswith("text.") else k for k in sd}
+    if (
+        "pos_embed" in keys
+        and "patch_embed.proj.weight" in keys
+        and "visual.conv1.weight" not in keys
+    ):
+        raise UserError(
+            f"model.init={path} holds ViT classifier weights (pos_embed, patch_embed); CLIP models cannot "
+            "be initialized from ViT classifier weights, only from OpenCLIP CLIP weights"
+        )
     try:
         refuse_keys(normalize(sd))
     except UserError as e:
         raise UserError(f"model.init={path}: {e}") from None
     if "visual.conv1.weight" not in keys or "token_embedding.weight" not in keys:
-        raise UserError(f"model.init={path} holds no OpenCLIP CLIP weights (no visual.conv1.weight / "
-                        f"token_embedding.weight; its keys begin {first_keys(sd, 3)})")
+        raise UserError(
+            f"model.init={path} holds no OpenCLIP CLIP weights (no visual.conv1.weight / "
+            f"token_embedding.weight; its keys begin {first_keys(sd, 3)})"
+        )
 
 
 def uses_quick_gelu(path) -> bool:
@@ -358,9 +490,21 @@ def uses_quick_gelu(path) -> bool:
     return "quickgelu" in name or "quick_gelu" in name or "openai" in name
 
 
-def init_weights(path, *, image_size: int, in_chans: int, context_length: int, vocab_size: int,
-                 vision_heads: int = 0, text_heads: int = 0, attention: str = "sdpa", drop_path: float = 0.0,
-                 dropout: float = 0.0, quick_gelu: bool | None = None, open_clip: str = "") -> tuple[ClipSpec, dict]:
+def init_weights(
+    path,
+    *,
+    image_size: int,
+    in_chans: int,
+    context_length: int,
+    vocab_size: int,
+    vision_heads: int = 0,
+    text_heads: int = 0,
+    attention: str = "sdpa",
+    drop_path: float = 0.0,
+    dropout: float = 0.0,
+    quick_gelu: bool | None = None,
+    open_clip: str = "",
+) -> tuple[ClipSpec, dict]:
     """`model.init` for CLIP: (spec, state dict for it) from an OpenCLIP ViT CLIP file, the architecture
     from the weights and their configuration (`open_clip`: model.init_open_clip, a model name or an
     open_clip_config.json; "": the open_clip_config.json beside the file; else OpenCLIP's defaults,
@@ -370,6 +514,7 @@ def init_weights(path, *, image_size: int, in_chans: int, context_length: int, v
     token). `quick_gelu` None: from the configuration, else from the file name (uses_quick_gelu)."""
     from .files import read_state_dict
     from .finetune import adapt_in_chans, resample_pos_embed
+
     path = weights_path(path)
     try:
         mc, _, _ = read_config(open_clip, path)
@@ -377,8 +522,16 @@ def init_weights(path, *, image_size: int, in_chans: int, context_length: int, v
         if quick_gelu is None and mc is None:  # the file name's word (announced)
             quick_gelu = uses_quick_gelu(path)
             note = f"the file name {'says' if quick_gelu else 'does not say'} quickgelu or openai"
-        src, assumed, mc, where = resolve(_header(path), open_clip, quick_gelu=quick_gelu, vision_heads=vision_heads,
-                                           text_heads=text_heads, weights=path, keys=INIT_KEYS, act_note=note)
+        src, assumed, mc, where = resolve(
+            _header(path),
+            open_clip,
+            quick_gelu=quick_gelu,
+            vision_heads=vision_heads,
+            text_heads=text_heads,
+            weights=path,
+            keys=INIT_KEYS,
+            act_note=note,
+        )
         if mc is not None:
             _refuse_tokenizer(mc, where)
         sd = normalize(read_state_dict(path))
@@ -386,27 +539,53 @@ def init_weights(path, *, image_size: int, in_chans: int, context_length: int, v
             state = _convert(sd, src, CLIP(src).state_dict())
     except UserError as e:
         raise UserError(f"model.init: {path}: {str(e).removeprefix('OpenCLIP: ')}") from None
-    announce(f"model.init: {path}" + (" (no open_clip_config.json beside it)" if mc is None else ""), assumed,
-              INIT_HINT)
+    announce(
+        f"model.init: {path}" + (" (no open_clip_config.json beside it)" if mc is None else ""),
+        assumed,
+        INIT_HINT,
+    )
     v, t = src.vision, src.text
     if image_size % v.patch_size:
-        raise UserError(f"model.init: image size {image_size} is not divisible by the weights' patch size "
-                        f"{v.patch_size} (set data.image_size)")
+        raise UserError(
+            f"model.init: image size {image_size} is not divisible by the weights' patch size "
+            f"{v.patch_size} (set data.image_size)"
+        )
     if context_length > t.context_length:
-        raise UserError(f"model.init: model.context_length={context_length} is longer than the weights' "
-                        f"{t.context_length} positions")
+        raise UserError(
+            f"model.init: model.context_length={context_length} is longer than the weights' "
+            f"{t.context_length} positions"
+        )
     if context_length < t.context_length and not t.causal:
-        raise UserError(f"model.init: model.context_length={context_length} is shorter than the weights' "
-                        f"{t.context_length}: their text tower is bidirectional, so cutting it changes every feature")
+        raise UserError(
+            f"model.init: model.context_length={context_length} is shorter than the weights' "
+            f"{t.context_length}: their text tower is bidirectional, so cutting it changes every feature"
+        )
     if vocab_size != t.vocab_size:
-        raise UserError(f"model.init: the weights' vocabulary has {t.vocab_size} tokens, the tokenizer "
-                        f"{vocab_size}")
-    spec = replace(src, vision=replace(v, image_size=image_size, in_chans=in_chans, attention=attention,
-                                       drop_path=drop_path, dropout=dropout),
-                   text=replace(t, context_length=context_length, attention=attention))
-    state["visual.pos_embed"] = resample_pos_embed(state["visual.pos_embed"], image_size // v.patch_size, 1)
-    state["visual.patch_embed.proj.weight"] = adapt_in_chans(state["visual.patch_embed.proj.weight"], in_chans)
-    state["text.positional_embedding"] = state["text.positional_embedding"][:context_length].contiguous()
+        raise UserError(
+            f"model.init: the weights' vocabulary has {t.vocab_size} tokens, the tokenizer "
+            f"{vocab_size}"
+        )
+    spec = replace(
+        src,
+        vision=replace(
+            v,
+            image_size=image_size,
+            in_chans=in_chans,
+            attention=attention,
+            drop_path=drop_path,
+            dropout=dropout,
+        ),
+        text=replace(t, context_length=context_length, attention=attention),
+    )
+    state["visual.pos_embed"] = resample_pos_embed(
+        state["visual.pos_embed"], image_size // v.patch_size, 1
+    )
+    state["visual.patch_embed.proj.weight"] = adapt_in_chans(
+        state["visual.patch_embed.proj.weight"], in_chans
+    )
+    state["text.positional_embedding"] = state["text.positional_embedding"][
+        :context_length
+    ].contiguous()
     return spec, state
 
 
@@ -417,7 +596,17 @@ def export_run(model: CLIP, out, metadata: dict, run_dir, preprocess: dict) -> P
     out = Path(out)
     if out == Path(run_dir) / "model_open_clip.safetensors":
         out = Path(run_dir) / "open_clip"
-    return save_open_clip(model, out, {k: v for k, v in preprocess.items() if k in PREPROCESS_KEYS}, metadata)
+    return save_open_clip(
+        model, out, {k: v for k, v in preprocess.items() if k in PREPROCESS_KEYS}, metadata
+    )
 
 
-PREPROCESS_KEYS = ("size", "mode", "mean", "std", "interpolation", "resize_mode", "fill_color")  # OpenCLIP's
+PREPROCESS_KEYS = (
+    "size",
+    "mode",
+    "mean",
+    "std",
+    "interpolation",
+    "resize_mode",
+    "fill_color",
+)  # OpenCLIP's

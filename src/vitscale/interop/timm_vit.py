@@ -21,6 +21,7 @@ Export (`to_timm`, `timm_hub_config`) writes the same keys and a hub-style confi
 architecture and model_args rebuild exactly the function, with the run's input size, mean/std and
 interpolation as its pretrained config. Nothing here imports timm.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,23 +59,93 @@ UNSUPPORTED = {
 }
 # timm's VisionTransformer arguments and their defaults (timm 1.0.31)
 ARG_DEFAULTS = dict(
-    img_size=224, patch_size=16, in_chans=3, num_classes=1000, global_pool="token", embed_dim=768, depth=12,
-    num_heads=12, mlp_ratio=4.0, qkv_bias=True, qk_norm=False, scale_attn_norm=False, scale_mlp_norm=False,
-    proj_bias=True, init_values=None, class_token=True, pos_embed="learn", no_embed_class=False, reg_tokens=0,
-    pre_norm=False, final_norm=True, fc_norm=None, pool_include_prefix=False, dynamic_img_size=False,
-    dynamic_img_pad=False, embed_layer=None, embed_norm_layer=None, norm_layer=None, act_layer=None,
-    block_fn=None, mlp_layer=None, attn_layer=None)
+    img_size=224,
+    patch_size=16,
+    in_chans=3,
+    num_classes=1000,
+    global_pool="token",
+    embed_dim=768,
+    depth=12,
+    num_heads=12,
+    mlp_ratio=4.0,
+    qkv_bias=True,
+    qk_norm=False,
+    scale_attn_norm=False,
+    scale_mlp_norm=False,
+    proj_bias=True,
+    init_values=None,
+    class_token=True,
+    pos_embed="learn",
+    no_embed_class=False,
+    reg_tokens=0,
+    pre_norm=False,
+    final_norm=True,
+    fc_norm=None,
+    pool_include_prefix=False,
+    dynamic_img_size=False,
+    dynamic_img_pad=False,
+    embed_layer=None,
+    embed_norm_layer=None,
+    norm_layer=None,
+    act_layer=None,
+    block_fn=None,
+    mlp_layer=None,
+    attn_layer=None,
+)
 # arguments that change nothing in the function the weights compute at their own image size
-NEUTRAL = {"drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate",
-           "weight_init", "fix_init", "dynamic_img_size", "dynamic_img_pad", "out_indices", "pretrained_strict",
-           "device", "dtype"}
-ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "GELU": "gelu",
-        "GELUTanh": "gelu_tanh", "QuickGELU": "quick_gelu"}
+NEUTRAL = {
+    "drop_rate",
+    "pos_drop_rate",
+    "patch_drop_rate",
+    "proj_drop_rate",
+    "attn_drop_rate",
+    "drop_path_rate",
+    "weight_init",
+    "fix_init",
+    "dynamic_img_size",
+    "dynamic_img_pad",
+    "out_indices",
+    "pretrained_strict",
+    "device",
+    "dtype",
+}
+ACTS = {
+    "gelu": "gelu",
+    "gelu_tanh": "gelu_tanh",
+    "quick_gelu": "quick_gelu",
+    "GELU": "gelu",
+    "GELUTanh": "gelu_tanh",
+    "QuickGELU": "quick_gelu",
+}
 # what the export's model_args always give (the rest only where it differs from timm's default)
-CORE_ARGS = ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio")
-EXPORT_ARGS = CORE_ARGS + ("qkv_bias", "class_token", "global_pool", "fc_norm", "no_embed_class", "reg_tokens",
-                           "init_values", "pre_norm", "final_norm", "act_layer")
-HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")  # timm's preferred names
+CORE_ARGS = (
+    "img_size",
+    "patch_size",
+    "in_chans",
+    "num_classes",
+    "embed_dim",
+    "depth",
+    "num_heads",
+    "mlp_ratio",
+)
+EXPORT_ARGS = CORE_ARGS + (
+    "qkv_bias",
+    "class_token",
+    "global_pool",
+    "fc_norm",
+    "no_embed_class",
+    "reg_tokens",
+    "init_values",
+    "pre_norm",
+    "final_norm",
+    "act_layer",
+)
+HF_WEIGHTS = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "pytorch_model.pth",
+    "model.pth",
+)  # timm's preferred names
 
 
 # -- what travels with the weights -----------------------------------------------------------------
@@ -95,8 +166,10 @@ def read_hub_config(weights: str | Path) -> dict | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{path}: not a readable JSON file ({e})") from None
     if not isinstance(cfg, dict) or "architecture" not in cfg:
-        raise UserError(f"{path}: not timm's hub config (no \"architecture\"); move it away or give "
-                        "model.init_arch")
+        raise UserError(
+            f'{path}: not timm\'s hub config (no "architecture"); move it away or give '
+            "model.init_arch"
+        )
     return cfg
 
 
@@ -110,13 +183,16 @@ def weights_in_folder(folder: str | Path) -> Path:
         found = sorted(folder.glob(f"*{ext}"))
         if found:
             return found[0]
-    raise UserError(f"{folder}: no weights file (model.safetensors, pytorch_model.bin, ...) in this folder")
+    raise UserError(
+        f"{folder}: no weights file (model.safetensors, pytorch_model.bin, ...) in this folder"
+    )
 
 
 def split_arch(name: str) -> tuple[str, str]:
-    """"vit_base_patch16_224.augreg_in21k" -> ("vit_base_patch16_224", "augreg_in21k"); an old name
+    """ "vit_base_patch16_224.augreg_in21k" -> ("vit_base_patch16_224", "augreg_in21k"); an old name
     timm still accepts is its new name and tag ("vit_base_patch16_224_in21k" -> the same pair)."""
     from .timm_archs import DEPRECATED
+
     base, _, tag = name.partition(".")
     if base in DEPRECATED:
         new_base, _, new_tag = DEPRECATED[base].partition(".")
@@ -127,20 +203,26 @@ def split_arch(name: str) -> tuple[str, str]:
 def arch_entry(name: str, where: str = "model.init_arch") -> tuple[str, bool, dict]:
     """(module, distilled, entry point arguments) of a timm ViT architecture name (a tag allowed)."""
     from .timm_archs import ARCHS, TIMM_VERSION
+
     base, _ = split_arch(name)
     if base not in ARCHS:
-        raise UserError(f"{where}: '{name}' is not one of timm {TIMM_VERSION}'s vision_transformer / deit "
-                        f"architectures{did_you_mean(base, ARCHS)}")
+        raise UserError(
+            f"{where}: '{name}' is not one of timm {TIMM_VERSION}'s vision_transformer / deit "
+            f"architectures{did_you_mean(base, ARCHS)}"
+        )
     return ARCHS[base]
 
 
 def arch_pretrained_cfg(name: str) -> dict:
     """The pretrained config timm has for an architecture name's tag (its default tag without one)."""
     from .timm_archs import PRETRAINED
+
     base, tag = split_arch(name)
     tags = PRETRAINED.get(base, [])
     if tag and tag not in dict(tags):
-        raise UserError(f"model.init_arch: {base} has no pretrained tag '{tag}'{did_you_mean(tag, dict(tags))}")
+        raise UserError(
+            f"model.init_arch: {base} has no pretrained tag '{tag}'{did_you_mean(tag, dict(tags))}"
+        )
     return dict(tags).get(tag) if tag else (tags[0][1] if tags else {})
 
 
@@ -192,7 +274,9 @@ def norm_eps(value) -> float | None:
     name, kw = _layer(value)
     if name and _short(name).lower() != "layernorm":
         return None
-    default = 1e-5 if name.startswith("torch.") else 1e-6  # torch's nn.LayerNorm; timm's LayerNorm, "layernorm"
+    default = (
+        1e-5 if name.startswith("torch.") else 1e-6
+    )  # torch's nn.LayerNorm; timm's LayerNorm, "layernorm"
     return float(kw.get("eps", default))
 
 
@@ -206,24 +290,44 @@ def _check_args(a: dict, distilled: bool, label: str) -> None:
         raise _refusal(label, UNSUPPORTED["dist_token"])
     unknown = sorted(set(a) - set(ARG_DEFAULTS) - NEUTRAL)
     if unknown:
-        raise UserError(f"timm ViT{label}: the argument {unknown[0]}={a[unknown[0]]!r} is not known to vitscale")
-    blocks = {"ParallelThingsBlock": UNSUPPORTED[".attns."], "ParallelScalingBlock": UNSUPPORTED[".in_proj."],
-              "DiffParallelScalingBlock": "differential attention in parallel blocks (DiffParallelScalingBlock)",
-              "ResPostBlock": "post-norm blocks (ResPostBlock: the norm after each branch)"}
+        raise UserError(
+            f"timm ViT{label}: the argument {unknown[0]}={a[unknown[0]]!r} is not known to vitscale"
+        )
+    blocks = {
+        "ParallelThingsBlock": UNSUPPORTED[".attns."],
+        "ParallelScalingBlock": UNSUPPORTED[".in_proj."],
+        "DiffParallelScalingBlock": "differential attention in parallel blocks (DiffParallelScalingBlock)",
+        "ResPostBlock": "post-norm blocks (ResPostBlock: the norm after each branch)",
+    }
     block = _short(_layer(a["block_fn"])[0])
     if block not in ("", "Block"):
         raise _refusal(label, blocks.get(block, f"the block type {block} (block_fn)"))
     attn = _layer(a["attn_layer"])[0]
     if _short(attn) not in ("", "Attention", "attention"):
-        raise _refusal(label, UNSUPPORTED["lambda_q1"] if attn == "diff" else f"the attention {attn!r} (attn_layer)")
+        raise _refusal(
+            label,
+            UNSUPPORTED["lambda_q1"] if attn == "diff" else f"the attention {attn!r} (attn_layer)",
+        )
     mlp = _short(_layer(a["mlp_layer"])[0])
     if mlp not in ("", "Mlp"):
-        raise _refusal(label, f"a gated MLP ({mlp})" if "Glu" in mlp or "GLU" in mlp else f"the MLP {mlp} (mlp_layer)")
+        raise _refusal(
+            label,
+            f"a gated MLP ({mlp})"
+            if "Glu" in mlp or "GLU" in mlp
+            else f"the MLP {mlp} (mlp_layer)",
+        )
     if norm_eps(a["norm_layer"]) is None:
         norm = _short(_layer(a["norm_layer"])[0])
-        raise _refusal(label, "RMSNorm (norm_layer=RmsNorm)" if "rms" in norm.lower() else f"the norm {norm} (norm_layer)")
+        raise _refusal(
+            label,
+            "RMSNorm (norm_layer=RmsNorm)"
+            if "rms" in norm.lower()
+            else f"the norm {norm} (norm_layer)",
+        )
     if _short(_layer(a["embed_layer"])[0]) not in ("", "PatchEmbed"):
-        raise _refusal(label, f"the patch embedding {_short(_layer(a['embed_layer'])[0])} (embed_layer)")
+        raise _refusal(
+            label, f"the patch embedding {_short(_layer(a['embed_layer'])[0])} (embed_layer)"
+        )
     if a["embed_norm_layer"] is not None:
         raise _refusal(label, UNSUPPORTED["patch_embed.norm"])
     if a["qk_norm"]:
@@ -236,9 +340,14 @@ def _check_args(a: dict, distilled: bool, label: str) -> None:
     if pool in ("map", "prr"):
         raise _refusal(label, UNSUPPORTED["attn_pool"].replace("'map'", repr(pool)))
     if pool not in ("token", "avg"):
-        raise _refusal(label, f"global_pool={pool!r} ({'no pooling' if not pool else 'max pooling'})")
+        raise _refusal(
+            label, f"global_pool={pool!r} ({'no pooling' if not pool else 'max pooling'})"
+        )
     if a["pool_include_prefix"] and pool == "avg":
-        raise _refusal(label, "an average that includes the class and register tokens (pool_include_prefix=True)")
+        raise _refusal(
+            label,
+            "an average that includes the class and register tokens (pool_include_prefix=True)",
+        )
     if a["pos_embed"] != "learn":
         raise _refusal(label, f"pos_embed={a['pos_embed']!r} (no learned position embedding)")
     act = _short(_layer(a["act_layer"])[0]) or "gelu"
@@ -249,18 +358,29 @@ def _check_args(a: dict, distilled: bool, label: str) -> None:
 def _shape_facts(sd: dict) -> tuple[int, int, int, int]:
     """(width, input channels, patch size, depth) from the keys; one line when they are not a ViT's."""
     if "patch_embed.proj.weight" not in sd or "pos_embed" not in sd:
-        raise UserError("timm ViT: not a timm VisionTransformer state dict (no patch_embed.proj.weight / "
-                        f"pos_embed; its keys begin {first_keys(sd, 3)})")
+        raise UserError(
+            "timm ViT: not a timm VisionTransformer state dict (no patch_embed.proj.weight / "
+            f"pos_embed; its keys begin {first_keys(sd, 3)})"
+        )
     w = sd["patch_embed.proj.weight"]
     if w.ndim != 4 or w.shape[-1] != w.shape[-2]:
-        raise UserError(f"timm ViT: patch_embed.proj.weight has shape {tuple(w.shape)}; expected a square "
-                        "[dim, channels, patch, patch] convolution")
+        raise UserError(
+            f"timm ViT: patch_embed.proj.weight has shape {tuple(w.shape)}; expected a square "
+            "[dim, channels, patch, patch] convolution"
+        )
     grouped = sorted(k for k in sd if re.match(r"blocks\.\d+\.\d+\.", k))
     if grouped:
-        raise _refusal("", f"blocks in groups ({first_keys(grouped, 1)}: timm's ParallelThingsBlock / "
-                           "checkpoint_seq layouts)")
+        raise _refusal(
+            "",
+            f"blocks in groups ({first_keys(grouped, 1)}: timm's ParallelThingsBlock / "
+            "checkpoint_seq layouts)",
+        )
     layers = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
-    if not layers or layers != set(range(len(layers))) or f"blocks.{len(layers) - 1}.mlp.fc1.weight" not in sd:
+    if (
+        not layers
+        or layers != set(range(len(layers)))
+        or f"blocks.{len(layers) - 1}.mlp.fc1.weight" not in sd
+    ):
         raise UserError("timm ViT: the blocks are missing or not numbered 0..N-1")
     return w.shape[0], w.shape[1], w.shape[-1], len(layers)
 
@@ -269,7 +389,9 @@ def _grid(sd: dict, prefix_rows: int, what: str) -> int:
     rows = sd["pos_embed"].shape[1]
     g = math.isqrt(max(0, rows - prefix_rows))
     if rows <= prefix_rows or g * g != rows - prefix_rows:
-        raise UserError(f"timm ViT: pos_embed has {rows} rows, which is no square patch grid ({what})")
+        raise UserError(
+            f"timm ViT: pos_embed has {rows} rows, which is no square patch grid ({what})"
+        )
     return g
 
 
@@ -284,24 +406,36 @@ def _num_classes(sd: dict, num_classes: int) -> int:
     if "head.weight" in sd:
         return sd["head.weight"].shape[0]
     if num_classes <= 0:
-        raise UserError("timm ViT: the checkpoint has no classifier head (timm's num_classes=0): "
-                        "give the number of classes of the new head")
+        raise UserError(
+            "timm ViT: the checkpoint has no classifier head (timm's num_classes=0): "
+            "give the number of classes of the new head"
+        )
     return num_classes
 
 
-def _spec_from_args(sd: dict, args: dict, distilled: bool, source: str, heads: int, num_classes: int) -> ViTSpec:
+def _spec_from_args(
+    sd: dict, args: dict, distilled: bool, source: str, heads: int, num_classes: int
+) -> ViTSpec:
     a = {**ARG_DEFAULTS, **args}
     label = f" {source}"
     _check_args(a, distilled, label)
     dim, in_chans, patch, depth = _shape_facts(sd)
     patch_arg = a["patch_size"] if isinstance(a["patch_size"], int) else tuple(a["patch_size"])
     hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
-    for what, theirs, ours in (("width (embed_dim)", a["embed_dim"], dim), ("depth", a["depth"], depth),
-                               ("patch size", patch_arg, patch), ("MLP width", int(dim * a["mlp_ratio"]), hidden)):
+    for what, theirs, ours in (
+        ("width (embed_dim)", a["embed_dim"], dim),
+        ("depth", a["depth"], depth),
+        ("patch size", patch_arg, patch),
+        ("MLP width", int(dim * a["mlp_ratio"]), hidden),
+    ):
         if theirs != ours and not (isinstance(theirs, tuple) and set(theirs) == {ours}):
-            raise UserError(f"timm ViT{label}: the architecture has {what} {theirs}, the weights {ours}")
+            raise UserError(
+                f"timm ViT{label}: the architecture has {what} {theirs}, the weights {ours}"
+            )
     if heads and heads != a["num_heads"]:
-        raise UserError(f"timm ViT{label}: model.heads={heads}, but the architecture has {a['num_heads']} heads")
+        raise UserError(
+            f"timm ViT{label}: model.heads={heads}, but the architecture has {a['num_heads']} heads"
+        )
     heads = a["num_heads"]
     if dim % heads:
         raise UserError(f"timm ViT: width {dim} is not divisible by {heads} heads")
@@ -310,13 +444,27 @@ def _spec_from_args(sd: dict, args: dict, distilled: bool, source: str, heads: i
     fc_norm = a["global_pool"] == "avg" if a["fc_norm"] is None else bool(a["fc_norm"])
     prefix_rows = 0 if a["no_embed_class"] else int(token) + reg
     grid = _grid(sd, prefix_rows, f"{prefix_rows} rows for the class and register tokens")
-    return ViTSpec(image_size=grid * patch, patch_size=patch, in_chans=in_chans, num_classes=_num_classes(sd, num_classes),
-                   dim=dim, depth=depth, heads=heads, mlp_ratio=_mlp_ratio(dim, hidden, a["mlp_ratio"]), head=head,
-                   fc_norm=fc_norm and a["final_norm"], no_embed_class=bool(a["no_embed_class"]),
-                   class_token=None if token == (head == "token") else token, reg_tokens=reg,
-                   layer_scale=float(a["init_values"] or 0.0), qkv_bias=bool(a["qkv_bias"]),
-                   pre_norm=bool(a["pre_norm"]), final_norm=bool(a["final_norm"]), norm_eps=norm_eps(a["norm_layer"]),
-                   act=ACTS[_short(_layer(a["act_layer"])[0]) or "gelu"])
+    return ViTSpec(
+        image_size=grid * patch,
+        patch_size=patch,
+        in_chans=in_chans,
+        num_classes=_num_classes(sd, num_classes),
+        dim=dim,
+        depth=depth,
+        heads=heads,
+        mlp_ratio=_mlp_ratio(dim, hidden, a["mlp_ratio"]),
+        head=head,
+        fc_norm=fc_norm and a["final_norm"],
+        no_embed_class=bool(a["no_embed_class"]),
+        class_token=None if token == (head == "token") else token,
+        reg_tokens=reg,
+        layer_scale=float(a["init_values"] or 0.0),
+        qkv_bias=bool(a["qkv_bias"]),
+        pre_norm=bool(a["pre_norm"]),
+        final_norm=bool(a["final_norm"]),
+        norm_eps=norm_eps(a["norm_layer"]),
+        act=ACTS[_short(_layer(a["act_layer"])[0]) or "gelu"],
+    )
 
 
 def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> ViTSpec:
@@ -327,20 +475,28 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
         raise _refusal("", "RMSNorm (blocks.0.norm1 has a weight and no bias)")
     fc1, fc2 = sd["blocks.0.mlp.fc1.weight"], sd.get("blocks.0.mlp.fc2.weight")
     if fc2 is not None and fc1.shape[0] == 2 * fc2.shape[1]:
-        raise _refusal("", f"a gated MLP (GluMlp: blocks.0.mlp.fc1 gives {fc1.shape[0]} features, fc2 takes "
-                           f"{fc2.shape[1]})")
+        raise _refusal(
+            "",
+            f"a gated MLP (GluMlp: blocks.0.mlp.fc1 gives {fc1.shape[0]} features, fc2 takes "
+            f"{fc2.shape[1]})",
+        )
     token = "cls_token" in sd
     reg = sd["reg_token"].shape[1] if "reg_token" in sd else 0
     fc_norm = "fc_norm.weight" in sd
     rows, prefix = sd["pos_embed"].shape[1], int(token) + reg
     square = lambda n: n > 0 and math.isqrt(n) ** 2 == n  # noqa: E731
     no_embed_class = prefix > 0 and not square(rows - prefix) and square(rows)
-    grid = _grid(sd, 0 if no_embed_class else prefix,
-                 f"with {'a class token' if token else 'no class token'} and {reg} register tokens")
+    grid = _grid(
+        sd,
+        0 if no_embed_class else prefix,
+        f"with {'a class token' if token else 'no class token'} and {reg} register tokens",
+    )
     head = "pool" if fc_norm or not token else "token"
     assumed = []
     if prefix > 0 and square(rows - prefix) and square(rows):  # tiny grids only: 2x2 + 5 rows = 3x3
-        assumed.append(f"rows for the class and register tokens in pos_embed (a {grid}x{grid} grid)")
+        assumed.append(
+            f"rows for the class and register tokens in pos_embed (a {grid}x{grid} grid)"
+        )
     if not heads:
         heads = HEADS_BY_DIM.get(dim, max(1, dim // 64))
         assumed.append(f"{heads} attention heads (model.heads)")
@@ -349,20 +505,43 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
     if head == "token":
         pooling = "the class token's features, not the patch tokens' average"
     else:  # fc_norm keys (or no class token) say pooling, not which: 'avg', 'max' and fc_norm with 'token' all fit
-        pooling = (f"the average of the patch tokens{', then fc_norm' if fc_norm else ''} as the feature "
-                   f"(global_pool='avg', not 'max'{' or the class token' if token else ''}, nor per-token outputs)")
-    assumed += ["exact GELU (not GELU-tanh or QuickGELU)", "LayerNorm eps 1e-6", pooling, "pre-norm blocks"]
-    log.warning("%s: no config.json beside the weights and no architecture name, so what the weights leave open "
-                "is assumed, and the file cannot confirm it: %s (timm's defaults; set model.init_arch to the timm "
-                "architecture, e.g. vit_base_patch16_224, or put the hub's config.json next to the file)",
-                announce, ", ".join(assumed))
+        pooling = (
+            f"the average of the patch tokens{', then fc_norm' if fc_norm else ''} as the feature "
+            f"(global_pool='avg', not 'max'{' or the class token' if token else ''}, nor per-token outputs)"
+        )
+    assumed += [
+        "exact GELU (not GELU-tanh or QuickGELU)",
+        "LayerNorm eps 1e-6",
+        pooling,
+        "pre-norm blocks",
+    ]
+    log.warning(
+        "%s: no config.json beside the weights and no architecture name, so what the weights leave open "
+        "is assumed, and the file cannot confirm it: %s (timm's defaults; set model.init_arch to the timm "
+        "architecture, e.g. vit_base_patch16_224, or put the hub's config.json next to the file)",
+        announce,
+        ", ".join(assumed),
+    )
     hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
-    return ViTSpec(image_size=grid * patch, patch_size=patch, in_chans=in_chans, num_classes=_num_classes(sd, num_classes),
-                   dim=dim, depth=depth, heads=heads, mlp_ratio=_mlp_ratio(dim, hidden), head=head, fc_norm=fc_norm,
-                   no_embed_class=no_embed_class, class_token=None if token == (head == "token") else token,
-                   reg_tokens=reg, layer_scale=1e-5 if "blocks.0.ls1.gamma" in sd else 0.0,
-                   qkv_bias="blocks.0.attn.qkv.bias" in sd, pre_norm="norm_pre.weight" in sd,
-                   final_norm=fc_norm or "norm.weight" in sd)
+    return ViTSpec(
+        image_size=grid * patch,
+        patch_size=patch,
+        in_chans=in_chans,
+        num_classes=_num_classes(sd, num_classes),
+        dim=dim,
+        depth=depth,
+        heads=heads,
+        mlp_ratio=_mlp_ratio(dim, hidden),
+        head=head,
+        fc_norm=fc_norm,
+        no_embed_class=no_embed_class,
+        class_token=None if token == (head == "token") else token,
+        reg_tokens=reg,
+        layer_scale=1e-5 if "blocks.0.ls1.gamma" in sd else 0.0,
+        qkv_bias="blocks.0.attn.qkv.bias" in sd,
+        pre_norm="norm_pre.weight" in sd,
+        final_norm=fc_norm or "norm.weight" in sd,
+    )
 
 
 def check_keys(sd: dict, spec: ViTSpec, where: str = "timm ViT") -> None:
@@ -371,18 +550,30 @@ def check_keys(sd: dict, spec: ViTSpec, where: str = "timm ViT") -> None:
     with torch.device("meta"):
         want = {k: tuple(v.shape) for k, v in VisionTransformer(spec).state_dict().items()}
     unknown = set(sd) - set(want)
-    missing = set(want) - set(sd) - ({"head.weight", "head.bias"} if "head.weight" not in sd else set())
+    missing = (
+        set(want) - set(sd) - ({"head.weight", "head.bias"} if "head.weight" not in sd else set())
+    )
     if unknown or missing:
-        parts = ([f"unknown keys {first_keys(unknown)}"] if unknown else []) + \
-                ([f"missing keys {first_keys(missing)}"] if missing else [])
+        parts = ([f"unknown keys {first_keys(unknown)}"] if unknown else []) + (
+            [f"missing keys {first_keys(missing)}"] if missing else []
+        )
         raise UserError(f"{where}: {'; '.join(parts)}")
     for k, shape in want.items():
         if k in sd and tuple(sd[k].shape) != shape:
-            raise UserError(f"{where}: {k} has shape {tuple(sd[k].shape)}, the model expects {shape}")
+            raise UserError(
+                f"{where}: {k} has shape {tuple(sd[k].shape)}, the model expects {shape}"
+            )
 
 
-def timm_vit_spec(sd: dict, heads: int = 0, num_classes: int = 0, *, config: dict | None = None, arch: str = "",
-                  announce: str = "timm ViT") -> ViTSpec:
+def timm_vit_spec(
+    sd: dict,
+    heads: int = 0,
+    num_classes: int = 0,
+    *,
+    config: dict | None = None,
+    arch: str = "",
+    announce: str = "timm ViT",
+) -> ViTSpec:
     """The ViTSpec that computes what timm's model with these weights computes. What the weights
     leave open comes from `config` (timm's hub config.json) or `arch` (a timm architecture name);
     without either, from timm's defaults, announced in one line (prefixed with `announce`).
@@ -397,18 +588,29 @@ def timm_vit_spec(sd: dict, heads: int = 0, num_classes: int = 0, *, config: dic
     return spec
 
 
-def from_timm(sd: dict, heads: int = 0, num_classes: int = 0, *, config: dict | None = None, arch: str = "",
-              **spec_overrides) -> VisionTransformer:
+def from_timm(
+    sd: dict,
+    heads: int = 0,
+    num_classes: int = 0,
+    *,
+    config: dict | None = None,
+    arch: str = "",
+    **spec_overrides,
+) -> VisionTransformer:
     """vitscale's ViT holding a timm ViT state dict's weights (the same function, in fp32).
     `config` / `arch`: see timm_vit_spec. `spec_overrides` (e.g. attention="explicit",
     drop_path=0.1) change nothing in the weights."""
-    spec = replace(timm_vit_spec(sd, heads, num_classes, config=config, arch=arch), **spec_overrides)
+    spec = replace(
+        timm_vit_spec(sd, heads, num_classes, config=config, arch=arch), **spec_overrides
+    )
     theirs = {k: v.detach().to(torch.float32, copy=True) for k, v in sd.items()}
     if "head.weight" not in sd:  # a new head: initialized as vitscale initializes one
         model = VisionTransformer(spec)
         model.load_state_dict(theirs, strict=False)
         return model
-    with torch.device("meta"):  # every parameter comes from the file: no initialization to overwrite
+    with torch.device(
+        "meta"
+    ):  # every parameter comes from the file: no initialization to overwrite
         model = VisionTransformer(spec)
     model.load_state_dict(theirs, strict=True, assign=True)
     return model
@@ -417,7 +619,9 @@ def from_timm(sd: dict, heads: int = 0, num_classes: int = 0, *, config: dict | 
 # -- export ----------------------------------------------------------------------------------------------
 def _check_exportable(spec: ViTSpec) -> None:
     if spec.stem != "patch":
-        raise UserError("export to timm: model.stem=conv has no timm ViT counterpart (use the patch stem)")
+        raise UserError(
+            "export to timm: model.stem=conv has no timm ViT counterpart (use the patch stem)"
+        )
 
 
 def timm_export_arch(spec: ViTSpec) -> str:
@@ -425,10 +629,15 @@ def timm_export_arch(spec: ViTSpec) -> str:
     its norm layer (whose eps no JSON argument can give): vit_base_patch16_224 for LayerNorm eps
     1e-6, vit_base_patch16_clip_224 for 1e-5."""
     from .timm_archs import ARCHS
+
     _check_exportable(spec)
     for name in ["vit_base_patch16_224", "vit_base_patch16_clip_224", *ARCHS]:
         _, distilled, args = ARCHS[name]
-        if not distilled and set(args) <= set(EXPORT_ARGS) | {"norm_layer"} and norm_eps(args.get("norm_layer")) == spec.norm_eps:
+        if (
+            not distilled
+            and set(args) <= set(EXPORT_ARGS) | {"norm_layer"}
+            and norm_eps(args.get("norm_layer")) == spec.norm_eps
+        ):
             return name
     raise UserError(f"export to timm: no timm ViT architecture has LayerNorm eps {spec.norm_eps}")
 
@@ -438,14 +647,28 @@ def timm_kwargs(spec: ViTSpec, arch: str = "vit_base_patch16_224") -> dict:
     `spec` (arch from timm_export_arch): the sizes, plus every option that differs from timm's default
     or that arch's entry point sets."""
     from .timm_archs import ARCHS
+
     _check_exportable(spec)
-    full = dict(img_size=spec.image_size, patch_size=spec.patch_size, in_chans=spec.in_chans,
-                num_classes=spec.num_classes, embed_dim=spec.dim, depth=spec.depth, num_heads=spec.heads,
-                mlp_ratio=spec.mlp_ratio, qkv_bias=spec.qkv_bias, class_token=spec.has_class_token,
-                global_pool="token" if spec.head == "token" else "avg", fc_norm=spec.fc_norm,
-                no_embed_class=spec.no_embed_class, reg_tokens=spec.reg_tokens,
-                init_values=spec.layer_scale or None, pre_norm=spec.pre_norm, final_norm=spec.final_norm,
-                act_layer=spec.act)
+    full = dict(
+        img_size=spec.image_size,
+        patch_size=spec.patch_size,
+        in_chans=spec.in_chans,
+        num_classes=spec.num_classes,
+        embed_dim=spec.dim,
+        depth=spec.depth,
+        num_heads=spec.heads,
+        mlp_ratio=spec.mlp_ratio,
+        qkv_bias=spec.qkv_bias,
+        class_token=spec.has_class_token,
+        global_pool="token" if spec.head == "token" else "avg",
+        fc_norm=spec.fc_norm,
+        no_embed_class=spec.no_embed_class,
+        reg_tokens=spec.reg_tokens,
+        init_values=spec.layer_scale or None,
+        pre_norm=spec.pre_norm,
+        final_norm=spec.final_norm,
+        act_layer=spec.act,
+    )
     defaults = {**ARG_DEFAULTS, "fc_norm": full["global_pool"] == "avg", "act_layer": "gelu"}
     set_by_arch = set(ARCHS.get(split_arch(arch)[0], ("", False, {}))[2])
     return {k: v for k, v in full.items() if k in CORE_ARGS or k in set_by_arch or v != defaults[k]}
@@ -458,19 +681,34 @@ def to_timm(model: VisionTransformer) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
 
 
-def timm_hub_config(spec: ViTSpec, *, mean, std, interpolation: str = "bilinear", crop_pct: float = 1.0) -> dict:
+def timm_hub_config(
+    spec: ViTSpec, *, mean, std, interpolation: str = "bilinear", crop_pct: float = 1.0
+) -> dict:
     """timm's hub config.json for weights of `spec`: the architecture and model_args that rebuild its
     function, and a pretrained config with its input size, mean/std, interpolation and crop, which
     `timm.data.resolve_data_config` hands to a timm user."""
     arch = timm_export_arch(spec)
     kw = timm_kwargs(spec, arch)
     size = [spec.in_chans, spec.image_size, spec.image_size]
-    return {"architecture": arch, "num_classes": spec.num_classes, "num_features": spec.dim,
-            "global_pool": "token" if spec.head == "token" else "avg", "model_args": kw,
-            "pretrained_cfg": {"input_size": size, "fixed_input_size": True, "interpolation": interpolation,
-                               "crop_pct": crop_pct, "crop_mode": "center", "mean": [float(m) for m in mean],
-                               "std": [float(s) for s in std], "num_classes": spec.num_classes,
-                               "first_conv": "patch_embed.proj", "classifier": "head"}}
+    return {
+        "architecture": arch,
+        "num_classes": spec.num_classes,
+        "num_features": spec.dim,
+        "global_pool": "token" if spec.head == "token" else "avg",
+        "model_args": kw,
+        "pretrained_cfg": {
+            "input_size": size,
+            "fixed_input_size": True,
+            "interpolation": interpolation,
+            "crop_pct": crop_pct,
+            "crop_mode": "center",
+            "mean": [float(m) for m in mean],
+            "std": [float(s) for s in std],
+            "num_classes": spec.num_classes,
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+        },
+    }
 
 
 def timm_load_call(config: dict, weights: str | Path) -> str:
@@ -482,9 +720,13 @@ def timm_load_call(config: dict, weights: str | Path) -> str:
     if weights.name == HF_WEIGHTS[0] and hub_config_path(weights).is_file():
         return f"timm.create_model({'local-dir:' + str(folder)!r}, pretrained=True)"
     p = config["pretrained_cfg"]
-    overlay = (f'file={str(weights)!r}, num_classes={config["num_classes"]}, input_size={tuple(p["input_size"])}, '
-               f'mean={tuple(p["mean"])}, std={tuple(p["std"])}, interpolation={p["interpolation"]!r}, '
-               f'crop_pct={p["crop_pct"]}')
+    overlay = (
+        f"file={str(weights)!r}, num_classes={config['num_classes']}, input_size={tuple(p['input_size'])}, "
+        f"mean={tuple(p['mean'])}, std={tuple(p['std'])}, interpolation={p['interpolation']!r}, "
+        f"crop_pct={p['crop_pct']}"
+    )
     args = ", ".join(f"{k}={v!r}" for k, v in config["model_args"].items())
-    return (f'timm.create_model({config["architecture"]!r}, pretrained=True, '
-            f'pretrained_cfg_overlay=dict({overlay}), {args})')
+    return (
+        f"timm.create_model({config['architecture']!r}, pretrained=True, "
+        f"pretrained_cfg_overlay=dict({overlay}), {args})"
+    )

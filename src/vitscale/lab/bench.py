@@ -1,6 +1,7 @@
 """`vitscale bench`: the recipe's training step timed (its Bench, timing.py), the split, MFU, memory
 and communication, and beside it a peer's loop (--peer, peer.py) or the recipe with other settings
 (--beside) in paired rounds (rounds.py). What it reports and its arguments: commands.py."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,17 @@ from .rounds import gather_max, paired_rounds, rate, rounds_won, side_by_side
 from .timing import Bench, kernel_seconds
 
 
-def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_steps: int = 0,
-            peer: str | None = None, rounds: int = 5, beside: list | None = None) -> dict:
+def measure(
+    cfg,
+    steps: int,
+    warmup: int,
+    trials: int,
+    synthetic: bool,
+    split_steps: int = 0,
+    peer: str | None = None,
+    rounds: int = 5,
+    beside: list | None = None,
+) -> dict:
     rss0 = max_rss_bytes()
     cuda = torch.cuda.is_available() and cfg.run.device != "cpu"
     if cuda:
@@ -34,42 +44,76 @@ def measure(cfg, steps: int, warmup: int, trials: int, synthetic: bool, split_st
         r, comm = timed_steps(b, steps, warmup, trials)
         split = b.split(split_steps or min(steps, 5))
         if cuda:
-            mem, mem_src = torch.cuda.max_memory_allocated(s.device), "cuda max_memory_allocated (this process)"
+            mem, mem_src = (
+                torch.cuda.max_memory_allocated(s.device),
+                "cuda max_memory_allocated (this process)",
+            )
         else:
             mem, mem_src = max_rss_bytes() - rss0, "process max RSS growth (ru_maxrss), CPU"
         mem = max(s.gather_objects(mem))
         state = s.gather_objects(b.trainer.state_bytes())  # what each rank holds, by kind
         split_all = s.gather_objects({k: v for k, v in split.items() if k != "notes"})
-        peak, peak_src = peak_flops(s.device, cfg.train.precision, cfg.train.tf32)  # every rank at once: shared cores
+        peak, peak_src = peak_flops(
+            s.device, cfg.train.precision, cfg.train.tf32
+        )  # every rank at once: shared cores
         peak = s.broadcast_object(peak)
         ips = r["images_per_s"]
         world = s.world_size
         out = {
-            "images_per_s": ips, "images_per_s_per_device": ips / world,
+            "images_per_s": ips,
+            "images_per_s_per_device": ips / world,
             "mfu": mfu(b.trainer.flops_per_image, ips, peak, world),
-            "peak_flops": peak, "peak_source": peak_src,
+            "peak_flops": peak,
+            "peak_source": peak_src,
             "tf32": tf32_active(s.device.type, cfg.train.precision, cfg.train.tf32),
-            "flops_per_image": b.trainer.flops_per_image, "train_flops_per_image": 3 * b.trainer.flops_per_image,
+            "flops_per_image": b.trainer.flops_per_image,
+            "train_flops_per_image": 3 * b.trainer.flops_per_image,
             "step_time_s": r["step_time_s"],
-            "split": {"data": r["data_s"],
-                      **{k: _max_or_none([d[k] for d in split_all]) for k in
-                         ("forward", "backward", "comm_exposed", "comm_overlapped", "optimizer",
-                          "instrumented_step")}},
-            "split_notes": ["step_time_s/images_per_s: un-instrumented steps (data fetch included); "
-                            "split: a separate instrumented pass on one batch with syncs between phases "
-                            "(max across ranks), data from the timed steps"] + split["notes"],
-            "comm": comm, "peak_memory_bytes": mem, "memory_source": mem_src,
-            "state_bytes_per_rank": state, "state_bytes": max(sum(r.values()) for r in state),
-            "world_size": world, "batch_size": cfg.data.batch_size,
+            "split": {
+                "data": r["data_s"],
+                **{
+                    k: _max_or_none([d[k] for d in split_all])
+                    for k in (
+                        "forward",
+                        "backward",
+                        "comm_exposed",
+                        "comm_overlapped",
+                        "optimizer",
+                        "instrumented_step",
+                    )
+                },
+            },
+            "split_notes": [
+                "step_time_s/images_per_s: un-instrumented steps (data fetch included); "
+                "split: a separate instrumented pass on one batch with syncs between phases "
+                "(max across ranks), data from the timed steps"
+            ]
+            + split["notes"],
+            "comm": comm,
+            "peak_memory_bytes": mem,
+            "memory_source": mem_src,
+            "state_bytes_per_rank": state,
+            "state_bytes": max(sum(r.values()) for r in state),
+            "world_size": world,
+            "batch_size": cfg.data.batch_size,
             "micro_batch": cfg.data.batch_size // world // cfg.train.accum_steps,
-            "steps": steps, "warmup": warmup, "trials": trials, "synthetic": synthetic,
-            "params": b.trainer.params, "config": b.cfg.to_dict(), "versions": versions(),
-            "hardware": hardware_info(s.device), "strategy": s.name, "rank": s.rank,
+            "steps": steps,
+            "warmup": warmup,
+            "trials": trials,
+            "synthetic": synthetic,
+            "params": b.trainer.params,
+            "config": b.cfg.to_dict(),
+            "versions": versions(),
+            "hardware": hardware_info(s.device),
+            "strategy": s.name,
+            "rank": s.rank,
         }
         if "comm_total" in split:
             out["split"]["comm_total"] = max(d["comm_total"] for d in split_all)
         if peer:
-            out["peer"] = peer_rounds(b, peer, steps, warmup, rounds, b.trainer.flops_per_image, peak)
+            out["peer"] = peer_rounds(
+                b, peer, steps, warmup, rounds, b.trainer.flops_per_image, peak
+            )
         if beside:
             out["beside"] = beside_rounds(b, beside, steps, warmup, rounds, peak)
     finally:
@@ -93,27 +137,43 @@ def beside_rounds(b, overrides: list, steps: int, warmup: int, rounds: int, peak
         kernels = [kernel_seconds(x, steps) for x in (b, other)]
     finally:
         other.close()
-    speedups = paired_rounds(times, [b.global_batch] * 2)[1]  # the candidate's speed over the recipe's
+    speedups = paired_rounds(times, [b.global_batch] * 2)[
+        1
+    ]  # the candidate's speed over the recipe's
     sides = [rate(t, steps, b.global_batch) for t in times]
     fpi = b.trainer.flops_per_image
-    return {"overrides": over, "rounds": rounds, "steps": steps, "warmup": warmup,
-            **{name: {**side, "mfu": mfu(fpi, side["images_per_s"], peak, 1), "kernel_s_per_step": k}
-               for name, side, k in zip(("recipe", "candidate"), sides, kernels)},
-            "speedup": statistics.median(speedups), "speedup_rounds": speedups,
-            "rounds_won": rounds_won(speedups)}
+    return {
+        "overrides": over,
+        "rounds": rounds,
+        "steps": steps,
+        "warmup": warmup,
+        **{
+            name: {**side, "mfu": mfu(fpi, side["images_per_s"], peak, 1), "kernel_s_per_step": k}
+            for name, side, k in zip(("recipe", "candidate"), sides, kernels)
+        },
+        "speedup": statistics.median(speedups),
+        "speedup_rounds": speedups,
+        "rounds_won": rounds_won(speedups),
+    }
 
 
 def describe_beside(r: dict) -> list[str]:
     ms = lambda v: "n/a" if v is None else f"{1e3 * v:.2f} ms"  # noqa: E731
     cand = " ".join(f"{k}={v}" for k, v in r["overrides"].items())
-    rows = [f"beside      {r['rounds']} interleaved paired rounds x {r['steps']} steps after {r['warmup']} warm-up",
-            "            | candidate | median step | kernel time/step | img/s | MFU |",
-            "            |---|---:|---:|---:|---:|"]
+    rows = [
+        f"beside      {r['rounds']} interleaved paired rounds x {r['steps']} steps after {r['warmup']} warm-up",
+        "            | candidate | median step | kernel time/step | img/s | MFU |",
+        "            |---|---:|---:|---:|---:|",
+    ]
     for label, side in (("the recipe", r["recipe"]), (cand, r["candidate"])):
-        rows.append(f"            | {label} | {ms(side['step_time_s']['median'])} | {ms(side['kernel_s_per_step'])} | "
-                    f"{side['images_per_s']:.1f} | {100 * side['mfu']:.1f}% |")
-    rows.append(f"speedup     {cand} / the recipe: {r['speedup']:.3f}x (median of the per-round ratios; faster "
-                f"in {r['rounds_won']} of {r['rounds']} rounds)")
+        rows.append(
+            f"            | {label} | {ms(side['step_time_s']['median'])} | {ms(side['kernel_s_per_step'])} | "
+            f"{side['images_per_s']:.1f} | {100 * side['mfu']:.1f}% |"
+        )
+    rows.append(
+        f"speedup     {cand} / the recipe: {r['speedup']:.3f}x (median of the per-round ratios; faster "
+        f"in {r['rounds_won']} of {r['rounds']} rounds)"
+    )
     return rows
 
 
@@ -148,18 +208,23 @@ def describe(r: dict) -> str:
         f"step time   min {ms(st['min'])}, median {ms(st['median'])}, max {ms(st['max'])}",
         f"MFU         {100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e9:.0f} GFLOP/s per device "
         f"({r['peak_source']}); {r['train_flops_per_image'] / 1e6:.0f} MFLOP per training image",
-        f"memory      {r['peak_memory_bytes'] / 2 ** 20:.0f} MiB ({r['memory_source']}); state held per "
-        f"process {r['state_bytes'] / 2 ** 20:.1f} MiB (parameters, master copies, optimizer state)",
-        "split/step  " + ", ".join(f"{k} {ms(sp[k])}" for k in
-                                    ("data", "forward", "backward", "comm_exposed", "comm_overlapped", "optimizer"))
+        f"memory      {r['peak_memory_bytes'] / 2**20:.0f} MiB ({r['memory_source']}); state held per "
+        f"process {r['state_bytes'] / 2**20:.1f} MiB (parameters, master copies, optimizer state)",
+        "split/step  "
+        + ", ".join(
+            f"{k} {ms(sp[k])}"
+            for k in ("data", "forward", "backward", "comm_exposed", "comm_overlapped", "optimizer")
+        )
         + f" (instrumented step {ms(sp['instrumented_step'])})",
     ]
     c = r["comm"]
     for kind in KINDS:
         if f"comm_{kind}_calls_per_step" in c:
-            lines.append(f"comm        {kind}: {c[f'comm_{kind}_bytes_per_step'] / 2 ** 20:.2f} MiB in "
-                         f"{c[f'comm_{kind}_calls_per_step']:.0f} calls per step, "
-                         f"{ms(c[f'comm_{kind}_s_per_step'])} launch to completion")
+            lines.append(
+                f"comm        {kind}: {c[f'comm_{kind}_bytes_per_step'] / 2**20:.2f} MiB in "
+                f"{c[f'comm_{kind}_calls_per_step']:.0f} calls per step, "
+                f"{ms(c[f'comm_{kind}_s_per_step'])} launch to completion"
+            )
     if "peer" in r:
         lines += describe_peer(r["peer"])
     if "beside" in r:
@@ -169,15 +234,29 @@ def describe(r: dict) -> str:
 
 
 def run(args) -> int:
-    check_counts(steps=(args.steps, 1), trials=(args.trials, 1), warmup=(args.warmup, 0),
-                 split_steps=(args.split_steps, 0), rounds=(args.rounds, 1))
+    check_counts(
+        steps=(args.steps, 1),
+        trials=(args.trials, 1),
+        warmup=(args.warmup, 0),
+        split_steps=(args.split_steps, 0),
+        rounds=(args.rounds, 1),
+    )
     cfg = lab_config(args.config, args.overrides)
     if args.peer:
         import_timm()  # one line before anything is built where it does not import
     if args.beside:  # the candidate's refusal in one line before anything is timed
         with_overrides(cfg, dict(parse_override(o) for o in args.beside))
-    r = measure(cfg, args.steps, args.warmup, args.trials, args.synthetic or bool(args.peer), args.split_steps,
-                args.peer, args.rounds, args.beside)
+    r = measure(
+        cfg,
+        args.steps,
+        args.warmup,
+        args.trials,
+        args.synthetic or bool(args.peer),
+        args.split_steps,
+        args.peer,
+        args.rounds,
+        args.beside,
+    )
     if r["rank"] != 0:
         return 0
     text = json.dumps(r, indent=2, default=str)

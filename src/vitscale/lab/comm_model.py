@@ -20,6 +20,7 @@ NICs of a node in parallel), then an all-gather inside the node:
 With G = 1 (one GPU per node) it is the flat ring over the inter-node link. If a node has fewer
 NICs than GPUs, give the inter-node link's bandwidth per GPU (NIC bandwidth x NICs / G).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,8 @@ from dataclasses import dataclass, replace
 @dataclass(frozen=True)
 class Link:
     name: str
-    bw: float        # bytes/s per GPU, one direction
-    latency: float   # seconds per ring step
+    bw: float  # bytes/s per GPU, one direction
+    latency: float  # seconds per ring step
 
 
 # bandwidth per GPU and per-step latency (nominal figures; measured NCCL bus bandwidth is lower)
@@ -55,7 +56,9 @@ def parse_link(text: str) -> Link:
         bw, _, lat = text.partition(":")
         return Link(f"{float(bw):g} GB/s", float(bw) * 1e9, float(lat or 10) * 1e-6)
     except ValueError:
-        raise ValueError(f"unknown link {text!r}: one of {', '.join(LINKS)} or GBPS[:LATENCY_US]") from None
+        raise ValueError(
+            f"unknown link {text!r}: one of {', '.join(LINKS)} or GBPS[:LATENCY_US]"
+        ) from None
 
 
 def parse_links(text: str) -> list[tuple[str, Link, Link]]:
@@ -68,8 +71,9 @@ def parse_links(text: str) -> list[tuple[str, Link, Link]]:
     return out
 
 
-def collective_time(c: float, nbytes: float, k: int, intra: Link, inter: Link, per_node: int,
-                    bucket_bytes: float) -> float:
+def collective_time(
+    c: float, nbytes: float, k: int, intra: Link, inter: Link, per_node: int, bucket_bytes: float
+) -> float:
     """Seconds for a ring collective with factor c (2 all-reduce, 1 reduce-scatter / all-gather)
     of `nbytes` over k GPUs; the module docstring has the formula."""
     if k <= 1 or nbytes <= 0:
@@ -79,34 +83,46 @@ def collective_time(c: float, nbytes: float, k: int, intra: Link, inter: Link, p
     nodes = math.ceil(k / g)
     t = c * (g - 1) / g * nbytes / intra.bw + buckets * c * (g - 1) * intra.latency
     if nodes > 1:
-        t += c * (nodes - 1) / nodes * (nbytes / g) / inter.bw + buckets * c * (nodes - 1) * inter.latency
+        t += (
+            c * (nodes - 1) / nodes * (nbytes / g) / inter.bw
+            + buckets * c * (nodes - 1) * inter.latency
+        )
     return t
 
 
 @dataclass(frozen=True)
 class StepCost:
     """Measured (or estimated) costs of one optimizer step on ONE device at `batch` images."""
-    batch: float             # images per optimizer step on the device
-    forward: float           # seconds, all micro-batches of the step
+
+    batch: float  # images per optimizer step on the device
+    forward: float  # seconds, all micro-batches of the step
     backward: float
-    optimizer: float = 0.0   # seconds, the full (unsharded) optimizer step
-    data: float = 0.0        # seconds of exposed data loading per step
-    accum: int = 1           # micro-batches per optimizer step
+    optimizer: float = 0.0  # seconds, the full (unsharded) optimizer step
+    data: float = 0.0  # seconds of exposed data loading per step
+    accum: int = 1  # micro-batches per optimizer step
 
 
 def scaled(cost: StepCost, batch: float) -> StepCost:
     """The same device at another per-device batch: forward/backward/data linear in images
     (no small-batch inefficiency is modelled), optimizer unchanged."""
     f = batch / cost.batch
-    return replace(cost, batch=batch, forward=cost.forward * f, backward=cost.backward * f,
-                   data=cost.data * f)
+    return replace(
+        cost, batch=batch, forward=cost.forward * f, backward=cost.backward * f, data=cost.data * f
+    )
 
 
 STRATEGIES = ("ddp", "zero12", "zero3")
 
 
-def comm_times(strategy: str, grad_bytes: float, k: int, intra: Link, inter: Link, per_node: int,
-               bucket_bytes: float) -> dict:
+def comm_times(
+    strategy: str,
+    grad_bytes: float,
+    k: int,
+    intra: Link,
+    inter: Link,
+    per_node: int,
+    bucket_bytes: float,
+) -> dict:
     """Collective seconds per optimizer step, by phase.
 
     ddp:    one all-reduce of the gradients (c = 2) during the last backward.
@@ -117,8 +133,11 @@ def comm_times(strategy: str, grad_bytes: float, k: int, intra: Link, inter: Lin
     """
     t1 = collective_time(1, grad_bytes, k, intra, inter, per_node, bucket_bytes)
     if strategy == "ddp":
-        return {"backward": collective_time(2, grad_bytes, k, intra, inter, per_node, bucket_bytes),
-                "forward": 0.0, "after": 0.0}
+        return {
+            "backward": collective_time(2, grad_bytes, k, intra, inter, per_node, bucket_bytes),
+            "forward": 0.0,
+            "after": 0.0,
+        }
     if strategy == "zero12":
         return {"backward": t1, "forward": 0.0, "after": t1}
     if strategy == "zero3":
@@ -126,8 +145,17 @@ def comm_times(strategy: str, grad_bytes: float, k: int, intra: Link, inter: Lin
     raise ValueError(f"unknown strategy {strategy!r}: one of {STRATEGIES}")
 
 
-def step_time(cost: StepCost, strategy: str, grad_bytes: float, k: int, intra: Link, inter: Link,
-              per_node: int = 8, bucket_bytes: float = 25e6, overlap: float = 0.7) -> dict:
+def step_time(
+    cost: StepCost,
+    strategy: str,
+    grad_bytes: float,
+    k: int,
+    intra: Link,
+    inter: Link,
+    per_node: int = 8,
+    bucket_bytes: float = 25e6,
+    overlap: float = 0.7,
+) -> dict:
     """Predicted seconds of one optimizer step on each of k GPUs running `cost` (per-device work).
 
     Only the last micro-batch's backward hides communication (earlier ones run under no_sync),
@@ -142,7 +170,9 @@ def step_time(cost: StepCost, strategy: str, grad_bytes: float, k: int, intra: L
     a = max(1, cost.accum)
     fwd1, bwd1 = cost.forward / a, cost.backward / a
     if strategy == "zero3":
-        exposed = a * (max(0.0, comm["forward"] - overlap * fwd1) + max(0.0, comm["backward"] - overlap * bwd1))
+        exposed = a * (
+            max(0.0, comm["forward"] - overlap * fwd1) + max(0.0, comm["backward"] - overlap * bwd1)
+        )
         total_comm = a * (comm["forward"] + comm["backward"])
     else:
         exposed = max(0.0, comm["backward"] - overlap * bwd1) + comm["after"]
@@ -151,12 +181,26 @@ def step_time(cost: StepCost, strategy: str, grad_bytes: float, k: int, intra: L
     if k <= 1:
         exposed = total_comm = 0.0
     total = cost.data + cost.forward + cost.backward + opt + exposed
-    return {"step_s": total, "comm_s": total_comm, "exposed_s": exposed, "optimizer_s": opt,
-            "compute_s": cost.forward + cost.backward}
+    return {
+        "step_s": total,
+        "comm_s": total_comm,
+        "exposed_s": exposed,
+        "optimizer_s": opt,
+        "compute_s": cost.forward + cost.backward,
+    }
 
 
-def scaling_table(cost: StepCost, strategy: str, grad_bytes: float, gpus: list[int], intra: Link,
-                  inter: Link, per_node: int = 8, bucket_bytes: float = 25e6, overlap: float = 0.7) -> list[dict]:
+def scaling_table(
+    cost: StepCost,
+    strategy: str,
+    grad_bytes: float,
+    gpus: list[int],
+    intra: Link,
+    inter: Link,
+    per_node: int = 8,
+    bucket_bytes: float = 25e6,
+    overlap: float = 0.7,
+) -> list[dict]:
     """Rows for strong and weak scaling at each K in `gpus`, relative to K = 1 at cost.batch.
 
     strong: global batch fixed at cost.batch, per-device batch cost.batch / K;
@@ -165,17 +209,30 @@ def scaling_table(cost: StepCost, strategy: str, grad_bytes: float, gpus: list[i
             efficiency = T(1) / T(K), speedup (throughput) = K x efficiency.
     images/s = global batch / T(K).
     """
-    t1 = step_time(cost, strategy, grad_bytes, 1, intra, inter, per_node, bucket_bytes, overlap)["step_s"]
+    t1 = step_time(cost, strategy, grad_bytes, 1, intra, inter, per_node, bucket_bytes, overlap)[
+        "step_s"
+    ]
     rows = []
     for k in gpus:
         args = (strategy, grad_bytes, k, intra, inter, per_node, bucket_bytes, overlap)
-        s = step_time(scaled(cost, cost.batch / k) if k > 1 else cost, *args)  # fractional below 1 image
+        s = step_time(
+            scaled(cost, cost.batch / k) if k > 1 else cost, *args
+        )  # fractional below 1 image
         w = step_time(cost, *args)
-        rows.append({"gpus": k,
-                     "strong_step_s": s["step_s"], "strong_images_per_s": cost.batch / s["step_s"],
-                     "strong_speedup": t1 / s["step_s"], "strong_efficiency": t1 / s["step_s"] / k,
-                     "strong_comm_share": s["exposed_s"] / s["step_s"],
-                     "weak_step_s": w["step_s"], "weak_images_per_s": cost.batch * k / w["step_s"],
-                     "weak_speedup": k * t1 / w["step_s"], "weak_efficiency": t1 / w["step_s"],
-                     "weak_comm_share": w["exposed_s"] / w["step_s"], "comm_s": w["comm_s"]})
+        rows.append(
+            {
+                "gpus": k,
+                "strong_step_s": s["step_s"],
+                "strong_images_per_s": cost.batch / s["step_s"],
+                "strong_speedup": t1 / s["step_s"],
+                "strong_efficiency": t1 / s["step_s"] / k,
+                "strong_comm_share": s["exposed_s"] / s["step_s"],
+                "weak_step_s": w["step_s"],
+                "weak_images_per_s": cost.batch * k / w["step_s"],
+                "weak_speedup": k * t1 / w["step_s"],
+                "weak_efficiency": t1 / w["step_s"],
+                "weak_comm_share": w["exposed_s"] / w["step_s"],
+                "comm_s": w["comm_s"],
+            }
+        )
     return rows

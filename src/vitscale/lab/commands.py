@@ -5,6 +5,7 @@ Light on purpose: the CLI builds its parser from this module alone, so `vitscale
 commands that measure nothing (config, info) import no torch. A command's implementation,
 lab/COMMAND.py (lab/search/ for search) with its `run(args)`, is imported when the command runs, and
 imports what it needs at its top."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,16 +13,32 @@ import argparse
 from ..config import add_recipe_arguments
 
 # the --skip names of the ladder's rungs, in rung order (ladder.build_rungs builds them)
-LADDER_RUNGS = ("tf32", "precision", "foreach", "fused", "pool", "sdpa", "sdpa_backend", "compile", "autotune",
-                "cudagraphs", "capture", "batch", "sharding")
+LADDER_RUNGS = (
+    "tf32",
+    "precision",
+    "foreach",
+    "fused",
+    "pool",
+    "sdpa",
+    "sdpa_backend",
+    "compile",
+    "autotune",
+    "cudagraphs",
+    "capture",
+    "batch",
+    "sharding",
+)
 SWEEP_STUDIES = ("strong", "weak", "batch", "accum", "memory")
 REDUCE_DTYPES = ("bf16", "fp16", "fp32")  # predict --reduce-dtype (predict.DTYPE_BYTES's keys)
 
 
 def add_synthetic_argument(p) -> None:
     """`--synthetic`, one definition for bench, ladder, tune and sweep (which passes it to bench)."""
-    p.add_argument("--synthetic", action="store_true",
-                   help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost")
+    p.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="synthetic images of the dataset's shape, one batch reused: no dataset needed, no data cost",
+    )
 
 
 # -- bench ----------------------------------------------------------------------------------------
@@ -46,23 +63,40 @@ def bench_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per trial (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (default 5)")
     p.add_argument("--trials", type=int, default=3, help="trials of --steps steps (default 3)")
-    p.add_argument("--split-steps", type=int, default=0,
-                   help="steps of the instrumented split pass (default: min(steps, 5))")
+    p.add_argument(
+        "--split-steps",
+        type=int,
+        default=0,
+        help="steps of the instrumented split pass (default: min(steps, 5))",
+    )
     add_synthetic_argument(p)
-    p.add_argument("--peer", choices=("timm",), help="also time timm's VisionTransformer of the same function "
-                   "(same weights, batch, precision, compile) in a skilled user's plain loop, in interleaved "
-                   "paired rounds beside the recipe's step (implies --synthetic)")
-    p.add_argument("--beside", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="also time the recipe with this override (repeatable: one candidate with all of "
-                        "them) in interleaved paired rounds beside the recipe's own step, e.g. "
-                        "--beside train.capture=step")
-    p.add_argument("--rounds", type=int, default=5, help="paired rounds with --peer or --beside (default 5)")
+    p.add_argument(
+        "--peer",
+        choices=("timm",),
+        help="also time timm's VisionTransformer of the same function "
+        "(same weights, batch, precision, compile) in a skilled user's plain loop, in interleaved "
+        "paired rounds beside the recipe's step (implies --synthetic)",
+    )
+    p.add_argument(
+        "--beside",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="also time the recipe with this override (repeatable: one candidate with all of "
+        "them) in interleaved paired rounds beside the recipe's own step, e.g. "
+        "--beside train.capture=step",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=5, help="paired rounds with --peer or --beside (default 5)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--out", help="also write the JSON result to this file")
 
 
 # -- sweep ----------------------------------------------------------------------------------------
-SWEEP_HELP = "benchmark a grid of configs / process counts (strong, weak, batch, accum, memory studies)"
+SWEEP_HELP = (
+    "benchmark a grid of configs / process counts (strong, weak, batch, accum, memory studies)"
+)
 SWEEP_DESCRIPTION = """Run `vitscale bench` over a grid of config overrides and process counts; tables and plots.
 
 Each point is a subprocess `vitscale bench CONFIG --json` (through torchrun when nproc > 1, with
@@ -85,20 +119,36 @@ examples:
 
 def sweep_arguments(p) -> None:
     add_recipe_arguments(p, set_help="override one config value for every point (repeatable)")
-    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                   help="a swept config key (or nproc); repeatable: the cartesian product is run")
-    p.add_argument("--nproc", default=None, metavar="LIST", help="process counts, e.g. 1,2 (default 1)")
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="a swept config key (or nproc); repeatable: the cartesian product is run",
+    )
+    p.add_argument(
+        "--nproc", default=None, metavar="LIST", help="process counts, e.g. 1,2 (default 1)"
+    )
     p.add_argument("--study", choices=SWEEP_STUDIES, help="a built-in study (see above)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per point (bench's default if absent)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="timed steps per point (bench's default if absent)"
+    )
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per point")
     p.add_argument("--trials", type=int, default=None, help="bench trials per point")
     add_synthetic_argument(p)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a point is killed")
-    p.add_argument("--out", default=None, metavar="DIR", help="results folder (default runs/sweep-<study|grid>)")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="results folder (default runs/sweep-<study|grid>)",
+    )
 
 
 # -- ladder ---------------------------------------------------------------------------------------
-LADDER_HELP = "ablation ladder: cumulative speed-ups measured side by side, speedups + accuracy, table + PNG"
+LADDER_HELP = (
+    "ablation ladder: cumulative speed-ups measured side by side, speedups + accuracy, table + PNG"
+)
 LADDER_DESCRIPTION = """Ablation ladder: from a plain fp32 baseline, add one speed-up at a time (cumulative) and measure
 every rung against the baseline in one run: the baseline's Trainer stays in this process, and each
 rung's Trainer is built, timed in interleaved rounds with it (round r runs N steps of the
@@ -119,17 +169,35 @@ examples:
 
 def ladder_arguments(p) -> None:
     add_recipe_arguments(p)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per rung per round (default 3)")
-    p.add_argument("--trials", type=int, default=10,
-                   help="interleaved rounds (default 10: short rounds pair well for the round-by-round columns)")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up steps per rung (compile happens here)")
-    p.add_argument("--train-steps", type=int, default=100,
-                   help="train numerics-changing rungs this many steps and test them (0 = off; default 100)")
+    p.add_argument(
+        "--steps", type=int, default=3, help="timed steps per rung per round (default 3)"
+    )
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=10,
+        help="interleaved rounds (default 10: short rounds pair well for the round-by-round columns)",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=3, help="warm-up steps per rung (compile happens here)"
+    )
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=100,
+        help="train numerics-changing rungs this many steps and test them (0 = off; default 100)",
+    )
     add_synthetic_argument(p)
-    p.add_argument("--skip", default="", metavar="RUNG,...",
-                   help=f"leave rungs out (the later ones stay cumulative): {','.join(LADDER_RUNGS)}")
+    p.add_argument(
+        "--skip",
+        default="",
+        metavar="RUNG,...",
+        help=f"leave rungs out (the later ones stay cumulative): {','.join(LADDER_RUNGS)}",
+    )
     p.add_argument("--json", action="store_true", help="print JSON only")
-    p.add_argument("--out", default="runs/ladder", help="folder for ladder.md, ladder.png, ladder.json")
+    p.add_argument(
+        "--out", default="runs/ladder", help="folder for ladder.md, ladder.png, ladder.json"
+    )
 
 
 # -- tune -----------------------------------------------------------------------------------------
@@ -153,18 +221,35 @@ examples:
 
 def tune_arguments(p) -> None:
     add_recipe_arguments(p)
-    p.add_argument("--allow-precision", default="", metavar="P1,P2",
-                   help="precisions the search may use (default: the recipe's own only)")
-    p.add_argument("--budget-s", type=float, default=300.0, help="stop searching after this many seconds")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per candidate per round (default 2)")
-    p.add_argument("--trials", type=int, default=9,
-                   help="interleaved rounds (default 9: short rounds pair well; a candidate must win more "
-                        "than 2/3 of them)")
+    p.add_argument(
+        "--allow-precision",
+        default="",
+        metavar="P1,P2",
+        help="precisions the search may use (default: the recipe's own only)",
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=300.0, help="stop searching after this many seconds"
+    )
+    p.add_argument(
+        "--steps", type=int, default=2, help="timed steps per candidate per round (default 2)"
+    )
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=9,
+        help="interleaved rounds (default 9: short rounds pair well; a candidate must win more "
+        "than 2/3 of them)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per candidate (default 2)")
-    p.add_argument("--no-compile", action="store_true", help="leave torch.compile out of the search")
-    p.add_argument("--allow-bn-micro-batch", action="store_true",
-                   help="search the micro-batch even when the model has BatchNorm layers (their batch "
-                        "statistics then come from the smaller micro-batch: not the recipe's numerics)")
+    p.add_argument(
+        "--no-compile", action="store_true", help="leave torch.compile out of the search"
+    )
+    p.add_argument(
+        "--allow-bn-micro-batch",
+        action="store_true",
+        help="search the micro-batch even when the model has BatchNorm layers (their batch "
+        "statistics then come from the smaller micro-batch: not the recipe's numerics)",
+    )
     add_synthetic_argument(p)
     p.add_argument("--out", default="tuned.toml", help="where to write the tuned recipe")
 
@@ -190,21 +275,48 @@ examples:
 
 def predict_arguments(p) -> None:
     add_recipe_arguments(p, help="TOML recipe (its model, batch and precision)")
-    p.add_argument("--bench", metavar="FILE.json", help="a single-device `vitscale bench --json` result")
-    p.add_argument("--link", default=None, metavar="LIST",
-                   help="comma list of links, each NAME or INTRA+INTER (names: nvlink, pcie, pcie3, infiniband, "
-                        "infiniband_ndr, ethernet, ethernet10, loopback = a gloo all-reduce measured here between 2 local processes, or GBPS[:LATENCY_US]); default "
-                        "nvlink+infiniband,pcie+infiniband,pcie+ethernet,ethernet10")
+    p.add_argument(
+        "--bench", metavar="FILE.json", help="a single-device `vitscale bench --json` result"
+    )
+    p.add_argument(
+        "--link",
+        default=None,
+        metavar="LIST",
+        help="comma list of links, each NAME or INTRA+INTER (names: nvlink, pcie, pcie3, infiniband, "
+        "infiniband_ndr, ethernet, ethernet10, loopback = a gloo all-reduce measured here between 2 local processes, or GBPS[:LATENCY_US]); default "
+        "nvlink+infiniband,pcie+infiniband,pcie+ethernet,ethernet10",
+    )
     p.add_argument("--gpus", default="2,4,8,16,32,64,128,256,512", metavar="LIST")
-    p.add_argument("--per-node", type=int, default=8, help="GPUs per node (intra-node link up to this many)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (latency term per bucket)")
-    p.add_argument("--overlap", type=float, default=0.7, help="share of backward time that hides communication")
-    p.add_argument("--strategy", default="ddp", metavar="LIST", help="comma list of ddp, zero12, zero3")
-    p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, help="default: fp32, or bf16 when the "
-                   "config compresses gradients (strategy.grad_compression / reduce_dtype)")
-    p.add_argument("--gpu", default="H100", help="without --bench: GPU whose peak (metrics.GPU_PEAKS) is used")
-    p.add_argument("--mfu", type=float, default=0.4, help="without --bench: assumed model FLOPs utilization")
-    p.add_argument("--out", metavar="DIR", help="write predict.md, predict.json and predict_speedup.png here")
+    p.add_argument(
+        "--per-node", type=int, default=8, help="GPUs per node (intra-node link up to this many)"
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        help="gradient bucket size (latency term per bucket)",
+    )
+    p.add_argument(
+        "--overlap", type=float, default=0.7, help="share of backward time that hides communication"
+    )
+    p.add_argument(
+        "--strategy", default="ddp", metavar="LIST", help="comma list of ddp, zero12, zero3"
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=REDUCE_DTYPES,
+        help="default: fp32, or bf16 when the "
+        "config compresses gradients (strategy.grad_compression / reduce_dtype)",
+    )
+    p.add_argument(
+        "--gpu", default="H100", help="without --bench: GPU whose peak (metrics.GPU_PEAKS) is used"
+    )
+    p.add_argument(
+        "--mfu", type=float, default=0.4, help="without --bench: assumed model FLOPs utilization"
+    )
+    p.add_argument(
+        "--out", metavar="DIR", help="write predict.md, predict.json and predict_speedup.png here"
+    )
 
 
 # -- search ---------------------------------------------------------------------------------------
@@ -235,46 +347,104 @@ examples:
 
 def search_arguments(p) -> None:
     add_recipe_arguments(p)
-    p.add_argument("--space", help="the space: a TOML file of ranges and choices, or the name of a shipped one "
-                   "(default: configs/search/vit_default.toml)")
-    p.add_argument("--budget-s", type=float, default=300.0,
-                   help="training seconds of every trial (train.time_limit_s; evaluation not counted; default 300)")
-    p.add_argument("--trials", type=int, default=20, help="trials this worker runs (0 = until stopped; default 20)")
-    p.add_argument("--out", default="search", help="the search folder: trial runs, report, best.toml (default: search)")
-    p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///OUT/search.db); a server database "
-                   "(postgresql://, mysql://) for workers on several machines")
+    p.add_argument(
+        "--space",
+        help="the space: a TOML file of ranges and choices, or the name of a shipped one "
+        "(default: configs/search/vit_default.toml)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=300.0,
+        help="training seconds of every trial (train.time_limit_s; evaluation not counted; default 300)",
+    )
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=20,
+        help="trials this worker runs (0 = until stopped; default 20)",
+    )
+    p.add_argument(
+        "--out",
+        default="search",
+        help="the search folder: trial runs, report, best.toml (default: search)",
+    )
+    p.add_argument(
+        "--storage",
+        help="Optuna storage URL (default: sqlite:///OUT/search.db); a server database "
+        "(postgresql://, mysql://) for workers on several machines",
+    )
     p.add_argument("--study", default="search", help="study name in the storage (default: search)")
-    p.add_argument("--val-fraction", type=float, default=0.1,
-                   help="share of the training set held out to score trials, when the recipe's "
-                        "data.val_fraction is 0 (default 0.1)")
-    p.add_argument("--pruner", choices=("hyperband", "halving", "none"), default="hyperband",
-                   help="stops poor trials early on their validation accuracy at each epoch (default hyperband)")
-    p.add_argument("--repeat-top", type=int, default=3, help="retrain the best K trials with other seeds, pick the "
-                   "best mean, evaluate it once on the test set (0 = no repeats, no test evaluation: a worker)")
-    p.add_argument("--seeds", type=int, default=2, help="other seeds per repeated trial (default 2)")
-    p.add_argument("--no-recipe", dest="recipe", action="store_false",
-                   help="do not train the recipe as written beside the pick (by default it is trained under the "
-                        "same budget, validation split and seeds, tested once on the pick's seed, and the report "
-                        "says whether the pick beats it)")
-    p.add_argument("--report-only", action="store_true",
-                   help="no new trials: the repeats still missing, the test evaluation and the report")
-    p.add_argument("--heartbeat-s", type=int, default=10, help="a worker's heartbeat; a RUNNING trial "
-                   "silent for 3 heartbeats (a killed worker's) is marked failed and retried once (default 10)")
-    p.add_argument("--sampler-seed", type=int, default=None, help="seed of the TPE sampler (default: random; "
-                   "give workers different seeds)")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="share of the training set held out to score trials, when the recipe's "
+        "data.val_fraction is 0 (default 0.1)",
+    )
+    p.add_argument(
+        "--pruner",
+        choices=("hyperband", "halving", "none"),
+        default="hyperband",
+        help="stops poor trials early on their validation accuracy at each epoch (default hyperband)",
+    )
+    p.add_argument(
+        "--repeat-top",
+        type=int,
+        default=3,
+        help="retrain the best K trials with other seeds, pick the "
+        "best mean, evaluate it once on the test set (0 = no repeats, no test evaluation: a worker)",
+    )
+    p.add_argument(
+        "--seeds", type=int, default=2, help="other seeds per repeated trial (default 2)"
+    )
+    p.add_argument(
+        "--no-recipe",
+        dest="recipe",
+        action="store_false",
+        help="do not train the recipe as written beside the pick (by default it is trained under the "
+        "same budget, validation split and seeds, tested once on the pick's seed, and the report "
+        "says whether the pick beats it)",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="no new trials: the repeats still missing, the test evaluation and the report",
+    )
+    p.add_argument(
+        "--heartbeat-s",
+        type=int,
+        default=10,
+        help="a worker's heartbeat; a RUNNING trial "
+        "silent for 3 heartbeats (a killed worker's) is marked failed and retried once (default 10)",
+    )
+    p.add_argument(
+        "--sampler-seed",
+        type=int,
+        default=None,
+        help="seed of the TPE sampler (default: random; give workers different seeds)",
+    )
 
 
 # name: (help, description, arguments); the implementation, vitscale.lab.NAME, has the command's `run(args)`
-COMMANDS = {"bench": (BENCH_HELP, BENCH_DESCRIPTION, bench_arguments),
-            "sweep": (SWEEP_HELP, SWEEP_DESCRIPTION, sweep_arguments),
-            "ladder": (LADDER_HELP, LADDER_DESCRIPTION, ladder_arguments),
-            "tune": (TUNE_HELP, TUNE_DESCRIPTION, tune_arguments),
-            "predict": (PREDICT_HELP, PREDICT_DESCRIPTION, predict_arguments),
-            "search": (SEARCH_HELP, SEARCH_DESCRIPTION, search_arguments)}
+COMMANDS = {
+    "bench": (BENCH_HELP, BENCH_DESCRIPTION, bench_arguments),
+    "sweep": (SWEEP_HELP, SWEEP_DESCRIPTION, sweep_arguments),
+    "ladder": (LADDER_HELP, LADDER_DESCRIPTION, ladder_arguments),
+    "tune": (TUNE_HELP, TUNE_DESCRIPTION, tune_arguments),
+    "predict": (PREDICT_HELP, PREDICT_DESCRIPTION, predict_arguments),
+    "search": (SEARCH_HELP, SEARCH_DESCRIPTION, search_arguments),
+}
 
 
 def add_parsers(sub) -> None:
     """Each lab command's parser, in COMMANDS' order, on the CLI's subparsers `sub`."""
     for name, (short, description, arguments) in COMMANDS.items():
-        arguments(sub.add_parser(name, help=short, description=description,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter))
+        arguments(
+            sub.add_parser(
+                name,
+                help=short,
+                description=description,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )

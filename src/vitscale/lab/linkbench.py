@@ -5,11 +5,12 @@ Each size B (fp32 tensor) is all-reduced `iters` times after a warm-up; the medi
 fitted by least squares to  t = 2(K-1) x a + 2(K-1)/K x B / bw  (one bucket), which gives the
 link's bandwidth bw (bytes/s) and per-step latency a for `vitscale predict --link loopback`.
 """
+
 from __future__ import annotations
 
 import statistics
 
-SIZES = (2**12, 2**16, 2**20, 2**22, 2**24, 2**26)   # bytes
+SIZES = (2**12, 2**16, 2**20, 2**22, 2**24, 2**26)  # bytes
 
 
 def fit(rows: list[tuple[float, float]], world: int) -> tuple[float, float]:
@@ -28,7 +29,14 @@ def measure_gloo(world: int = 2, sizes=SIZES, iters: int = 10) -> dict:
     from ..strategy.comm import (
         time_all_reduce,  # torch.distributed: not at import (the CLI imports the lab)
     )
+
     rows = time_all_reduce(world, list(sizes), iters)
     bw, lat = fit(rows, world)
-    return {"world": world, "rows": rows, "bw": bw, "latency": lat, "backend": "gloo",
-            "model": "t = 2(K-1) a + 2(K-1)/K B / bw (least squares over sizes)"}
+    return {
+        "world": world,
+        "rows": rows,
+        "bw": bw,
+        "latency": lat,
+        "backend": "gloo",
+        "model": "t = 2(K-1) a + 2(K-1)/K B / bw (least squares over sizes)",
+    }

@@ -1,5 +1,6 @@
 """The machine and the software a measurement ran on: the device's name, cores and torch threads,
 the versions of Python, torch, vitscale (and DeepSpeed where installed), the process's peak memory."""
+
 from __future__ import annotations
 
 import os
@@ -23,18 +24,28 @@ def cpu_model() -> str:
 
 def hardware_info(device: torch.device) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
-    return {"device": device.type, "name": name, "threads": torch.get_num_threads(), "cores": os.cpu_count()}
+    return {
+        "device": device.type,
+        "name": name,
+        "threads": torch.get_num_threads(),
+        "cores": os.cpu_count(),
+    }
 
 
 def machine_line(device: torch.device) -> str:
     h = hardware_info(device)
-    return (f"{h['name']} ({h['cores']} cores, {h['threads']} torch threads), {h['device']}, "
-            f"torch {torch.__version__}")
+    return (
+        f"{h['name']} ({h['cores']} cores, {h['threads']} torch threads), {h['device']}, "
+        f"torch {torch.__version__}"
+    )
 
 
 def versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__}
-    for pkg in ("vitscale", "deepspeed"):  # metadata, not an import: deepspeed takes seconds to import
+    for pkg in (
+        "vitscale",
+        "deepspeed",
+    ):  # metadata, not an import: deepspeed takes seconds to import
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

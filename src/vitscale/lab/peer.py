@@ -15,6 +15,7 @@ last inputs when train.channels_last, TF32 and cuDNN settings as the recipe's (t
 timm is optional: where it does not import, one line says so (exit code 2). vitscale never imports
 timm for its own work; only this comparison does.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,10 @@ def import_timm():
         import timm.models.vision_transformer  # noqa: F401
     except Exception as e:  # noqa: BLE001 - a CUDA-only torchvision fails with assorted errors
         first = (str(e).strip().splitlines() or [""])[0][:160]
-        raise UserError(f"bench --peer timm: timm does not import here ({type(e).__name__}: {first}); install it "
-                        "(pip install timm) to compare, or run bench without --peer") from None
+        raise UserError(
+            f"bench --peer timm: timm does not import here ({type(e).__name__}: {first}); install it "
+            "(pip install timm) to compare, or run bench without --peer"
+        ) from None
     return timm
 
 
@@ -58,12 +61,19 @@ def timm_peer(spec, module: torch.nn.Module):
     for m in model.modules():  # the recipe's attention kind (timm's fused_attn = SDPA)
         if hasattr(m, "fused_attn"):
             m.fused_attn = spec.attention == "sdpa"
-    call = f"timm.create_model({arch!r}, " + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")"
+    call = (
+        f"timm.create_model({arch!r}, " + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")"
+    )
     return model, call, timm.__version__
 
 
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "pure_bf16": torch.bfloat16, "fp16": torch.float16,
-            "pure_fp16": torch.float16}
+AUTOCAST = {
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "pure_bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "pure_fp16": torch.float16,
+}
 
 
 class PeerBench:
@@ -77,8 +87,10 @@ class PeerBench:
         if s.world_size > 1:
             raise UserError("bench --peer: one process (the peer's loop is one device's)")
         if peer not in b.trainer.task.exports:  # the task says which libraries have its model
-            raise UserError(f"bench --peer {peer}: compares {export_use(peer)}; this recipe trains a "
-                            f"{b.trainer.task.kind} model")
+            raise UserError(
+                f"bench --peer {peer}: compares {export_use(peer)}; this recipe trains a "
+                f"{b.trainer.task.kind} model"
+            )
         self.cfg, self.device, self.bench = cfg, s.device, b
         self.global_batch, self.sync = b.global_batch, b.sync
         model, self.call, self.version = timm_peer(b.trainer.spec, s.module)
@@ -91,31 +103,45 @@ class PeerBench:
         from timm.optim import (
             param_groups_weight_decay,  # timm is optional: imported where it is compared
         )
-        groups = param_groups_weight_decay(model, weight_decay=o.weight_decay,
-                                           no_weight_decay_list=model.no_weight_decay())
+
+        groups = param_groups_weight_decay(
+            model, weight_decay=o.weight_decay, no_weight_decay_list=model.no_weight_decay()
+        )
         if o.name == "adamw":
-            self.opt = torch.optim.AdamW(groups, lr=b.trainer.lr, betas=(o.beta1, o.beta2), eps=o.eps, **fused)
+            self.opt = torch.optim.AdamW(
+                groups, lr=b.trainer.lr, betas=(o.beta1, o.beta2), eps=o.eps, **fused
+            )
         elif o.name == "sgd":
-            self.opt = torch.optim.SGD(groups, lr=b.trainer.lr, momentum=o.momentum, nesterov=o.nesterov, **fused)
+            self.opt = torch.optim.SGD(
+                groups, lr=b.trainer.lr, momentum=o.momentum, nesterov=o.nesterov, **fused
+            )
         else:
-            raise UserError(f"bench --peer: optim.name={o.name} has no torch optimizer for the peer's loop "
-                            "(adamw and sgd do)")
+            raise UserError(
+                f"bench --peer: optim.name={o.name} has no torch optimizer for the peer's loop "
+                "(adamw and sgd do)"
+            )
         self.loss_fn = torch.nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
         self.dtype = AUTOCAST[t.precision]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype is torch.float16)
         if t.compile:
             self.model = torch.compile(self.model, **compile_kwargs(t.compile_mode))
-        self.notes = [f"peer: {self.call}, same weights as vitscale's at the start; plain loop: "
-                      f"{type(self.opt).__name__} (fused; timm's weight-decay groups), {'autocast ' + str(self.dtype).split('.')[-1] if self.dtype else 'fp32'}"
-                      f"{' (the pure_* mode as autocast)' if t.precision.startswith('pure_') else ''}, "
-                      f"label smoothing {t.label_smoothing}, grad clip {o.grad_clip or 'off'}, "
-                      f"{t.accum_steps} micro-batch(es){', torch.compile' if t.compile else ''}"]
+        self.notes = [
+            f"peer: {self.call}, same weights as vitscale's at the start; plain loop: "
+            f"{type(self.opt).__name__} (fused; timm's weight-decay groups), {'autocast ' + str(self.dtype).split('.')[-1] if self.dtype else 'fp32'}"
+            f"{' (the pure_* mode as autocast)' if t.precision.startswith('pure_') else ''}, "
+            f"label smoothing {t.label_smoothing}, grad clip {o.grad_clip or 'off'}, "
+            f"{t.accum_steps} micro-batch(es){', torch.compile' if t.compile else ''}"
+        ]
 
     def settings(self):
         return self.bench.settings()  # TF32, cuDNN and threads: the recipe's, process-wide
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+        return (
+            torch.autocast(self.device.type, dtype=self.dtype)
+            if self.dtype
+            else contextlib.nullcontext()
+        )
 
     def step(self) -> torch.Tensor:
         """One optimizer step of the plain loop; the loss stays on the device."""
@@ -132,7 +158,9 @@ class PeerBench:
             total += loss.detach()
         if self.cfg.optim.grad_clip > 0:
             self.scaler.unscale_(self.opt)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip, foreach=True)
+            torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.cfg.optim.grad_clip, foreach=True
+            )
         self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
@@ -151,7 +179,9 @@ class PeerBench:
         self.model = self.opt = None
 
 
-def peer_rounds(b, peer: str, steps: int, warmup: int, rounds: int, flops_per_image: float, peak: float) -> dict:
+def peer_rounds(
+    b, peer: str, steps: int, warmup: int, rounds: int, flops_per_image: float, peak: float
+) -> dict:
     """The vitscale Bench `b` and the peer timed in `rounds` interleaved paired rounds; each side's
     img/s and MFU and vitscale's speed over the peer's (the median of the per-round ratios)."""
     p = PeerBench(b, peer)
@@ -161,26 +191,47 @@ def peer_rounds(b, peer: str, steps: int, warmup: int, rounds: int, flops_per_im
         p.close()
     if any(t is None for t in times):
         raise UserError("bench --peer: a side ran out of memory; lower data.batch_size")
-    ratios = paired_rounds(times, [b.global_batch] * 2)[1]  # peer's speed over vitscale's, per round
+    ratios = paired_rounds(times, [b.global_batch] * 2)[
+        1
+    ]  # peer's speed over vitscale's, per round
     ours, theirs = (rate(t, steps, b.global_batch) for t in times)
     speedups = [1 / r for r in ratios]
-    return {"name": peer, "version": p.version, "model": p.call, "params": p.params, "rounds": rounds,
-            "steps": steps, "warmup": warmup,
-            "vitscale": {**ours, "mfu": mfu(flops_per_image, ours["images_per_s"], peak, 1)},
-            "peer": {**theirs, "mfu": mfu(flops_per_image, theirs["images_per_s"], peak, 1)},
-            "speedup": statistics.median(speedups), "speedup_rounds": speedups,
-            "rounds_won": rounds_won(speedups), "notes": p.notes}
+    return {
+        "name": peer,
+        "version": p.version,
+        "model": p.call,
+        "params": p.params,
+        "rounds": rounds,
+        "steps": steps,
+        "warmup": warmup,
+        "vitscale": {**ours, "mfu": mfu(flops_per_image, ours["images_per_s"], peak, 1)},
+        "peer": {**theirs, "mfu": mfu(flops_per_image, theirs["images_per_s"], peak, 1)},
+        "speedup": statistics.median(speedups),
+        "speedup_rounds": speedups,
+        "rounds_won": rounds_won(speedups),
+        "notes": p.notes,
+    }
 
 
 def describe_peer(r: dict) -> list[str]:
     """The comparison as a small table."""
     ms = lambda v: f"{1e3 * v:.1f} ms"  # noqa: E731
-    rows = [f"peer        {r['name']} {r['version']}: {r['rounds']} interleaved paired rounds x {r['steps']} steps "
-            f"after {r['warmup']} warm-up, one fixed batch on both sides",
-            "            | candidate | median step | img/s | MFU |", "            |---|---:|---:|---:|"]
-    for label, side in (("vitscale (the recipe's step)", r["vitscale"]), (f"{r['name']} (plain loop)", r["peer"])):
-        rows.append(f"            | {label} | {ms(side['step_time_s']['median'])} | {side['images_per_s']:.1f} | "
-                    f"{100 * side['mfu']:.1f}% |")
-    rows.append(f"speedup     vitscale / {r['name']}: {r['speedup']:.3f}x (median of the per-round ratios; faster "
-                f"in {r['rounds_won']} of {r['rounds']} rounds)")
+    rows = [
+        f"peer        {r['name']} {r['version']}: {r['rounds']} interleaved paired rounds x {r['steps']} steps "
+        f"after {r['warmup']} warm-up, one fixed batch on both sides",
+        "            | candidate | median step | img/s | MFU |",
+        "            |---|---:|---:|---:|",
+    ]
+    for label, side in (
+        ("vitscale (the recipe's step)", r["vitscale"]),
+        (f"{r['name']} (plain loop)", r["peer"]),
+    ):
+        rows.append(
+            f"            | {label} | {ms(side['step_time_s']['median'])} | {side['images_per_s']:.1f} | "
+            f"{100 * side['mfu']:.1f}% |"
+        )
+    rows.append(
+        f"speedup     vitscale / {r['name']}: {r['speedup']:.3f}x (median of the per-round ratios; faster "
+        f"in {r['rounds_won']} of {r['rounds']} rounds)"
+    )
     return rows

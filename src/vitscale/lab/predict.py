@@ -1,6 +1,7 @@
 """`vitscale predict`: data-parallel scaling predicted from one step (a bench result or an estimate)
 with the ring / hierarchical communication model of comm_model.py; the table, JSON and plot. The
 model's formulas and the command's arguments: commands.py."""
+
 from __future__ import annotations
 
 import json
@@ -41,32 +42,58 @@ def step_cost_from_bench(bench: dict, accum: int = 1):
     fwd, bwd = split.get("forward"), split.get("backward")
     if fwd is None or bwd is None:
         fwd, bwd = step / 3, 2 * step / 3
-        return StepCost(int(bench["batch_size"]), fwd, bwd, 0.0, 0.0, accum), "bench median step (no split: fwd:bwd 1:2)"
+        return StepCost(
+            int(bench["batch_size"]), fwd, bwd, 0.0, 0.0, accum
+        ), "bench median step (no split: fwd:bwd 1:2)"
     opt, data = split.get("optimizer") or 0.0, split.get("data") or 0.0
     total = fwd + bwd + opt + data
-    if total > step:  # the instrumented pass (syncs between phases) ran slower: scale it to the median step
+    if (
+        total > step
+    ):  # the instrumented pass (syncs between phases) ran slower: scale it to the median step
         k = step / total
-        return (StepCost(int(bench["batch_size"]), fwd * k, bwd * k, opt * k, data * k, accum),
-                f"bench split scaled by {k:.3f} to the median step")
+        return (
+            StepCost(int(bench["batch_size"]), fwd * k, bwd * k, opt * k, data * k, accum),
+            f"bench split scaled by {k:.3f} to the median step",
+        )
     # untimed remainder (zero_grad, syncs): counted as backward
-    return (StepCost(int(bench["batch_size"]), fwd, bwd + step - total, opt, data, accum),
-            "bench split (forward, backward, optimizer, data)")
+    return (
+        StepCost(int(bench["batch_size"]), fwd, bwd + step - total, opt, data, accum),
+        "bench split (forward, backward, optimizer, data)",
+    )
 
 
-def step_cost_estimate(train_flops_per_image: float, batch: int, peak: float, mfu: float, accum: int = 1):
+def step_cost_estimate(
+    train_flops_per_image: float, batch: int, peak: float, mfu: float, accum: int = 1
+):
     """compute = train FLOPs per image x batch / (peak x MFU), split 1/3 forward, 2/3 backward."""
     t = train_flops_per_image * batch / (peak * mfu)
     return StepCost(batch, t / 3, 2 * t / 3, 0.0, 0.0, accum)
 
 
-def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2, 4, 8), per_node: int = 8,
-            bucket_mb: float = 25.0, overlap: float = 0.7, strategies=("ddp",), reduce_dtype: str | None = None,
-            gpu: str = "H100", mfu: float = 0.4) -> dict:
+def predict(
+    cfg,
+    *,
+    bench: dict | None = None,
+    links: str | None = None,
+    gpus=(2, 4, 8),
+    per_node: int = 8,
+    bucket_mb: float = 25.0,
+    overlap: float = 0.7,
+    strategies=("ddp",),
+    reduce_dtype: str | None = None,
+    gpu: str = "H100",
+    mfu: float = 0.4,
+) -> dict:
     info = model_info(cfg)
     if reduce_dtype is None:
         s = cfg.strategy
-        reduce_dtype = "bf16" if "bf16" in (s.grad_compression, s.reduce_dtype) else \
-            "fp16" if s.grad_compression == "fp16" else "fp32"
+        reduce_dtype = (
+            "bf16"
+            if "bf16" in (s.grad_compression, s.reduce_dtype)
+            else "fp16"
+            if s.grad_compression == "fp16"
+            else "fp32"
+        )
     grad_bytes = info["params"] * DTYPE_BYTES[reduce_dtype]
     if bench is not None:
         cost, source = step_cost_from_bench(bench, cfg.train.accum_steps)
@@ -78,9 +105,13 @@ def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2
         peak = gpu_peak(gpu, dtype)
         if not peak:
             raise UserError(f"--gpu {gpu}: no {dtype} peak in hardware.GPU_PEAKS")
-        cost = step_cost_estimate(info["train_flops_per_image"], cfg.data.batch_size, peak, mfu, cfg.train.accum_steps)
-        source = f"estimated: {info['train_flops_per_image'] / 1e9:.3g} GFLOP/image x {cfg.data.batch_size} " \
-                 f"/ ({gpu} {dtype} peak {peak / 1e12:.3g} TFLOP/s x MFU {mfu:g}); optimizer and data time not modelled"
+        cost = step_cost_estimate(
+            info["train_flops_per_image"], cfg.data.batch_size, peak, mfu, cfg.train.accum_steps
+        )
+        source = (
+            f"estimated: {info['train_flops_per_image'] / 1e9:.3g} GFLOP/image x {cfg.data.batch_size} "
+            f"/ ({gpu} {dtype} peak {peak / 1e12:.3g} TFLOP/s x MFU {mfu:g}); optimizer and data time not modelled"
+        )
     try:
         link_list = cm.parse_links(links or cm.DEFAULT_LINKS)
     except ValueError as e:
@@ -92,28 +123,59 @@ def predict(cfg, *, bench: dict | None = None, links: str | None = None, gpus=(2
     curves = []
     for label, intra, inter in link_list:
         for st in strategies:
-            rows = cm.scaling_table(cost, st, grad_bytes, ks, intra, inter, per_node, bucket_mb * 1e6, overlap)
-            curves.append({"link": label, "intra": intra.name, "inter": inter.name, "strategy": st, "rows": rows})
-    return {"arch": info["arch"], "params": info["params"], "grad_bytes": grad_bytes, "reduce_dtype": reduce_dtype,
-            "batch": cost.batch, "step_1gpu_s": cost.forward + cost.backward + cost.optimizer + cost.data,
-            "cost": cost.__dict__, "source": source, "per_node": per_node, "bucket_mb": bucket_mb,
-            "overlap": overlap, "curves": curves,
-            "links": {label: {"intra": intra.__dict__, "inter": inter.__dict__} for label, intra, inter in link_list}}
+            rows = cm.scaling_table(
+                cost, st, grad_bytes, ks, intra, inter, per_node, bucket_mb * 1e6, overlap
+            )
+            curves.append(
+                {
+                    "link": label,
+                    "intra": intra.name,
+                    "inter": inter.name,
+                    "strategy": st,
+                    "rows": rows,
+                }
+            )
+    return {
+        "arch": info["arch"],
+        "params": info["params"],
+        "grad_bytes": grad_bytes,
+        "reduce_dtype": reduce_dtype,
+        "batch": cost.batch,
+        "step_1gpu_s": cost.forward + cost.backward + cost.optimizer + cost.data,
+        "cost": cost.__dict__,
+        "source": source,
+        "per_node": per_node,
+        "bucket_mb": bucket_mb,
+        "overlap": overlap,
+        "curves": curves,
+        "links": {
+            label: {"intra": intra.__dict__, "inter": inter.__dict__}
+            for label, intra, inter in link_list
+        },
+    }
 
 
 def markdown(result: dict) -> str:
     r = result
-    lines = [f"{r['arch']}: {r['params'] / 1e6:.2f}M params, gradients {r['grad_bytes'] / 1e6:.1f} MB "
-             f"({r['reduce_dtype']}), batch {r['batch']:g} per device at 1 GPU, step {1e3 * r['step_1gpu_s']:.1f} ms "
-             f"({r['source']}); {r['per_node']} GPUs/node, buckets {r['bucket_mb']:g} MB, overlap {r['overlap']:g}", ""]
+    lines = [
+        f"{r['arch']}: {r['params'] / 1e6:.2f}M params, gradients {r['grad_bytes'] / 1e6:.1f} MB "
+        f"({r['reduce_dtype']}), batch {r['batch']:g} per device at 1 GPU, step {1e3 * r['step_1gpu_s']:.1f} ms "
+        f"({r['source']}); {r['per_node']} GPUs/node, buckets {r['bucket_mb']:g} MB, overlap {r['overlap']:g}",
+        "",
+    ]
     for c in r["curves"]:
-        lines += [f"### {STRATEGY_NAMES[c['strategy']]} over {c['link']} ({c['intra']} / {c['inter']})", "",
-                  "| GPUs | strong speedup | strong eff. | weak eff. | weak img/s | comm/step ms | exposed share (weak) |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"### {STRATEGY_NAMES[c['strategy']]} over {c['link']} ({c['intra']} / {c['inter']})",
+            "",
+            "| GPUs | strong speedup | strong eff. | weak eff. | weak img/s | comm/step ms | exposed share (weak) |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for row in c["rows"]:
-            lines.append(f"| {row['gpus']} | {row['strong_speedup']:.2f} | {100 * row['strong_efficiency']:.1f}% | "
-                         f"{100 * row['weak_efficiency']:.1f}% | {row['weak_images_per_s']:.0f} | "
-                         f"{1e3 * row['comm_s']:.2f} | {100 * row['weak_comm_share']:.1f}% |")
+            lines.append(
+                f"| {row['gpus']} | {row['strong_speedup']:.2f} | {100 * row['strong_efficiency']:.1f}% | "
+                f"{100 * row['weak_efficiency']:.1f}% | {row['weak_images_per_s']:.0f} | "
+                f"{1e3 * row['comm_s']:.2f} | {100 * row['weak_comm_share']:.1f}% |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -130,15 +192,29 @@ def run(args) -> int:
     if links and "loopback" in links:  # measure this machine's gloo all-reduce and use it as a link
         m = measure_gloo(2)
         measured = m
-        cm.LINKS["loopback"] = cm.Link(f"gloo loopback, measured {m['bw'] / 1e9:.2f} GB/s, "
-                                       f"{1e6 * m['latency']:.0f} us", m["bw"], m["latency"])
-        print(f"measured gloo all-reduce between 2 local processes: bandwidth {m['bw'] / 1e9:.3f} GB/s, latency "
-              f"{1e6 * m['latency']:.1f} us per ring step; " +
-              ", ".join(f"{b / 2**20:g} MiB {1e3 * t:.2f} ms" for b, t in m["rows"]))
-    result = predict(cfg, bench=bench, links=links, gpus=_ints(args.gpus), per_node=args.per_node,
-                     bucket_mb=args.bucket_mb, overlap=args.overlap,
-                     strategies=[s.strip() for s in args.strategy.split(",") if s.strip()],
-                     reduce_dtype=args.reduce_dtype, gpu=args.gpu, mfu=args.mfu)
+        cm.LINKS["loopback"] = cm.Link(
+            f"gloo loopback, measured {m['bw'] / 1e9:.2f} GB/s, {1e6 * m['latency']:.0f} us",
+            m["bw"],
+            m["latency"],
+        )
+        print(
+            f"measured gloo all-reduce between 2 local processes: bandwidth {m['bw'] / 1e9:.3f} GB/s, latency "
+            f"{1e6 * m['latency']:.1f} us per ring step; "
+            + ", ".join(f"{b / 2**20:g} MiB {1e3 * t:.2f} ms" for b, t in m["rows"])
+        )
+    result = predict(
+        cfg,
+        bench=bench,
+        links=links,
+        gpus=_ints(args.gpus),
+        per_node=args.per_node,
+        bucket_mb=args.bucket_mb,
+        overlap=args.overlap,
+        strategies=[s.strip() for s in args.strategy.split(",") if s.strip()],
+        reduce_dtype=args.reduce_dtype,
+        gpu=args.gpu,
+        mfu=args.mfu,
+    )
     if measured:
         result["loopback_measurement"] = measured
     text = markdown(result)

@@ -2,6 +2,7 @@
 (`lab_config`), changed by dotted keys
 (`with_overrides`), its dataset swapped for synthetic images (`synthetic_data`); the commands'
 count checks and progress lines (`log`)."""
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,10 @@ def lab_config(path, overrides):
     set_value(cfg, "run.tensorboard", False)
     world_size = this_process().world_size
     if world_size > 1 and not needs_processes(cfg.strategy.name):
-        log(f"launched with several processes and strategy.name={cfg.strategy.name}: using "
-            f"strategy.name={default_for(world_size)}")
+        log(
+            f"launched with several processes and strategy.name={cfg.strategy.name}: using "
+            f"strategy.name={default_for(world_size)}"
+        )
         set_value(cfg, "strategy.name", default_for(world_size))
     check(cfg)
     # the lab measures what training would run on this machine (its reports hold the resolved config)

@@ -1,4 +1,5 @@
 """Tables and PNG plots for sweeps (results.jsonl records) and scaling predictions (matplotlib Agg)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +12,10 @@ SPLIT = ("data", "forward", "backward", "comm_exposed", "optimizer")
 
 def _plt():
     import matplotlib  # here: optional, and the plots alone need it
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -41,7 +44,9 @@ def grad_bytes(bench: dict) -> float | None:
     params = bench.get("params")
     if params is None and bench.get("config"):
         try:
-            params = model_info(apply_dict(Config(), bench["config"], source="bench config"))["params"]
+            params = model_info(apply_dict(Config(), bench["config"], source="bench config"))[
+                "params"
+            ]
         except Exception:  # noqa: BLE001 - a table column, not worth failing the report for
             return None
     return 4.0 * params if params else None
@@ -102,28 +107,52 @@ def _ms(v) -> str:
 
 def markdown_table(records: list[dict], study=None) -> str:
     derived, mfus = derive(records, study), common_mfu(records)
-    head = ["point", "global batch", "img/s", "img/s/device", "step ms (min-max)", *(f"{s} ms" for s in SPLIT),
-            "peak MB", "state MiB/process", "MFU", "speedup", "efficiency"]
+    head = [
+        "point",
+        "global batch",
+        "img/s",
+        "img/s/device",
+        "step ms (min-max)",
+        *(f"{s} ms" for s in SPLIT),
+        "peak MB",
+        "state MiB/process",
+        "MFU",
+        "speedup",
+        "efficiency",
+    ]
     if study == "accum":
         head += ["grad bytes/sample", "without accum"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r, d, mfu in zip(records, derived, mfus):
         if not r["ok"]:
-            lines.append(f"| {label(r)} | failed: {str(r['error']).replace('|', '/')} |" + " |" * (len(head) - 2))
+            lines.append(
+                f"| {label(r)} | failed: {str(r['error']).replace('|', '/')} |"
+                + " |" * (len(head) - 2)
+            )
             continue
         b = r["bench"]
         st, split = b["step_time_s"], b.get("split") or {}
         mem = b.get("peak_memory_bytes")
-        row = [label(r), str(b["batch_size"]), f"{b['images_per_s']:.1f}", f"{b['images_per_s_per_device']:.1f}",
-               f"{_ms(st['median'])} ({_ms(st['min'])}-{_ms(st['max'])})", *(_ms(split.get(s)) for s in SPLIT),
-               "-" if mem is None else f"{mem / 2**20:.0f}",
-               "-" if b.get("state_bytes") is None else f"{b['state_bytes'] / 2**20:.1f}",
-               "-" if mfu is None else f"{100 * mfu:.1f}%",
-               f"{d['speedup']:.2f}" if "speedup" in d else "-",
-               f"{100 * d['efficiency']:.0f}%" if "efficiency" in d else "-"]
+        row = [
+            label(r),
+            str(b["batch_size"]),
+            f"{b['images_per_s']:.1f}",
+            f"{b['images_per_s_per_device']:.1f}",
+            f"{_ms(st['median'])} ({_ms(st['min'])}-{_ms(st['max'])})",
+            *(_ms(split.get(s)) for s in SPLIT),
+            "-" if mem is None else f"{mem / 2**20:.0f}",
+            "-" if b.get("state_bytes") is None else f"{b['state_bytes'] / 2**20:.1f}",
+            "-" if mfu is None else f"{100 * mfu:.1f}%",
+            f"{d['speedup']:.2f}" if "speedup" in d else "-",
+            f"{100 * d['efficiency']:.0f}%" if "efficiency" in d else "-",
+        ]
         if study == "accum":
-            row += [f"{d['bytes_per_sample']:.0f}" if "bytes_per_sample" in d else "-",
-                    f"{d['bytes_per_sample_no_accum']:.0f}" if "bytes_per_sample_no_accum" in d else "-"]
+            row += [
+                f"{d['bytes_per_sample']:.0f}" if "bytes_per_sample" in d else "-",
+                f"{d['bytes_per_sample_no_accum']:.0f}"
+                if "bytes_per_sample_no_accum" in d
+                else "-",
+            ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -137,7 +166,13 @@ def plot_split(records: list[dict], path: Path) -> None:
         vals = [1e3 * ((r["bench"].get("split") or {}).get(s) or 0.0) for r in ok]
         ax.bar(range(len(ok)), vals, bottom=bottom, label=s)
         bottom = [a + b for a, b in zip(bottom, vals)]
-    ax.plot(range(len(ok)), [1e3 * r["bench"]["step_time_s"]["median"] for r in ok], "k_", ms=20, label="step (median)")
+    ax.plot(
+        range(len(ok)),
+        [1e3 * r["bench"]["step_time_s"]["median"] for r in ok],
+        "k_",
+        ms=20,
+        label="step (median)",
+    )
     ax.set_xticks(range(len(ok)), [label(r).replace(" ", "\n") for r in ok], fontsize=7)
     ax.set_ylabel("ms per step")
     ax.set_title("step split per point")
@@ -151,17 +186,31 @@ def plot_scaling(records: list[dict], derived: list[dict], path: Path, study) ->
     groups = {}
     for r, d in zip(records, derived):
         if "speedup" in d:
-            groups.setdefault(_group(r, study), []).append((r["nproc"], d["speedup"], d["efficiency"], r))
+            groups.setdefault(_group(r, study), []).append(
+                (r["nproc"], d["speedup"], d["efficiency"], r)
+            )
     ns = sorted({r["nproc"] for r in records})
     a1.plot(ns, ns, "k--", label="ideal")
     a2.plot(ns, [1.0] * len(ns), "k--", label="ideal")
     for _g, pts in groups.items():
         pts.sort(key=lambda p: p[0])
-        name = label(pts[0][3], skip={"strategy.name", "data.batch_size"}).replace("n=1", "").strip() or "measured"
+        name = (
+            label(pts[0][3], skip={"strategy.name", "data.batch_size"}).replace("n=1", "").strip()
+            or "measured"
+        )
         a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
         a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=name)
-    a1.set(xlabel="processes", ylabel="speedup (img/s vs 1 process)", title=f"{study or 'scaling'}: speedup")
-    a2.set(xlabel="processes", ylabel="efficiency", title=f"{study or 'scaling'}: efficiency", ylim=(0, 1.2))
+    a1.set(
+        xlabel="processes",
+        ylabel="speedup (img/s vs 1 process)",
+        title=f"{study or 'scaling'}: speedup",
+    )
+    a2.set(
+        xlabel="processes",
+        ylabel="efficiency",
+        title=f"{study or 'scaling'}: efficiency",
+        ylim=(0, 1.2),
+    )
     a1.legend(fontsize=7)
     _save(fig, path)
 
@@ -174,19 +223,30 @@ def plot_batch(records: list[dict], path: Path) -> None:
         if r["ok"]:
             b = r["bench"]
             st = b.get("step_time_s", {})
-            lo, hi = (b["batch_size"] / st["max"], b["batch_size"] / st["min"]) if "min" in st else (None, None)
+            lo, hi = (
+                (b["batch_size"] / st["max"], b["batch_size"] / st["min"])
+                if "min" in st
+                else (None, None)
+            )
             by_n.setdefault(r["nproc"], []).append((b["batch_size"], b["images_per_s"], lo, hi))
     for n, pts in sorted(by_n.items()):
         pts.sort()
         x, y = [p[0] for p in pts], [p[1] for p in pts]
         if all(p[2] is not None for p in pts):  # the spread of the trials: slowest to fastest
-            err = [[max(0.0, v - p[2]) for v, p in zip(y, pts)], [max(0.0, p[3] - v) for v, p in zip(y, pts)]]
+            err = [
+                [max(0.0, v - p[2]) for v, p in zip(y, pts)],
+                [max(0.0, p[3] - v) for v, p in zip(y, pts)],
+            ]
             ax.errorbar(x, y, yerr=err, fmt="o-", capsize=3, label=f"{n} process(es)")
         else:
             ax.plot(x, y, "o-", label=f"{n} process(es)")
     ax.set_xscale("log", base=2)
     ax.set_ylim(bottom=0)  # a flat curve must look flat
-    ax.set(xlabel="global batch", ylabel="images/s (bars: slowest to fastest trial)", title="throughput vs batch")
+    ax.set(
+        xlabel="global batch",
+        ylabel="images/s (bars: slowest to fastest trial)",
+        title="throughput vs batch",
+    )
     ax.legend(fontsize=7)
     _save(fig, path)
 
@@ -194,15 +254,25 @@ def plot_batch(records: list[dict], path: Path) -> None:
 def plot_memory(records: list[dict], path: Path) -> None:
     plt = _plt()
     ok = [r for r in records if r["ok"]]
-    names = [label(r, skip={"nproc"}).replace("name=", "").replace("deepspeed zero_stage=", "ZeRO-") for r in ok]
+    names = [
+        label(r, skip={"nproc"}).replace("name=", "").replace("deepspeed zero_stage=", "ZeRO-")
+        for r in ok
+    ]
     fig, (a0, a1, a2) = plt.subplots(1, 3, figsize=(14, 3.8))
     # what each process holds (parameters, master copies, optimizer state): where sharding shows;
     # the peak also has activations and, on CPUs, the allocator's cached pages
-    a0.bar(range(len(ok)), [(r["bench"].get("state_bytes") or 0) / 2**20 for r in ok], color="tab:green")
+    a0.bar(
+        range(len(ok)),
+        [(r["bench"].get("state_bytes") or 0) / 2**20 for r in ok],
+        color="tab:green",
+    )
     a1.bar(range(len(ok)), [(r["bench"].get("peak_memory_bytes") or 0) / 2**20 for r in ok])
     a2.bar(range(len(ok)), [r["bench"]["images_per_s"] for r in ok], color="tab:orange")
-    for ax, title in ((a0, "state held per process (MiB)"), (a1, "peak memory per process (MiB)"),
-                      (a2, "images/s")):
+    for ax, title in (
+        (a0, "state held per process (MiB)"),
+        (a1, "peak memory per process (MiB)"),
+        (a2, "images/s"),
+    ):
         ax.set_xticks(range(len(ok)), [n.replace(" ", "\n") for n in names], fontsize=7)
         ax.set_title(title)
     _save(fig, path)
@@ -211,7 +281,9 @@ def plot_memory(records: list[dict], path: Path) -> None:
 def write_report(records: list[dict], out: Path, study=None) -> list[Path]:
     """results.md and the plots that apply to these records; returns the files written."""
     out = Path(out)
-    (out / "results.md").write_text(f"# sweep{' (' + study + ')' if study else ''}\n\n" + markdown_table(records, study))
+    (out / "results.md").write_text(
+        f"# sweep{' (' + study + ')' if study else ''}\n\n" + markdown_table(records, study)
+    )
     written = [out / "results.md"]
     ok = [r for r in records if r["ok"]]
     if not ok:
@@ -235,16 +307,28 @@ def plot_predicted_speedup(result: dict, path: Path) -> None:
     """Strong- and weak-scaling speedup vs GPUs (log-log), one curve per link and strategy, with ideal."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, kind, what in ((axes[0], "strong", f"global batch {result['batch']:g}"),
-                           (axes[1], "weak", f"{result['batch']:g} images per GPU")):
+    for ax, kind, what in (
+        (axes[0], "strong", f"global batch {result['batch']:g}"),
+        (axes[1], "weak", f"{result['batch']:g} images per GPU"),
+    ):
         ks = []
         for c in result["curves"]:
             ks = [r["gpus"] for r in c["rows"]]
-            ax.plot(ks, [r[f"{kind}_speedup"] for r in c["rows"]], "o-", ms=3, label=f"{c['strategy']} {c['link']}")
+            ax.plot(
+                ks,
+                [r[f"{kind}_speedup"] for r in c["rows"]],
+                "o-",
+                ms=3,
+                label=f"{c['strategy']} {c['link']}",
+            )
         ax.plot(ks, ks, "k--", label="ideal")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
-        ax.set(xlabel="GPUs", ylabel="speedup (throughput vs 1 GPU)", title=f"predicted {kind} scaling, {what}")
+        ax.set(
+            xlabel="GPUs",
+            ylabel="speedup (throughput vs 1 GPU)",
+            title=f"predicted {kind} scaling, {what}",
+        )
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{result['arch']}: {result['source'][:110]}", fontsize=8)
     _save(fig, path)

@@ -8,6 +8,7 @@ compares them round by round (a drift of the machine's speed between rounds canc
 (the ladder) keeps only the first (the baseline) resident and builds, times and frees every other
 configuration one at a time, each paired with the baseline.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -17,7 +18,9 @@ from .recipes import log
 from .timing import Bench, build_bench, free_memory, perf, run_steps, settings_kept
 
 
-def side_by_side(benches: list[Bench], steps: int | list, rounds: int, warmup: int | list, label=None) -> list:
+def side_by_side(
+    benches: list[Bench], steps: int | list, rounds: int, warmup: int | list, label=None
+) -> list:
     """Interleaved rounds: round r runs `steps` steps of bench 0, 1, ..., n-1, each bench (its
     warm-up too) under its own process-wide settings; `steps` and `warmup` either for all or one
     per bench. Returns per bench the per-round (wall s, data s) (max across ranks), or None where
@@ -53,8 +56,11 @@ def rate(bench_times: list, steps: int, batch: int) -> dict:
     """images/s from the median round; step time spread over rounds."""
     per_step = sorted(w / steps for w, _ in bench_times)
     med = statistics.median(per_step)
-    return {"images_per_s": batch / med, "step_time_s": {"min": per_step[0], "median": med, "max": per_step[-1]},
-            "data_s": statistics.median(d / steps for _, d in bench_times)}
+    return {
+        "images_per_s": batch / med,
+        "step_time_s": {"min": per_step[0], "median": med, "max": per_step[-1]},
+        "data_s": statistics.median(d / steps for _, d in bench_times),
+    }
 
 
 def paired_rounds(times: list, batches: list) -> list:
@@ -65,8 +71,10 @@ def paired_rounds(times: list, batches: list) -> list:
     if not times or times[0] is None:
         return [None] * len(times)
     first = [w / batches[0] for w, _ in times[0]]
-    return [None if t is None else [f / (w / b) for f, (w, _) in zip(first, t)]
-            for t, b in zip(times, batches)]
+    return [
+        None if t is None else [f / (w / b) for f, (w, _) in zip(first, t)]
+        for t, b in zip(times, batches)
+    ]
 
 
 def paired_speedups(times: list, batches: list) -> list:
@@ -87,8 +95,14 @@ def faster_in_most_rounds(ratios: list | None, share: float = 2 / 3) -> bool:
 
 
 @settings_kept()
-def measure_configs(cfgs: list, steps: int, rounds: int, warmup: int, synthetic: bool = False,
-                    names: list | None = None) -> list:
+def measure_configs(
+    cfgs: list,
+    steps: int,
+    rounds: int,
+    warmup: int,
+    synthetic: bool = False,
+    names: list | None = None,
+) -> list:
     """Build one Bench per config, time them side by side, free them. Per config a dict
     (images_per_s, step_time_s, paired_vs_first, paired_rounds, flops_per_image, ...) or {'error': reason}."""
     names = names or [str(i) for i in range(len(cfgs))]
@@ -117,14 +131,27 @@ def measure_configs(cfgs: list, steps: int, rounds: int, warmup: int, synthetic:
 
 def result_of(b: Bench, times: list, steps: int, ratios: list | None) -> dict:
     """A measured configuration: its rate over its rounds and its round-by-round ratios to the first."""
-    return {**rate(times, steps, b.global_batch), "paired_rounds": ratios,
-            "paired_vs_first": statistics.median(ratios) if ratios else None,
-            "flops_per_image": b.trainer.flops_per_image, "world_size": b.s.world_size, "device": b.s.device}
+    return {
+        **rate(times, steps, b.global_batch),
+        "paired_rounds": ratios,
+        "paired_vs_first": statistics.median(ratios) if ratios else None,
+        "flops_per_image": b.trainer.flops_per_image,
+        "world_size": b.s.world_size,
+        "device": b.s.device,
+    }
 
 
 @settings_kept()
-def measure_against_first(cfgs: list, steps: int, rounds: int, warmup: int, synthetic: bool = False,
-                          names: list | None = None, on_result=None, reference_steps: int | None = None) -> list:
+def measure_against_first(
+    cfgs: list,
+    steps: int,
+    rounds: int,
+    warmup: int,
+    synthetic: bool = False,
+    names: list | None = None,
+    on_result=None,
+    reference_steps: int | None = None,
+) -> list:
     """`measure_configs` for a long list compared with its first (the ladder: every rung against
     the baseline), with at most two configurations resident: the first (the reference) is built
     once and stays; every other one is built, warmed up and timed in interleaved rounds with the
@@ -158,16 +185,28 @@ def measure_against_first(cfgs: list, steps: int, rounds: int, warmup: int, synt
         return results
     if ref_i == len(cfgs) - 1:  # nothing to pair it with: timed alone
         t = side_by_side([ref], steps, rounds, warmup, label=lambda k: names[ref_i])[0]
-        emit(ref_i, {"error": "out of memory"} if t is None else result_of(ref, t, steps, [1.0] * len(t)))
+        emit(
+            ref_i,
+            {"error": "out of memory"} if t is None else result_of(ref, t, steps, [1.0] * len(t)),
+        )
     fresh = True  # the reference has not run a pair since it was built
     for j in range(ref_i + 1, len(cfgs)):
-        if ref is None or ref.closed:  # it ran out of memory next to an earlier configuration: again
+        if (
+            ref is None or ref.closed
+        ):  # it ran out of memory next to an earlier configuration: again
             ref, _ = build_bench(cfgs[ref_i], synthetic)
             fresh = True
         full = results[ref_i] is None  # the reference's own result is still to be measured
         ref_steps = steps if full else (reference_steps or steps)
-        ref_r, r, ran = beside(ref, cfgs[j], synthetic, [ref_steps, steps], rounds,
-                               [warmup if fresh else min(warmup, 1), warmup], (names[ref_i], names[j]))
+        ref_r, r, ran = beside(
+            ref,
+            cfgs[j],
+            synthetic,
+            [ref_steps, steps],
+            rounds,
+            [warmup if fresh else min(warmup, 1), warmup],
+            (names[ref_i], names[j]),
+        )
         fresh = fresh and not ran
         if ref_r is not None and full:
             emit(ref_i, ref_r)
@@ -191,7 +230,9 @@ def first_bench(cfgs: list, synthetic: bool, emit) -> tuple:
     return None, None
 
 
-def beside(ref, cfg, synthetic: bool, steps: list, rounds: int, warmups: list, names: tuple) -> tuple:
+def beside(
+    ref, cfg, synthetic: bool, steps: list, rounds: int, warmups: list, names: tuple
+) -> tuple:
     """`cfg` built and timed in interleaved rounds beside the resident reference `ref` (None: alone),
     then freed (and its compiled graphs where nothing alive uses them): (the reference's result or
     None, cfg's result, whether it ran). `steps`, `warmups`, `names`: (reference's, cfg's)."""
@@ -199,22 +240,36 @@ def beside(ref, cfg, synthetic: bool, steps: list, rounds: int, warmups: list, n
     if b is None:
         return None, {"error": why}, False
     (ref_steps, b_steps), pair = steps, [b] if ref is None else [ref, b]
-    times = side_by_side(pair, steps[-len(pair):], rounds, warmups[-len(pair):],
-                         label=lambda k: names[1] if pair[k] is b else names[0])  # noqa: F821 (del later)
+    times = side_by_side(
+        pair,
+        steps[-len(pair) :],
+        rounds,
+        warmups[-len(pair) :],
+        label=lambda k: names[1] if pair[k] is b else names[0],  # noqa: F821 (del later)
+    )
     t_ref, t_b = (None, *times) if ref is None else times
     ref_r = None if t_ref is None else result_of(ref, t_ref, ref_steps, [1.0] * len(t_ref))
     if t_b is None:
         r = {"error": "out of memory"}
     else:  # per image: the two may run different numbers of steps per round
-        ratios = None if t_ref is None else paired_rounds(
-            [t_ref, t_b], [ref.global_batch * ref_steps, b.global_batch * b_steps])[1]
-        r = {**result_of(b, t_b, b_steps, ratios), "reference_images_per_s": ref_r and ref_r["images_per_s"]}
+        ratios = (
+            None
+            if t_ref is None
+            else paired_rounds(
+                [t_ref, t_b], [ref.global_batch * ref_steps, b.global_batch * b_steps]
+            )[1]
+        )
+        r = {
+            **result_of(b, t_b, b_steps, ratios),
+            "reference_images_per_s": ref_r and ref_r["images_per_s"],
+        }
     # freed before anything else runs (the caller may train a model next)
     compiled = b.cfg.train.compile
     b.close()
     del b, pair
     if compiled and (ref is None or ref.closed or not ref.cfg.train.compile):
         import torch._dynamo  # here: seconds to import, and only a compiled configuration needs it
+
         torch._dynamo.reset()  # its compiled graphs and CUDA-graph pools (nothing else alive uses them)
     free_memory()
     return ref_r, r, True

@@ -1,6 +1,7 @@
 """`vitscale sweep`: `vitscale bench` run over a grid of overrides and process counts, one subprocess
 per point (resumable: OUT/results.jsonl), and the report (report.py). The studies and the
 command's arguments: commands.py."""
+
 from __future__ import annotations
 
 import itertools
@@ -18,8 +19,11 @@ from ..strategy.dist import free_port
 from ..tasks import check_config
 from .report import write_report
 
-MEMORY_POINTS = [{"strategy.name": "ddp"}] + [{"strategy.name": "deepspeed", "strategy.zero_stage": z}
-                                               for z in range(4)] + [{"strategy.name": "fsdp"}]
+MEMORY_POINTS = (
+    [{"strategy.name": "ddp"}]
+    + [{"strategy.name": "deepspeed", "strategy.zero_stage": z} for z in range(4)]
+    + [{"strategy.name": "fsdp"}]
+)
 
 
 def parse_grid(text: str) -> tuple[str, list[str]]:
@@ -62,7 +66,12 @@ def study_points(study: str, batch: int, nprocs: list[int], grids: list) -> list
         return points
     if study == "batch":
         if not any(k == "data.batch_size" for k, _ in grids):
-            grids = grids + [("data.batch_size", sorted({max(1, batch // 4), max(1, batch // 2), batch, 2 * batch}))]
+            grids = grids + [
+                (
+                    "data.batch_size",
+                    sorted({max(1, batch // 4), max(1, batch // 2), batch, 2 * batch}),
+                )
+            ]
         return expand(grids, nprocs)
     if study == "accum":
         if not any(k == "train.accum_steps" for k, _ in grids):
@@ -71,17 +80,24 @@ def study_points(study: str, batch: int, nprocs: list[int], grids: list) -> list
     if study == "memory":
         points = []
         for base in expand(grids, nprocs if nprocs != [1] else [2]):
-            points += [{"nproc": base["nproc"], "overrides": {**base["overrides"], **m}} for m in MEMORY_POINTS]
+            points += [
+                {"nproc": base["nproc"], "overrides": {**base["overrides"], **m}}
+                for m in MEMORY_POINTS
+            ]
         return points
     raise UserError(f"unknown study {study!r}")
 
 
 def point_key(point: dict) -> str:
-    return json.dumps({"nproc": point["nproc"], "overrides": {k: str(v) for k, v in point["overrides"].items()}},
-                      sort_keys=True)
+    return json.dumps(
+        {"nproc": point["nproc"], "overrides": {k: str(v) for k, v in point["overrides"].items()}},
+        sort_keys=True,
+    )
 
 
-def bench_argv(config: str | None, point: dict, base_sets: list[str], bench_flags: list[str]) -> list[str]:
+def bench_argv(
+    config: str | None, point: dict, base_sets: list[str], bench_flags: list[str]
+) -> list[str]:
     """The command line that benchmarks one point."""
     over = dict(point["overrides"])
     base_keys = {b.partition("=")[0].strip() for b in base_sets}
@@ -91,8 +107,20 @@ def bench_argv(config: str | None, point: dict, base_sets: list[str], bench_flag
     tail = ["bench", *([config] if config else []), *sets, "--json", *bench_flags]
     if point["nproc"] <= 1:
         return [sys.executable, "-m", "vitscale", *tail]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(point["nproc"]),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "vitscale", *tail]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(point["nproc"]),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "vitscale",
+        *tail,
+    ]
 
 
 def one_line_error(stderr: str, rc: int) -> str:
@@ -104,8 +132,12 @@ def one_line_error(stderr: str, rc: int) -> str:
             return ln[:400]
     for ln in reversed(lines):
         head = ln.split(":", 1)[0]
-        if ":" in ln and head.replace(".", "").isidentifier() and head.endswith(("Error", "Exception")) \
-                and ln.split(":", 1)[1].strip():
+        if (
+            ":" in ln
+            and head.replace(".", "").isidentifier()
+            and head.endswith(("Error", "Exception"))
+            and ln.split(":", 1)[1].strip()
+        ):
             return ln[:400]
     for ln in reversed(lines):
         if "error" in ln.lower():
@@ -157,29 +189,54 @@ def load_done(path: Path) -> dict:
     return done
 
 
-def run_sweep(config: str | None, points: list[dict], out: Path, *, base_sets=(), bench_flags=(), study=None,
-              runner=subprocess_runner, timeout: float = 900.0, retry_failed: bool = False, log=print) -> list[dict]:
+def run_sweep(
+    config: str | None,
+    points: list[dict],
+    out: Path,
+    *,
+    base_sets=(),
+    bench_flags=(),
+    study=None,
+    runner=subprocess_runner,
+    timeout: float = 900.0,
+    retry_failed: bool = False,
+    log=print,
+) -> list[dict]:
     """Bench each point not already in out/results.jsonl; write results.md and plots; return all records."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
     done = load_done(path)
     for i, point in enumerate(points, 1):
         key = point_key(point)
-        desc = f"nproc={point['nproc']} " + " ".join(f"{k}={v}" for k, v in point["overrides"].items())
+        desc = f"nproc={point['nproc']} " + " ".join(
+            f"{k}={v}" for k, v in point["overrides"].items()
+        )
         if key in done and (done[key].get("ok") or not retry_failed):
             log(f"[{i}/{len(points)}] {desc}: already done, skipped")
             continue
         t0 = time.perf_counter()
-        bench, error = runner(bench_argv(config, point, list(base_sets), list(bench_flags)), timeout)
-        rec = {"nproc": point["nproc"], "overrides": point["overrides"], "study": study, "ok": bench is not None,
-               "error": error, "wall_s": round(time.perf_counter() - t0, 2), "bench": bench}
+        bench, error = runner(
+            bench_argv(config, point, list(base_sets), list(bench_flags)), timeout
+        )
+        rec = {
+            "nproc": point["nproc"],
+            "overrides": point["overrides"],
+            "study": study,
+            "ok": bench is not None,
+            "error": error,
+            "wall_s": round(time.perf_counter() - t0, 2),
+            "bench": bench,
+        }
         if "per_device_batch" in point:
             rec["per_device_batch"] = point["per_device_batch"]
         with path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         done[key] = rec
-        what = (f"{bench['images_per_s']:.1f} img/s, step {1e3 * bench['step_time_s']['median']:.1f} ms"
-                if bench else f"FAILED: {error}")
+        what = (
+            f"{bench['images_per_s']:.1f} img/s, step {1e3 * bench['step_time_s']['median']:.1f} ms"
+            if bench
+            else f"FAILED: {error}"
+        )
         log(f"[{i}/{len(points)}] {desc}: {what} ({rec['wall_s']:.0f}s)")
     records = [done[point_key(p)] for p in points if point_key(p) in done]
     write_report(records, out, study)
@@ -187,7 +244,9 @@ def run_sweep(config: str | None, points: list[dict], out: Path, *, base_sets=()
 
 
 def run(args) -> int:
-    cfg = check_config(load_config(args.config, args.overrides))  # validates the base config once, up front
+    cfg = check_config(
+        load_config(args.config, args.overrides)
+    )  # validates the base config once, up front
     grids = [parse_grid(g) for g in args.grid]
     try:
         nprocs = [int(n) for n in (args.nproc or "1").split(",") if n.strip()]
@@ -199,13 +258,26 @@ def run(args) -> int:
         points = expand(grids, nprocs)
     else:
         raise UserError("sweep: give --grid KEY=V1,V2, --nproc LIST or --study NAME")
-    flags = [*(["--steps", str(args.steps)] if args.steps else []),
-             *(["--warmup", str(args.warmup)] if args.warmup is not None else []),
-             *(["--trials", str(args.trials)] if args.trials else []), *(["--synthetic"] if args.synthetic else [])]
+    flags = [
+        *(["--steps", str(args.steps)] if args.steps else []),
+        *(["--warmup", str(args.warmup)] if args.warmup is not None else []),
+        *(["--trials", str(args.trials)] if args.trials else []),
+        *(["--synthetic"] if args.synthetic else []),
+    ]
     out = Path(args.out or f"runs/sweep-{args.study or 'grid'}")
     print(f"sweep: {len(points)} points -> {out}", flush=True)
-    records = run_sweep(args.config, points, out, base_sets=args.overrides, bench_flags=flags, study=args.study,
-                        timeout=args.timeout, log=lambda s: print(s, flush=True))
+    records = run_sweep(
+        args.config,
+        points,
+        out,
+        base_sets=args.overrides,
+        bench_flags=flags,
+        study=args.study,
+        timeout=args.timeout,
+        log=lambda s: print(s, flush=True),
+    )
     failed = sum(not r["ok"] for r in records)
-    print(f"sweep: {len(records) - failed} ok, {failed} failed; wrote {out}/results.jsonl, results.md and plots")
+    print(
+        f"sweep: {len(records) - failed} ok, {failed} failed; wrote {out}/results.jsonl, results.md and plots"
+    )
     return 0 if failed < len(records) else 1

@@ -8,6 +8,7 @@ communication / optimizer. A Bench keeps the process-wide settings its configura
 `run_steps` runs them and closes a Bench that ran out of memory. Several Benches side by side:
 rounds.py.
 """
+
 from __future__ import annotations
 
 import collections
@@ -40,6 +41,7 @@ def static_compiles() -> None:
     failed to lower here: a ValueRangeError in the conv stem at two image sizes), and after 8 shapes
     would fall back to eager silently. Here every configuration gets its own static graph."""
     import torch._dynamo.config as dynamo  # here: seconds to import, and only a compiled configuration needs it
+
     dynamo.automatic_dynamic_shapes = False
     dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
 
@@ -88,7 +90,9 @@ class Bench:
 
     def _attach(self, trainer) -> None:
         self.trainer, self.s = trainer, trainer.strategy
-        self.sync = synchronizer(self.s.device)  # the GPU's clock is read only after its queue drains
+        self.sync = synchronizer(
+            self.s.device
+        )  # the GPU's clock is read only after its queue drains
         self._epoch, self._it = 0, iter(())
         # the process-wide settings this configuration's strategy applied when it was built (TF32,
         # cuDNN autotuning: {} on a CPU) and its thread count; a Bench built later overwrites them,
@@ -120,7 +124,9 @@ class Bench:
         batch = next(self._it, None)
         while batch is None:
             # as training iterates (train.capture=step: many batches prepared at once)
-            self._it = self.trainer.data.train.iterate(self._epoch, ahead=getattr(self.trainer, "ahead", 1))
+            self._it = self.trainer.data.train.iterate(
+                self._epoch, ahead=getattr(self.trainer, "ahead", 1)
+            )
             self._epoch += 1
             batch = next(self._it, None)
         return batch
@@ -156,8 +162,12 @@ class Bench:
             total += timer.last - t0
             comm += s.comm_stats(1).get("comm_s_per_step", 0.0)
         fwd, bwd = timer.seconds["forward"], timer.seconds["backward"]
-        out = {"forward": fwd / n, "optimizer": timer.seconds["optimizer"] / n, "instrumented_step": total / n,
-               "notes": []}
+        out = {
+            "forward": fwd / n,
+            "optimizer": timer.seconds["optimizer"] / n,
+            "instrumented_step": total / n,
+            "notes": [],
+        }
         if s.world_size == 1:
             out.update(backward=bwd / n, comm_exposed=0.0, comm_overlapped=0.0)
             out["notes"].append("one process: no communication")
@@ -168,14 +178,20 @@ class Bench:
                 out["comm_overlapped"] = max(0.0, comm / n - out["comm_exposed"])
             else:
                 out["comm_overlapped"] = None
-                out["notes"].append(f"{s.name}: comm_exposed = backward with communication - backward without "
-                                    "(no_sync); forward all-gathers are inside forward, so comm_overlapped is "
-                                    "not derived; comm_total = all collectives, launch to completion, summed")
+                out["notes"].append(
+                    f"{s.name}: comm_exposed = backward with communication - backward without "
+                    "(no_sync); forward all-gathers are inside forward, so comm_overlapped is "
+                    "not derived; comm_total = all collectives, launch to completion, summed"
+                )
         else:
-            out.update(backward=bwd / n, comm_exposed=None, comm_overlapped=None, comm_total=comm / n)
-            out["notes"].append(f"{s.name}: the engine communicates inside backward/step and has no "
-                                "no_sync pass to compare with: backward includes its communication; "
-                                "comm_total = all collectives, launch to completion, summed")
+            out.update(
+                backward=bwd / n, comm_exposed=None, comm_overlapped=None, comm_total=comm / n
+            )
+            out["notes"].append(
+                f"{s.name}: the engine communicates inside backward/step and has no "
+                "no_sync pass to compare with: backward includes its communication; "
+                "comm_total = all collectives, launch to completion, summed"
+            )
         out["notes"].append("the loss all-reduce of a multi-process step is left out of the split")
         return out
 

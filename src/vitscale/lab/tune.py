@@ -1,6 +1,7 @@
 """`vitscale tune`: a coordinate search over a recipe's speed settings, each group of candidates
 timed side by side (rounds.measure_configs), then the recipe and the winner compared once more and
 the tuned recipe written. What it searches and its arguments: commands.py."""
+
 from __future__ import annotations
 
 import time
@@ -40,10 +41,18 @@ def accum_choices(per_device: int, accum: int, min_micro: int = MIN_MICRO) -> li
     return sorted(out, key=lambda a: per_device // a)
 
 
-def search(choices: list, accums: list[int], measure, *, gpu: bool = False,
-           threshold: float = THRESHOLD,
-           out_of_time=lambda: False, say=lambda msg: None, start_accum: int = 1,
-           margin: float = MARGIN) -> tuple[dict, list]:
+def search(
+    choices: list,
+    accums: list[int],
+    measure,
+    *,
+    gpu: bool = False,
+    threshold: float = THRESHOLD,
+    out_of_time=lambda: False,
+    say=lambda msg: None,
+    start_accum: int = 1,
+    margin: float = MARGIN,
+) -> tuple[dict, list]:
     """Coordinate search from the recipe ({} = its own values). `choices`: [(key, [values])] (a
     knob's first value is the incumbent) and the string "micro" where the micro-batch walk goes;
     `measure(list of override dicts)` times them side by side -> images/s or None (invalid / out
@@ -80,7 +89,9 @@ def search(choices: list, accums: list[int], measure, *, gpu: bool = False,
                 if ips[1] is None or ips[0] is None:
                     cur = nxt if ips[0] is None else cur
                     break
-                if (gpu and ips[1] >= ips[0] * (1 - threshold)) or ips[1] > ips[0] * (1 + threshold):
+                if (gpu and ips[1] >= ips[0] * (1 - threshold)) or ips[1] > ips[0] * (
+                    1 + threshold
+                ):
                     cur = nxt
                 else:
                     break
@@ -102,14 +113,20 @@ def beats_first(paired: float | None, per_round: list | None, margin: float = MA
     """tune's rule for one candidate against its group's first (the incumbent), as `run`'s measure
     and `search` apply it together: faster in more than 2/3 of the rounds and a median
     round-by-round ratio above 1 + margin (benchmarks/harness_noise.py asks it of identical copies)."""
-    return bool(paired) and paired > 1 + margin and (not per_round or faster_in_most_rounds(per_round))
+    return (
+        bool(paired) and paired > 1 + margin and (not per_round or faster_in_most_rounds(per_round))
+    )
 
 
 def batch_norm_layers(cfg) -> list[str]:
     """The recipe model's layers that normalize with batch statistics (BatchNorm, e.g. the conv
     stem's): with them, a smaller micro-batch changes what a training step computes, so
     accumulation does not keep the recipe's numerics. Built on the meta device (no memory)."""
-    return [n for n, m in build_task(cfg).meta_model()[1].named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    return [
+        n
+        for n, m in build_task(cfg).meta_model()[1].named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
 
 
 def describe(over: dict) -> str:
@@ -125,13 +142,22 @@ def run(args) -> int:
     t0 = time.perf_counter()
     out_of_time = lambda: broadcast_object(time.perf_counter() - t0 > args.budget_s)  # noqa: E731
     measure = Measurer(cfg, args)
-    log(f"tuning on {machine_line(torch.device('cuda' if space['gpu'] else 'cpu'))}: precisions "
+    log(
+        f"tuning on {machine_line(torch.device('cuda' if space['gpu'] else 'cpu'))}: precisions "
         f"{space['allowed']}, micro-batches {[space['per_device'] // a for a in space['accums']]} (global batch "
-        f"{cfg.data.batch_size}), budget {args.budget_s:.0f}s")
+        f"{cfg.data.batch_size}), budget {args.budget_s:.0f}s"
+    )
     if space["micro_note"]:
         log(space["micro_note"])
-    best, history = search(space["choices"], space["accums"], measure, gpu=space["gpu"], out_of_time=out_of_time,
-                           say=log, start_accum=cfg.train.accum_steps)
+    best, history = search(
+        space["choices"],
+        space["accums"],
+        measure,
+        gpu=space["gpu"],
+        out_of_time=out_of_time,
+        say=log,
+        start_accum=cfg.train.accum_steps,
+    )
     chosen = {k: v for k, v in best.items() if _value(cfg, k) != v}
     return final_comparison(cfg, args, measure, chosen, space, len(history))
 
@@ -140,40 +166,62 @@ def search_space(cfg, args) -> dict:
     """What the search may change: the allowed precisions, attention, optimizer implementation,
     the micro-batch (accumulation steps; kept where BatchNorm would change the numerics), compile."""
     valid = TrainConfig.__dataclass_fields__["precision"].metadata["choices"]
-    allowed = [p.strip() for p in args.allow_precision.split(",") if p.strip()] or [cfg.train.precision]
+    allowed = [p.strip() for p in args.allow_precision.split(",") if p.strip()] or [
+        cfg.train.precision
+    ]
     bad = [p for p in allowed if p not in valid]
     if bad:
-        raise UserError(f"--allow-precision: unknown precision {', '.join(bad)} (choose from {', '.join(valid)})")
+        raise UserError(
+            f"--allow-precision: unknown precision {', '.join(bad)} (choose from {', '.join(valid)})"
+        )
     world = env_world()[1]
     per_device = cfg.data.batch_size // world
 
     def first(key, values):  # the recipe's own value first: it is the incumbent
         cur = _value(cfg, key)
         return (key, [cur] + [v for v in values if v != cur] if cur in values else values)
-    choices = [first("train.precision", allowed), first("model.attention", ["explicit", "sdpa"]),
-               first("optim.impl", ["forloop", "foreach", "fused"]), "micro"]
+
+    choices = [
+        first("train.precision", allowed),
+        first("model.attention", ["explicit", "sdpa"]),
+        first("optim.impl", ["forloop", "foreach", "fused"]),
+        "micro",
+    ]
     if not args.no_compile:
         choices.append(first("train.compile", [False, True]))
     gpu = torch.cuda.is_available() and cfg.run.device != "cpu"
     if gpu:  # GPU-only switches (a candidate that does not validate is measured as None)
         # the attention kernel (issue 32: cuDNN vs flash on Hopper), where attention is fused
         choices.insert(2, first("train.sdpa_backend", ["auto", "flash", "cudnn", "efficient"]))
-        if not args.no_compile:  # inductor's autotuned templates: bias + GELU in the matmul's epilogue
+        if (
+            not args.no_compile
+        ):  # inductor's autotuned templates: bias + GELU in the matmul's epilogue
             choices.append(first("train.compile_mode", ["default", "max-autotune-no-cudagraphs"]))
         choices.append(first("train.capture", ["none", "step"]))  # the whole step as one CUDA graph
         # float8 matmuls in the blocks (torchao): refused where measured slower, so measured as None there
         choices.append(first("train.fp8", ["none", "rowwise", "tensorwise"]))
     accums = accum_choices(per_device, cfg.train.accum_steps)
-    bn = batch_norm_layers(synthetic_data(cfg) if args.synthetic else cfg)  # --synthetic: no dataset read
+    bn = batch_norm_layers(
+        synthetic_data(cfg) if args.synthetic else cfg
+    )  # --synthetic: no dataset read
     micro_note = ""
     if bn and not args.allow_bn_micro_batch:
         accums = [cfg.train.accum_steps]  # the recipe's micro-batch only: no walk
-        micro_note = (f"micro-batch kept at {per_device // cfg.train.accum_steps}: {len(bn)} BatchNorm "
-                      f"layer(s) ({', '.join(bn[:3])}{', ...' if len(bn) > 3 else ''}) normalize with "
-                      f"batch statistics, so a smaller micro-batch would change the numerics "
-                      f"(--allow-bn-micro-batch searches it anyway)")
-    return {"allowed": allowed, "choices": choices, "accums": accums, "micro_note": micro_note, "world": world,
-            "per_device": per_device, "gpu": gpu}
+        micro_note = (
+            f"micro-batch kept at {per_device // cfg.train.accum_steps}: {len(bn)} BatchNorm "
+            f"layer(s) ({', '.join(bn[:3])}{', ...' if len(bn) > 3 else ''}) normalize with "
+            f"batch statistics, so a smaller micro-batch would change the numerics "
+            f"(--allow-bn-micro-batch searches it anyway)"
+        )
+    return {
+        "allowed": allowed,
+        "choices": choices,
+        "accums": accums,
+        "micro_note": micro_note,
+        "world": world,
+        "per_device": per_device,
+        "gpu": gpu,
+    }
 
 
 class Measurer:
@@ -192,24 +240,49 @@ class Measurer:
                 idx.append(i)
             except UserError as e:
                 log(f"  {describe(c)}: not valid here ({e})")
-        results = lab_rounds.measure_configs(cfgs, args.steps, rounds, args.warmup, args.synthetic,
-                                             names=[describe(cands[i]) for i in idx])
+        results = lab_rounds.measure_configs(
+            cfgs,
+            args.steps,
+            rounds,
+            args.warmup,
+            args.synthetic,
+            names=[describe(cands[i]) for i in idx],
+        )
         ref = results[0].get("images_per_s") if results else None
         for k, (i, r) in enumerate(zip(idx, results)):
-            own, paired, per_round = r.get("images_per_s"), r.get("paired_vs_first"), r.get("paired_rounds")
+            own, paired, per_round = (
+                r.get("images_per_s"),
+                r.get("paired_vs_first"),
+                r.get("paired_rounds"),
+            )
             # compared by the round-by-round ratio to the group's first (drift cancels), on its scale
             out[i] = ref * paired if own and ref and paired else own
             note = f" ({paired:.3f}x the first, round by round)" if own and paired and k else ""
-            if k and own and ref and paired and paired > 1 and per_round and not faster_in_most_rounds(per_round):
+            if (
+                k
+                and own
+                and ref
+                and paired
+                and paired > 1
+                and per_round
+                and not faster_in_most_rounds(per_round)
+            ):
                 out[i] = ref  # a median above 1 from a lucky round or two: no faster than the first
-                note = (f" ({paired:.3f}x the first, round by round, but faster in only {rounds_won(per_round)} of "
-                        f"{len(per_round)} rounds: counted as no faster)")
+                note = (
+                    f" ({paired:.3f}x the first, round by round, but faster in only {rounds_won(per_round)} of "
+                    f"{len(per_round)} rounds: counted as no faster)"
+                )
             self.last[i] = r
-            log(f"  {describe(cands[i])}: " + (f"{own:.1f} img/s{note}" if own else r.get("error", "failed")))
+            log(
+                f"  {describe(cands[i])}: "
+                + (f"{own:.1f} img/s{note}" if own else r.get("error", "failed"))
+            )
         return out
 
 
-def final_comparison(cfg, args, measure: Measurer, chosen: dict, space: dict, candidates: int) -> int:
+def final_comparison(
+    cfg, args, measure: Measurer, chosen: dict, space: dict, candidates: int
+) -> int:
     """The recipe and the search's winner side by side; the tuned recipe written (main process)."""
     log(f"final side-by-side: the recipe vs {describe(chosen)}")
     measure.last = {}
@@ -217,14 +290,21 @@ def final_comparison(cfg, args, measure: Measurer, chosen: dict, space: dict, ca
     gain = ips[-1] / ips[0] if ips[0] and ips[-1] else None  # round by round (see Measurer)
     tuned = measure.last[len(ips) - 1]
     rejected = {}
-    if not ips[-1]:  # nothing ran (the recipe alone, or the recipe and the tuned settings both failed)
-        raise UserError(f"tune: the final comparison failed: {tuned.get('error', 'no measurement')}")
+    if not ips[
+        -1
+    ]:  # nothing ran (the recipe alone, or the recipe and the tuned settings both failed)
+        raise UserError(
+            f"tune: the final comparison failed: {tuned.get('error', 'no measurement')}"
+        )
     if chosen and ips[0] and not (gain and gain > 1):
         # the search's winner lost to the recipe side by side (noise picked it): keep the recipe
         log(f"  {describe(chosen)} did not beat the recipe side by side: keeping the recipe")
         rejected, chosen, gain, tuned = chosen, {}, 1.0, measure.last[0]
-    base_ips, tuned_ips = measure.last[0].get("images_per_s"), tuned["images_per_s"]  # their median rounds
-    vs = (f"{base_ips:.1f} img/s" if base_ips else f"failed ({measure.last[0].get('error', '?')})")
+    base_ips, tuned_ips = (
+        measure.last[0].get("images_per_s"),
+        tuned["images_per_s"],
+    )  # their median rounds
+    vs = f"{base_ips:.1f} img/s" if base_ips else f"failed ({measure.last[0].get('error', '?')})"
     ratio = f"{gain:.2f}x round by round" if gain else "the recipe itself did not run"
     device = tuned["device"]
     peak, src = peak_flops(device, "bf16")
@@ -234,21 +314,28 @@ def final_comparison(cfg, args, measure: Measurer, chosen: dict, space: dict, ca
         return 0
     machine = machine_line(device)
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    header = [f"# tuned by `vitscale tune` on {date}", f"# machine: {machine}, {space['world']} process(es)",
-              f"# measured side by side ({max(args.trials, 3)} rounds x {args.steps} steps): recipe "
-              f"{vs}, tuned {tuned_ips:.1f} img/s (median rounds); tuned / recipe: {ratio}",
-              f"# tuned MFU {100 * tuned_mfu:.1f}% of the bf16 matmul peak {peak / 1e9:.0f} GFLOP/s ({src})",
-              f"# allowed precisions: {','.join(space['allowed'])}; {candidates} candidate measurements",
-              "# chosen overrides: " + (" ".join(f"--set {k}={v}" for k, v in chosen.items()) or "none")]
+    header = [
+        f"# tuned by `vitscale tune` on {date}",
+        f"# machine: {machine}, {space['world']} process(es)",
+        f"# measured side by side ({max(args.trials, 3)} rounds x {args.steps} steps): recipe "
+        f"{vs}, tuned {tuned_ips:.1f} img/s (median rounds); tuned / recipe: {ratio}",
+        f"# tuned MFU {100 * tuned_mfu:.1f}% of the bf16 matmul peak {peak / 1e9:.0f} GFLOP/s ({src})",
+        f"# allowed precisions: {','.join(space['allowed'])}; {candidates} candidate measurements",
+        "# chosen overrides: " + (" ".join(f"--set {k}={v}" for k, v in chosen.items()) or "none"),
+    ]
     if space["micro_note"]:
         header.append(f"# {space['micro_note']}")
     if rejected:
-        header.append("# rejected (slower than the recipe in the final side-by-side): "
-                      + " ".join(f"--set {k}={v}" for k, v in rejected.items()))
+        header.append(
+            "# rejected (slower than the recipe in the final side-by-side): "
+            + " ".join(f"--set {k}={v}" for k, v in rejected.items())
+        )
     Path(args.out).write_text("\n".join(header) + "\n\n" + with_overrides(cfg, chosen).to_toml())
-    print(f"tuned: {describe(chosen)}\nrecipe {vs} -> tuned {tuned_ips:.1f} img/s "
-          f"({ratio}) on {machine}\ntuned MFU {100 * tuned_mfu:.1f}% of the bf16 matmul "
-          f"peak ({peak / 1e9:.0f} GFLOP/s per device; {src})\nwrote {args.out}")
+    print(
+        f"tuned: {describe(chosen)}\nrecipe {vs} -> tuned {tuned_ips:.1f} img/s "
+        f"({ratio}) on {machine}\ntuned MFU {100 * tuned_mfu:.1f}% of the bf16 matmul "
+        f"peak ({peak / 1e9:.0f} GFLOP/s per device; {src})\nwrote {args.out}"
+    )
     return 0
 
 

@@ -1,4 +1,5 @@
 """CLIP losses (OpenCLIP mini-batch InfoNCE, the FastCLIP family) and their builder."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,26 +19,46 @@ def resolve_clip(cfg_clip, *, lr: float, epochs: float) -> dict:
     (fastclip.REFERENCE_DEFAULTS); `lr` is the model's (resolved) base learning rate."""
     loss = cfg_clip.loss
     if 0 < cfg_clip.tau_init < 0.01:
-        raise ConfigError(f"config: clip.tau_init={cfg_clip.tau_init:g} is below 0.01, the temperature "
-                          "clamp (0 = the loss's reference value)")
-    ref = reference_defaults(loss) if loss in VARIANTS else \
-        dict(tau_init=0.07, tau_lr=0.0, tau_lr_schedule="constant", rho=0.0, gamma_min=0.0)
+        raise ConfigError(
+            f"config: clip.tau_init={cfg_clip.tau_init:g} is below 0.01, the temperature "
+            "clamp (0 = the loss's reference value)"
+        )
+    ref = (
+        reference_defaults(loss)
+        if loss in VARIANTS
+        else dict(tau_init=0.07, tau_lr=0.0, tau_lr_schedule="constant", rho=0.0, gamma_min=0.0)
+    )
     schedule = cfg_clip.gamma_schedule
     if schedule == "auto":
         schedule = "constant" if loss in ("sogclr", "isogclr") else "cosine"
     tau_lr = cfg_clip.tau_lr if cfg_clip.tau_lr >= 0 else ref["tau_lr"]
     return dict(
-        loss=loss, gamma_schedule=schedule,
+        loss=loss,
+        gamma_schedule=schedule,
         gamma_min=cfg_clip.gamma_min if cfg_clip.gamma_min >= 0 else ref["gamma_min"],
         gamma_decay_epochs=cfg_clip.gamma_decay_epochs or epochs / 2,
         tau_init=cfg_clip.tau_init or ref["tau_init"],
         tau_lr=lr if tau_lr is None else tau_lr,
-        tau_lr_schedule=ref["tau_lr_schedule"] if cfg_clip.tau_lr_schedule == "auto" else cfg_clip.tau_lr_schedule,
-        tau_lr_cut=cfg_clip.tau_lr_cut, rho=cfg_clip.rho if cfg_clip.rho >= 0 else ref["rho"], eps=cfg_clip.eps)
+        tau_lr_schedule=ref["tau_lr_schedule"]
+        if cfg_clip.tau_lr_schedule == "auto"
+        else cfg_clip.tau_lr_schedule,
+        tau_lr_cut=cfg_clip.tau_lr_cut,
+        rho=cfg_clip.rho if cfg_clip.rho >= 0 else ref["rho"],
+        eps=cfg_clip.eps,
+    )
 
 
-def build_clip_loss(cfg_clip, cfg_optim, *, lr: float, dataset_size: int, epochs: float,
-                    lr_factor: Callable[[int], float] | None = None, device, group=None) -> nn.Module:
+def build_clip_loss(
+    cfg_clip,
+    cfg_optim,
+    *,
+    lr: float,
+    dataset_size: int,
+    epochs: float,
+    lr_factor: Callable[[int], float] | None = None,
+    device,
+    group=None,
+) -> nn.Module:
     """The loss named by cfg_clip.loss.  group=None: the default process group when
     torch.distributed is initialized, else a single process.  `lr` is the model's base lr and
     `lr_factor(step)` its schedule (v0's temperature follows it); the temperature optimizers use
@@ -48,9 +69,24 @@ def build_clip_loss(cfg_clip, cfg_optim, *, lr: float, dataset_size: int, epochs
         raise ValueError(f"clip.loss {cfg_clip.loss!r}: expected openclip or one of {VARIANTS}")
     r = resolve_clip(cfg_clip, lr=lr, epochs=epochs)
     dtype = DTYPES[cfg_clip.state_dtype]
-    return FastClipLoss(r["loss"], dataset_size=dataset_size, gamma_schedule=r["gamma_schedule"],
-                        gamma_min=r["gamma_min"], gamma_decay_epochs=r["gamma_decay_epochs"],
-                        tau_init=r["tau_init"], tau_lr=r["tau_lr"], tau_lr_schedule=r["tau_lr_schedule"],
-                        lr_factor=lr_factor, tau_lr_cut=r["tau_lr_cut"], rho=r["rho"], eps=r["eps"],
-                        tau_beta1=cfg_optim.beta1, tau_beta2=cfg_optim.beta2, tau_eps=cfg_optim.eps,
-                        shard_state=cfg_clip.shard_state, state_dtype=dtype, device=device, group=group)
+    return FastClipLoss(
+        r["loss"],
+        dataset_size=dataset_size,
+        gamma_schedule=r["gamma_schedule"],
+        gamma_min=r["gamma_min"],
+        gamma_decay_epochs=r["gamma_decay_epochs"],
+        tau_init=r["tau_init"],
+        tau_lr=r["tau_lr"],
+        tau_lr_schedule=r["tau_lr_schedule"],
+        lr_factor=lr_factor,
+        tau_lr_cut=r["tau_lr_cut"],
+        rho=r["rho"],
+        eps=r["eps"],
+        tau_beta1=cfg_optim.beta1,
+        tau_beta2=cfg_optim.beta2,
+        tau_eps=cfg_optim.eps,
+        shard_state=cfg_clip.shard_state,
+        state_dtype=dtype,
+        device=device,
+        group=group,
+    )

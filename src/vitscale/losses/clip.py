@@ -7,6 +7,7 @@ Communication is counted per worker in elements SENT under the ring model: an al
 tensor over K ranks sends (K-1)*b*d; the autograd all_gather's backward (a reduce-scatter, emulated by
 all_to_all on gloo) sends (K-1)*b*d as well.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,12 @@ class StepLogs(Mapping):
     def __init__(self, values: dict):
         self._keys = list(values)
         device = next(v.device for v in values.values() if torch.is_tensor(v))
-        self._tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
-                                    for v in values.values()])
+        self._tensor = torch.stack(
+            [
+                torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                for v in values.values()
+            ]
+        )
         self._floats: dict | None = None
 
     def _values(self) -> dict:
@@ -99,7 +104,9 @@ class _GatherWithGrad(torch.autograd.Function):
             dist.all_to_all(parts, list(grad.chunk(ctx.k)), group=ctx.group)
             return torch.stack(parts).sum(0), None, None
         out = torch.empty_like(grad.chunk(ctx.k)[0])
-        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, grad, group=ctx.group)
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+            out, grad, group=ctx.group
+        )
         return out, None, None
 
 
@@ -167,8 +174,8 @@ class ClipLoss(nn.Module):
                 all2 = self.gather_with_grad(e2, k, group)
                 sent = 2 * (k - 1) * b * d * (2 if torch.is_grad_enabled() else 1)
                 self.comm_elements["features"] += sent
-                logits_i = scale * e1 @ all2.T              # [b, N] local rows vs all columns
-                logits_t = scale * e2 @ all1.T              # [b, N]
+                logits_i = scale * e1 @ all2.T  # [b, N] local rows vs all columns
+                logits_t = scale * e2 @ all1.T  # [b, N]
                 labels = self.labels(e1.device, b, rank)
             else:
                 logits_i = scale * e1 @ e2.T
@@ -176,5 +183,7 @@ class ClipLoss(nn.Module):
                 labels = self.labels(e1.device, b, 0)
             loss = (F.cross_entropy(logits_i, labels) + F.cross_entropy(logits_t, labels)) / 2
         self.comm_elements["steps"] += 1
-        self._logs = StepLogs({"loss": loss.detach(), "tau": 1.0 / scale.detach(), "logit_scale": scale.detach()})
+        self._logs = StepLogs(
+            {"loss": loss.detach(), "tau": 1.0 / scale.detach(), "logit_scale": scale.detach()}
+        )
         return loss, self._logs

@@ -49,6 +49,7 @@ gradient per anchor) or + 4 (individual tau: h1, h2, bound1, bound2), gathered o
 Per-sample state is replicated on every rank (default) or sharded by dataset index
 (`shard_state=True`): fastclip_state.py.  The arithmetic of a step is in fastclip_step.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -71,7 +72,7 @@ from .fastclip_step import (
 from .fastclip_temperature import GlobalTemperature, SampleTemperatures
 
 VARIANTS = ("fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr")
-GRAD_CLAMP = 5.0                         # per-sample temperature gradient clamp
+GRAD_CLAMP = 5.0  # per-sample temperature gradient clamp
 TAU_LR_SCHEDULES = ("auto", "model", "threshold", "constant")
 
 # The reference's values per variant (README training scripts, CC3M scale; params.py defaults),
@@ -89,7 +90,9 @@ REFERENCE_DEFAULTS = {
 
 def reference_defaults(variant: str) -> dict:
     tau_init, tau_lr, schedule, rho, gamma_min = REFERENCE_DEFAULTS[variant]
-    return dict(tau_init=tau_init, tau_lr=tau_lr, tau_lr_schedule=schedule, rho=rho, gamma_min=gamma_min)
+    return dict(
+        tau_init=tau_init, tau_lr=tau_lr, tau_lr_schedule=schedule, rho=rho, gamma_min=gamma_min
+    )
 
 
 class FastClipLoss(nn.Module):
@@ -97,20 +100,38 @@ class FastClipLoss(nn.Module):
     differ by three switches (learn_global, individual, multiply_tau) and their temperatures
     (`self.temperatures`: fastclip_temperature.py)."""
 
-    def __init__(self, variant: str, *, dataset_size: int, gamma_schedule: str = "cosine",
-                 gamma_min: float = 0.2, gamma_decay_epochs: float = 1.0, tau_init: float = 0.07,
-                 tau_lr: float = 2e-4, tau_lr_schedule: str = "auto",
-                 lr_factor: Callable[[int], float] | None = None, tau_lr_cut: float = 3.0,
-                 rho: float = 6.5, eps: float = 1e-14, tau_beta1: float = 0.9, tau_beta2: float = 0.999,
-                 tau_eps: float = 1e-8, shard_state: bool = False, state_dtype=torch.float32, device="cpu",
-                 group=None):
+    def __init__(
+        self,
+        variant: str,
+        *,
+        dataset_size: int,
+        gamma_schedule: str = "cosine",
+        gamma_min: float = 0.2,
+        gamma_decay_epochs: float = 1.0,
+        tau_init: float = 0.07,
+        tau_lr: float = 2e-4,
+        tau_lr_schedule: str = "auto",
+        lr_factor: Callable[[int], float] | None = None,
+        tau_lr_cut: float = 3.0,
+        rho: float = 6.5,
+        eps: float = 1e-14,
+        tau_beta1: float = 0.9,
+        tau_beta2: float = 0.999,
+        tau_eps: float = 1e-8,
+        shard_state: bool = False,
+        state_dtype=torch.float32,
+        device="cpu",
+        group=None,
+    ):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"unknown FastCLIP variant {variant!r}; expected one of {VARIANTS}")
         if tau_lr_schedule not in TAU_LR_SCHEDULES:
-            raise ValueError(f"tau_lr_schedule {tau_lr_schedule!r}: expected one of {TAU_LR_SCHEDULES}")
+            raise ValueError(
+                f"tau_lr_schedule {tau_lr_schedule!r}: expected one of {TAU_LR_SCHEDULES}"
+            )
         self.variant, self.n, self.group = variant, int(dataset_size), group
-        self.individual = variant in ("fastclip_v2", "isogclr")      # tau1_i, tau2_i per sample
+        self.individual = variant in ("fastclip_v2", "isogclr")  # tau1_i, tau2_i per sample
         self.learn_global = variant in ("fastclip_v0", "fastclip_v3")
         self.multiply_tau = variant == "fastclip_v3"
         self.rho = float(rho) if variant in ("fastclip_v2", "fastclip_v3", "isogclr") else 0.0
@@ -125,15 +146,29 @@ class FastClipLoss(nn.Module):
         k, rank, _ = world(group)
         self.shards = ShardMap(self.n, k, rank, bool(shard_state) and k > 1)
         n, dev, dt = self.shards.size, self.device, state_dtype
-        self.lu1 = torch.full((n,), -math.inf, dtype=dt, device=dev)   # log u1 (image anchors)
-        self.lu2 = torch.full((n,), -math.inf, dtype=dt, device=dev)   # log u2 (text anchors)
+        self.lu1 = torch.full((n,), -math.inf, dtype=dt, device=dev)  # log u1 (image anchors)
+        self.lu2 = torch.full((n,), -math.inf, dtype=dt, device=dev)  # log u2 (text anchors)
         if self.individual:
-            self.temperatures = SampleTemperatures(tau_init, shards=self.shards, lr=self.tau_lr, betas=self.betas,
-                                                   eps=self.tau_eps, dtype=dt, device=dev)
+            self.temperatures = SampleTemperatures(
+                tau_init,
+                shards=self.shards,
+                lr=self.tau_lr,
+                betas=self.betas,
+                eps=self.tau_eps,
+                dtype=dt,
+                device=dev,
+            )
         else:
-            self.temperatures = GlobalTemperature(tau_init, lr=self.tau_lr, schedule=tau_lr_schedule,
-                                                  lr_factor=lr_factor, lr_cut=float(tau_lr_cut), betas=self.betas,
-                                                  eps=self.tau_eps, device=dev)
+            self.temperatures = GlobalTemperature(
+                tau_init,
+                lr=self.tau_lr,
+                schedule=tau_lr_schedule,
+                lr_factor=lr_factor,
+                lr_cut=float(tau_lr_cut),
+                betas=self.betas,
+                eps=self.tau_eps,
+                device=dev,
+            )
         # the last forward's raw temperature gradient, which after_step() applies (public: set it to
         # drive the temperature steps without a forward)
         self.pending_grad = None
@@ -175,14 +210,18 @@ class FastClipLoss(nn.Module):
         tables = self.tables()
         missing = [k for k in tables if k not in sd]
         if missing:
-            raise ValueError(f"loss state lacks {', '.join(missing)} (written by an older vitscale, "
-                             "before the reference-parity temperatures?)")
+            raise ValueError(
+                f"loss state lacks {', '.join(missing)} (written by an older vitscale, "
+                "before the reference-parity temperatures?)"
+            )
         for k, cur in tables.items():
             new = sd[k]
             if new.ndim and new.shape != (self.n,):
-                raise ValueError(f"loss state {k}: shape {tuple(new.shape)} != ({self.n},) "
-                                 "(dataset size changed?)")
-            if new.ndim:          # this rank's rows of the whole table
+                raise ValueError(
+                    f"loss state {k}: shape {tuple(new.shape)} != ({self.n},) "
+                    "(dataset size changed?)"
+                )
+            if new.ndim:  # this rank's rows of the whole table
                 self.shards.load(cur, new)
             else:
                 cur.copy_(new.to(cur.device, cur.dtype))
@@ -206,36 +245,64 @@ class FastClipLoss(nn.Module):
         exchange, table writes, surrogate, logs (the arithmetic: fastclip_step.py)."""
         b, d = e1.shape
         n_all, off = k * b, rank * b
-        feats = gather_no_grad(torch.cat([e1, e2], 1), k, group)             # [N, 2d], detached
+        feats = gather_no_grad(torch.cat([e1, e2], 1), k, group)  # [N, 2d], detached
         E1, E2 = feats[:, :d], feats[:, d:]
-        E1m = torch.cat([E1[:off], e1, E1[off + b:]])                         # local slice with grad
-        E2m = torch.cat([E2[:off], e2, E2[off + b:]])
+        E1m = torch.cat([E1[:off], e1, E1[off + b :]])  # local slice with grad
+        E2m = torch.cat([E2[:off], e2, E2[off + b :]])
         rows, rows_all = self._batch_rows(index, k, off, b, group)
         # 1/tau_i (old taus: updated after the step) or logit_scale = exp(theta)
         s1, s2 = self.temperatures.scales(rows, b)
         z1, z2, diag = anchor_exponents(e1, e2, E1m, E2m, s1, s2, off)
         log_eps = math.log(self.eps) if self.eps > 0 else -math.inf
-        sides = [inner_estimate(z, rows[f"lu{side}"], rows.get(f"bound{side}"), self.gamma,
-                                math.log(n_all - 1), log_eps) for side, z in ((1, z1), (2, z2))]
+        sides = [
+            inner_estimate(
+                z,
+                rows[f"lu{side}"],
+                rows.get(f"bound{side}"),
+                self.gamma,
+                math.log(n_all - 1),
+                log_eps,
+            )
+            for side, z in ((1, z1), (2, z2))
+        ]
         cols = [index.double(), sides[0].lu.double(), sides[1].lu.double()]
-        packed = self._exchange(cols + self._temperature_columns(z1, z2, sides, diag, n_all), k, b, d, group)
-        idx_all = packed[:, 0].long()                                          # packed: [N, m] float64
+        packed = self._exchange(
+            cols + self._temperature_columns(z1, z2, sides, diag, n_all), k, b, d, group
+        )
+        idx_all = packed[:, 0].long()  # packed: [N, m] float64
         self._store(idx_all, packed)
         tau = None if self.individual else self.temperatures.tau.float()
         taus_all = self._batch_taus(idx_all, rows_all) if self.individual else None
-        sur = local_surrogate(z1, z2, sides)            # (a) local anchors vs all features
-        if k > 1:                                       # (b) the other ranks' anchors vs the local features
-            sur = add_remote_surrogate(sur, E1, E2, e1, e2, packed, self.temperatures.scales(taus_all, n_all),
-                                       self._remote_shifts(packed, n_all, log_eps, e1.device), off)
+        sur = local_surrogate(z1, z2, sides)  # (a) local anchors vs all features
+        if k > 1:  # (b) the other ranks' anchors vs the local features
+            sur = add_remote_surrogate(
+                sur,
+                E1,
+                E2,
+                e1,
+                e2,
+                packed,
+                self.temperatures.scales(taus_all, n_all),
+                self._remote_shifts(packed, n_all, log_eps, e1.device),
+                off,
+            )
         half = 0.5 * tau if self.multiply_tau else 0.5
         sur = sur * half / ((n_all - 1) * b)
         # the reference's reported loss, over this rank's anchors (its mean over ranks is global)
         value = reported_value(sides, tau, self.rho, self.multiply_tau)
         objective = reported_objective(sides, self.rho, tau, s1, s2)
-        tau_log = (taus_all["tau1"].mean() + taus_all["tau2"].mean()) / 2 if self.individual else tau
+        tau_log = (
+            (taus_all["tau1"].mean() + taus_all["tau2"].mean()) / 2 if self.individual else tau
+        )
         loss = sur - sur.detach() + value.detach()
-        return loss, StepLogs({"loss": value.detach(), "objective": objective.detach(),
-                               "tau": tau_log.detach(), "gamma": self.gamma})
+        return loss, StepLogs(
+            {
+                "loss": value.detach(),
+                "objective": objective.detach(),
+                "tau": tau_log.detach(),
+                "gamma": self.gamma,
+            }
+        )
 
     def _batch_rows(self, index, k, off, b, group):
         """(rows, rows_all): the per-sample rows a step reads (lu1, lu2; + tau1, tau2, bound1, bound2),
@@ -245,11 +312,13 @@ class FastClipLoss(nn.Module):
         tables = self.tables()
         if not self.shards.sharded:
             return {name: tables[name][index].float() for name in names}, None
-        table = self.shards.fetch([tables[name] for name in names], gather_no_grad(index, k, group), group)
+        table = self.shards.fetch(
+            [tables[name] for name in names], gather_no_grad(index, k, group), group
+        )
         self.comm_elements["scalars"] += 2 * (k - 1) * (len(table) // k) * len(names)
         self.comm_elements["scalars"] += (k - 1) * b
         rows_all = {name: table[:, c].float() for c, name in enumerate(names)}
-        return {name: t[off:off + b] for name, t in rows_all.items()}, rows_all
+        return {name: t[off : off + b] for name, t in rows_all.items()}, rows_all
 
     def _temperature_columns(self, z1, z2, sides, diag, n_all) -> list:
         """The per-anchor temperature gradients exchanged with u: d(loss)/d(theta) (v0, v3: before
@@ -262,12 +331,13 @@ class FastClipLoss(nn.Module):
             if self.multiply_tau:
                 q = q - self.rho - (sides[0].lu + sides[1].lu) / 2
             return [q]
-        return [(side.L + self.rho - ai).clamp(-GRAD_CLAMP, GRAD_CLAMP) for side, ai in zip(sides, a)] + \
-            [side.bound for side in sides]
+        return [
+            (side.L + self.rho - ai).clamp(-GRAD_CLAMP, GRAD_CLAMP) for side, ai in zip(sides, a)
+        ] + [side.bound for side in sides]
 
     def _exchange(self, cols: list, k, b, d, group):
         """All ranks' columns (index, lu1, lu2, the temperature columns) in one gather, counted."""
-        packed = gather_no_grad(torch.stack(cols, 1).double(), k, group)      # [N, m] float64
+        packed = gather_no_grad(torch.stack(cols, 1).double(), k, group)  # [N, m] float64
         if k > 1:
             self.comm_elements["features"] += (k - 1) * b * 2 * d
             self.comm_elements["scalars"] += (k - 1) * b * packed.shape[1]
@@ -278,11 +348,13 @@ class FastClipLoss(nn.Module):
         """Every rank (replicated) or each row's owner (sharded) stores the global batch's updated u
         (and bounds); the temperature gradient waits for after_step()."""
         tables = self.tables()
-        for c, name in [(1, "lu1"), (2, "lu2")] + ([(5, "bound1"), (6, "bound2")] if self.individual else []):
+        for c, name in [(1, "lu1"), (2, "lu2")] + (
+            [(5, "bound1"), (6, "bound2")] if self.individual else []
+        ):
             self.shards.write(tables[name], idx_all, packed[:, c])
         if self.learn_global:
             self.pending_grad = packed[:, 3].mean()
-        elif self.individual:     # the taus change in after_step(): this step uses the old ones
+        elif self.individual:  # the taus change in after_step(): this step uses the old ones
             self.pending_grad = (idx_all, packed[:, 3], packed[:, 4])
 
     def _batch_taus(self, idx_all, rows_all) -> dict:

@@ -10,6 +10,7 @@ are 0, so the sum is the owner's value, exactly); the gathered updates are writt
 only.  Every number equals the replicated run's bit for bit.  Checkpoints hold the whole table
 (gathered on rank 0), so a run can resume at any world size and in either mode.
 """
+
 from __future__ import annotations
 
 import torch
@@ -61,12 +62,14 @@ class ShardMap:
         the other ranks get `t` back)."""
         k, rank = self.k, self.rank
         parts = [torch.empty_like(t) for _ in range(k)] if rank == 0 else None
-        dist.gather(t, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        dist.gather(
+            t, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group
+        )
         if rank != 0:
             return t
         full = torch.empty(self.n, dtype=t.dtype, device=t.device)
         for r, part in enumerate(parts):
-            full[r::k] = part[:len(range(r, self.n, k))]
+            full[r::k] = part[: len(range(r, self.n, k))]
         return full
 
     def load(self, cur, full) -> None:
@@ -74,6 +77,6 @@ class ShardMap:
         if not self.sharded:
             cur.copy_(full.to(cur.device, cur.dtype))
             return
-        mine = full[self.rank::self.k]
+        mine = full[self.rank :: self.k]
         cur.zero_()
-        cur[:len(mine)] = mine.to(cur.device, cur.dtype)
+        cur[: len(mine)] = mine.to(cur.device, cur.dtype)

@@ -7,6 +7,7 @@ a_i = mean_{j != i} exp(z_ij) z_ij / (eps + u_i).  Every function keeps the orde
 loss has always had, so the numbers (and the gradients) are the same bit for bit; the reference's
 numbers check them in tests/unit/test_fastclip_reference.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,15 +15,16 @@ from typing import NamedTuple
 
 import torch
 
-U_RESET_BELOW = math.log(1e-35)          # the reference's "u < 1e-35, inf or nan" -> u = g
+U_RESET_BELOW = math.log(1e-35)  # the reference's "u < 1e-35, inf or nan" -> u = g
 
 
 class Side(NamedTuple):
     """One anchor side's (image anchors: 1, text anchors: 2) inner estimate for the local anchors [b]."""
-    log_g: torch.Tensor           # log g_i = logsumexp_{j != i} z_ij - log(N-1)
-    lu: torch.Tensor              # the updated log u_i
-    L: torch.Tensor               # log(eps + u_i); per-sample temperatures: log(eps e^bound_i + u_i)
-    bound: torch.Tensor | None    # the running max of max_j z_ij (per-sample temperatures only)
+
+    log_g: torch.Tensor  # log g_i = logsumexp_{j != i} z_ij - log(N-1)
+    lu: torch.Tensor  # the updated log u_i
+    L: torch.Tensor  # log(eps + u_i); per-sample temperatures: log(eps e^bound_i + u_i)
+    bound: torch.Tensor | None  # the running max of max_j z_ij (per-sample temperatures only)
 
 
 def new_log_u(lu_old, log_g, shift, gamma: float):
@@ -31,7 +33,9 @@ def new_log_u(lu_old, log_g, shift, gamma: float):
     u exp(-bound) with 1e-35)."""
     if gamma >= 1:
         return log_g
-    lu_new = torch.logaddexp(lu_old + math.log(1 - gamma), log_g + (math.log(gamma) if gamma > 0 else -math.inf))
+    lu_new = torch.logaddexp(
+        lu_old + math.log(1 - gamma), log_g + (math.log(gamma) if gamma > 0 else -math.inf)
+    )
     bad = (lu_old - shift < U_RESET_BELOW) | torch.isnan(lu_old) | (lu_old == math.inf)
     return torch.where(bad, log_g, lu_new)
 
@@ -41,7 +45,7 @@ def anchor_exponents(e1, e2, E1m, E2m, s1, s2, off: int):
     anchor i), [b, N], for the local anchors against all features (E1m, E2m: the gathered features
     with the local slice, at rows off..off+b, carrying the graph); -inf where j is i (diag)."""
     b, n_all = e1.shape[0], E1m.shape[0]
-    pos = (e1 * e2).sum(1)                                                # s_ii [b], with grad
+    pos = (e1 * e2).sum(1)  # s_ii [b], with grad
     diag = torch.zeros(b, n_all, dtype=torch.bool, device=e1.device)
     diag[torch.arange(b), off + torch.arange(b)] = True
     z1 = ((e1 @ E2m.T - pos[:, None]) * s1[:, None]).masked_fill(diag, -math.inf)  # [b, N]
@@ -54,7 +58,7 @@ def inner_estimate(z, lu_old, bound_old, gamma: float, log_nm1: float, log_eps: 
     L = log(eps + u); else the reference's running bound (the diagonal's z = 0 included) decides
     when u counts as below 1e-35 and shifts eps: L = log(eps e^bound + u)."""
     zd = z.detach()
-    log_g = torch.logsumexp(zd, 1) - log_nm1                            # log g_i [b]
+    log_g = torch.logsumexp(zd, 1) - log_nm1  # log g_i [b]
     if bound_old is None:
         lu_new = new_log_u(lu_old, log_g, 0.0, gamma)
         return Side(log_g, lu_new, torch.logaddexp(lu_new, torch.full_like(lu_new, log_eps)), None)
@@ -66,7 +70,7 @@ def inner_estimate(z, lu_old, bound_old, gamma: float, log_nm1: float, log_eps: 
 def weighted_z(z, L, diag, n_all: int):
     """a_i = mean_{j != i} exp(z_ij) z_ij / (eps + u_i), detached [b] (the temperatures' gradients)."""
     zd = z.detach()
-    p = torch.exp(zd - L[:, None]) / (n_all - 1)                          # 0 on the diagonal
+    p = torch.exp(zd - L[:, None]) / (n_all - 1)  # 0 on the diagonal
     return (p * zd.masked_fill(diag, 0.0)).sum(1)
 
 
@@ -81,12 +85,15 @@ def add_remote_surrogate(sur, E1, E2, e1, e2, packed, scales, shifts, off: int):
     `packed` columns 1 and 2, scaled by `scales` and with L = logaddexp(log u, `shifts`)) against the
     local features as negatives, image side then text side."""
     n_all, b = E1.shape[0], e1.shape[0]
-    posd = (E1 * E2).sum(1)                                               # [N]
+    posd = (E1 * E2).sum(1)  # [N]
     other = torch.ones(n_all, 1, dtype=torch.bool, device=e1.device)
-    other[off:off + b] = False
-    for Ea, e_neg, c, col, sh in ((E1, e2, scales[0], 1, shifts[0]), (E2, e1, scales[1], 2, shifts[1])):
+    other[off : off + b] = False
+    for Ea, e_neg, c, col, sh in (
+        (E1, e2, scales[0], 1, shifts[0]),
+        (E2, e1, scales[1], 2, shifts[1]),
+    ):
         La = torch.logaddexp(packed[:, col].float(), sh)
-        zb = (Ea @ e_neg.T - posd[:, None]) * c[:, None]                  # [N, b]
+        zb = (Ea @ e_neg.T - posd[:, None]) * c[:, None]  # [N, b]
         zb = zb.masked_fill(~other, -math.inf)
         sur = sur + torch.exp(zb - La[:, None]).sum()
     return sur

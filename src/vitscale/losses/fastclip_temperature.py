@@ -12,6 +12,7 @@ bias correction by 1 - beta^(epoch+1), tau clamped to [0.01, 1].  It also keeps 
 running bounds of max_j z_ij (fastclip_step.inner_estimate), the other per-sample rows of these
 variants.  Its tables are sharded like u (fastclip_state.ShardMap).
 """
+
 from __future__ import annotations
 
 import math
@@ -21,17 +22,27 @@ import torch
 from .fastclip_state import ShardMap
 
 TAU_MIN, TAU_MAX, TAU_CUT_AT = 0.01, 1.0, 0.03
-THETA_MAX = math.log(100.0)              # logit_scale clamp [0, ln 100] = tau in [0.01, 1]
+THETA_MAX = math.log(100.0)  # logit_scale clamp [0, ln 100] = tau in [0.01, 1]
 
 
 class GlobalTemperature:
     """theta = log(1/tau) and its Adam state, fp64 0-d tensors (no host syncs)."""
 
-    names = ("theta", "theta_m", "theta_v", "theta_step")   # checkpoint keys
-    row_names = ()                                          # per-sample rows a step reads
+    names = ("theta", "theta_m", "theta_v", "theta_step")  # checkpoint keys
+    row_names = ()  # per-sample rows a step reads
 
-    def __init__(self, tau_init: float, *, lr: float, schedule: str, lr_factor, lr_cut: float,
-                 betas: tuple[float, float], eps: float, device):
+    def __init__(
+        self,
+        tau_init: float,
+        *,
+        lr: float,
+        schedule: str,
+        lr_factor,
+        lr_cut: float,
+        betas: tuple[float, float],
+        eps: float,
+        device,
+    ):
         f64 = dict(dtype=torch.float64, device=device)
         self.theta = torch.tensor(math.log(1.0 / float(tau_init)), **f64)
         self.theta_m, self.theta_v = torch.zeros((), **f64), torch.zeros((), **f64)
@@ -72,8 +83,8 @@ class GlobalTemperature:
         self.theta_step += 1
         self.theta_m.mul_(b1).add_((1 - b1) * g)
         self.theta_v.mul_(b2).add_((1 - b2) * g * g)
-        mhat = self.theta_m / (1 - b1 ** self.theta_step)
-        vhat = self.theta_v / (1 - b2 ** self.theta_step)
+        mhat = self.theta_m / (1 - b1**self.theta_step)
+        vhat = self.theta_v / (1 - b2**self.theta_step)
         self.theta.sub_(lr * mhat / (vhat.sqrt() + self.eps)).clamp_(0.0, THETA_MAX)
 
 
@@ -82,14 +93,25 @@ class SampleTemperatures:
     dataset index held by this rank."""
 
     names = ("tau1", "tau2", "m1", "m2", "v1", "v2", "bound1", "bound2")  # checkpoint keys
-    row_names = ("tau1", "tau2", "bound1", "bound2")                      # per-sample rows a step reads
+    row_names = ("tau1", "tau2", "bound1", "bound2")  # per-sample rows a step reads
 
-    def __init__(self, tau_init: float, *, shards: ShardMap, lr: float, betas: tuple[float, float], eps: float,
-                 dtype, device):
+    def __init__(
+        self,
+        tau_init: float,
+        *,
+        shards: ShardMap,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        dtype,
+        device,
+    ):
         n, dt, dev = shards.size, dtype, device
         self.tau1 = torch.full((n,), float(tau_init), dtype=dt, device=dev)
         self.tau2 = torch.full((n,), float(tau_init), dtype=dt, device=dev)
-        self.m1, self.m2, self.v1, self.v2 = (torch.zeros(n, dtype=dt, device=dev) for _ in range(4))
+        self.m1, self.m2, self.v1, self.v2 = (
+            torch.zeros(n, dtype=dt, device=dev) for _ in range(4)
+        )
         self.bound1, self.bound2 = (torch.zeros(n, dtype=dt, device=dev) for _ in range(2))
         self.shards, self.lr, self.betas, self.eps = shards, lr, betas, eps
 

@@ -10,6 +10,7 @@ OpenCLIP's ViT CLIP computes the same function with the options that interop/ope
 vision_pool / vision_norm_after_pool for the image tower, TextSpec.norm_eps / act / causal / pool /
 eos_id for the text tower.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,32 +32,51 @@ class ClipSpec:
     embed_dim: int = 512
     init_tau: float = 0.07
     # the image tower's OpenCLIP options (interop/open_clip.py); the defaults are vitscale's ViT
-    ln_pre: bool = False           # a LayerNorm after adding the position embeddings, before the blocks
-    patch_bias: bool = True        # the patch convolution has a bias (OpenCLIP's conv1 has none)
-    proj_bias: bool = True         # the projection (the ViT's head) has a bias (OpenCLIP's proj has none)
+    ln_pre: bool = False  # a LayerNorm after adding the position embeddings, before the blocks
+    patch_bias: bool = True  # the patch convolution has a bias (OpenCLIP's conv1 has none)
+    proj_bias: bool = True  # the projection (the ViT's head) has a bias (OpenCLIP's proj has none)
     vision_norm_eps: float = 1e-6  # every LayerNorm of the image tower (OpenCLIP: torch's 1e-5)
-    vision_act: str = "gelu"       # its MLP activation: "gelu" | "quick_gelu" (OpenAI's models)
-    vision_pool: str = "token"     # the image feature: "token" (the class token's) | "avg" (the mean of the
-                                   # patch tokens, the class token left out: OpenCLIP's pool_type="avg")
-    vision_norm_after_pool: bool = False  # the final LayerNorm after pooling (OpenCLIP's final_ln_after_pool;
-                                          # its parameters are then visual.fc_norm, not visual.norm)
+    vision_act: str = "gelu"  # its MLP activation: "gelu" | "quick_gelu" (OpenAI's models)
+    vision_pool: str = (
+        "token"  # the image feature: "token" (the class token's) | "avg" (the mean of the
+    )
+    # patch tokens, the class token left out: OpenCLIP's pool_type="avg")
+    vision_norm_after_pool: bool = (
+        False  # the final LayerNorm after pooling (OpenCLIP's final_ln_after_pool;
+    )
+    # its parameters are then visual.fc_norm, not visual.norm)
 
 
 # name -> (vision ViTSpec, text (dim, depth, heads), embed_dim)
 CLIP_REGISTRY: dict[str, ClipSpec] = {
     # tests: a few thousand parameters per tower
-    "clip_tiny": ClipSpec(ViTSpec(image_size=32, patch_size=8, dim=32, depth=2, heads=2, mlp_ratio=2.0),
-                          TextSpec(dim=32, depth=2, heads=2, mlp_ratio=2.0, embed_dim=32), 32),
+    "clip_tiny": ClipSpec(
+        ViTSpec(image_size=32, patch_size=8, dim=32, depth=2, heads=2, mlp_ratio=2.0),
+        TextSpec(dim=32, depth=2, heads=2, mlp_ratio=2.0, embed_dim=32),
+        32,
+    ),
     # CPU experiments at 64 px (OpenClipArt): 65 image tokens, short captions
-    "clip_mini": ClipSpec(ViTSpec(image_size=64, patch_size=8, dim=192, depth=6, heads=3),
-                          TextSpec(dim=192, depth=4, heads=3, embed_dim=192), 192),
-    "clip_small": ClipSpec(ViTSpec(image_size=224, patch_size=16, dim=384, depth=12, heads=6),
-                           TextSpec(dim=384, depth=12, heads=6, embed_dim=384), 384),
+    "clip_mini": ClipSpec(
+        ViTSpec(image_size=64, patch_size=8, dim=192, depth=6, heads=3),
+        TextSpec(dim=192, depth=4, heads=3, embed_dim=192),
+        192,
+    ),
+    "clip_small": ClipSpec(
+        ViTSpec(image_size=224, patch_size=16, dim=384, depth=12, heads=6),
+        TextSpec(dim=384, depth=12, heads=6, embed_dim=384),
+        384,
+    ),
     # CLIP's ViT-B/32 and ViT-B/16 (text width 512, 12 layers, 8 heads; embedding 512)
-    "clip_vit_b32": ClipSpec(ViTSpec(image_size=224, patch_size=32, dim=768, depth=12, heads=12),
-                             TextSpec(dim=512, depth=12, heads=8, embed_dim=512), 512),
-    "clip_vit_b16": ClipSpec(ViTSpec(image_size=224, patch_size=16, dim=768, depth=12, heads=12),
-                             TextSpec(dim=512, depth=12, heads=8, embed_dim=512), 512),
+    "clip_vit_b32": ClipSpec(
+        ViTSpec(image_size=224, patch_size=32, dim=768, depth=12, heads=12),
+        TextSpec(dim=512, depth=12, heads=8, embed_dim=512),
+        512,
+    ),
+    "clip_vit_b16": ClipSpec(
+        ViTSpec(image_size=224, patch_size=16, dim=768, depth=12, heads=12),
+        TextSpec(dim=512, depth=12, heads=8, embed_dim=512),
+        512,
+    ),
 }
 
 
@@ -64,16 +84,21 @@ def is_clip_arch(arch: str) -> bool:
     return arch.startswith("clip_")
 
 
-def resolve_clip_spec(arch: str, *, vision: dict | None = None, text: dict | None = None,
-                      embed_dim: int = 0) -> ClipSpec:
+def resolve_clip_spec(
+    arch: str, *, vision: dict | None = None, text: dict | None = None, embed_dim: int = 0
+) -> ClipSpec:
     """Registry spec with overrides (zero/None values keep the registry's)."""
     if arch not in CLIP_REGISTRY:
         raise KeyError(f"unknown CLIP model '{arch}'{did_you_mean(arch, CLIP_REGISTRY)}")
     spec = CLIP_REGISTRY[arch]
     keep = lambda d: {k: v for k, v in (d or {}).items() if v not in (None, 0, 0.0, "")}  # noqa: E731
     E = embed_dim or spec.embed_dim
-    return replace(spec, embed_dim=E, vision=replace(spec.vision, **keep(vision), num_classes=E, head="token"),
-                   text=replace(spec.text, **keep(text), embed_dim=E))
+    return replace(
+        spec,
+        embed_dim=E,
+        vision=replace(spec.vision, **keep(vision), num_classes=E, head="token"),
+        text=replace(spec.text, **keep(text), embed_dim=E),
+    )
 
 
 class ImageTower(VisionTransformer):
@@ -87,8 +112,13 @@ class ImageTower(VisionTransformer):
         if spec.vision_pool == "avg" and spec.vision.head != "token":
             raise ValueError("vision_pool='avg' leaves out a class token: it needs head='token'")
         # vision_norm_after_pool: vitscale's ViT with fc_norm (no `norm`, a LayerNorm after pooling)
-        super().__init__(replace(spec.vision, num_classes=spec.embed_dim,
-                                 fc_norm=spec.vision.fc_norm or spec.vision_norm_after_pool))
+        super().__init__(
+            replace(
+                spec.vision,
+                num_classes=spec.embed_dim,
+                fc_norm=spec.vision.fc_norm or spec.vision_norm_after_pool,
+            )
+        )
         self.clip_pool = spec.vision_pool
         if spec.ln_pre:
             self.norm_pre = nn.LayerNorm(spec.vision.dim, eps=spec.vision_norm_eps)
@@ -133,8 +163,11 @@ class CLIP(nn.Module):
         return [*self.visual.shard_units(), *self.text.shard_units()]
 
     def no_weight_decay(self) -> set[str]:
-        return ({f"visual.{n}" for n in self.visual.no_weight_decay()}
-                | {f"text.{n}" for n in self.text.no_weight_decay()} | {"logit_scale"})
+        return (
+            {f"visual.{n}" for n in self.visual.no_weight_decay()}
+            | {f"text.{n}" for n in self.text.no_weight_decay()}
+            | {"logit_scale"}
+        )
 
     def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         f = self.visual(images)
@@ -157,6 +190,9 @@ class CLIP(nn.Module):
 def clip_forward_flops(spec: ClipSpec, text_length: int | None = None) -> int:
     """FLOPs of one (image, caption) pair's forward pass, both towers (1 MAC = 2 FLOPs)."""
     from .flops import vit_forward_macs
+
     vision = replace(spec.vision, num_classes=spec.embed_dim)
-    return 2 * (vit_forward_macs(vision) + text_forward_macs(replace(spec.text, embed_dim=spec.embed_dim),
-                                                             text_length))
+    return 2 * (
+        vit_forward_macs(vision)
+        + text_forward_macs(replace(spec.text, embed_dim=spec.embed_dim), text_length)
+    )

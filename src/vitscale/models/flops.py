@@ -3,6 +3,7 @@
 One multiply-accumulate = 2 FLOPs. Norms, softmax, GELU and adds are not counted (they are
 a few percent of the total and are not matmul work). Training = 3x forward (backward = 2x).
 """
+
 from __future__ import annotations
 
 from .vit import ViTSpec
@@ -13,8 +14,8 @@ def vit_forward_macs(spec: ViTSpec) -> int:
     D, T = spec.dim, spec.num_tokens
     hidden = int(D * spec.mlp_ratio)
     patch = stem_macs(spec)
-    attn = T * D * 3 * D + 2 * T * T * D + T * D * D                 # qkv, q@k^T and attn@v, proj
-    mlp = 2 * T * D * hidden                                         # fc1 + fc2
+    attn = T * D * 3 * D + 2 * T * T * D + T * D * D  # qkv, q@k^T and attn@v, proj
+    mlp = 2 * T * D * hidden  # fc1 + fc2
     head = D * spec.num_classes
     return patch + spec.depth * (attn + mlp) + head
 
@@ -22,8 +23,9 @@ def vit_forward_macs(spec: ViTSpec) -> int:
 def stem_macs(spec: ViTSpec) -> int:
     """The patch embedding: one stride-p conv, or the conv stem's 3x3 stride-2 stages + 1x1 conv."""
     if spec.stem == "patch":
-        return spec.num_patches * spec.in_chans * spec.patch_size ** 2 * spec.dim
+        return spec.num_patches * spec.in_chans * spec.patch_size**2 * spec.dim
     from .layers import ConvStem
+
     widths = ConvStem(spec.patch_size, spec.patch_size, 1, spec.dim).widths
     macs, c, size = 0, spec.in_chans, spec.image_size
     for w in widths:

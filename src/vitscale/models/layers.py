@@ -1,5 +1,6 @@
 """Transformer building blocks (torch only; nothing here knows about precision policies: only
 attention_kernel looks at the device and dtype, to pick the fast attention backward)."""
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,9 @@ def grid_to_tokens(x: torch.Tensor) -> torch.Tensor:
 class PatchEmbed(nn.Module):
     """[B, C, H, W] -> [B, N, D] with N = (H/p)*(W/p): a stride-p convolution."""
 
-    def __init__(self, image_size: int, patch_size: int, in_chans: int, dim: int, bias: bool = True):
+    def __init__(
+        self, image_size: int, patch_size: int, in_chans: int, dim: int, bias: bool = True
+    ):
         super().__init__()
         if image_size % patch_size:
             raise ValueError(f"image size {image_size} is not divisible by patch size {patch_size}")
@@ -45,12 +48,20 @@ class BatchNorm2d(nn.BatchNorm2d):
         # the momentum bookkeeping of nn.BatchNorm2d.forward, then the same call in `dt`
         if self.training and self.track_running_stats:
             self.num_batches_tracked.add_(1)
-        momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        momentum = (
+            self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        )
         use_batch_stats = self.training or self.running_mean is None
-        return F.batch_norm(x.to(dt), self.running_mean if not self.training or self.track_running_stats else None,
-                            self.running_var if not self.training or self.track_running_stats else None,
-                            self.weight.to(dt), self.bias.to(dt), use_batch_stats, momentum or 0.0,
-                            self.eps).to(x.dtype)
+        return F.batch_norm(
+            x.to(dt),
+            self.running_mean if not self.training or self.track_running_stats else None,
+            self.running_var if not self.training or self.track_running_stats else None,
+            self.weight.to(dt),
+            self.bias.to(dt),
+            use_batch_stats,
+            momentum or 0.0,
+            self.eps,
+        ).to(x.dtype)
 
 
 class ConvStem(nn.Module):
@@ -64,14 +75,22 @@ class ConvStem(nn.Module):
     def __init__(self, image_size: int, patch_size: int, in_chans: int, dim: int):
         super().__init__()
         if image_size % patch_size or patch_size & (patch_size - 1) or patch_size < 2:
-            raise ValueError(f"conv stem needs a power-of-two patch size >= 2 dividing the image size "
-                             f"(got patch {patch_size}, image {image_size})")
+            raise ValueError(
+                f"conv stem needs a power-of-two patch size >= 2 dividing the image size "
+                f"(got patch {patch_size}, image {image_size})"
+            )
         self.grid = image_size // patch_size
         self.num_patches = self.grid * self.grid
         layers, c = [], in_chans
-        widths = [max(16, dim // 2 ** (s + 1)) for s in reversed(range(patch_size.bit_length() - 1))]
+        widths = [
+            max(16, dim // 2 ** (s + 1)) for s in reversed(range(patch_size.bit_length() - 1))
+        ]
         for w in widths:  # e.g. patch 4, dim 192: 1 -> 48 -> 96 channels at /2, /4
-            layers += [nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False), BatchNorm2d(w), nn.ReLU(inplace=True)]
+            layers += [
+                nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False),
+                BatchNorm2d(w),
+                nn.ReLU(inplace=True),
+            ]
             c = w
         layers.append(nn.Conv2d(c, dim, 1))
         self.proj = nn.Sequential(*layers)
@@ -95,7 +114,9 @@ class CpuFlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale = causal, scale
         return o
@@ -107,7 +128,9 @@ class CpuFlashAttention(torch.autograd.Function):
         s = (q @ k.transpose(-2, -1)).float() * ctx.scale  # [B, h, T, T]
         if ctx.causal:
             T = q.shape[-2]
-            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+            s = s.masked_fill(
+                torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1), float("-inf")
+            )
         p = torch.exp(s - lse.unsqueeze(-1))
         dv = p.to(q.dtype).transpose(-2, -1) @ do
         dp = (do @ v.transpose(-2, -1)).float()
@@ -118,8 +141,13 @@ class CpuFlashAttention(torch.autograd.Function):
 def attention_kernel(q, k, v, dropout: float = 0.0, causal: bool = False):
     """scaled_dot_product_attention, with CpuFlashAttention's backward where torch's is slow
     (CPU, bf16/fp16, gradients needed, no dropout)."""
-    if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and not dropout
-            and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if (
+        q.device.type == "cpu"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and not dropout
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+    ):
         return CpuFlashAttention.apply(q, k, v, causal, q.shape[-1] ** -0.5)
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal)
 
@@ -129,12 +157,14 @@ class Attention(nn.Module):
     else explicit math.
     `causal`: token t attends to tokens <= t only (the CLIP text transformer)."""
 
-    def __init__(self, dim: int, heads: int, fused: bool = True, dropout: float = 0.0, causal: bool = False):
+    def __init__(
+        self, dim: int, heads: int, fused: bool = True, dropout: float = 0.0, causal: bool = False
+    ):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim {dim} is not divisible by heads {heads}")
         self.heads, self.head_dim = heads, dim // heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.fused = fused
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -250,7 +280,9 @@ def set_drop_path_mode(model: nn.Module, mode: str) -> nn.Module:
     """Every Block of `model` computes its stochastic depth in `mode` (DROP_PATH_MODES); nothing else
     changes (no parameter, no state-dict key)."""
     if mode not in DROP_PATH_MODES:
-        raise ValueError(f"unknown drop-path mode '{mode}' (expected one of {', '.join(DROP_PATH_MODES)})")
+        raise ValueError(
+            f"unknown drop-path mode '{mode}' (expected one of {', '.join(DROP_PATH_MODES)})"
+        )
     for m in model.modules():
         if isinstance(m, Block):
             m.drop_path_mode = mode
@@ -263,9 +295,18 @@ class Block(nn.Module):
 
     drop_path_mode = "mask"
 
-    def __init__(self, dim: int, heads: int, mlp_ratio: float, fused_attn: bool = True,
-                 drop_path: float = 0.0, dropout: float = 0.0, causal: bool = False,
-                 eps: float = 1e-6, act: str = "gelu"):
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        mlp_ratio: float,
+        fused_attn: bool = True,
+        drop_path: float = 0.0,
+        dropout: float = 0.0,
+        causal: bool = False,
+        eps: float = 1e-6,
+        act: str = "gelu",
+    ):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, heads, fused=fused_attn, dropout=dropout, causal=causal)

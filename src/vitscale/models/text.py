@@ -7,6 +7,7 @@ As in CLIP/OpenCLIP, the end-of-text token has the largest id (49407), so its po
 OpenCLIP's other text towers (interop/open_clip.py) set `pool` ("eos": the first `eos_id` token,
 "last", "first") and `causal=False` (bidirectional attention, e.g. CLIPA's).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,15 +27,15 @@ class TextSpec:
     depth: int = 12
     heads: int = 8
     mlp_ratio: float = 4.0
-    embed_dim: int = 512          # output (shared embedding) size
-    attention: str = "sdpa"       # "sdpa" | "explicit"
+    embed_dim: int = 512  # output (shared embedding) size
+    attention: str = "sdpa"  # "sdpa" | "explicit"
     # OpenCLIP's (interop/open_clip.py): its LayerNorms use torch's default eps, its OpenAI models QuickGELU
-    norm_eps: float = 1e-6        # every LayerNorm (blocks and ln_final)
-    act: str = "gelu"             # MLP activation: "gelu" | "quick_gelu"
-    causal: bool = True           # False: every token attends to every token (OpenCLIP's no_causal_mask)
-    pool: str = "argmax"          # the pooled token: "argmax" (the largest id: CLIP's end of text) |
-                                  # "eos" (the first `eos_id`) | "last" | "first" (OpenCLIP's pool_type)
-    eos_id: int = 0               # pool="eos" only
+    norm_eps: float = 1e-6  # every LayerNorm (blocks and ln_final)
+    act: str = "gelu"  # MLP activation: "gelu" | "quick_gelu"
+    causal: bool = True  # False: every token attends to every token (OpenCLIP's no_causal_mask)
+    pool: str = "argmax"  # the pooled token: "argmax" (the largest id: CLIP's end of text) |
+    # "eos" (the first `eos_id`) | "last" | "first" (OpenCLIP's pool_type)
+    eos_id: int = 0  # pool="eos" only
 
 
 class TextTransformer(nn.Module):
@@ -45,9 +46,17 @@ class TextTransformer(nn.Module):
         self.token_embedding = nn.Embedding(spec.vocab_size, W)
         self.positional_embedding = nn.Parameter(torch.zeros(spec.context_length, W))
         self.blocks = nn.ModuleList(
-            Block(W, spec.heads, spec.mlp_ratio, fused_attn=spec.attention == "sdpa", causal=spec.causal,
-                  eps=spec.norm_eps, act=spec.act)
-            for _ in range(spec.depth))
+            Block(
+                W,
+                spec.heads,
+                spec.mlp_ratio,
+                fused_attn=spec.attention == "sdpa",
+                causal=spec.causal,
+                eps=spec.norm_eps,
+                act=spec.act,
+            )
+            for _ in range(spec.depth)
+        )
         self.ln_final = nn.LayerNorm(W, eps=spec.norm_eps)
         self.proj = nn.Linear(W, spec.embed_dim, bias=False)
         self.grad_checkpointing = False
@@ -62,7 +71,7 @@ class TextTransformer(nn.Module):
         W, L = self.spec.dim, self.spec.depth
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
-        attn_std, proj_std, fc_std = W ** -0.5, W ** -0.5 * (2 * L) ** -0.5, (2 * W) ** -0.5
+        attn_std, proj_std, fc_std = W**-0.5, W**-0.5 * (2 * L) ** -0.5, (2 * W) ** -0.5
         for blk in self.blocks:
             nn.init.normal_(blk.attn.qkv.weight, std=attn_std)
             nn.init.normal_(blk.attn.proj.weight, std=proj_std)
@@ -70,7 +79,7 @@ class TextTransformer(nn.Module):
             nn.init.normal_(blk.mlp.fc2.weight, std=proj_std)
             for b in (blk.attn.qkv.bias, blk.attn.proj.bias, blk.mlp.fc1.bias, blk.mlp.fc2.bias):
                 nn.init.zeros_(b)
-        nn.init.normal_(self.proj.weight, std=W ** -0.5)
+        nn.init.normal_(self.proj.weight, std=W**-0.5)
 
     def no_weight_decay(self) -> set[str]:
         """Nothing beyond norms and biases (OpenCLIP decays the token and position embeddings)."""
@@ -79,7 +88,9 @@ class TextTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         L = tokens.shape[1]
         if L > self.spec.context_length:
-            raise ValueError(f"{L} tokens per caption, the model takes at most {self.spec.context_length}")
+            raise ValueError(
+                f"{L} tokens per caption, the model takes at most {self.spec.context_length}"
+            )
         x = self.token_embedding(tokens) + self.positional_embedding[:L]  # [B, L, W]
         for blk in self.blocks:
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
@@ -87,7 +98,9 @@ class TextTransformer(nn.Module):
             else:
                 x = blk(x)
         x = self.ln_final(x)
-        return self.proj(x[torch.arange(x.shape[0], device=x.device), self.pooled_position(tokens)])  # [B, E]
+        return self.proj(
+            x[torch.arange(x.shape[0], device=x.device), self.pooled_position(tokens)]
+        )  # [B, E]
 
     def pooled_position(self, tokens: torch.Tensor) -> torch.Tensor:
         """[B] the position whose feature is the caption's (OpenCLIP's text_global_pool)."""
@@ -97,7 +110,9 @@ class TextTransformer(nn.Module):
         if pool == "eos":
             return (tokens == self.spec.eos_id).int().argmax(dim=-1)
         if pool in ("last", "first"):
-            return torch.full(tokens.shape[:1], tokens.shape[1] - 1 if pool == "last" else 0, device=tokens.device)
+            return torch.full(
+                tokens.shape[:1], tokens.shape[1] - 1 if pool == "last" else 0, device=tokens.device
+            )
         raise ValueError(f"unknown text pool '{pool}' (expected argmax, eos, last or first)")
 
 

@@ -1,4 +1,5 @@
 """Vision Transformer (ViT) with a registry of the standard sizes and small-image variants."""
+
 from __future__ import annotations
 
 import difflib
@@ -21,30 +22,30 @@ class ViTSpec:
     depth: int = 12
     heads: int = 12
     mlp_ratio: float = 4.0
-    head: str = "token"        # "token" (class token) | "pool" (global average of patch tokens)
-    attention: str = "sdpa"    # "sdpa" (fused scaled_dot_product_attention) | "explicit"
-    stem: str = "patch"        # "patch" (one stride-p conv, as in ViT) | "conv" (3x3 conv stages)
+    head: str = "token"  # "token" (class token) | "pool" (global average of patch tokens)
+    attention: str = "sdpa"  # "sdpa" (fused scaled_dot_product_attention) | "explicit"
+    stem: str = "patch"  # "patch" (one stride-p conv, as in ViT) | "conv" (3x3 conv stages)
     drop_path: float = 0.0
     dropout: float = 0.0
     # timm's variants, so that imported weights compute the same function (interop/timm_vit.py):
-    fc_norm: bool = False          # pool head: mean of the un-normed tokens, then LayerNorm (timm's
-                                   # global_pool="avg"); False: LayerNorm of every token, then mean
-    no_embed_class: bool = False   # position embeddings for the patches only, added before the class
-                                   # token is prepended (timm's no_embed_class, e.g. DeiT III)
+    fc_norm: bool = False  # pool head: mean of the un-normed tokens, then LayerNorm (timm's
+    # global_pool="avg"); False: LayerNorm of every token, then mean
+    no_embed_class: bool = False  # position embeddings for the patches only, added before the class
+    # token is prepended (timm's no_embed_class, e.g. DeiT III)
     # more of timm's variants (interop/timm_vit.py); the defaults are vitscale's ViT, so a spec saved
     # before they existed loads as the same model
     class_token: bool | None = None  # a class token; None: exactly when head="token". head="pool"
-                                     # with a class token averages the patch tokens only (timm's
-                                     # class_token=True, global_pool="avg")
-    reg_tokens: int = 0            # register tokens after the class token (timm's reg_tokens)
-    layer_scale: float = 0.0       # per-channel scales of each residual branch, initialized to this
-                                   # value (timm's init_values, blocks.N.ls1/ls2.gamma); 0 = none
-    qkv_bias: bool = True          # the attention's qkv projection has a bias
-    pre_norm: bool = False         # a LayerNorm before the blocks, and no patch-embedding bias (timm's
-                                   # pre_norm, CLIP's image towers)
-    final_norm: bool = True        # False: no LayerNorm after the blocks (neither norm nor fc_norm)
-    norm_eps: float = 1e-6         # every LayerNorm's eps (timm's CLIP models: 1e-5)
-    act: str = "gelu"              # the MLP activation: gelu | gelu_tanh | quick_gelu
+    # with a class token averages the patch tokens only (timm's
+    # class_token=True, global_pool="avg")
+    reg_tokens: int = 0  # register tokens after the class token (timm's reg_tokens)
+    layer_scale: float = 0.0  # per-channel scales of each residual branch, initialized to this
+    # value (timm's init_values, blocks.N.ls1/ls2.gamma); 0 = none
+    qkv_bias: bool = True  # the attention's qkv projection has a bias
+    pre_norm: bool = False  # a LayerNorm before the blocks, and no patch-embedding bias (timm's
+    # pre_norm, CLIP's image towers)
+    final_norm: bool = True  # False: no LayerNorm after the blocks (neither norm nor fc_norm)
+    norm_eps: float = 1e-6  # every LayerNorm's eps (timm's CLIP models: 1e-5)
+    act: str = "gelu"  # the MLP activation: gelu | gelu_tanh | quick_gelu
 
     @property
     def num_patches(self) -> int:
@@ -73,7 +74,7 @@ class ViTSpec:
 
 # name -> (dim, depth, heads, mlp_ratio, default patch size)
 SIZES = {
-    "pico": (96, 6, 3, 3.0),      # small-image models for 28-32 px inputs
+    "pico": (96, 6, 3, 3.0),  # small-image models for 28-32 px inputs
     "nano": (128, 6, 4, 3.0),
     "tiny": (192, 12, 3, 4.0),
     "small": (384, 12, 6, 4.0),
@@ -84,7 +85,9 @@ SIZES = {
 REGISTRY: dict[str, ViTSpec] = {}
 for _size, (_d, _l, _h, _r) in SIZES.items():
     for _p in (2, 4, 7, 8, 14, 16, 32):
-        REGISTRY[f"vit_{_size}_patch{_p}"] = ViTSpec(dim=_d, depth=_l, heads=_h, mlp_ratio=_r, patch_size=_p)
+        REGISTRY[f"vit_{_size}_patch{_p}"] = ViTSpec(
+            dim=_d, depth=_l, heads=_h, mlp_ratio=_r, patch_size=_p
+        )
     default_patch = {"pico": 4, "nano": 4, "huge": 14}.get(_size, 16)
     REGISTRY[f"vit_{_size}"] = REGISTRY[f"vit_{_size}_patch{default_patch}"]
 
@@ -134,22 +137,41 @@ class VisionTransformer(nn.Module):
         if spec.pre_norm and isinstance(self.patch_embed, PatchEmbed):  # timm: bias=not pre_norm
             self.patch_embed.proj.register_parameter("bias", None)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if spec.has_class_token else None
-        self.reg_token = nn.Parameter(torch.zeros(1, spec.reg_tokens, D)) if spec.reg_tokens else None
+        self.reg_token = (
+            nn.Parameter(torch.zeros(1, spec.reg_tokens, D)) if spec.reg_tokens else None
+        )
         self.pos_embed = nn.Parameter(torch.zeros(1, spec.pos_tokens, D))
         # a LayerNorm before the blocks: timm's pre_norm, and CLIP's image tower (ln_pre)
         self.norm_pre = nn.LayerNorm(D, eps=spec.norm_eps) if spec.pre_norm else nn.Identity()
-        dpr = [spec.drop_path * i / max(1, spec.depth - 1) for i in range(spec.depth)]  # rises with depth
+        dpr = [
+            spec.drop_path * i / max(1, spec.depth - 1) for i in range(spec.depth)
+        ]  # rises with depth
         block = LayerScaleBlock if spec.layer_scale else Block
         self.blocks = nn.ModuleList(
-            block(D, spec.heads, spec.mlp_ratio, fused_attn=spec.attention == "sdpa",
-                  drop_path=dpr[i], dropout=spec.dropout, eps=spec.norm_eps, act=spec.act)
-            for i in range(spec.depth))
+            block(
+                D,
+                spec.heads,
+                spec.mlp_ratio,
+                fused_attn=spec.attention == "sdpa",
+                drop_path=dpr[i],
+                dropout=spec.dropout,
+                eps=spec.norm_eps,
+                act=spec.act,
+            )
+            for i in range(spec.depth)
+        )
         if not spec.qkv_bias:
             for blk in self.blocks:
                 blk.attn.qkv.register_parameter("bias", None)
         # fc_norm: the LayerNorm moves after the pooling (timm's keys: no `norm`, a `fc_norm`)
-        self.norm = nn.LayerNorm(D, eps=spec.norm_eps) if spec.final_norm and not spec.fc_norm else nn.Identity()
-        self.fc_norm = nn.LayerNorm(D, eps=spec.norm_eps) if spec.final_norm and spec.fc_norm else None
+        self.norm = (
+            nn.LayerNorm(D, eps=spec.norm_eps)
+            if spec.final_norm and not spec.fc_norm
+            else nn.Identity()
+        )
+        self.fc_norm = (
+            nn.LayerNorm(D, eps=spec.norm_eps) if spec.final_norm and spec.fc_norm else None
+        )
         self.head = nn.Linear(D, spec.num_classes)
         self.grad_checkpointing = False
         self.reset_parameters()
@@ -192,7 +214,9 @@ class VisionTransformer(nn.Module):
         x = self.patch_embed(x)  # [B, N, D]
         if self.spec.no_embed_class:
             x = x + self.pos_embed
-        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        prefix = [
+            t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None
+        ]
         if prefix:
             x = torch.cat([*prefix, x], dim=1)  # [B, prefix + N, D]
         if not self.spec.no_embed_class:
@@ -230,7 +254,9 @@ def resolve_spec(arch: str, **overrides) -> ViTSpec:
     """Registry spec with overrides; zero/None overrides keep the registry value."""
     if arch not in REGISTRY:
         raise KeyError(f"unknown model '{arch}'{did_you_mean(arch, REGISTRY)}")
-    return replace(REGISTRY[arch], **{k: v for k, v in overrides.items() if v not in (None, 0, 0.0)})
+    return replace(
+        REGISTRY[arch], **{k: v for k, v in overrides.items() if v not in (None, 0, 0.0)}
+    )
 
 
 def vit(arch: str, **overrides) -> VisionTransformer:

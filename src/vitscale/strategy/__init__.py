@@ -3,6 +3,7 @@
 Only this package imports autocast, GradScaler or the distributed engines, and only this package
 decides by an engine's name: the loop, `vitscale eval` and the lab ask the functions below.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -13,8 +14,8 @@ from ..optim import scaled_lr
 from .base import Strategy
 from .single import SingleDevice, resolve_device
 
-IN_PROCESS = SingleDevice.name       # the engine of one process, no launcher
-DATA_PARALLEL = "ddp"                # what a one-process config becomes under a launcher (the lab)
+IN_PROCESS = SingleDevice.name  # the engine of one process, no launcher
+DATA_PARALLEL = "ddp"  # what a one-process config becomes under a launcher (the lab)
 
 
 def needs_processes(name: str) -> bool:
@@ -37,9 +38,11 @@ def check_launch(name: str, world_size: int) -> None:
     """ConfigError where a one-process engine was started as several processes: each would train
     alone into the same run folder."""
     if world_size > 1 and not needs_processes(name):
-        raise ConfigError(f"config: strategy.name={name} under a launcher that started {world_size} "
-                          "processes: each would train alone into the same run folder; use "
-                          "strategy.name=ddp, fsdp or deepspeed (or launch one process)")
+        raise ConfigError(
+            f"config: strategy.name={name} under a launcher that started {world_size} "
+            "processes: each would train alone into the same run folder; use "
+            "strategy.name=ddp, fsdp or deepspeed (or launch one process)"
+        )
 
 
 def check_engine(cfg: Config) -> Config:
@@ -47,13 +50,16 @@ def check_engine(cfg: Config) -> Config:
     process group or device is set up: `vitscale config` and `vitscale info` refuse what `vitscale
     train` refuses, with the same line (the engines' constructors ask the same functions)."""
     from .single import device_refusal
+
     device = resolve_device(cfg.run.device)
     refusal = device_refusal(cfg.train, device)
     if refusal is None and cfg.strategy.name == "fsdp":
         from .fsdp import fsdp_refusal
+
         refusal = fsdp_refusal(cfg.train)
     if refusal is None and cfg.strategy.name == "deepspeed":
         from .deepspeed import checked_ds_config
+
         checked_ds_config(cfg.train, cfg.optim, cfg.strategy, cfg.data.batch_size, device.type)
     if refusal:
         raise ConfigError(refusal)
@@ -69,15 +75,30 @@ def build_strategy(cfg: Config):
         return SingleDevice(cfg.train, cfg.optim, device, lr=lr)
     if cfg.strategy.name == "ddp":
         from .ddp import DDPStrategy
+
         return DDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type, lr=lr)
     if cfg.strategy.name == "fsdp":
         from .fsdp import FSDPStrategy
+
         return FSDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type, lr=lr)
     if cfg.strategy.name == "deepspeed":
         from .deepspeed import DeepSpeedStrategy
-        return DeepSpeedStrategy(cfg.train, cfg.optim, cfg.strategy, device.type, cfg.data.batch_size, lr=lr)
+
+        return DeepSpeedStrategy(
+            cfg.train, cfg.optim, cfg.strategy, device.type, cfg.data.batch_size, lr=lr
+        )
     raise NotImplementedError(cfg.strategy.name)  # unreachable: validated by the config
 
 
-__all__ = ["Strategy", "build_strategy", "check_engine", "resolve_device", "SingleDevice", "IN_PROCESS", "needs_processes",
-           "default_for", "in_this_process", "check_launch"]
+__all__ = [
+    "Strategy",
+    "build_strategy",
+    "check_engine",
+    "resolve_device",
+    "SingleDevice",
+    "IN_PROCESS",
+    "needs_processes",
+    "default_for",
+    "in_this_process",
+    "check_launch",
+]

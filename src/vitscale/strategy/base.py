@@ -1,4 +1,5 @@
 """The verbs a strategy offers the loop. Engines (DDP, FSDP2, DeepSpeed) implement the same set."""
+
 from __future__ import annotations
 
 from contextlib import AbstractContextManager as ContextManager
@@ -17,8 +18,8 @@ class Strategy(Protocol):
 
     name: str
     device: torch.device
-    model: nn.Module          # what the training step calls (wrapped / compiled)
-    module: nn.Module         # the plain model: checkpoints, export
+    model: nn.Module  # what the training step calls (wrapped / compiled)
+    module: nn.Module  # the plain model: checkpoints, export
     optimizer: torch.optim.Optimizer
 
     # -- the process group (one process: rank 0 of 1) -------------------------------------------

@@ -26,6 +26,7 @@ Per collective kind (allreduce, allgather, reducescatter, broadcast, reduce, all
   all-reduce returns before it completes: its time is counted on CPU tensors as the launch only
   and not at all on CUDA ones (its bytes and calls are).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -104,7 +105,7 @@ class Counter:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.active = 0              # > 0 inside window() (global: autograd may run on other threads)
+        self.active = 0  # > 0 inside window() (global: autograd may run on other threads)
         self.local = threading.local()  # .depth: nested torch.distributed calls count once
         self.pending: list[tuple[str, EventTimer]] = []  # CUDA timings not read yet
         self.reset()
@@ -140,12 +141,21 @@ class Counter:
         out = {}
         for kind, (b, c, s) in stats.items():
             if c:
-                out.update({f"comm_{kind}_bytes_per_step": b / n, f"comm_{kind}_calls_per_step": c / n,
-                            f"comm_{kind}_s_per_step": s / n})
+                out.update(
+                    {
+                        f"comm_{kind}_bytes_per_step": b / n,
+                        f"comm_{kind}_calls_per_step": c / n,
+                        f"comm_{kind}_s_per_step": s / n,
+                    }
+                )
         if out:
-            out.update({"comm_bytes_per_step": sum(v[0] for v in stats.values()) / n,
-                        "comm_calls_per_step": sum(v[1] for v in stats.values()) / n,
-                        "comm_s_per_step": sum(v[2] for v in stats.values()) / n})
+            out.update(
+                {
+                    "comm_bytes_per_step": sum(v[0] for v in stats.values()) / n,
+                    "comm_calls_per_step": sum(v[1] for v in stats.values()) / n,
+                    "comm_s_per_step": sum(v[2] for v in stats.values()) / n,
+                }
+            )
         return out
 
     def track(self, kind: str, timer: EventTimer) -> None:
@@ -230,6 +240,7 @@ def install() -> Counter:
         return COUNTER
     import torch.distributed._functional_collectives as funcol
     import torch.distributed.distributed_c10d as c10d
+
     for name, (kind, pos, arg) in SPECS.items():
         for ns in (dist, c10d):
             fn = getattr(ns, name, None)
@@ -244,10 +255,13 @@ def install() -> Counter:
 
 
 # -- the link between local processes (vitscale.lab.linkbench) -----------------------------------------
-def _all_reduce_worker(rank: int, world: int, init_file: str, sizes, iters: int, out_file: str) -> None:
+def _all_reduce_worker(
+    rank: int, world: int, init_file: str, sizes, iters: int, out_file: str
+) -> None:
     """One of `world` local gloo processes: each size all-reduced `iters` times after two warm-up
     calls, a barrier before each; rank 0 writes the median seconds per size."""
     import statistics
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     rows = []
@@ -275,7 +289,10 @@ def time_all_reduce(world: int, sizes: list[int], iters: int) -> list[tuple[int,
     import tempfile
 
     import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-        mp.spawn(_all_reduce_worker, args=(world, init, list(sizes), iters, out), nprocs=world, join=True)
+        mp.spawn(
+            _all_reduce_worker, args=(world, init, list(sizes), iters, out), nprocs=world, join=True
+        )
         return [(int(b), float(t)) for b, t in (ln.split() for ln in open(out).read().splitlines())]

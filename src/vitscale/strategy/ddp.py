@@ -1,6 +1,7 @@
 """PyTorch DistributedDataParallel: one process per device, gradients all-reduced in buckets
 during backward; `no_sync` for accumulation micro-steps; optional bf16/fp16 gradient compression
 (a comm hook written for gloo too: DDP's built-in bf16_compress_hook refuses gloo)."""
+
 from __future__ import annotations
 
 import torch
@@ -16,6 +17,7 @@ def allreduce_hook(dtype: torch.dtype | None = None):
     """DDP comm hook: average each gradient bucket with one all-reduce, in `dtype` when given
     (bf16/fp16 compression: half the bytes; works on gloo, unlike DDP's built-in hook). The
     all-reduce goes through `torch.distributed`, where comm.py counts it."""
+
     def hook(process_group, bucket):  # no annotations: DDP checks them against real types
         group = process_group if process_group is not None else dist.group.WORLD
         buf = bucket.buffer()
@@ -26,7 +28,9 @@ def allreduce_hook(dtype: torch.dtype | None = None):
             if dtype is not None:
                 buf.copy_(f.value()[0])
             return buf
+
         return fut.then(finish)
+
     return hook
 
 
@@ -36,8 +40,9 @@ class DDPStrategy(Distributed):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=self.scfg.bucket_mb,
-                                      gradient_as_bucket_view=True)
+        ddp = DistributedDataParallel(
+            model, device_ids=ids, bucket_cap_mb=self.scfg.bucket_mb, gradient_as_bucket_view=True
+        )
         ddp.register_comm_hook(None, allreduce_hook(DTYPES.get(self.scfg.grad_compression)))
         return ddp
 

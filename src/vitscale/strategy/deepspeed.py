@@ -17,6 +17,7 @@ engine, precision (fp32 / bf16 / fp16 on GPUs) from the ds_config this strategy 
   state, fp32 masters) is DeepSpeed's own checkpoint folder, written by `save_engine(dir)` and
   read by `load_engine(dir)`, which the loop calls next to its .pt file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,8 +62,14 @@ def read_user_config(path: str) -> dict:
     return data
 
 
-def build_ds_config(train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, batch_size: int,
-                    world: int, device_type: str) -> dict:
+def build_ds_config(
+    train: TrainConfig,
+    optim: OptimConfig,
+    scfg: StrategyConfig,
+    batch_size: int,
+    world: int,
+    device_type: str,
+) -> dict:
     """The ds_config for this run: generated from the vitscale config, the user's file merged over
     it, then checked. Raises ConfigError (one line) on a conflict."""
     A = train.accum_steps
@@ -77,48 +84,68 @@ def build_ds_config(train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig
         "train_batch_size": batch_size,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": A,
-        "gradient_clipping": optim.grad_clip,          # DeepSpeed's default is 1.0: always explicit
+        "gradient_clipping": optim.grad_clip,  # DeepSpeed's default is 1.0: always explicit
         "zero_optimization": zero,
         "bf16": {"enabled": train.precision == "bf16"},
         "fp16": {"enabled": train.precision == "fp16"},
-        "zero_allow_untested_optimizer": True,          # SGD: elementwise, exact on flat shards
-        "zero_force_ds_cpu_optimizer": False,           # offload may step a torch optimizer
-        "steps_per_print": 2**31 - 1,                   # vitscale logs its own metrics
+        "zero_allow_untested_optimizer": True,  # SGD: elementwise, exact on flat shards
+        "zero_force_ds_cpu_optimizer": False,  # offload may step a torch optimizer
+        "steps_per_print": 2**31 - 1,  # vitscale logs its own metrics
         "wall_clock_breakdown": scfg.wall_clock_breakdown,
         "comms_logger": {"enabled": scfg.comms_logger, "verbose": False, "prof_all": True},
         "flops_profiler": {"enabled": scfg.flops_profiler, "profile_step": 2, "detailed": False},
     }
     if train.precision == "fp16":
-        cfg["fp16"].update(loss_scale=0, initial_scale_power=int(round(math.log2(train.loss_scale))))
+        cfg["fp16"].update(
+            loss_scale=0, initial_scale_power=int(round(math.log2(train.loss_scale)))
+        )
     if scfg.wall_clock_breakdown:
         cfg["steps_per_print"] = 50
     if scfg.ds_config:
         user = read_user_config(scfg.ds_config)
-        for key, why in (("optimizer", "the optimizer is built from [optim]"),
-                         ("scheduler", "the LR schedule is vitscale's (optim.schedule), stepped by the loop")):
+        for key, why in (
+            ("optimizer", "the optimizer is built from [optim]"),
+            ("scheduler", "the LR schedule is vitscale's (optim.schedule), stepped by the loop"),
+        ):
             if key in user:
-                raise ConfigError(f"config: strategy.ds_config: remove '{key}' from {scfg.ds_config} ({why})")
+                raise ConfigError(
+                    f"config: strategy.ds_config: remove '{key}' from {scfg.ds_config} ({why})"
+                )
         cfg = merge(cfg, user)
     check_ds_config(cfg, train, scfg, batch_size, world, device_type)
     return cfg
 
 
-def check_ds_config(cfg: dict, train: TrainConfig, scfg: StrategyConfig, batch_size: int, world: int,
-                    device_type: str) -> None:
+def check_ds_config(
+    cfg: dict,
+    train: TrainConfig,
+    scfg: StrategyConfig,
+    batch_size: int,
+    world: int,
+    device_type: str,
+) -> None:
     src = f"strategy.ds_config ({scfg.ds_config})" if scfg.ds_config else "the ds_config"
-    want = {"train_batch_size": (batch_size, "data.batch_size"),
-            "gradient_accumulation_steps": (train.accum_steps, "train.accum_steps"),
-            "train_micro_batch_size_per_gpu": (batch_size // (world * train.accum_steps),
-                                               f"data.batch_size / (processes ({world}) x train.accum_steps)")}
+    want = {
+        "train_batch_size": (batch_size, "data.batch_size"),
+        "gradient_accumulation_steps": (train.accum_steps, "train.accum_steps"),
+        "train_micro_batch_size_per_gpu": (
+            batch_size // (world * train.accum_steps),
+            f"data.batch_size / (processes ({world}) x train.accum_steps)",
+        ),
+    }
     for key in BATCH_KEYS:
         if cfg.get(key) != want[key][0]:
-            raise ConfigError(f"config: {src}: {key}={cfg.get(key)!r} conflicts with {want[key][1]} = "
-                              f"{want[key][0]} (set the batch in the vitscale config; the loop splits it)")
+            raise ConfigError(
+                f"config: {src}: {key}={cfg.get(key)!r} conflicts with {want[key][1]} = "
+                f"{want[key][0]} (set the batch in the vitscale config; the loop splits it)"
+            )
     for half in ("bf16", "fp16"):
         on = bool(cfg.get(half, {}).get("enabled", False))
         if on != (train.precision == half):
-            raise ConfigError(f"config: {src}: {half}.enabled={str(on).lower()} conflicts with "
-                              f"train.precision={train.precision} (choose the precision in [train])")
+            raise ConfigError(
+                f"config: {src}: {half}.enabled={str(on).lower()} conflicts with "
+                f"train.precision={train.precision} (choose the precision in [train])"
+            )
     zero = cfg.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
@@ -136,30 +163,51 @@ def disable_shm_comm_op() -> None:
     module dict that keeps edits), skips the build; training communicates through the torch
     process group (gloo) as before. No environment variable or ds_config key turns it off."""
     import deepspeed.ops as ops
+
     table = ops.__compatible_ops__  # probes the ops once (cheap compiler checks), then cached
     table["deepspeed_shm_comm"] = False
 
 
-def deepspeed_refusal(train: TrainConfig, optim: OptimConfig, device_type: str, stage: int) -> str | None:
+def deepspeed_refusal(
+    train: TrainConfig, optim: OptimConfig, device_type: str, stage: int
+) -> str | None:
     """What DeepSpeed does not support of the config at ZeRO `stage`, in one line, or None
     (strategy.check_engine: every command that checks a config asks it)."""
-    refused = [why for why, on in (
-        ("train.precision=fp16 on CPU (fp16 matmul has no fast path there; use bf16)",
-         train.precision == "fp16" and device_type != "cuda"),
-        (f"train.precision={train.precision} (DeepSpeed's bf16, train.precision=bf16, already keeps "
-         "bf16 weights with fp32 master weights in the optimizer)", train.precision.startswith("pure_")),
-        ("train.ema_decay > 0 (no EMA of ZeRO-sharded weights; use strategy.name=ddp or single)",
-         train.ema_decay > 0),
-        (f"train.fp8={train.fp8} (its partitioned weights are not float8-converted; use strategy.name=ddp "
-         "or single)", train.fp8 != "none"),
-        (f"optim.name=lamb with ZeRO stage {stage} (LAMB's per-tensor trust ratio would see flat "
-         "shards; use strategy.zero_stage=0)", optim.name == "lamb" and stage > 0),
-    ) if on]
+    refused = [
+        why
+        for why, on in (
+            (
+                "train.precision=fp16 on CPU (fp16 matmul has no fast path there; use bf16)",
+                train.precision == "fp16" and device_type != "cuda",
+            ),
+            (
+                f"train.precision={train.precision} (DeepSpeed's bf16, train.precision=bf16, already keeps "
+                "bf16 weights with fp32 master weights in the optimizer)",
+                train.precision.startswith("pure_"),
+            ),
+            (
+                "train.ema_decay > 0 (no EMA of ZeRO-sharded weights; use strategy.name=ddp or single)",
+                train.ema_decay > 0,
+            ),
+            (
+                f"train.fp8={train.fp8} (its partitioned weights are not float8-converted; use strategy.name=ddp "
+                "or single)",
+                train.fp8 != "none",
+            ),
+            (
+                f"optim.name=lamb with ZeRO stage {stage} (LAMB's per-tensor trust ratio would see flat "
+                "shards; use strategy.zero_stage=0)",
+                optim.name == "lamb" and stage > 0,
+            ),
+        )
+        if on
+    ]
     return f"config: strategy.name=deepspeed does not support {refused[0]}" if refused else None
 
 
-def checked_ds_config(train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, batch_size: int,
-                      device_type: str) -> dict:
+def checked_ds_config(
+    train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, batch_size: int, device_type: str
+) -> dict:
     """The run's DeepSpeed config for this launch's processes, or a one-line ConfigError: its own
     conflicts (build_ds_config), then what DeepSpeed does not support at its ZeRO stage."""
     ds = build_ds_config(train, optim, scfg, batch_size, env_world()[1], device_type)
@@ -173,8 +221,15 @@ class DeepSpeedStrategy(Distributed):
     name = "deepspeed"
     engine_suffix = ".ds"  # the loop calls save_engine(step_N.ds) before writing step_N.pt
 
-    def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str,
-                 batch_size: int, lr: float | None = None):
+    def __init__(
+        self,
+        train: TrainConfig,
+        optim: OptimConfig,
+        scfg: StrategyConfig,
+        device_type: str,
+        batch_size: int,
+        lr: float | None = None,
+    ):
         self.ds_config = checked_ds_config(train, optim, scfg, batch_size, device_type)
         self.stage = self.ds_config["zero_optimization"].get("stage", 0)
         self.forward_is_collective = self.stage == 3  # ZeRO-3's hooks gather parameters in forward
@@ -182,38 +237,57 @@ class DeepSpeedStrategy(Distributed):
         # (one GPU with offload), whose group setup() makes for the engine
         super().__init__(train, optim, scfg, device_type, join=launched(), lr=lr)
         self.half = None  # precision lives in the ds_config, not in autocast
-        self.input_dtype: torch.dtype | None = None  # set by setup(): what the engine's weights hold
+        self.input_dtype: torch.dtype | None = (
+            None  # set by setup(): what the engine's weights hold
+        )
         self.engine = None
         self._micro = 0
 
     # -- set-up ---------------------------------------------------------------------------------
     def _import_deepspeed(self):
         if self.device.type == "cpu":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # also on a GPU machine with run.device=cpu
+            os.environ.setdefault(
+                "DS_ACCELERATOR", "cpu"
+            )  # also on a GPU machine with run.device=cpu
         try:
             import deepspeed
         except ImportError as e:
-            raise ConfigError("config: strategy.name=deepspeed needs DeepSpeed: "
-                              "DS_BUILD_OPS=0 pip install 'vitscale[deepspeed]' "
-                              f"({type(e).__name__}: {e})") from None
+            raise ConfigError(
+                "config: strategy.name=deepspeed needs DeepSpeed: "
+                "DS_BUILD_OPS=0 pip install 'vitscale[deepspeed]' "
+                f"({type(e).__name__}: {e})"
+            ) from None
         from deepspeed.accelerator import get_accelerator
+
         if get_accelerator().device_name() != self.device.type:
-            raise ConfigError(f"config: DeepSpeed runs on its '{get_accelerator().device_name()}' accelerator but "
-                              f"the run wants {self.device.type} (set DS_ACCELERATOR={self.device.type})")
-        if not (self.scfg.wall_clock_breakdown or self.scfg.comms_logger or self.scfg.flops_profiler):
+            raise ConfigError(
+                f"config: DeepSpeed runs on its '{get_accelerator().device_name()}' accelerator but "
+                f"the run wants {self.device.type} (set DS_ACCELERATOR={self.device.type})"
+            )
+        if not (
+            self.scfg.wall_clock_breakdown or self.scfg.comms_logger or self.scfg.flops_profiler
+        ):
             logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its config dump, timers
         disable_shm_comm_op()
         # DeepSpeed calls these collectives on every ZeRO step; torch 2.13 warns each time
-        warnings.filterwarnings("ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
-                                "is deprecated", FutureWarning)
+        warnings.filterwarnings(
+            "ignore",
+            r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+            "is deprecated",
+            FutureWarning,
+        )
         return deepspeed
 
     def _ensure_process_group(self) -> None:
         if dist.is_initialized():
             return
         os.environ.setdefault("LOCAL_RANK", "0")  # ZeRO-3 reads it
-        dist.init_process_group(backend_for(self.device.type, self.scfg.backend),
-                                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group(
+            backend_for(self.device.type, self.scfg.backend),
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            rank=0,
+            world_size=1,
+        )
 
     def setup(self, model: nn.Module) -> None:
         deepspeed = self._import_deepspeed()
@@ -222,20 +296,34 @@ class DeepSpeedStrategy(Distributed):
         if self.cfg.activation_checkpointing:
             model.set_grad_checkpointing(True)
         groups = param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay)
-        if self.scfg.offload_optimizer and self.device.type == "cuda" and self.optim_cfg.name == "adamw":
+        if (
+            self.scfg.offload_optimizer
+            and self.device.type == "cuda"
+            and self.optim_cfg.name == "adamw"
+        ):
             # the optimizer steps on the CPU: DeepSpeed's vectorized CPU Adam (compiled once, ~1 min)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
+
             o = self.optim_cfg
-            optimizer = DeepSpeedCPUAdam(with_lr(groups, self.lr), lr=self.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
+            optimizer = DeepSpeedCPUAdam(
+                with_lr(groups, self.lr),
+                lr=self.lr,
+                betas=(o.beta1, o.beta2),
+                eps=o.eps,
+                adamw_mode=True,
+            )
         else:
             optimizer = build_optimizer(model, self.optim_cfg, params=groups, lr=self.lr)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config,
-                                                    dist_init_required=False)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.ds_config, dist_init_required=False
+        )
         if self.engine.bfloat16_enabled():
             self.input_dtype = torch.bfloat16
         elif self.engine.fp16_enabled():
             self.input_dtype = torch.float16
-        self.optimizer = optimizer  # the torch optimizer ZeRO steps: the loop's LambdaLR drives its lr
+        self.optimizer = (
+            optimizer  # the torch optimizer ZeRO steps: the loop's LambdaLR drives its lr
+        )
         # this rank's fp32 master shards that the optimizer updates (None: it updates the weights)
         if self.stage == 3:  # ZeRO-3 fills the optimizer's groups only while it steps
             self.master = list(self.engine.optimizer.fp32_partitioned_groups_flat)
@@ -245,7 +333,7 @@ class DeepSpeedStrategy(Distributed):
             self.master = None
         if self.cfg.compile:  # DeepSpeed's own: the wrapped module compiled, hooks kept outside
             self.engine.compile(compile_kwargs=compile_kwargs(self.cfg.compile_mode))
-        self.model = self.engine    # callable: forward through the engine (ZeRO-3 gathers parameters)
+        self.model = self.engine  # callable: forward through the engine (ZeRO-3 gathers parameters)
         self.module = self.engine.module
 
     # -- the step -------------------------------------------------------------------------------
@@ -254,7 +342,9 @@ class DeepSpeedStrategy(Distributed):
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layout(x)
-        return x.to(self.input_dtype) if self.input_dtype is not None and x.is_floating_point() else x
+        return (
+            x.to(self.input_dtype) if self.input_dtype is not None and x.is_floating_point() else x
+        )
 
     def no_sync(self):
         # the boundary is set per micro-batch in backward(); DeepSpeed's own no_sync refuses ZeRO 2/3
@@ -269,25 +359,34 @@ class DeepSpeedStrategy(Distributed):
 
     def step(self) -> dict:
         if self._micro != self.cfg.accum_steps:
-            raise RuntimeError(f"deepspeed strategy: step() after {self._micro} backward calls, expected "
-                               f"train.accum_steps={self.cfg.accum_steps}")
+            raise RuntimeError(
+                f"deepspeed strategy: step() after {self._micro} backward calls, expected "
+                f"train.accum_steps={self.cfg.accum_steps}"
+            )
         norm = None
         if self.stage == 0 and self.input_dtype is None:
             # plain fp32 data parallel: the engine clips without keeping the norm; measure it here
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) \
-                if grads else torch.zeros(())
+            norm = (
+                torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                if grads
+                else torch.zeros(())
+            )
         skipped_before = self.engine.skipped_steps
         self.engine.step()
         self._micro = 0
         if norm is None:
             norm = self.engine.get_global_grad_norm()
         # the norm stays as the engine gives it (a tensor is read at the loop's log steps)
-        return {"grad_norm": norm if norm is not None else 0.0,
-                "skipped": self.engine.skipped_steps != skipped_before}
+        return {
+            "grad_norm": norm if norm is not None else 0.0,
+            "skipped": self.engine.skipped_steps != skipped_before,
+        }
 
     def eval_module(self) -> nn.Module:
-        return self.module  # ZeRO-3: its hooks gather the parameters in forward (every rank runs it)
+        return (
+            self.module
+        )  # ZeRO-3: its hooks gather the parameters in forward (every rank runs it)
 
     def local_tensors(self, p: torch.Tensor) -> list[torch.Tensor]:
         # ZeRO-3: `p` is an empty placeholder while released; the rank's slice is `p.ds_tensor`
@@ -298,6 +397,7 @@ class DeepSpeedStrategy(Distributed):
         """Collective: the model's fp32 weights (the optimizer's masters where ZeRO keeps them),
         full tensors with plain module keys, on the CPU (every rank gets them)."""
         from deepspeed.utils import safe_get_full_fp32_param
+
         names = {id(p): n for n, p in self.module.named_parameters()}
         out = {}
         for key, t in self.module.state_dict(keep_vars=True).items():
@@ -310,41 +410,62 @@ class DeepSpeedStrategy(Distributed):
     def state_dict(self) -> dict:
         """Collective. "model": consolidated fp32 weights (eval/export); the optimizer state is in
         the engine checkpoint that `save_engine` writes."""
-        sd = {"model": self.full_state_dict(), "zero_stage": self.stage, "world_size": self.world_size,
-              "ds_config": self.ds_config}
+        sd = {
+            "model": self.full_state_dict(),
+            "zero_stage": self.stage,
+            "world_size": self.world_size,
+            "ds_config": self.ds_config,
+        }
         if self.scfg.comms_logger:
             import deepspeed.comm as ds_comm
+
             ds_comm.log_summary()  # collective: communication volume and time so far, on rank 0
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         if not getattr(self, "_engine_loaded", False):
-            raise UserError("resuming a DeepSpeed run needs its engine checkpoint: the loop must call "
-                            "strategy.load_engine(<checkpoint>.ds) before load_state_dict")
+            raise UserError(
+                "resuming a DeepSpeed run needs its engine checkpoint: the loop must call "
+                "strategy.load_engine(<checkpoint>.ds) before load_state_dict"
+            )
 
     def save_engine(self, path: str | Path) -> Path:
         """Collective: DeepSpeed's own checkpoint (module, partitioned optimizer state, fp32
         masters; one file per rank) in the folder `path` (e.g. checkpoints/step_00000100.ds),
         atomically (Distributed.write_folder)."""
         path = Path(path)
-        return self.write_folder(path, lambda tmp: self.engine.save_checkpoint(
-            str(path.parent), tag=tmp.name, save_latest=False))
+        return self.write_folder(
+            path,
+            lambda tmp: self.engine.save_checkpoint(
+                str(path.parent), tag=tmp.name, save_latest=False
+            ),
+        )
 
     def load_engine(self, path: str | Path) -> None:
         """Collective: restore the engine (weights, optimizer state) from `save_engine`'s folder.
         Same ZeRO stage and number of processes (DeepSpeed's universal checkpoint converts otherwise)."""
         path = Path(path)
         if not (path.is_dir() and any(path.glob("*model_states.pt"))):
-            raise UserError(f"DeepSpeed engine checkpoint not found: {path} (expected the folder that "
-                            "save_engine wrote next to the .pt checkpoint)")
+            raise UserError(
+                f"DeepSpeed engine checkpoint not found: {path} (expected the folder that "
+                "save_engine wrote next to the .pt checkpoint)"
+            )
         try:
-            load_path, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                                       load_lr_scheduler_states=False)
-        except Exception as e:  # e.g. another world size: ZeRO shards do not re-partition themselves
+            load_path, _ = self.engine.load_checkpoint(
+                str(path.parent),
+                tag=path.name,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+            )
+        except (
+            Exception
+        ) as e:  # e.g. another world size: ZeRO shards do not re-partition themselves
             if type(e).__name__ != "ZeRORuntimeException":
                 raise
-            raise UserError(f"cannot resume from {path}: {str(e).splitlines()[0]} (resume with the same number "
-                            "of processes, or convert it with DeepSpeed's ds_to_universal)") from None
+            raise UserError(
+                f"cannot resume from {path}: {str(e).splitlines()[0]} (resume with the same number "
+                "of processes, or convert it with DeepSpeed's ds_to_universal)"
+            ) from None
         if load_path is None:
             raise UserError(f"DeepSpeed could not load the engine checkpoint {path}")
         self._engine_loaded = True

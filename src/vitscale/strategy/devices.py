@@ -15,6 +15,7 @@ multi-node branches on a CPU machine; the strategies only apply what these retur
   CPU has no bf16 instructions, as /proc/cpuinfo says).
 - `auto_precision`: what train.precision=auto means on a device (bf16 where it is hardware, else fp32).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,7 +53,9 @@ def backend_for(device_type: str, backend: str = "auto") -> str:
     if backend == "auto":
         return "nccl" if device_type == "cuda" else "gloo"
     if backend == "nccl" and device_type != "cuda":
-        raise ConfigError("config: strategy.backend=nccl needs CUDA devices (run.device is cpu; use gloo or auto)")
+        raise ConfigError(
+            "config: strategy.backend=nccl needs CUDA devices (run.device is cpu; use gloo or auto)"
+        )
     return backend
 
 
@@ -68,8 +71,12 @@ def device_for(device_type: str, local_rank: int, visible: int = 0) -> torch.dev
 def process_group_kwargs(launch: Launch, device: torch.device, backend: str, timeout) -> dict:
     """Arguments for `torch.distributed.init_process_group` (the store added by the caller);
     NCCL's communicator is bound to this process's GPU at init (`device_id`)."""
-    kw = {"backend": backend_for(device.type, backend), "rank": launch.rank,
-          "world_size": launch.world_size, "timeout": timeout}
+    kw = {
+        "backend": backend_for(device.type, backend),
+        "rank": launch.rank,
+        "world_size": launch.world_size,
+        "timeout": timeout,
+    }
     if kw["backend"] == "nccl":
         kw["device_id"] = device
     return kw
@@ -113,7 +120,9 @@ def current_backend_flags() -> dict:
     settings). Read from the per-backend `fp32_precision` settings where torch has them (those
     readers never raise, and the kernels follow them); from the allow_tf32 ones on older torch."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    if hasattr(matmul, "fp32_precision") and hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
+    if hasattr(matmul, "fp32_precision") and hasattr(
+        getattr(cudnn, "conv", None), "fp32_precision"
+    ):
         m, c = matmul.fp32_precision == "tf32", cudnn.conv.fp32_precision == "tf32"
     else:  # pragma: no cover (torch < 2.9)
         m, c = matmul.allow_tf32, cudnn.allow_tf32
@@ -130,8 +139,12 @@ def backend_readers() -> dict:
         "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
     }
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        readers.update({"cuda.matmul.fp32_precision": lambda: torch.backends.cuda.matmul.fp32_precision,
-                        "cudnn.conv.fp32_precision": lambda: torch.backends.cudnn.conv.fp32_precision})
+        readers.update(
+            {
+                "cuda.matmul.fp32_precision": lambda: torch.backends.cuda.matmul.fp32_precision,
+                "cudnn.conv.fp32_precision": lambda: torch.backends.cudnn.conv.fp32_precision,
+            }
+        )
     out = {}
     for name, read in readers.items():
         try:
@@ -173,8 +186,10 @@ def fp16_refusal(device_type: str, precision: str) -> str | None:
     """Why fp16 (mixed or pure) is refused on this device, or None. The GradScaler path itself
     runs on a CPU too (tests drive it there by replacing this function)."""
     if "fp16" in precision and device_type == "cpu":
-        return (f"config: train.precision={precision} is refused on CPU (fp16 matmul has no fast path "
-                "there, ~1 GFLOP/s); use bf16 or pure_bf16")
+        return (
+            f"config: train.precision={precision} is refused on CPU (fp16 matmul has no fast path "
+            "there, ~1 GFLOP/s); use bf16 or pure_bf16"
+        )
     return None
 
 
@@ -190,12 +205,18 @@ def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
         text = Path(cpuinfo).read_text()
     except OSError:
         return None
-    flags = {f for line in text.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
+    flags = {
+        f
+        for line in text.splitlines()
+        if line.startswith(("flags", "Features"))
+        for f in line.split()
+    }
     return bool(flags & BF16_CPU_FLAGS)
 
 
-def auto_precision(device_type: str, capability: tuple[int, int] | None = None,
-                   cpu_bf16: bool | None = None) -> tuple[str, str]:
+def auto_precision(
+    device_type: str, capability: tuple[int, int] | None = None, cpu_bf16: bool | None = None
+) -> tuple[str, str]:
     """train.precision=auto: (the precision, why in a few words). bf16 where the device computes
     bf16 in hardware: a CUDA GPU of compute capability 8.0 and up (Ampere and later: bf16 tensor
     cores), a CPU with bf16 instructions (`cpu_bf16`: `cpu_has_bf16()`, AVX512_BF16 or AMX on x86);
@@ -209,7 +230,10 @@ def auto_precision(device_type: str, capability: tuple[int, int] | None = None,
         return "bf16", "the CPU has bf16 instructions"
     if cpu_bf16 is None:
         return "fp32", "the CPU's flags cannot be read (no /proc/cpuinfo)"
-    return "fp32", "the CPU has no bf16 instructions (avx512_bf16, amx_bf16): bf16 would be emulated"
+    return (
+        "fp32",
+        "the CPU has no bf16 instructions (avx512_bf16, amx_bf16): bf16 would be emulated",
+    )
 
 
 def warn_slow_bf16(device_type: str, precision: str) -> None:
@@ -218,9 +242,12 @@ def warn_slow_bf16(device_type: str, precision: str) -> None:
     EPYC), and a recipe's bf16 (the default one's) is the slow choice there."""
     if device_type == "cpu" and "bf16" in precision and cpu_has_bf16() is False and not _warned:
         _warned.append(True)
-        log.warning("train.precision=%s on a CPU without bf16 instructions (no avx512_bf16 or amx_bf16 in "
-                    "/proc/cpuinfo): its bf16 matmuls are emulated, tens of times slower than fp32; "
-                    "--set train.precision=fp32 trains faster on this machine", precision)
+        log.warning(
+            "train.precision=%s on a CPU without bf16 instructions (no avx512_bf16 or amx_bf16 in "
+            "/proc/cpuinfo): its bf16 matmuls are emulated, tens of times slower than fp32; "
+            "--set train.precision=fp32 trains faster on this machine",
+            precision,
+        )
 
 
 _warned: list = []
@@ -232,8 +259,10 @@ CUDA_SDPA = ("cudnn", "efficient")  # scaled_dot_product_attention kernels that 
 def sdpa_refusal(device_type: str, backend: str) -> str | None:
     """Why train.sdpa_backend cannot run on this device, or None."""
     if backend in CUDA_SDPA and device_type != "cuda":
-        return (f"config: train.sdpa_backend={backend} is a CUDA kernel; on {device_type} use auto, flash or "
-                "math")
+        return (
+            f"config: train.sdpa_backend={backend} is a CUDA kernel; on {device_type} use auto, flash or "
+            "math"
+        )
     return None
 
 
@@ -243,8 +272,17 @@ def sdpa_context(backend: str):
     if backend == "auto":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]])
+
+    return sdpa_kernel(
+        [
+            {
+                "flash": SDPBackend.FLASH_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH,
+            }[backend]
+        ]
+    )
 
 
 def compile_kwargs(mode: str) -> dict:

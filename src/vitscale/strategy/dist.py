@@ -1,5 +1,6 @@
 """Process-group set-up from the launcher's environment (torchrun, the deepspeed launcher, SLURM)
 and the few collectives the loop needs (through the strategy's verbs, never directly)."""
+
 from __future__ import annotations
 
 import datetime
@@ -29,7 +30,9 @@ def env_world() -> tuple[int, int, int]:
 
 def local_device(device_type: str, local_rank: int) -> torch.device:
     """This process's device: its local rank's GPU among those it sees, or the CPU."""
-    return device_for(device_type, local_rank, torch.cuda.device_count() if device_type == "cuda" else 0)
+    return device_for(
+        device_type, local_rank, torch.cuda.device_count() if device_type == "cuda" else 0
+    )
 
 
 def launched() -> bool:
@@ -51,8 +54,9 @@ def group_backend(backend: str, cpu_collectives: bool) -> str:
     return "cuda:nccl,cpu:gloo" if cpu_collectives and backend == "nccl" else backend
 
 
-def init_process_group(device_type: str, backend: str = "auto", timeout_s: float = 600.0,
-                       cpu_collectives: bool = False) -> None:
+def init_process_group(
+    device_type: str, backend: str = "auto", timeout_s: float = 600.0, cpu_collectives: bool = False
+) -> None:
     """Join the group the launcher describes (launch.launch_env): NCCL on GPUs (bound to this
     process's GPU at init), gloo on CPUs by default; both (group_backend) where `cpu_collectives`.
     Under srun without torchrun, the env:// variables are filled in from SLURM's (for the engines
@@ -61,8 +65,10 @@ def init_process_group(device_type: str, backend: str = "auto", timeout_s: float
         return
     launch = launch_env(os.environ)
     if launch.master_addr is None:
-        raise ConfigError("strategy: a multi-process strategy needs a launcher: run it with "
-                          "`torchrun --nproc-per-node N -m vitscale train ...` (MASTER_ADDR is not set)")
+        raise ConfigError(
+            "strategy: a multi-process strategy needs a launcher: run it with "
+            "`torchrun --nproc-per-node N -m vitscale train ...` (MASTER_ADDR is not set)"
+        )
     for key, value in launch.env().items():
         os.environ.setdefault(key, value)
     device = local_device(device_type, launch.local_rank)
@@ -73,8 +79,14 @@ def init_process_group(device_type: str, backend: str = "auto", timeout_s: float
     # the store env:// would make, with keys of their own per torchrun restart: after a restart,
     # gloo otherwise now and then reads a dead process's address and fails to connect
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                          is_master=launch.rank == 0 and not agent, timeout=kw["timeout"], multi_tenant=not agent)
+    store = dist.TCPStore(
+        launch.master_addr,
+        launch.master_port,
+        launch.world_size,
+        is_master=launch.rank == 0 and not agent,
+        timeout=kw["timeout"],
+        multi_tenant=not agent,
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(store=dist.PrefixStore(f"vitscale/attempt_{attempt}", store), **kw)
 
@@ -83,8 +95,17 @@ def is_comm_failure(e: BaseException) -> bool:
     """A collective failed: a peer process died, hung past the timeout or the network broke."""
     text = str(e).lower()
     return isinstance(e, getattr(dist, "DistError", ())) or any(
-        k in text for k in ("gloo", "nccl", "connection reset", "connection closed", "timed out",
-                            "timeout", "pair closure"))
+        k in text
+        for k in (
+            "gloo",
+            "nccl",
+            "connection reset",
+            "connection closed",
+            "timed out",
+            "timeout",
+            "pair closure",
+        )
+    )
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -125,8 +146,15 @@ class Distributed(SingleDevice):
     # collectives on CPU tensors as well as on the devices' (FSDP2 with cpu_offload)
     cpu_collectives = False
 
-    def __init__(self, train: TrainConfig, optim: OptimConfig, scfg: StrategyConfig, device_type: str,
-                 join: bool = True, lr: float | None = None):
+    def __init__(
+        self,
+        train: TrainConfig,
+        optim: OptimConfig,
+        scfg: StrategyConfig,
+        device_type: str,
+        join: bool = True,
+        lr: float | None = None,
+    ):
         """`join`: join the group the launcher describes; False: one process, no launcher (the
         engine may make a one-process group of its own)."""
         if join:

@@ -9,6 +9,7 @@ bf16 step, same process, paired rounds); a model as wide as or narrower than a w
 slower is refused in one line naming the ratio (the task checks it from the config before anything
 is built, this module again on the model), and a width never measured is announced in one line.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,20 +31,29 @@ def fp8_refusal(recipe: str, device_type: str, capability: tuple | None) -> str 
     if recipe == "none":
         return None
     if device_type != "cuda":
-        return (f"config: train.fp8={recipe} needs a GPU with float8 tensor cores (compute capability "
-                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+: H100, L40S, RTX 4090), not {device_type}")
+        return (
+            f"config: train.fp8={recipe} needs a GPU with float8 tensor cores (compute capability "
+            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+: H100, L40S, RTX 4090), not {device_type}"
+        )
     if capability is not None and tuple(capability) < MIN_CAPABILITY:
-        return (f"config: train.fp8={recipe} needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ "
-                f"(float8 tensor cores); this GPU has {capability[0]}.{capability[1]}")
+        return (
+            f"config: train.fp8={recipe} needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ "
+            f"(float8 tensor cores); this GPU has {capability[0]}.{capability[1]}"
+        )
     return None
 
 
 def fp8_layers(model: nn.Module) -> list[str]:
     """The Linear layers float8 training converts: those inside the transformer blocks whose
     dimensions float8 matmuls take (multiples of 16). Heads, stems and embeddings stay as they are."""
-    return [name for name, m in model.named_modules()
-            if type(m) is nn.Linear and block_index(name + ".") is not None
-            and m.in_features % 16 == 0 and m.out_features % 16 == 0]
+    return [
+        name
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear
+        and block_index(name + ".") is not None
+        and m.in_features % 16 == 0
+        and m.out_features % 16 == 0
+    ]
 
 
 def convert_fp8(model: nn.Module, recipe: str) -> list[str]:
@@ -53,22 +63,34 @@ def convert_fp8(model: nn.Module, recipe: str) -> list[str]:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except Exception as e:  # noqa: BLE001 - a torchao built for another torch fails in assorted ways
-        raise ConfigError(f"config: train.fp8={recipe} needs torchao's float8 training (pip install torchao; "
-                          f"for the GPU image: scripts/gpu_wheels.sh): {type(e).__name__}: "
-                          f"{(str(e).splitlines() or [''])[0][:120]}") from None
+        raise ConfigError(
+            f"config: train.fp8={recipe} needs torchao's float8 training (pip install torchao; "
+            f"for the GPU image: scripts/gpu_wheels.sh): {type(e).__name__}: "
+            f"{(str(e).splitlines() or [''])[0][:120]}"
+        ) from None
     names = fp8_layers(model)
     if not names:
-        raise ConfigError(f"config: train.fp8={recipe}: the model has no transformer-block Linear layer with "
-                          "dimensions divisible by 16 to compute in float8")
+        raise ConfigError(
+            f"config: train.fp8={recipe}: the model has no transformer-block Linear layer with "
+            "dimensions divisible by 16 to compute in float8"
+        )
     modules = dict(model.named_modules())
     width = min(modules[n].in_features for n in names)
     refusal = fp8_slower(recipe, width)
     if refusal:
         raise ConfigError(refusal)
     if (recipe, width) not in FP8_MEASURED:
-        log.warning("train.fp8=%s at model width %d: not measured against bf16 on a GPU yet; compare with "
-                    "`vitscale bench CONFIG --synthetic --beside train.fp8=%s`", recipe, width, recipe)
+        log.warning(
+            "train.fp8=%s at model width %d: not measured against bf16 on a GPU yet; compare with "
+            "`vitscale bench CONFIG --synthetic --beside train.fp8=%s`",
+            recipe,
+            width,
+            recipe,
+        )
     chosen = set(names)
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=lambda m, fqn: fqn in chosen)
+    convert_to_float8_training(
+        model,
+        config=Float8LinearConfig.from_recipe_name(recipe),
+        module_filter_fn=lambda m, fqn: fqn in chosen,
+    )
     return names

@@ -16,6 +16,7 @@ strategies, and FSDP2 resumes their checkpoints: the optimizer state is keyed by
 here, by index there, and `load_state_dict` / SingleDevice convert. `vitscale eval` / `export`
 consolidate a sharded folder in one process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,27 +54,42 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     blocks); a model without them is refused in one line (FSDP2 would shard it as one unit)."""
     units = getattr(model, "shard_units", None)
     if units is None:
-        raise ConfigError(f"strategy.name=fsdp: {type(model).__name__} names no shard units "
-                          "(a shard_units() method listing its blocks)")
+        raise ConfigError(
+            f"strategy.name=fsdp: {type(model).__name__} names no shard units "
+            "(a shard_units() method listing its blocks)"
+        )
     return units()
 
 
 def mp_policy(precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
     """FSDP2's precision for train.precision: parameters all-gathered and computed in bf16 (None:
     fp32), gradients reduce-scattered in strategy.reduce_dtype (fp32 by default)."""
-    return MixedPrecisionPolicy(param_dtype=half_dtype(precision), reduce_dtype=DTYPES[reduce_dtype])
+    return MixedPrecisionPolicy(
+        param_dtype=half_dtype(precision), reduce_dtype=DTYPES[reduce_dtype]
+    )
 
 
 def fsdp_refusal(train) -> str | None:
     """What FSDP2 does not support of the train section, in one line, or None (strategy.check_engine:
     every command that checks a config asks it)."""
-    unsupported = [name for name, on in (("train.ema_decay", train.ema_decay > 0),
-                                         ("train.precision=fp16", train.precision == "fp16"),
-                                         (f"train.precision={train.precision}", train.precision.startswith("pure_")),
-                                         (f"train.fp8={train.fp8}", train.fp8 != "none"))
-                   if on]
-    return (f"config: strategy.name=fsdp does not support {', '.join(unsupported)} yet "
-            "(use strategy.name=ddp or single)") if unsupported else None
+    unsupported = [
+        name
+        for name, on in (
+            ("train.ema_decay", train.ema_decay > 0),
+            ("train.precision=fp16", train.precision == "fp16"),
+            (f"train.precision={train.precision}", train.precision.startswith("pure_")),
+            (f"train.fp8={train.fp8}", train.fp8 != "none"),
+        )
+        if on
+    ]
+    return (
+        (
+            f"config: strategy.name=fsdp does not support {', '.join(unsupported)} yet "
+            "(use strategy.name=ddp or single)"
+        )
+        if unsupported
+        else None
+    )
 
 
 class FSDPStrategy(Distributed):
@@ -98,15 +114,23 @@ class FSDPStrategy(Distributed):
             model.set_grad_checkpointing(True)
         mp = mp_policy(self.cfg.precision, self.scfg.reduce_dtype)
         offload = CPUOffloadPolicy() if self.scfg.cpu_offload else OffloadPolicy()
-        kw = dict(mp_policy=mp, offload_policy=offload, reshard_after_forward=self.scfg.reshard_after_forward)
+        kw = dict(
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=self.scfg.reshard_after_forward,
+        )
         for block in shard_units(model):  # the model names them (both towers of a CLIP)
             if self.cfg.compile:  # each block's forward compiled in place (names unchanged)
                 block.compile(**compile_kwargs(self.cfg.compile_mode))
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         self.module = self.model = model
-        self.optimizer = build_optimizer(model, self.optim_cfg, lr=self.lr,
-                                         params=param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay))
+        self.optimizer = build_optimizer(
+            model,
+            self.optim_cfg,
+            lr=self.lr,
+            params=param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay),
+        )
 
     def no_sync(self):
         @contextlib.contextmanager
@@ -116,6 +140,7 @@ class FSDPStrategy(Distributed):
                 yield
             finally:
                 self.model.set_requires_gradient_sync(True)
+
         return ctx()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -124,7 +149,9 @@ class FSDPStrategy(Distributed):
     def step(self) -> dict:
         clip = self.optim_cfg.grad_clip
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(
+            params, clip if clip > 0 else float("inf"), foreach=True
+        )
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -138,9 +165,11 @@ class FSDPStrategy(Distributed):
         only the small state (the shards went to save_engine's folder)."""
         if self.engine_suffix:
             return {"scaler": self.scaler.state_dict(), "format": "sharded"}
-        return {"model": get_model_state_dict(self.model, options=FULL),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL),
-                "scaler": self.scaler.state_dict()}
+        return {
+            "model": get_model_state_dict(self.model, options=FULL),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL),
+            "scaler": self.scaler.state_dict(),
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         """A full state: this strategy's, or single/DDP's (index-keyed optimizer state, renamed)."""
@@ -154,21 +183,27 @@ class FSDPStrategy(Distributed):
         self.scaler.load_state_dict(sd["scaler"])
 
     def _sharded_state(self) -> dict:
-        return {"model": get_model_state_dict(self.model),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        return {
+            "model": get_model_state_dict(self.model),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+        }
 
     def save_engine(self, path: str | Path) -> Path:
         """Collective: every rank writes its shards (torch.distributed.checkpoint) into the folder
         `path` (step_N.dcp), atomically (Distributed.write_folder)."""
-        return self.write_folder(path, lambda tmp: dcp.save(self._sharded_state(), checkpoint_id=str(tmp)))
+        return self.write_folder(
+            path, lambda tmp: dcp.save(self._sharded_state(), checkpoint_id=str(tmp))
+        )
 
     def load_engine(self, path: str | Path) -> None:
         """Collective: load a step_N.dcp folder into this run's shards (any world size: DCP
         re-shards)."""
         path = Path(path)
         if path.suffix != ".dcp" or not (path / ".metadata").is_file():
-            raise UserError(f"sharded checkpoint folder not found or incomplete: {path} (expected the "
-                            "step_N.dcp folder written next to the .pt checkpoint)")
+            raise UserError(
+                f"sharded checkpoint folder not found or incomplete: {path} (expected the "
+                "step_N.dcp folder written next to the .pt checkpoint)"
+            )
         sd = self._sharded_state()
         dcp.load(sd, checkpoint_id=str(path))
         set_model_state_dict(self.model, sd["model"])

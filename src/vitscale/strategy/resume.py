@@ -2,6 +2,7 @@
 step_N.ds, FSDP2's sharded step_N.dcp), which engines resume which checkpoints, and reading a
 sharded DCP folder in one process. The engine rules live here, inside strategy/, so that the
 trainer, the CLI and `vitscale eval` ask without naming an engine."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,15 +28,22 @@ def read_dcp(path: Path, keys: set[str] | None = None) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
     path = Path(path)
     if not (path / ".metadata").is_file():
-        raise UserError(f"sharded checkpoint folder not found or incomplete: {path} (expected the "
-                        "step_N.dcp folder written next to the .pt checkpoint)")
+        raise UserError(
+            f"sharded checkpoint folder not found or incomplete: {path} (expected the "
+            "step_N.dcp folder written next to the .pt checkpoint)"
+        )
     sd: dict = {}
     # what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does (dcp.load itself
     # cannot fill an empty dict): every rank that calls it reads the whole checkpoint
-    _load_state_dict(sd, storage_reader=FileSystemReader(str(path)),
-                     planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    _load_state_dict(
+        sd,
+        storage_reader=FileSystemReader(str(path)),
+        planner=_EmptyStateDictLoadPlanner(keys=keys),
+        no_dist=True,
+    )
     return sd
 
 
@@ -46,12 +54,16 @@ def check_resume(state: dict, path: Path, strategy: str) -> None:
     if (saved == "deepspeed") == (strategy == "deepspeed"):
         return
     if saved == "deepspeed":
-        raise UserError(f"cannot resume {path} under strategy.name={strategy}: it was written by "
-                        "strategy.name=deepspeed, whose optimizer state is in DeepSpeed's own engine "
-                        "checkpoint; resume it with strategy.name=deepspeed (same processes; other "
-                        "counts after DeepSpeed's ds_to_universal), or take its weights with "
-                        f"`vitscale export {path}`")
-    raise UserError(f"cannot resume {path} under strategy.name=deepspeed: it was written by "
-                    f"strategy.name={saved} and DeepSpeed resumes only from its own engine checkpoint; "
-                    f"resume it with strategy.name={saved} (single, ddp and fsdp resume each other's "
-                    f"checkpoints), or take its weights with `vitscale export {path}`")
+        raise UserError(
+            f"cannot resume {path} under strategy.name={strategy}: it was written by "
+            "strategy.name=deepspeed, whose optimizer state is in DeepSpeed's own engine "
+            "checkpoint; resume it with strategy.name=deepspeed (same processes; other "
+            "counts after DeepSpeed's ds_to_universal), or take its weights with "
+            f"`vitscale export {path}`"
+        )
+    raise UserError(
+        f"cannot resume {path} under strategy.name=deepspeed: it was written by "
+        f"strategy.name={saved} and DeepSpeed resumes only from its own engine checkpoint; "
+        f"resume it with strategy.name={saved} (single, ddp and fsdp resume each other's "
+        f"checkpoints), or take its weights with `vitscale export {path}`"
+    )

@@ -7,6 +7,7 @@ Precision modes
   modes). With `master_weights` the optimizer updates an fp32 copy that is cast back after each
   step; without it the optimizer updates the half weights directly.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,7 +37,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("config: run.device=cuda but no CUDA GPU is visible (use run.device=cpu or auto)")
+        raise ConfigError(
+            "config: run.device=cuda but no CUDA GPU is visible (use run.device=cpu or auto)"
+        )
     return torch.device(name)
 
 
@@ -44,8 +47,11 @@ def device_refusal(train: TrainConfig, device: torch.device) -> str | None:
     """What the device refuses of the train section (fp16 on a CPU, fp8 below its compute capability,
     a CUDA attention kernel on a CPU), in one line, or None; every engine runs these checks."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return (fp16_refusal(device.type, train.precision) or fp8_refusal(train.fp8, device.type, capability)
-            or sdpa_refusal(device.type, train.sdpa_backend))
+    return (
+        fp16_refusal(device.type, train.precision)
+        or fp8_refusal(train.fp8, device.type, capability)
+        or sdpa_refusal(device.type, train.sdpa_backend)
+    )
 
 
 class SingleDevice:  # implements base.Strategy
@@ -63,7 +69,9 @@ class SingleDevice:  # implements base.Strategy
     # config and the device in __init__, the one place that decides
     whole_step = captured = False
 
-    def __init__(self, train: TrainConfig, optim: OptimConfig, device: torch.device, lr: float | None = None):
+    def __init__(
+        self, train: TrainConfig, optim: OptimConfig, device: torch.device, lr: float | None = None
+    ):
         """`lr`: the optimizer's base lr (default optim.lr; build_strategy gives the run's, scaled to
         its global batch): the optimizer's groups own it from then on."""
         self.cfg, self.optim_cfg, self.device = train, optim, device
@@ -75,8 +83,9 @@ class SingleDevice:  # implements base.Strategy
             raise ConfigError(refusal)
         warn_slow_bf16(device.type, self.precision)
         self.pure = self.precision.startswith("pure_")
-        self.scaler = torch.amp.GradScaler(device.type, init_scale=train.loss_scale,
-                                           enabled=self.half is torch.float16)
+        self.scaler = torch.amp.GradScaler(
+            device.type, init_scale=train.loss_scale, enabled=self.half is torch.float16
+        )
         self.master: list[torch.Tensor] | None = None
         self.ema: torch.optim.swa_utils.AveragedModel | None = None
         # TF32 and cuDNN autotuning (process-wide; nothing on a CPU)
@@ -105,22 +114,34 @@ class SingleDevice:  # implements base.Strategy
         if self.pure and self.cfg.master_weights:
             # the optimizer sees fp32 copies; model params stay half and get refreshed from them
             self.model_params = [p for g in groups for p in g["params"]]
-            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.model_params]
+            self.master = [
+                p.detach().float().clone().requires_grad_(True) for p in self.model_params
+            ]
             it = iter(self.master)
             groups = [{**g, "params": [next(it) for _ in g["params"]]} for g in groups]
-        self.optimizer = build_optimizer(model, self.optim_cfg, params=groups, capturable=self.captured, lr=self.lr)
+        self.optimizer = build_optimizer(
+            model, self.optim_cfg, params=groups, capturable=self.captured, lr=self.lr
+        )
         if self.cfg.ema_decay > 0:
             from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
             # its count on the training device (torch's default is the CPU: a copy per step)
-            self.ema = AveragedModel(model, device=self.device,
-                                     multi_avg_fn=get_ema_multi_avg_fn(self.cfg.ema_decay), use_buffers=True)
+            self.ema = AveragedModel(
+                model,
+                device=self.device,
+                multi_avg_fn=get_ema_multi_avg_fn(self.cfg.ema_decay),
+                use_buffers=True,
+            )
             self.ema_updates = 0  # the count as the host knows it: no device read per step
         if self.cfg.activation_checkpointing:
             model.set_grad_checkpointing(True)
         self.module = model  # plain module: checkpoints, export, eval
         wrapped = self.wrap(model)
-        self.model = torch.compile(wrapped, **compile_kwargs(self.cfg.compile_mode)) if self.cfg.compile \
-            else wrapped  # what training calls
+        self.model = (
+            torch.compile(wrapped, **compile_kwargs(self.cfg.compile_mode))
+            if self.cfg.compile
+            else wrapped
+        )  # what training calls
 
     def setup_eval(self, model: nn.Module) -> None:
         """Place and cast a model for evaluation only (no optimizer, no wrapper): `vitscale eval`."""
@@ -174,7 +195,11 @@ class SingleDevice:  # implements base.Strategy
 
     def layout(self, x: torch.Tensor) -> torch.Tensor:
         """Images in channels-last memory when train.channels_last (other tensors unchanged)."""
-        return x.contiguous(memory_format=torch.channels_last) if self.cfg.channels_last and x.ndim == 4 else x
+        return (
+            x.contiguous(memory_format=torch.channels_last)
+            if self.cfg.channels_last and x.ndim == 4
+            else x
+        )
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layout(x)
@@ -196,11 +221,16 @@ class SingleDevice:  # implements base.Strategy
             for p, m in zip(self.model_params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
-        params = self.master if self.master is not None else \
-            [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = (
+            self.master
+            if self.master is not None
+            else [p for g in self.optimizer.param_groups for p in g["params"]]
+        )
         self.scaler.unscale_(self.optimizer)
         clip = self.optim_cfg.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(
+            params, clip if clip > 0 else float("inf"), foreach=True
+        )
         # the scale as a device tensor (get_scale() would read it on the host): a skipped step
         # (non-finite gradients) is one whose update cut the scale
         scale = getattr(self.scaler, "_scale", None) if self.scaler.is_enabled() else None
@@ -258,7 +288,9 @@ class SingleDevice:  # implements base.Strategy
         shards), fp32 masters, optimizer state and EMA weights."""
         for p in self.module.parameters():
             yield from self.local_tensors(p)
-        state = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        state = [
+            v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+        ]
         ema = list(self.ema.module.parameters()) if self.ema is not None else []
         for t in [*(self.master or []), *state, *ema]:
             yield t.to_local() if hasattr(t, "to_local") else t
@@ -266,8 +298,11 @@ class SingleDevice:  # implements base.Strategy
     def count_nonfinite(self) -> int:
         """Collective: how many tensors of the training state, over all ranks, hold a NaN or an
         infinity. One reduction per tensor and one read: for checkpoints, never per step."""
-        flags = [(~torch.isfinite(t).all()).to(self.device) for t in self.held_tensors()
-                 if t.is_floating_point() and t.numel()]
+        flags = [
+            (~torch.isfinite(t).all()).to(self.device)
+            for t in self.held_tensors()
+            if t.is_floating_point() and t.numel()
+        ]
         n = torch.stack(flags).float().sum() if flags else torch.zeros((), device=self.device)
         return int(self.all_reduce_sum(n).item())
 
@@ -275,15 +310,24 @@ class SingleDevice:  # implements base.Strategy
         """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
         state; gradients, while they exist, take as many bytes as the parameters."""
         local = self._local_bytes
-        return {"params": sum(self.param_bytes(p) for p in self.module.parameters()),
-                "master_params": sum(local(m) for m in self.master or []),
-                "optimizer_state": sum(local(v) for st in self.optimizer.state.values() for v in st.values()
-                                       if torch.is_tensor(v) and v.ndim)}
+        return {
+            "params": sum(self.param_bytes(p) for p in self.module.parameters()),
+            "master_params": sum(local(m) for m in self.master or []),
+            "optimizer_state": sum(
+                local(v)
+                for st in self.optimizer.state.values()
+                for v in st.values()
+                if torch.is_tensor(v) and v.ndim
+            ),
+        }
 
     # -- checkpoint state -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        sd = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-              "scaler": self.scaler.state_dict()}
+        sd = {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
         if self.master is not None:
             sd["master"] = [m.detach().clone() for m in self.master]
         if self.ema is not None:
@@ -296,8 +340,11 @@ class SingleDevice:  # implements base.Strategy
     def param_names(self) -> list[str]:
         """The name of each parameter the optimizer updates, in the optimizer's order."""
         names = {id(p): n for n, p in self.module.named_parameters()}
-        params = self.model_params if self.master is not None else \
-            [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = (
+            self.model_params
+            if self.master is not None
+            else [p for g in self.optimizer.param_groups for p in g["params"]]
+        )
         return [names[id(p)] for p in params]
 
     def save_engine(self, path) -> None:
@@ -307,11 +354,13 @@ class SingleDevice:  # implements base.Strategy
         """Resume from FSDP2's sharded checkpoint folder (step_N.dcp): consolidated in this
         process, optimizer state renumbered from parameter names."""
         from .resume import read_dcp
+
         full = read_dcp(path)
         self.load_state_dict({**full, "scaler": self.scaler.state_dict()})
 
     def load_state_dict(self, sd: dict) -> None:
         from ..checkpoint import optim_keyed_by_name, optim_state_by_index
+
         if "model" in sd:  # absent when an engine folder held it (load_engine)
             self.module.load_state_dict(sd["model"])
             osd = sd["optimizer"]

@@ -1,5 +1,6 @@
 """Tasks: everything that differs between kinds of model (data, spec, loss step, metric,
 evaluation, log lines, own state). See tasks/base.py for the interface."""
+
 from __future__ import annotations
 
 from ..config import Config
@@ -9,7 +10,10 @@ from .base import Task
 from .classification import ClassificationTask
 from .clip import ClipTask
 
-TASKS: dict[str, type[Task]] = {ClassificationTask.kind: ClassificationTask, ClipTask.kind: ClipTask}
+TASKS: dict[str, type[Task]] = {
+    ClassificationTask.kind: ClassificationTask,
+    ClipTask.kind: ClipTask,
+}
 
 
 def task_kind(cfg: Config) -> str:
@@ -64,5 +68,18 @@ def describe_result(r: dict) -> str:
     return task_class(r.get("task", ClassificationTask.kind)).describe_metrics(r)
 
 
-__all__ = ["Task", "TASKS", "ClassificationTask", "ClipTask", "build_task", "check_config", "task_capture_refusal", "task_class",
-           "task_kind", "kind_of", "export_use", "model_info", "describe_result"]
+__all__ = [
+    "Task",
+    "TASKS",
+    "ClassificationTask",
+    "ClipTask",
+    "build_task",
+    "check_config",
+    "task_capture_refusal",
+    "task_class",
+    "task_kind",
+    "kind_of",
+    "export_use",
+    "model_info",
+    "describe_result",
+]

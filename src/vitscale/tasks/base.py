@@ -6,6 +6,7 @@ verbs below and never asks which task it runs. Classification (tasks/classificat
 CLIP (tasks/clip.py) are the two implementations; a third kind (fine-tuning, distillation, MAE)
 is a new subclass registered in tasks/__init__.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -29,21 +30,25 @@ def padding_forwards(loader, first: tuple | None, n: int, forward) -> None:
         return
     first = first if first is not None else next(iter(loader.iterate()), None)
     if first is None:
-        raise DataError("the test set is too small to give every process a batch (use fewer processes "
-                        "or a larger test split)")
+        raise DataError(
+            "the test set is too small to give every process a batch (use fewer processes "
+            "or a larger test split)"
+        )
     one = tuple(t[:1] for t in first)
     for _ in range(n):
         forward(one)
 
 
 class Task:
-    kind: str = ""         # saved in checkpoints ("vit", "clip"): picks the task that reads them back
-    metric: str = ""       # the metric whose best value a run keeps
-    sample: str = "img"    # one training sample, in log lines ("img", "pair")
+    kind: str = ""  # saved in checkpoints ("vit", "clip"): picks the task that reads them back
+    metric: str = ""  # the metric whose best value a run keeps
+    sample: str = "img"  # one training sample, in log lines ("img", "pair")
     samples: str = "images"
-    pairs: bool = False    # its data are image-text pairs (data/build.py's build_image_text)
-    exports: dict = {}     # `vitscale export --format` -> the models its layout is for ("ViT classifiers")
-    preprocess: dict | None = None  # how the test images reached the model (build_data); checkpoints keep it
+    pairs: bool = False  # its data are image-text pairs (data/build.py's build_image_text)
+    exports: dict = {}  # `vitscale export --format` -> the models its layout is for ("ViT classifiers")
+    preprocess: dict | None = (
+        None  # how the test images reached the model (build_data); checkpoints keep it
+    )
     # why its training step cannot be replayed as one captured unit (train.capture=step); "" = it can
     uncapturable: str = ""
 
@@ -72,7 +77,11 @@ class Task:
             return state["preprocess"]
         d = self.data_config()
         old = (state.get("task") or {}).get("normalization")
-        mean, std = (old["mean"], old["std"]) if old else dataset_normalization(d, self.cfg.run.seed, self.pairs)
+        mean, std = (
+            (old["mean"], old["std"])
+            if old
+            else dataset_normalization(d, self.cfg.run.seed, self.pairs)
+        )
         return eval_preprocess(d, mean, std, self.image_size(self.spec_from_dict(state["spec"])))
 
     def export(self, fmt: str, model, preprocess: dict, out, meta: dict, run_dir):
@@ -133,9 +142,16 @@ class Task:
         """Parameters and FLOPs of the recipe's model (`vitscale info --json`)."""
         spec, model = self.meta_model()
         flops = self.flops(spec)
-        return {"arch": self.arch_label(), "kind": self.kind, **asdict(spec), "params": count_params(model),
-                "macs_per_image": flops // 2, "flops_per_image": flops, "train_flops_per_image": 3 * flops,
-                **self.info_extra(spec, model)}
+        return {
+            "arch": self.arch_label(),
+            "kind": self.kind,
+            **asdict(spec),
+            "params": count_params(model),
+            "macs_per_image": flops // 2,
+            "flops_per_image": flops,
+            "train_flops_per_image": 3 * flops,
+            **self.info_extra(spec, model),
+        }
 
     def info_extra(self, spec, model) -> dict:
         return {}
@@ -150,8 +166,15 @@ class Task:
         `--synthetic`), or None where the task keeps its own data (one batch of it reused)."""
         return None
 
-    def setup_training(self, *, lr: float, dataset_size: int, total_steps: int, steps_per_epoch: int,
-                       device: torch.device) -> None:
+    def setup_training(
+        self,
+        *,
+        lr: float,
+        dataset_size: int,
+        total_steps: int,
+        steps_per_epoch: int,
+        device: torch.device,
+    ) -> None:
         """Build what training needs beyond the model (losses with their own state)."""
 
     # -- the training step ------------------------------------------------------------------------

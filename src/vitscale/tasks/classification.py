@@ -1,4 +1,5 @@
 """Image classification: cross entropy on (images, labels); accuracy over the test set."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -27,21 +28,26 @@ def freeze(model: nn.Module, what: str, blocks: int = 0) -> None:
             frozen = not name.startswith("head.")
         else:
             block = block_index(name)
-            frozen = name.startswith(("patch_embed.", "cls_token", "pos_embed")) or \
-                (block is not None and block < blocks)
+            frozen = name.startswith(("patch_embed.", "cls_token", "pos_embed")) or (
+                block is not None and block < blocks
+            )
         if frozen:
             p.requires_grad_(False)
 
 
 # model.init_arch given where it means nothing (no model.init, or a CLIP model.arch)
-INIT_ARCH_MISPLACED = ("config: model.init_arch names the timm architecture of ViT classifier weights given "
-                       "with model.init (a ViT model.arch)")
+INIT_ARCH_MISPLACED = (
+    "config: model.init_arch names the timm architecture of ViT classifier weights given "
+    "with model.init (a ViT model.arch)"
+)
 
 
 def init_open_clip_misplaced(m) -> ConfigError:
     """model.init_open_clip given where it means nothing (`m`: the model config)."""
-    return ConfigError("config: model.init_open_clip describes CLIP weights given with model.init "
-                       f"(model.arch={m.arch}{'' if m.init else ', no model.init'})")
+    return ConfigError(
+        "config: model.init_open_clip describes CLIP weights given with model.init "
+        f"(model.arch={m.arch}{'' if m.init else ', no model.init'})"
+    )
 
 
 class ClassificationTask(Task):
@@ -62,6 +68,7 @@ class ClassificationTask(Task):
             if not m.init:
                 raise ConfigError(INIT_ARCH_MISPLACED)
             from ..interop.timm_vit import arch_entry, arch_pretrained_cfg
+
             try:
                 arch_entry(m.init_arch)
                 arch_pretrained_cfg(m.init_arch)
@@ -77,11 +84,15 @@ class ClassificationTask(Task):
     def build_data(self, s):
         cfg = self.cfg
         dcfg = self.data_config()
-        data = build_data(dcfg, device=s.device, seed=cfg.run.seed, rank=s.rank, world_size=s.world_size)
+        data = build_data(
+            dcfg, device=s.device, seed=cfg.run.seed, rank=s.rank, world_size=s.world_size
+        )
         self.preprocess = eval_preprocess(dcfg, data.mean, data.std, data.image_size)
         if cfg.model.num_classes and cfg.model.num_classes != data.num_classes:
-            raise ConfigError(f"config: model.num_classes={cfg.model.num_classes} but the dataset has "
-                              f"{data.num_classes} classes (set 0 to follow the data)")
+            raise ConfigError(
+                f"config: model.num_classes={cfg.model.num_classes} but the dataset has "
+                f"{data.num_classes} classes (set 0 to follow the data)"
+            )
         self.num_classes = data.num_classes
         return data
 
@@ -90,6 +101,7 @@ class ClassificationTask(Task):
         cfg = self.cfg
         if cfg.model.init and cfg.data.normalize == "auto":
             from ..interop.finetune import init_arch, weights_normalization
+
             arch = init_arch(cfg.model.init, cfg.model.init_arch)
             return replace(cfg.data, normalize=weights_normalization(cfg.model.init, arch))
         return cfg.data
@@ -102,25 +114,53 @@ class ClassificationTask(Task):
         m = self.cfg.model
         if m.init:  # the architecture from the weights, the geometry from the data
             from ..interop.finetune import init_arch, init_weights
-            spec, self.init_state = init_weights(m.init, image_size=image_size, in_chans=channels,
-                                                 num_classes=num_classes, heads=m.heads, head_policy=m.init_head,
-                                                 arch=init_arch(m.init, m.init_arch), which=m.init_weights,
-                                                 attention=m.attention, drop_path=m.drop_path, dropout=m.dropout)
+
+            spec, self.init_state = init_weights(
+                m.init,
+                image_size=image_size,
+                in_chans=channels,
+                num_classes=num_classes,
+                heads=m.heads,
+                head_policy=m.init_head,
+                arch=init_arch(m.init, m.init_arch),
+                which=m.init_weights,
+                attention=m.attention,
+                drop_path=m.drop_path,
+                dropout=m.dropout,
+            )
             return spec
         try:
-            spec = resolve_spec(m.arch, image_size=image_size, in_chans=channels, num_classes=num_classes,
-                                patch_size=m.patch_size, dim=m.dim, depth=m.depth, heads=m.heads,
-                                mlp_ratio=m.mlp_ratio, head=m.head, attention=m.attention, stem=m.stem,
-                                drop_path=m.drop_path, dropout=m.dropout)
+            spec = resolve_spec(
+                m.arch,
+                image_size=image_size,
+                in_chans=channels,
+                num_classes=num_classes,
+                patch_size=m.patch_size,
+                dim=m.dim,
+                depth=m.depth,
+                heads=m.heads,
+                mlp_ratio=m.mlp_ratio,
+                head=m.head,
+                attention=m.attention,
+                stem=m.stem,
+                drop_path=m.drop_path,
+                dropout=m.dropout,
+            )
         except KeyError as e:
             raise ConfigError(f"config: model.arch: {e.args[0]}") from None
         if spec.image_size % spec.patch_size:
-            raise ConfigError(f"config: image size {spec.image_size} is not divisible by patch size "
-                              f"{spec.patch_size} (set data.image_size or model.patch_size)")
+            raise ConfigError(
+                f"config: image size {spec.image_size} is not divisible by patch size "
+                f"{spec.patch_size} (set data.image_size or model.patch_size)"
+            )
         if spec.stem == "conv" and (spec.patch_size & (spec.patch_size - 1) or spec.patch_size < 2):
-            raise ConfigError(f"config: model.stem=conv needs a power-of-two patch size >= 2, got {spec.patch_size}")
+            raise ConfigError(
+                f"config: model.stem=conv needs a power-of-two patch size >= 2, got {spec.patch_size}"
+            )
         if spec.dim % spec.heads:
-            raise ConfigError(f"config: model dim {spec.dim} is not divisible by heads {spec.heads}")
+            raise ConfigError(
+                f"config: model dim {spec.dim} is not divisible by heads {spec.heads}"
+            )
         return spec
 
     def spec_from_dict(self, d: dict) -> ViTSpec:
@@ -136,10 +176,16 @@ class ClassificationTask(Task):
 
         from ..checkpoint import export_safetensors
         from ..interop.timm_vit import hub_config_path, timm_hub_config, to_timm
+
         if out.is_dir() or not out.suffix:
             out = out / "model.safetensors"
-        hub = timm_hub_config(model.spec, mean=preprocess["mean"], std=preprocess["std"],
-                              interpolation=preprocess["interpolation"], crop_pct=preprocess["crop_pct"])
+        hub = timm_hub_config(
+            model.spec,
+            mean=preprocess["mean"],
+            std=preprocess["std"],
+            interpolation=preprocess["interpolation"],
+            crop_pct=preprocess["crop_pct"],
+        )
         meta["timm_config"] = json.dumps(hub)
         path = export_safetensors(to_timm(model), out, meta)
         hub_config_path(path).write_text(json.dumps(hub, indent=2) + "\n")
@@ -149,7 +195,10 @@ class ClassificationTask(Task):
         model = VisionTransformer(spec)
         if self.init_state is not None:
             missing, unexpected = model.load_state_dict(self.init_state, strict=False)
-            assert not unexpected and set(missing) <= {"head.weight", "head.bias"}, (missing, unexpected)
+            assert not unexpected and set(missing) <= {"head.weight", "head.bias"}, (
+                missing,
+                unexpected,
+            )
         freeze(model, self.cfg.model.freeze, self.cfg.model.freeze_blocks)
         return set_drop_path_mode(model, self.cfg.model.drop_path_mode)
 
@@ -165,11 +214,13 @@ class ClassificationTask(Task):
     @staticmethod
     def info_line(info: dict) -> str:
         g = lambda n: f"{n / 1e9:.2f} G" if n >= 1e9 else f"{n / 1e6:.1f} M"  # noqa: E731
-        return (f"{info['arch']}: {info['params'] / 1e6:.2f}M parameters, {info['tokens']} tokens, "
-                f"{g(info['macs_per_image'])}MACs = {g(info['flops_per_image'])}FLOPs per image "
-                f"forward, {g(info['train_flops_per_image'])}FLOPs per image training "
-                f"({info['image_size']}px, patch {info['patch_size']}, dim {info['dim']}, depth {info['depth']}, "
-                f"heads {info['heads']}, {info['num_classes']} classes, head={info['head']})")
+        return (
+            f"{info['arch']}: {info['params'] / 1e6:.2f}M parameters, {info['tokens']} tokens, "
+            f"{g(info['macs_per_image'])}MACs = {g(info['flops_per_image'])}FLOPs per image "
+            f"forward, {g(info['train_flops_per_image'])}FLOPs per image training "
+            f"({info['image_size']}px, patch {info['patch_size']}, dim {info['dim']}, depth {info['depth']}, "
+            f"heads {info['heads']}, {info['num_classes']} classes, head={info['head']})"
+        )
 
     def synthetic_overrides(self) -> dict | None:
         return synthetic_stand_in(self.cfg.data, self.cfg.model.num_classes)
@@ -178,7 +229,11 @@ class ClassificationTask(Task):
     def describe_metrics(r: dict) -> str:
         pct = lambda k: f"{100 * r[k]:.2f}%"  # noqa: E731
         best = f" (best {pct('best_test_accuracy')})" if "best_test_accuracy" in r else ""
-        split = "validation (data.val_fraction of the training set)" if r.get("eval_split") == "val" else "test"
+        split = (
+            "validation (data.val_fraction of the training set)"
+            if r.get("eval_split") == "val"
+            else "test"
+        )
         return f"{split} accuracy {pct('test_accuracy')}{best} on {r['test_count']} images (loss {r['test_loss']:.4f})"
 
     # -- the training step ------------------------------------------------------------------------
@@ -200,13 +255,21 @@ class ClassificationTask(Task):
         the same number of forwards where forwards are collective); the counts are summed exactly."""
         batches = max(s.gather_objects(len(data.test))) if s.forward_is_collective else 0
         r = self.evaluate(s.eval_module(), data.test, s.autocast, s.prepare, batches)
-        correct, count, loss_sum = s.all_reduce_sum(torch.tensor(
-            [r["correct"], r["count"], r["loss_sum"]], dtype=torch.float64, device=s.device)).tolist()
-        return {"test_accuracy": correct / max(1, count), "test_loss": loss_sum / max(1, count),
-                "test_count": int(count)}
+        correct, count, loss_sum = s.all_reduce_sum(
+            torch.tensor(
+                [r["correct"], r["count"], r["loss_sum"]], dtype=torch.float64, device=s.device
+            )
+        ).tolist()
+        return {
+            "test_accuracy": correct / max(1, count),
+            "test_loss": loss_sum / max(1, count),
+            "test_count": int(count),
+        }
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, loader, autocast, prepare=lambda x: x, batches: int = 0) -> dict:
+    def evaluate(
+        self, model: nn.Module, loader, autocast, prepare=lambda x: x, batches: int = 0
+    ) -> dict:
         """Sums over this process's shard: {'correct', 'count', 'loss_sum'} (exact, no averaging;
         summed on the device, read once at the end).
         `batches`: run at least this many forward passes (sharded models need every rank in every
@@ -219,11 +282,18 @@ class ClassificationTask(Task):
             with autocast():
                 logits = model(x).float()
                 return logits + model(x.flip(-1)).float() if self.hflip_tta else logits
+
         sums, count, n = None, 0, 0
         for n, (x, y) in enumerate(loader.iterate(), 1):  # noqa: B007 - n is read after the loop
             logits = logits_of(prepare(x))
-            part = torch.stack([(logits.argmax(-1) == y).sum().double(),
-                                F.cross_entropy(logits if not self.hflip_tta else logits / 2, y, reduction="sum").double()])
+            part = torch.stack(
+                [
+                    (logits.argmax(-1) == y).sum().double(),
+                    F.cross_entropy(
+                        logits if not self.hflip_tta else logits / 2, y, reduction="sum"
+                    ).double(),
+                ]
+            )
             sums = part if sums is None else sums + part
             count += y.numel()
         padding_forwards(loader, None, batches - n, lambda b: logits_of(prepare(b[0])))

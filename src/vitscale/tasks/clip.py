@@ -8,6 +8,7 @@ Evaluation
 - Zero-shot classification: each class's text embedding is the normalized mean of its prompts'
   normalized embeddings (CLIP's recipe); top-1 / top-5 accuracy over the set's images.
 """
+
 from __future__ import annotations
 
 from dataclasses import fields, replace
@@ -36,8 +37,9 @@ from .base import Task, padding_forwards
 RECALL_K = (1, 5, 10)
 
 
-def recall_at_k(img: torch.Tensor, txt: torch.Tensor, caption_ids: torch.Tensor, ks=RECALL_K,
-                chunk: int = 1024) -> dict:
+def recall_at_k(
+    img: torch.Tensor, txt: torch.Tensor, caption_ids: torch.Tensor, ks=RECALL_K, chunk: int = 1024
+) -> dict:
     """img, txt: [N, E] normalized features of N pairs; caption_ids [N]: equal ids = same caption.
     Returns {'i2t_r1': ..., 't2i_r1': ..., ...} as fractions. Queries go in chunks of `chunk` rows,
     so memory stays O(chunk * N) for large held-out sets."""
@@ -46,8 +48,8 @@ def recall_at_k(img: torch.Tensor, txt: torch.Tensor, caption_ids: torch.Tensor,
     for name, queries, keys in (("i2t", img, txt), ("t2i", txt, img)):
         ranks = []
         for lo in range(0, len(queries), chunk):
-            s = queries[lo:lo + chunk] @ keys.T                           # [c, N]
-            pos = caption_ids[lo:lo + chunk, None] == caption_ids[None, :]  # [c, N] positives
+            s = queries[lo : lo + chunk] @ keys.T  # [c, N]
+            pos = caption_ids[lo : lo + chunk, None] == caption_ids[None, :]  # [c, N] positives
             # rank of the best positive = the number of items scoring strictly higher than it
             best = s.masked_fill(~pos, float("-inf")).max(dim=1, keepdim=True).values
             ranks.append((s > best).sum(dim=1))
@@ -66,6 +68,7 @@ def check_init_options(m) -> None:
     """model.init (`m`: the model config) must be OpenCLIP CLIP weights a CLIP model can start
     from (interop/open_clip.py's check_init reads their configuration and keys only)."""
     from .classification import INIT_ARCH_MISPLACED, init_open_clip_misplaced
+
     if m.init_arch:
         raise ConfigError(INIT_ARCH_MISPLACED)
     if not m.init:
@@ -73,6 +76,7 @@ def check_init_options(m) -> None:
             raise init_open_clip_misplaced(m)
         return
     from ..interop.open_clip import check_init
+
     try:  # the file's configuration and keys: the real cause, in one line
         check_init(m.init, m.init_open_clip)
     except UserError as e:
@@ -83,8 +87,10 @@ class ClipTask(Task):
     kind, sample, samples, pairs = "clip", "pair", "pairs", True
     exports = {"open_clip": "CLIP models"}
     metric = "retrieval_r1"  # mean of image->text and text->image recall@1 on the held-out pairs
-    uncapturable = ("the contrastive losses advance their gamma and temperature schedules and per-sample "
-                    "state from the host after each step")
+    uncapturable = (
+        "the contrastive losses advance their gamma and temperature schedules and per-sample "
+        "state from the host after each step"
+    )
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -100,11 +106,19 @@ class ClipTask(Task):
     def build_data(self, s):
         cfg = self.cfg
         if cfg.train.accum_steps > 1:
-            raise ConfigError("config: train.accum_steps > 1 is not supported for CLIP: contrastive losses "
-                              "need the whole batch at once (lower data.batch_size or add processes)")
+            raise ConfigError(
+                "config: train.accum_steps > 1 is not supported for CLIP: contrastive losses "
+                "need the whole batch at once (lower data.batch_size or add processes)"
+            )
         get_tokenizer()  # the vocabulary, read here: a missing file is one line before anything starts
-        data = build_image_text(cfg.data, device=s.device, seed=cfg.run.seed, rank=s.rank,
-                                world_size=s.world_size, context_length=cfg.model.context_length)
+        data = build_image_text(
+            cfg.data,
+            device=s.device,
+            seed=cfg.run.seed,
+            rank=s.rank,
+            world_size=s.world_size,
+            context_length=cfg.model.context_length,
+        )
         self.preprocess = eval_preprocess(cfg.data, data.mean, data.std, data.image_size)
         return data
 
@@ -112,6 +126,7 @@ class ClipTask(Task):
         from .classification import (
             ClassificationTask,  # the image side is the same as a classifier's
         )
+
         size, channels, _ = ClassificationTask(self.cfg).geometry()
         return size, channels, 0
 
@@ -121,35 +136,72 @@ class ClipTask(Task):
         no shards."""
         return synthetic_pairs_stand_in(self.cfg.data)
 
-    init_state: dict | None = None  # model.init's weights, adapted to the run (build_spec reads them)
+    init_state: dict | None = (
+        None  # model.init's weights, adapted to the run (build_spec reads them)
+    )
 
     def build_spec(self, image_size: int, channels: int, num_classes: int = 0) -> ClipSpec:
         cfg, m = self.cfg, self.cfg.model
-        if m.init:  # an OpenCLIP ViT CLIP file: the architecture from the weights and their OpenCLIP
+        if (
+            m.init
+        ):  # an OpenCLIP ViT CLIP file: the architecture from the weights and their OpenCLIP
             # configuration (model.init_open_clip, or the open_clip_config.json beside them), the geometry from the run
             from ..data.tokenizer import VOCAB_SIZE
             from ..interop.open_clip import init_weights
+
             spec, self.init_state = init_weights(
-                m.init, image_size=image_size, in_chans=channels, context_length=m.context_length,
-                vocab_size=VOCAB_SIZE, vision_heads=m.heads, text_heads=m.text_heads, attention=m.attention,
-                drop_path=m.drop_path, dropout=m.dropout, open_clip=m.init_open_clip,
-                quick_gelu=None if m.init_act == "auto" else m.init_act == "quick_gelu")
-            return replace(spec, init_tau=cfg.clip.tau_init or 0.07)  # logit_scale itself comes from the file
+                m.init,
+                image_size=image_size,
+                in_chans=channels,
+                context_length=m.context_length,
+                vocab_size=VOCAB_SIZE,
+                vision_heads=m.heads,
+                text_heads=m.text_heads,
+                attention=m.attention,
+                drop_path=m.drop_path,
+                dropout=m.dropout,
+                open_clip=m.init_open_clip,
+                quick_gelu=None if m.init_act == "auto" else m.init_act == "quick_gelu",
+            )
+            return replace(
+                spec, init_tau=cfg.clip.tau_init or 0.07
+            )  # logit_scale itself comes from the file
         try:
             spec = resolve_clip_spec(
-                m.arch, embed_dim=m.embed_dim,
-                vision=dict(image_size=image_size, in_chans=channels, patch_size=m.patch_size, dim=m.dim,
-                            depth=m.depth, heads=m.heads, mlp_ratio=m.mlp_ratio, attention=m.attention,
-                            stem=m.stem, drop_path=m.drop_path, dropout=m.dropout),
-                text=dict(dim=m.text_dim, depth=m.text_depth, heads=m.text_heads, attention=m.attention,
-                          context_length=m.context_length))
+                m.arch,
+                embed_dim=m.embed_dim,
+                vision=dict(
+                    image_size=image_size,
+                    in_chans=channels,
+                    patch_size=m.patch_size,
+                    dim=m.dim,
+                    depth=m.depth,
+                    heads=m.heads,
+                    mlp_ratio=m.mlp_ratio,
+                    attention=m.attention,
+                    stem=m.stem,
+                    drop_path=m.drop_path,
+                    dropout=m.dropout,
+                ),
+                text=dict(
+                    dim=m.text_dim,
+                    depth=m.text_depth,
+                    heads=m.text_heads,
+                    attention=m.attention,
+                    context_length=m.context_length,
+                ),
+            )
         except KeyError as e:
             raise ConfigError(f"config: model.arch: {e.args[0]}") from None
-        spec = replace(spec, init_tau=cfg.clip.tau_init or 0.07)  # openclip's logit_scale (unused by FastCLIP)
+        spec = replace(
+            spec, init_tau=cfg.clip.tau_init or 0.07
+        )  # openclip's logit_scale (unused by FastCLIP)
         v, t = spec.vision, spec.text
         if v.image_size % v.patch_size:
-            raise ConfigError(f"config: image size {v.image_size} is not divisible by patch size {v.patch_size} "
-                              f"(set data.image_size or model.patch_size)")
+            raise ConfigError(
+                f"config: image size {v.image_size} is not divisible by patch size {v.patch_size} "
+                f"(set data.image_size or model.patch_size)"
+            )
         for what, d, h in (("model", v.dim, v.heads), ("model text", t.dim, t.heads)):
             if d % h:
                 raise ConfigError(f"config: {what} dim {d} is not divisible by heads {h}")
@@ -157,7 +209,11 @@ class ClipTask(Task):
 
     def spec_from_dict(self, d: dict) -> ClipSpec:
         """Checkpoints from before the OpenCLIP options (ln_pre, ...) lack them: the defaults."""
-        rest = {f.name: d[f.name] for f in fields(ClipSpec) if f.name not in ("vision", "text") and f.name in d}
+        rest = {
+            f.name: d[f.name]
+            for f in fields(ClipSpec)
+            if f.name not in ("vision", "text") and f.name in d
+        }
         return ClipSpec(vision=ViTSpec(**d["vision"]), text=TextSpec(**d["text"]), **rest)
 
     def image_size(self, spec: ClipSpec) -> int:
@@ -166,6 +222,7 @@ class ClipTask(Task):
     def export(self, fmt, model, preprocess, out, meta, run_dir):
         """OpenCLIP's layout: the weights and open_clip_config.json (model and preprocess config) in a folder."""
         from ..interop.open_clip import export_run
+
         return export_run(model, out, meta, run_dir, preprocess)
 
     def build_model(self, spec: ClipSpec):
@@ -179,36 +236,53 @@ class ClipTask(Task):
 
     def describe(self, spec: ClipSpec) -> str:
         v, t = spec.vision, spec.text
-        return (f"CLIP (image {v.depth}x{v.dim} ViT, {v.num_tokens} tokens; text {t.depth}x{t.dim}, "
-                f"{t.context_length} tokens; embedding {spec.embed_dim})")
+        return (
+            f"CLIP (image {v.depth}x{v.dim} ViT, {v.num_tokens} tokens; text {t.depth}x{t.dim}, "
+            f"{t.context_length} tokens; embedding {spec.embed_dim})"
+        )
 
     def info_extra(self, spec, model) -> dict:
         params, vision = count_params(model), count_params(model.visual)
-        return {"vision_params": vision, "text_params": params - vision - 1, "tokens": spec.vision.num_tokens,
-                "context_length": spec.text.context_length}
+        return {
+            "vision_params": vision,
+            "text_params": params - vision - 1,
+            "tokens": spec.vision.num_tokens,
+            "context_length": spec.text.context_length,
+        }
 
     @staticmethod
     def info_line(info: dict) -> str:
         g = lambda n: f"{n / 1e9:.2f} G" if n >= 1e9 else f"{n / 1e6:.1f} M"  # noqa: E731
         v, t = info["vision"], info["text"]
-        return (f"{info['arch']}: {info['params'] / 1e6:.2f}M parameters (image {info['vision_params'] / 1e6:.2f}M, "
-                f"text {info['text_params'] / 1e6:.2f}M), embedding {info['embed_dim']}; image {v['image_size']}px "
-                f"patch {v['patch_size']} dim {v['dim']} depth {v['depth']} ({info['tokens']} tokens); text dim "
-                f"{t['dim']} depth {t['depth']} heads {t['heads']}, {t['context_length']} tokens; "
-                f"{g(info['flops_per_image'])}FLOPs per (image, caption) forward")
+        return (
+            f"{info['arch']}: {info['params'] / 1e6:.2f}M parameters (image {info['vision_params'] / 1e6:.2f}M, "
+            f"text {info['text_params'] / 1e6:.2f}M), embedding {info['embed_dim']}; image {v['image_size']}px "
+            f"patch {v['patch_size']} dim {v['dim']} depth {v['depth']} ({info['tokens']} tokens); text dim "
+            f"{t['dim']} depth {t['depth']} heads {t['heads']}, {t['context_length']} tokens; "
+            f"{g(info['flops_per_image'])}FLOPs per (image, caption) forward"
+        )
 
     def setup_training(self, *, lr, dataset_size, total_steps, steps_per_epoch, device) -> None:
         cfg = self.cfg
-        self.loss_module = build_clip_loss(cfg.clip, cfg.optim, lr=lr, dataset_size=dataset_size,
-                                           epochs=cfg.train.epochs, device=device,
-                                           lr_factor=schedule(cfg.optim, total_steps, steps_per_epoch))
+        self.loss_module = build_clip_loss(
+            cfg.clip,
+            cfg.optim,
+            lr=lr,
+            dataset_size=dataset_size,
+            epochs=cfg.train.epochs,
+            device=device,
+            lr_factor=schedule(cfg.optim, total_steps, steps_per_epoch),
+        )
 
     def summary_extra(self, lr: float) -> dict:
         return {"clip": resolve_clip(self.cfg.clip, lr=lr, epochs=self.cfg.train.epochs)}
 
     def describe_eval(self, ev: dict, best) -> str:
-        zs = [f"{k[len('zeroshot_'):-len('_top1')]} zero-shot {100 * v:.2f}%" for k, v in ev.items()
-              if k.startswith("zeroshot_") and k.endswith("_top1")]
+        zs = [
+            f"{k[len('zeroshot_') : -len('_top1')]} zero-shot {100 * v:.2f}%"
+            for k, v in ev.items()
+            if k.startswith("zeroshot_") and k.endswith("_top1")
+        ]
         return ", ".join([super().describe_eval(ev, best)] + zs)
 
     @staticmethod
@@ -216,10 +290,15 @@ class ClipTask(Task):
         pct = lambda k: f"{100 * r[k]:.2f}%"  # noqa: E731
         parts = []
         if "test_i2t_r1" in r:
-            parts.append(f"held-out retrieval ({r['test_pairs']} pairs) image->text R@1 {pct('test_i2t_r1')} "
-                         f"R@5 {pct('test_i2t_r5')}, text->image R@1 {pct('test_t2i_r1')} R@5 {pct('test_t2i_r5')}")
-        parts += [f"{k[len('zeroshot_'):-len('_top1')]} zero-shot top-1 {pct(k)}" for k in r
-                  if k.startswith("zeroshot_") and k.endswith("_top1")]
+            parts.append(
+                f"held-out retrieval ({r['test_pairs']} pairs) image->text R@1 {pct('test_i2t_r1')} "
+                f"R@5 {pct('test_i2t_r5')}, text->image R@1 {pct('test_t2i_r1')} R@5 {pct('test_t2i_r5')}"
+            )
+        parts += [
+            f"{k[len('zeroshot_') : -len('_top1')]} zero-shot top-1 {pct(k)}"
+            for k in r
+            if k.startswith("zeroshot_") and k.endswith("_top1")
+        ]
         return "; ".join(parts) or "no held-out data"
 
     # -- training ---------------------------------------------------------------------------------
@@ -265,9 +344,11 @@ class ClipTask(Task):
         `batches`: run at least this many forwards (sharded engines need every rank in every
         forward): past the end of the shard, forwards of one sample whose outputs are dropped
         (never an empty batch: flash attention on older torch refuses a batch of 0)."""
+
         def encode(b):
             with autocast():
                 return model(prepare(b[0]), b[1] if pairs else None)
+
         img, txt, second, first, n = [], [], [], None, 0
         for n, b in enumerate(loader.iterate(), 1):  # noqa: B007 - n is read after the loop
             first = first or b
@@ -290,7 +371,9 @@ class ClipTask(Task):
         batches = max(s.gather_objects(len(data.test)))
         if batches:
             pad = batches if s.forward_is_collective else 0
-            parts = s.gather_objects(self._encode(model, data.test, s.autocast, s.prepare, pad, True))
+            parts = s.gather_objects(
+                self._encode(model, data.test, s.autocast, s.prepare, pad, True)
+            )
             parts = [p for p in parts if len(p[0])]
             img, txt = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
             width = max(p[2].shape[1] for p in parts)
@@ -310,16 +393,21 @@ class ClipTask(Task):
         tokens = tokenize(prompts, self.context_length).to(s.device)
         with s.autocast():
             _, txt, _ = model(None, tokens)
-        classes = F.normalize(txt.float().view(len(zs.class_names), len(templates), -1).mean(1), dim=-1)
+        classes = F.normalize(
+            txt.float().view(len(zs.class_names), len(templates), -1).mean(1), dim=-1
+        )
         batches = max(s.gather_objects(len(zs.loader))) if s.forward_is_collective else 0
         img, _, labels = self._encode(model, zs.loader, s.autocast, s.prepare, batches, False)
         k = min(5, len(zs.class_names))
         hits = [0, 0]
         if len(labels):  # (a rank whose shard is empty ran no forward)
-            top = (img @ classes.cpu().T).topk(k, dim=1).indices              # [n, k]
+            top = (img @ classes.cpu().T).topk(k, dim=1).indices  # [n, k]
             hit = top == labels[:, None]
             hits = [hit[:, 0].sum().item(), hit.any(1).sum().item()]
         counts = torch.tensor([*hits, len(labels)], dtype=torch.float64, device=s.device)
         c1, c5, n = s.all_reduce_sum(counts).tolist()
-        return {f"zeroshot_{name}_top1": c1 / max(1, n), f"zeroshot_{name}_top5": c5 / max(1, n),
-                f"zeroshot_{name}_count": int(n)}
+        return {
+            f"zeroshot_{name}_top1": c1 / max(1, n),
+            f"zeroshot_{name}_top5": c5 / max(1, n),
+            f"zeroshot_{name}_count": int(n),
+        }

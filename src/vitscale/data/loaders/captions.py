@@ -4,6 +4,7 @@ data.caption_template.format(class name), tokens = the class's caption tokens.
 In-memory sets become memory.py's pair loaders; folder data keeps its decoding workers and is
 viewed as pairs through `FolderPairs`. The labelled test split is also the zero-shot set.
 """
+
 from __future__ import annotations
 
 from ...errors import DataError
@@ -47,20 +48,27 @@ class FolderPairs:
                 yield inner.norm(x), self.class_tokens[y], idx
             return
         for x, (y, idx), params in inner.decoded(epoch, start_batch):
-            x, _ = inner.augment(x, y, params)   # idx: each sample's own index (a substitute's is its own)
+            x, _ = inner.augment(
+                x, y, params
+            )  # idx: each sample's own index (a substitute's is its own)
             yield x, self.class_tokens[y], idx
 
 
-def as_pairs(cfg, data: DataBundle, *, device, seed, rank, world_size, context_length) -> DataBundle:
+def as_pairs(
+    cfg, data: DataBundle, *, device, seed, rank, world_size, context_length
+) -> DataBundle:
     """The classification bundle `data` (built from cfg) as pairs (module docstring)."""
     from ..tokenizer import readable, tokenize
+
     names = [readable(str(c)) for c in data.class_names]
     try:
         captions = [cfg.caption_template.format(n) for n in names]
     except (IndexError, KeyError, ValueError) as e:
-        raise DataError(f"data.caption_template '{cfg.caption_template}' must hold one '{{}}' "
-                        f"for the class name ({e})") from None
-    class_tokens = tokenize(captions, context_length)                          # [K,L]
+        raise DataError(
+            f"data.caption_template '{cfg.caption_template}' must hold one '{{}}' "
+            f"for the class name ({e})"
+        ) from None
+    class_tokens = tokenize(captions, context_length)  # [K,L]
     templates = [cfg.caption_template] + [t for t in DEFAULT_TEMPLATES if t != cfg.caption_template]
     if isinstance(data.train, TensorTrainLoader):
         tr, te = data.train, data.test
@@ -70,14 +78,32 @@ def as_pairs(cfg, data: DataBundle, *, device, seed, rank, world_size, context_l
         captions_test = [captions[int(y)] for y in te.y.tolist()]
         data.close()
         zs = {cfg.name: (names, templates, te.x.cpu(), te.y.cpu())}
-        return memory_bundle(cfg, train_x=tr.x, train_tokens=train_tokens, test_x=te.x,
-                             test_tokens=test_tokens, captions_test=captions_test, mean=data.mean,
-                             std=data.std, zeroshot_sets=zs, device=device, seed=seed, rank=rank,
-                             world_size=world_size)
-    train, test = FolderPairs.wrap(data, class_tokens)       # folder data: decoded in workers
+        return memory_bundle(
+            cfg,
+            train_x=tr.x,
+            train_tokens=train_tokens,
+            test_x=te.x,
+            test_tokens=test_tokens,
+            captions_test=captions_test,
+            mean=data.mean,
+            std=data.std,
+            zeroshot_sets=zs,
+            device=device,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+        )
+    train, test = FolderPairs.wrap(data, class_tokens)  # folder data: decoded in workers
     labels = data.test.dataset.labels
     return DataBundle(
-        train=train, test=test, zeroshot={cfg.name: ZeroShotSet(names, templates, data.test)},
-        train_size=data.train_size, test_size=data.test_size, channels=data.channels,
-        image_size=data.image_size, mean=data.mean, std=data.std,
-        captions_test=[captions[int(y)] for y in labels])
+        train=train,
+        test=test,
+        zeroshot={cfg.name: ZeroShotSet(names, templates, data.test)},
+        train_size=data.train_size,
+        test_size=data.test_size,
+        channels=data.channels,
+        image_size=data.image_size,
+        mean=data.mean,
+        std=data.std,
+        captions_test=[captions[int(y)] for y in labels],
+    )

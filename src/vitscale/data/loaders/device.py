@@ -1,4 +1,5 @@
 """Host batches to the training device: through pinned memory when they go to a GPU."""
+
 from __future__ import annotations
 
 import torch

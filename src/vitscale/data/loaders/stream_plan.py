@@ -29,6 +29,7 @@ undecodable held-out image is dropped and counted, a sample without its caption/
 before batching and counted, a truncated or vanished shard ends that shard for this pass (one
 warning, counted); a stream none of whose shards can be read is a one-line error.
 """
+
 from __future__ import annotations
 
 import random
@@ -43,40 +44,57 @@ from ..sources.shard_sets import ShardErrors, ShardSet, set_samples
 class StreamPlan:
     """Shards -> ranks -> streams (one per decoding worker) for each epoch."""
 
-    def __init__(self, shards: ShardSet, batch_size: int, *, seed: int, rank: int, world_size: int,
-                 streams: int):
+    def __init__(
+        self,
+        shards: ShardSet,
+        batch_size: int,
+        *,
+        seed: int,
+        rank: int,
+        world_size: int,
+        streams: int,
+    ):
         self.shards, self.batch_size, self.seed = shards, batch_size, seed
         self.rank, self.world_size, self.streams = rank, world_size, max(1, streams)
         if batch_size > len(shards):
-            raise DataError(f"data.batch_size ({batch_size}) is larger than the training set "
-                            f"({len(shards)} samples): lower data.batch_size")
+            raise DataError(
+                f"data.batch_size ({batch_size}) is larger than the training set "
+                f"({len(shards)} samples): lower data.batch_size"
+            )
         self.num_batches = len(shards) // batch_size
-        self.lo, self.hi = shard_range(batch_size, rank, world_size)   # this rank's part of a batch
+        self.lo, self.hi = shard_range(batch_size, rank, world_size)  # this rank's part of a batch
         used = [i for i, c in enumerate(shards.counts) if c > 0]
         need = world_size * self.streams
         if len(used) < need:
-            raise DataError(f"webdataset: {len(used)} non-empty shard(s) cannot feed {world_size} process(es) "
-                            f"x {self.streams} stream(s) (data.num_workers): write more, smaller shards "
-                            f"(vitscale data prepare --shard-size) or lower data.num_workers")
+            raise DataError(
+                f"webdataset: {len(used)} non-empty shard(s) cannot feed {world_size} process(es) "
+                f"x {self.streams} stream(s) (data.num_workers): write more, smaller shards "
+                f"(vitscale data prepare --shard-size) or lower data.num_workers"
+            )
         self.used = used
 
     def __len__(self) -> int:
         return self.num_batches
 
     def stream_shards(self, epoch: int, v: int) -> list[int]:
-        order = torch.randperm(len(self.used), generator=generator("shards", self.seed, epoch)).tolist()
-        mine = [self.used[i] for i in order][self.rank::self.world_size]
-        return mine[v::self.streams]
+        order = torch.randperm(
+            len(self.used), generator=generator("shards", self.seed, epoch)
+        ).tolist()
+        mine = [self.used[i] for i in order][self.rank :: self.world_size]
+        return mine[v :: self.streams]
 
     def batches_of(self, v: int) -> int:
         """How many of the epoch's batches stream v yields."""
         return len(range(v, self.num_batches, self.streams))
 
 
-def stream_samples(plan: StreamPlan, epoch: int, v: int, buffer: int, errors: ShardErrors, bad: list):
+def stream_samples(
+    plan: StreamPlan, epoch: int, v: int, buffer: int, errors: ShardErrors, bad: list
+):
     """Stream v's endless sample sequence (set_samples' tuples). Each pass over its shards goes
     through its own shuffle buffer, so the first pass holds every sample once."""
     from webdataset import shuffle
+
     shards, set_ = plan.stream_shards(epoch, v), plan.shards
 
     def one_pass(order):
@@ -84,8 +102,16 @@ def stream_samples(plan: StreamPlan, epoch: int, v: int, buffer: int, errors: Sh
             yield from set_samples(set_, s, errors, bad)
 
     for cycle in range(10**9):
-        order = shards if cycle == 0 else [shards[i] for i in torch.randperm(
-            len(shards), generator=generator("cycle", plan.seed, epoch, plan.rank, v, cycle)).tolist()]
+        order = (
+            shards
+            if cycle == 0
+            else [
+                shards[i]
+                for i in torch.randperm(
+                    len(shards), generator=generator("cycle", plan.seed, epoch, plan.rank, v, cycle)
+                ).tolist()
+            ]
+        )
         samples = one_pass(order)
         if buffer > 0:
             rng = random.Random(derive_seed("buffer", plan.seed, epoch, plan.rank, v, cycle))
@@ -95,5 +121,7 @@ def stream_samples(plan: StreamPlan, epoch: int, v: int, buffer: int, errors: Sh
             got += 1
             yield sample
         if not got:
-            raise DataError(f"webdataset: none of the {len(shards)} shard(s) of a stream could be read "
-                            f"(e.g. {set_.urls[shards[0]]}: {errors.events[-1][2] if errors.events else 'empty'})")
+            raise DataError(
+                f"webdataset: none of the {len(shards)} shard(s) of a stream could be read "
+                f"(e.g. {set_.urls[shards[0]]}: {errors.events[-1][2] if errors.events else 'empty'})"
+            )

@@ -8,6 +8,7 @@ of workers. An unreadable training image is replaced before batching by a substi
 (its position's seed, attempt), so every rank's batch stays full (the CLIP losses gather
 equal-sized batches across ranks); an unreadable evaluation image is dropped from its batch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +23,7 @@ from ..sources.shards import label_of
 from ..types import Records
 
 log = logging.getLogger("vitscale.data")
-MAX_DRAWS = 64      # substitute candidates drawn for one unreadable training sample (per pass)
+MAX_DRAWS = 64  # substitute candidates drawn for one unreadable training sample (per pass)
 
 
 class Batch(list):
@@ -61,8 +62,8 @@ class FillsBatches:
                 bad = items[j]
                 try:
                     items[j] = self.substitute(int(i), sample_seed, avoid)
-                except DataError as e:      # raised by the loader in the main process: one line,
-                    items.failures.append((None, str(e)))   # not a worker's traceback
+                except DataError as e:  # raised by the loader in the main process: one line,
+                    items.failures.append((None, str(e)))  # not a worker's traceback
                     continue
                 items.failures.append((bad[3], bad[4]))
                 avoid.add(int(items[j][2]))
@@ -70,7 +71,7 @@ class FillsBatches:
 
     def substitute(self, i: int, sample_seed: int, avoid: set):
         n, tried = len(self), {i}
-        for outside in (True, False):          # outside the local batch first
+        for outside in (True, False):  # outside the local batch first
             for a in range(MAX_DRAWS):
                 c = derive_seed("substitute", sample_seed, a) % n
                 if c in tried or (outside and c in avoid):
@@ -80,15 +81,20 @@ class FillsBatches:
                 if item[0] is not None:
                     return item
                 log.debug("substitute candidate %s is unreadable too (%s)", item[3], item[4])
-        raise DataError(f"data: no readable substitute for unreadable sample {i} among {len(tried) - 1} "
-                        f"candidate(s): is most of the training data unreadable?")
+        raise DataError(
+            f"data: no readable substitute for unreadable sample {i} among {len(tried) - 1} "
+            f"candidate(s): is most of the training data unreadable?"
+        )
 
 
 class FolderDataset(FillsBatches, torch.utils.data.Dataset):
     """Keys are (file index, sample seed); items are (image or None, label, index, path, error)."""
+
     pairs = False
 
-    def __init__(self, paths: np.ndarray, labels: np.ndarray, size: int, hflip: bool, decoder: str = "auto"):
+    def __init__(
+        self, paths: np.ndarray, labels: np.ndarray, size: int, hflip: bool, decoder: str = "auto"
+    ):
         self.paths, self.labels, self.size, self.hflip = paths, labels, size, hflip
         self.decoder = resolve_decoder(decoder)
 
@@ -105,8 +111,13 @@ class FolderDataset(FillsBatches, torch.utils.data.Dataset):
         name = str(self.paths[i])
         try:
             src, name = self.source(i)
-            return (decode(src, self.size, sample_seed, self.hflip, self.decoder), int(self.labels[i]),
-                    int(i), name, "")
+            return (
+                decode(src, self.size, sample_seed, self.hflip, self.decoder),
+                int(self.labels[i]),
+                int(i),
+                name,
+                "",
+            )
         except Exception as e:  # unreadable, truncated, not an image, decompression bomb ...
             return None, int(self.labels[i]), int(i), name, f"{type(e).__name__}: {e}"
 
@@ -127,7 +138,10 @@ class ShardImages(FolderDataset):
     FolderDataset's (image, label, index, name, error)."""
 
     def __init__(self, rec: Records, size: int, hflip: bool, decoder: str):
-        labels = [label_of(t, str(p), str(k)) for t, p, k in zip(rec.captions.tolist(), rec.paths, rec.keys)]
+        labels = [
+            label_of(t, str(p), str(k))
+            for t, p, k in zip(rec.captions.tolist(), rec.paths, rec.keys)
+        ]
         super().__init__(rec.paths, np.array(labels, dtype=np.int64), size, hflip, decoder)
         self.rec = rec
 
@@ -138,9 +152,12 @@ class ShardImages(FolderDataset):
 class PairDataset(FillsBatches, torch.utils.data.Dataset):
     """Keys (index, sample seed) -> (image uint8 [3,S,S] or None, tokens [L], index, source, error);
     a local batch of training keys comes back full (FillsBatches)."""
+
     pairs = True
 
-    def __init__(self, rec: Records, size: int, hflip: bool, context_length: int, decoder: str = "auto"):
+    def __init__(
+        self, rec: Records, size: int, hflip: bool, context_length: int, decoder: str = "auto"
+    ):
         self.rec, self.size, self.hflip, self.context_length = rec, size, hflip, context_length
         self.decoder = resolve_decoder(decoder)
 
@@ -152,6 +169,7 @@ class PairDataset(FillsBatches, torch.utils.data.Dataset):
 
     def __getitem__(self, key):
         from ..tokenizer import get_tokenizer
+
         i, sample_seed = key
         tokens = get_tokenizer()(str(self.rec.captions[i]), self.context_length)[0]
         try:
@@ -159,7 +177,13 @@ class PairDataset(FillsBatches, torch.utils.data.Dataset):
         except OSError as e:
             return None, tokens, i, str(self.rec.paths[i]), f"{type(e).__name__}: {e}"
         try:
-            return decode(src, self.size, sample_seed, self.hflip, decoder=self.decoder), tokens, i, name, ""
+            return (
+                decode(src, self.size, sample_seed, self.hflip, decoder=self.decoder),
+                tokens,
+                i,
+                name,
+                "",
+            )
         except Exception as e:  # noqa: BLE001 - unreadable, truncated, not an image ...
             return None, tokens, i, name, f"{type(e).__name__}: {e}"
 
@@ -168,10 +192,18 @@ def collate(items, size: int, pairs: bool):
     """-> x uint8 [b,3,S,S], tokens [b,L] (pairs) or labels [b], index [b], kept positions [b],
     failures: unreadable samples (image None) are dropped, a whole batch of them included."""
     keep = [j for j, it in enumerate(items) if it[0] is not None]
-    x = torch.stack([items[j][0] for j in keep]) if keep else torch.empty(0, 3, size, size, dtype=torch.uint8)
+    x = (
+        torch.stack([items[j][0] for j in keep])
+        if keep
+        else torch.empty(0, 3, size, size, dtype=torch.uint8)
+    )
     if pairs:
         L = items[0][1].shape[0] if items else 1
-        second = torch.stack([items[j][1] for j in keep]) if keep else torch.empty(0, L, dtype=torch.long)
+        second = (
+            torch.stack([items[j][1] for j in keep])
+            if keep
+            else torch.empty(0, L, dtype=torch.long)
+        )
     else:
         second = torch.tensor([items[j][1] for j in keep], dtype=torch.long)
     index = torch.tensor([items[j][2] for j in keep], dtype=torch.long)

@@ -10,6 +10,7 @@ Batches follow `EpochPlan` (sampler.py); each image's random crop comes from a s
 unreadable training images are counted in `loader.skipped`; normalization and mixing happen on
 the device.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,12 +45,14 @@ class _Batches:
 
 def train_keys(plan: EpochPlan, seed: int):
     """keys_for(epoch, start) -> this rank's batches of (file index, per-image seed)."""
+
     def keys_for(epoch: int, start: int):
         for b in range(start, len(plan)):
             g_idx = plan.global_batch(epoch, b).tolist()
             lo, hi = plan.local_range(len(g_idx))
-            pos = b * plan.batch_size                                       # position in the epoch
+            pos = b * plan.batch_size  # position in the epoch
             yield [(g_idx[j], derive_seed("img", seed, epoch, pos + j)) for j in range(lo, hi)]
+
     return keys_for
 
 
@@ -57,6 +60,7 @@ def eval_keys(lo: int, hi: int, batch_size: int):
     def keys_for(epoch: int, start: int):
         for s in range(lo + start * batch_size, hi, batch_size):
             yield [(i, -1) for i in range(s, min(s + batch_size, hi))]
+
     return keys_for
 
 
@@ -72,11 +76,15 @@ def leave_stop_signals_to_the_trainer(_worker_id: int = 0) -> None:
 
 def _dataloader(dataset, batches, cfg, device):
     workers = cfg.num_workers
-    return torch.utils.data.DataLoader(dataset, batch_sampler=batches, num_workers=workers,
-                                       worker_init_fn=leave_stop_signals_to_the_trainer if workers else None,
-                                       collate_fn=functools.partial(collate, size=dataset.size, pairs=dataset.pairs),
-                                       pin_memory=pin_batches(device.type, cfg.pin_memory, on_device=False),
-                                       persistent_workers=workers > 0)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=batches,
+        num_workers=workers,
+        worker_init_fn=leave_stop_signals_to_the_trainer if workers else None,
+        collate_fn=functools.partial(collate, size=dataset.size, pairs=dataset.pairs),
+        pin_memory=pin_batches(device.type, cfg.pin_memory, on_device=False),
+        persistent_workers=workers > 0,
+    )
 
 
 class _FolderLoader:
@@ -94,10 +102,12 @@ class _FolderLoader:
         self._sampler.epoch, self._sampler.start = epoch, start
         for b, (*tensors, keep, failures) in enumerate(self._loader, start):
             for path, err in failures:
-                if path is None:                     # no substitute (FillsBatches)
+                if path is None:  # no substitute (FillsBatches)
                     raise DataError(err)
                 self.skipped += 1
-                log.warning("skipped unreadable image %s (%s); %d skipped so far", path, err, self.skipped)
+                log.warning(
+                    "skipped unreadable image %s (%s); %d skipped so far", path, err, self.skipped
+                )
             yield (b, *(t.to(self.device, non_blocking=True) for t in tensors), keep)
 
     def worker_processes(self) -> list:

@@ -1,5 +1,6 @@
 """Fetching the official archives of the built-in sets (md5-checked, atomic, safe extract) into
 the folders home.py names."""
+
 from __future__ import annotations
 
 import hashlib
@@ -23,20 +24,33 @@ FMNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
 # (as in torchvision); Debian's copies hold the same deflate streams with the gzip header's file
 # name and mtime stripped (checked byte for byte), so their md5s are accepted as present too.
 SOURCES = {
-    "cifar10": (FOLDERS["cifar10"],
-                [(CIFAR_URL + "cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a")], True),
-    "cifar100": (FOLDERS["cifar100"],
-                 [(CIFAR_URL + "cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85")], True),
-    "fashion_mnist": (FOLDERS["fashion_mnist"], [
-        (FMNIST_URL + "train-images-idx3-ubyte.gz", "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
-        (FMNIST_URL + "train-labels-idx1-ubyte.gz", "25c81989df183df01b3e8a0aad5dffbe"),
-        (FMNIST_URL + "t10k-images-idx3-ubyte.gz", "bef4ecab320f06d8554ea6380940ec79"),
-        (FMNIST_URL + "t10k-labels-idx1-ubyte.gz", "bb300cfdad3c16e7a12a480ee83cd310")], False),
+    "cifar10": (
+        FOLDERS["cifar10"],
+        [(CIFAR_URL + "cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a")],
+        True,
+    ),
+    "cifar100": (
+        FOLDERS["cifar100"],
+        [(CIFAR_URL + "cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85")],
+        True,
+    ),
+    "fashion_mnist": (
+        FOLDERS["fashion_mnist"],
+        [
+            (FMNIST_URL + "train-images-idx3-ubyte.gz", "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
+            (FMNIST_URL + "train-labels-idx1-ubyte.gz", "25c81989df183df01b3e8a0aad5dffbe"),
+            (FMNIST_URL + "t10k-images-idx3-ubyte.gz", "bef4ecab320f06d8554ea6380940ec79"),
+            (FMNIST_URL + "t10k-labels-idx1-ubyte.gz", "bb300cfdad3c16e7a12a480ee83cd310"),
+        ],
+        False,
+    ),
 }
-DEBIAN_MD5 = {"train-images-idx3-ubyte.gz": "cf8536b0aa1a6ac5fa3f23001093305c",
-              "train-labels-idx1-ubyte.gz": "10bea18fdb374794d4bb42e356e600c9",
-              "t10k-images-idx3-ubyte.gz": "f78720b4224f21cce2f2ccf2d7a94c9a",
-              "t10k-labels-idx1-ubyte.gz": "0d30e22e447f3c33dab9ed536400ac01"}
+DEBIAN_MD5 = {
+    "train-images-idx3-ubyte.gz": "cf8536b0aa1a6ac5fa3f23001093305c",
+    "train-labels-idx1-ubyte.gz": "10bea18fdb374794d4bb42e356e600c9",
+    "t10k-images-idx3-ubyte.gz": "f78720b4224f21cce2f2ccf2d7a94c9a",
+    "t10k-labels-idx1-ubyte.gz": "0d30e22e447f3c33dab9ed536400ac01",
+}
 # the file whose presence marks an extracted archive as complete
 MARKER = {"cifar10": "batches.meta", "cifar100": "meta"}
 
@@ -63,20 +77,31 @@ def _progress(label: str, total: int, enabled: bool):
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True)) as bar:
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    ) as bar:
         task = bar.add_task(label, total=total or None)
         yield lambda n: bar.advance(task, n)
 
 
-def fetch_url(url: str, dest: Path, md5: str, *, progress: bool = True, timeout: float = 60) -> Path:
+def fetch_url(
+    url: str, dest: Path, md5: str, *, progress: bool = True, timeout: float = 60
+) -> Path:
     """Download `url` to `dest` via a temp file; check md5; rename into place."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
     h = hashlib.md5()
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r, open(tmp, "wb") as f:
-            with _progress(dest.name, int(r.headers.get("Content-Length") or 0), progress) as advance:
+            with _progress(
+                dest.name, int(r.headers.get("Content-Length") or 0), progress
+            ) as advance:
                 while chunk := r.read(1 << 20):
                     f.write(chunk)
                     h.update(chunk)
@@ -85,13 +110,15 @@ def fetch_url(url: str, dest: Path, md5: str, *, progress: bool = True, timeout:
         tmp.unlink(missing_ok=True)
         reason = getattr(e, "reason", None) or e
         raise DataError(f"download of {url} failed: {reason}") from None
-    except BaseException:                 # Ctrl-C: leave no partial file behind
+    except BaseException:  # Ctrl-C: leave no partial file behind
         tmp.unlink(missing_ok=True)
         raise
     if h.hexdigest() != md5:
         tmp.unlink(missing_ok=True)
-        raise DataError(f"download of {url}: md5 {h.hexdigest()} != expected {md5} "
-                        "(the file was removed; try again)")
+        raise DataError(
+            f"download of {url}: md5 {h.hexdigest()} != expected {md5} "
+            "(the file was removed; try again)"
+        )
     os.replace(tmp, dest)
     return dest
 

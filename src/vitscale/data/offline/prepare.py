@@ -33,6 +33,7 @@ arguments (or a changed source list) into the same DIR is refused.
 
 Needs no torch (PIL, numpy, webdataset's TarWriter, rich for the progress bar).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,7 +54,7 @@ log = logging.getLogger("vitscale.data")
 FORMAT, VERSION = "vitscale-shards", 1
 STATE, MANIFEST = "prepare.json", "manifest.json"
 CSV_SUFFIXES = (".csv", ".tsv")
-CHECK_CHUNK = 256          # images per task of the check pass
+CHECK_CHUNK = 256  # images per task of the check pass
 
 
 # ---------------------------------------------------------------- listing the source
@@ -61,33 +62,53 @@ CHECK_CHUNK = 256          # images per task of the check pass
 class Source:
     kind: str
     classes: list | None
-    splits: dict             # split -> [(file, source as written, label | caption)] in source order
+    splits: dict  # split -> [(file, source as written, label | caption)] in source order
     no_caption: int
-    arguments: dict          # what the output depends on (refusal of a different rerun)
+    arguments: dict  # what the output depends on (refusal of a different rerun)
 
 
-def list_source(src: str, *, size, quality, shard_size, seed, image_key, caption_key,
-                val_fraction) -> Source:
+def list_source(
+    src: str, *, size, quality, shard_size, seed, image_key, caption_key, val_fraction
+) -> Source:
     p = Path(src).expanduser()
     if not p.exists():
-        raise DataError(f"prepare: {src} not found (expected an image folder ROOT/train/<class>/*.jpg "
-                        f"or a .csv/.tsv file)")
-    args = {"source": str(p.resolve()), "size": size, "quality": quality, "shard_size": shard_size,
-            "seed": seed}
+        raise DataError(
+            f"prepare: {src} not found (expected an image folder ROOT/train/<class>/*.jpg "
+            f"or a .csv/.tsv file)"
+        )
+    args = {
+        "source": str(p.resolve()),
+        "size": size,
+        "quality": quality,
+        "shard_size": shard_size,
+        "seed": seed,
+    }
     if p.is_dir():
         from ..sources.folder import scan
+
         classes, (tr_p, tr_y), (ev_p, ev_y) = scan(p)
         root = str(p)
 
         def rows(paths, labels):
-            return [(f, Path(os.path.relpath(f, root)).as_posix(), int(y))
-                    for f, y in zip(paths.tolist(), labels.tolist())]
-        return Source("classification", classes, {"train": rows(tr_p, tr_y), "val": rows(ev_p, ev_y)},
-                      0, {"kind": "classification", **args})
+            return [
+                (f, Path(os.path.relpath(f, root)).as_posix(), int(y))
+                for f, y in zip(paths.tolist(), labels.tolist())
+            ]
+
+        return Source(
+            "classification",
+            classes,
+            {"train": rows(tr_p, tr_y), "val": rows(ev_p, ev_y)},
+            0,
+            {"kind": "classification", **args},
+        )
     if p.suffix.lower() not in CSV_SUFFIXES:
-        raise DataError(f"prepare: {src} is neither a folder (ROOT/train/<class>/...) nor a .csv/.tsv file")
+        raise DataError(
+            f"prepare: {src} is neither a folder (ROOT/train/<class>/...) nor a .csv/.tsv file"
+        )
     from ..sources.csv import read_csv
     from ..sources.held_out import held_out
+
     rec = read_csv(str(p), image_key, caption_key)
     splits, no_caption = {"train": [], "val": []}, 0
     for path, key, caption in zip(rec.paths.tolist(), rec.keys.tolist(), rec.captions.tolist()):
@@ -97,9 +118,19 @@ def list_source(src: str, *, size, quality, shard_size, seed, image_key, caption
         splits["val" if held_out(key, val_fraction) else "train"].append((path, key, caption))
     if no_caption:
         log.warning("prepare: skipped %d CSV row(s) with an empty caption", no_caption)
-    return Source("pairs", None, splits, no_caption,
-                  {"kind": "pairs", **args, "image_key": image_key, "caption_key": caption_key,
-                   "val_fraction": val_fraction})
+    return Source(
+        "pairs",
+        None,
+        splits,
+        no_caption,
+        {
+            "kind": "pairs",
+            **args,
+            "image_key": image_key,
+            "caption_key": caption_key,
+            "val_fraction": val_fraction,
+        },
+    )
 
 
 def fingerprint(splits: dict) -> str:
@@ -132,24 +163,38 @@ def open_out(out: Path, arguments: dict, sources: str, count: int) -> dict:
         try:
             state = json.loads(state_path.read_text(encoding="utf-8"))
         except ValueError as e:
-            raise DataError(f"prepare: {state_path} is unreadable ({e}); use another --out or delete it") from None
+            raise DataError(
+                f"prepare: {state_path} is unreadable ({e}); use another --out or delete it"
+            ) from None
         old = state.get("arguments", {})
         if old != arguments:
-            diff = ", ".join(f"{k} {old.get(k)!r} then, {arguments.get(k)!r} now"
-                             for k in sorted(set(old) | set(arguments)) if old.get(k) != arguments.get(k))
-            raise DataError(f"prepare: {out} was started with other arguments ({diff}); rerun with the "
-                            f"same ones to resume, or use another --out")
+            diff = ", ".join(
+                f"{k} {old.get(k)!r} then, {arguments.get(k)!r} now"
+                for k in sorted(set(old) | set(arguments))
+                if old.get(k) != arguments.get(k)
+            )
+            raise DataError(
+                f"prepare: {out} was started with other arguments ({diff}); rerun with the "
+                f"same ones to resume, or use another --out"
+            )
         if state.get("sources") != sources:
-            raise DataError(f"prepare: the source changed since {out} was started ({state.get('count')} "
-                            f"samples listed then, {count} now); use another --out")
+            raise DataError(
+                f"prepare: the source changed since {out} was started ({state.get('count')} "
+                f"samples listed then, {count} now); use another --out"
+            )
         return state
     if out.exists() and not out.is_dir():
         raise DataError(f"prepare: --out {out} exists and is not a folder")
     if out.is_dir() and ((out / MANIFEST).exists() or any(out.glob("*.tar"))):
         raise DataError(f"prepare: {out} already holds shards without {STATE}; use another --out")
     out.mkdir(parents=True, exist_ok=True)
-    state = {"format": f"{FORMAT}-prepare", "version": VERSION, "arguments": arguments,
-             "sources": sources, "count": count}
+    state = {
+        "format": f"{FORMAT}-prepare",
+        "version": VERSION,
+        "arguments": arguments,
+        "sources": sources,
+        "count": count,
+    }
     _write_json(state_path, state)
     return state
 
@@ -159,10 +204,10 @@ def open_out(out: Path, arguments: dict, sources: str, count: int) -> dict:
 class Prepared:
     manifest: dict
     out: Path
-    written: list            # shard names written by this run
-    reused: int              # shards already complete from an earlier run
-    images: int              # images decoded by this run (check pass not counted)
-    bytes: int               # all shards
+    written: list  # shard names written by this run
+    reused: int  # shards already complete from an earlier run
+    images: int  # images decoded by this run (check pass not counted)
+    bytes: int  # all shards
     seconds: float
 
     def summary(self) -> str:
@@ -172,9 +217,11 @@ class Prepared:
         parts = ", ".join(f"{k} {v['samples']}" for k, v in splits.items())
         sk = self.manifest["skipped"]
         rate = self.images / self.seconds if self.seconds > 0 else 0.0
-        return (f"{n} samples ({parts}) in {shards} shards in {self.out}; skipped {sk['unreadable']} "
-                f"unreadable, {sk['no_caption']} without caption; {self.bytes / 1e6:.1f} MB; "
-                f"{len(self.written)} shards written, {self.reused} kept; {self.seconds:.1f} s, {rate:.0f} images/s")
+        return (
+            f"{n} samples ({parts}) in {shards} shards in {self.out}; skipped {sk['unreadable']} "
+            f"unreadable, {sk['no_caption']} without caption; {self.bytes / 1e6:.1f} MB; "
+            f"{len(self.written)} shards written, {self.reused} kept; {self.seconds:.1f} s, {rate:.0f} images/s"
+        )
 
 
 def _validate(size, quality, shard_size, workers, val_fraction):
@@ -195,18 +242,35 @@ def _say(progress: bool, msg: str) -> None:
         print(f"vitscale: {msg}", file=sys.stderr)
 
 
-def _check_pass(source: Source, state: dict, out: Path, workers: int, count: int, shard_size: int,
-                progress: bool, held: list) -> None:
+def _check_pass(
+    source: Source,
+    state: dict,
+    out: Path,
+    workers: int,
+    count: int,
+    shard_size: int,
+    progress: bool,
+    held: list,
+) -> None:
     """The check pass, once per DIR: finds the unreadable images (kept in prepare.json). The pool
     it starts goes into `held` (prepare_shards closes it, also on an error)."""
     if "unreadable" in state:
         return
-    flat = [(split, j, row[0]) for split in ("train", "val") for j, row in enumerate(source.splits[split])]
-    chunks = [flat[k:k + CHECK_CHUNK] for k in range(0, len(flat), CHECK_CHUNK)]
+    flat = [
+        (split, j, row[0])
+        for split in ("train", "val")
+        for j, row in enumerate(source.splits[split])
+    ]
+    chunks = [flat[k : k + CHECK_CHUNK] for k in range(0, len(flat), CHECK_CHUNK)]
     runner = Runner(min(workers, max(len(chunks), -(-count // shard_size))), progress)
     held.append(runner)
-    found = ordered(runner, check_chunk, [[f for _, _, f in c] for c in chunks],
-                    [len(c) for c in chunks], "checking")
+    found = ordered(
+        runner,
+        check_chunk,
+        [[f for _, _, f in c] for c in chunks],
+        [len(c) for c in chunks],
+        "checking",
+    )
     bad = [(chunk[j][0], chunk[j][1], err) for chunk, errs in zip(chunks, found) for j, err in errs]
     state["unreadable"] = [[split, source.splits[split][j][1], err] for split, j, err in bad]
     _write_json(out / STATE, state)
@@ -216,27 +280,45 @@ def _check_pass(source: Source, state: dict, out: Path, workers: int, count: int
         log.warning("prepare: %d unreadable images in all (listed in %s)", len(bad), out / STATE)
 
 
-def _shard_tasks(src, source: Source, state: dict, out: Path, *, size: int, quality: int, shard_size: int,
-                 seed: int):
+def _shard_tasks(
+    src,
+    source: Source,
+    state: dict,
+    out: Path,
+    *,
+    size: int,
+    quality: int,
+    shard_size: int,
+    seed: int,
+):
     """-> (one ShardTask per shard, the manifest's splits, unreadable samples left out)."""
     skip = {(split, name) for split, name, _ in state["unreadable"]}
     tasks, splits, unreadable = [], {}, 0
     for split in ("train", "val"):
         rows = source.splits[split]
-        if split == "train":                   # shuffle first: a folder is sorted by class
+        if split == "train":  # shuffle first: a folder is sorted by class
             rows = [rows[j] for j in np.random.default_rng(seed).permutation(len(rows)).tolist()]
         kept = [r for r in rows if (split, r[1]) not in skip]
         unreadable += len(rows) - len(kept)
         if not kept:
             if split == "train":
                 raise DataError(f"prepare: no readable training samples in {src}")
-            continue                           # no val samples: "val" is absent from the manifest
+            continue  # no val samples: "val" is absent from the manifest
         names, counts = [], []
         for j, start in enumerate(range(0, len(kept), shard_size)):
             names.append(f"{split}-{j:06d}.tar")
-            counts.append(len(kept[start:start + shard_size]))
-            tasks.append(ShardTask(str(out), names[-1], start, kept[start:start + shard_size],
-                                   source.kind, size, quality))
+            counts.append(len(kept[start : start + shard_size]))
+            tasks.append(
+                ShardTask(
+                    str(out),
+                    names[-1],
+                    start,
+                    kept[start : start + shard_size],
+                    source.kind,
+                    size,
+                    quality,
+                )
+            )
         splits[split] = {"shards": names, "counts": counts, "samples": len(kept)}
     return tasks, splits, unreadable
 
@@ -247,48 +329,88 @@ def _write_shards(tasks: list, out: Path, workers: int, progress: bool, held: li
     todo = [t for t in tasks if not (out / t.name).is_file()]
     reused = len(tasks) - len(todo)
     if reused:
-        _say(progress, f"prepare: {reused} of {len(tasks)} shards already done in {out}, "
-                       f"{f'writing the other {len(todo)}' if todo else 'nothing to write'}")
+        _say(
+            progress,
+            f"prepare: {reused} of {len(tasks)} shards already done in {out}, "
+            f"{f'writing the other {len(todo)}' if todo else 'nothing to write'}",
+        )
     written, images = [], 0
     if todo:
         if not held:
             held.append(Runner(min(workers, len(todo)), progress))
-        for name, n, _ in held[0].map(write_shard, todo, [len(t.samples) for t in todo], "writing shards"):
+        for name, n, _ in held[0].map(
+            write_shard, todo, [len(t.samples) for t in todo], "writing shards"
+        ):
             written.append(name)
             images += n
     return written, images, reused
 
 
-def _manifest(src, source: Source, splits: dict, unreadable: int, *, size: int, quality: int, seed: int,
-              shard_size: int) -> dict:
+def _manifest(
+    src,
+    source: Source,
+    splits: dict,
+    unreadable: int,
+    *,
+    size: int,
+    quality: int,
+    seed: int,
+    shard_size: int,
+) -> dict:
     manifest = {"format": FORMAT, "version": VERSION, "kind": source.kind}
     if source.classes is not None:
         manifest["classes"] = list(source.classes)
-    manifest.update({"image": {"short_side": size, "quality": quality}, "source": str(src), "seed": seed,
-                     "shard_size": shard_size,
-                     "skipped": {"unreadable": unreadable, "no_caption": source.no_caption},
-                     "splits": splits})
+    manifest.update(
+        {
+            "image": {"short_side": size, "quality": quality},
+            "source": str(src),
+            "seed": seed,
+            "shard_size": shard_size,
+            "skipped": {"unreadable": unreadable, "no_caption": source.no_caption},
+            "splits": splits,
+        }
+    )
     return manifest
 
 
-def prepare_shards(src, out, *, size: int = 256, quality: int = 90, shard_size: int = 1000,
-                   workers: int | None = None, seed: int = 0, image_key: str = "filepath",
-                   caption_key: str = "title", val_fraction: float = 0.1, progress: bool = True) -> Prepared:
+def prepare_shards(
+    src,
+    out,
+    *,
+    size: int = 256,
+    quality: int = 90,
+    shard_size: int = 1000,
+    workers: int | None = None,
+    seed: int = 0,
+    image_key: str = "filepath",
+    caption_key: str = "title",
+    val_fraction: float = 0.1,
+    progress: bool = True,
+) -> Prepared:
     """`prepare` with the run's statistics (the CLI prints `.summary()`)."""
     t0 = time.perf_counter()
     _validate(size, quality, shard_size, workers, val_fraction)
-    source = list_source(str(src), size=size, quality=quality, shard_size=shard_size, seed=seed,
-                         image_key=image_key, caption_key=caption_key, val_fraction=val_fraction)
+    source = list_source(
+        str(src),
+        size=size,
+        quality=quality,
+        shard_size=shard_size,
+        seed=seed,
+        image_key=image_key,
+        caption_key=caption_key,
+        val_fraction=val_fraction,
+    )
     count = sum(len(v) for v in source.splits.values())
     out = Path(out).expanduser()
     state = open_out(out, source.arguments, fingerprint(source.splits), count)
     _remove_temporaries(out)
     workers = workers or os.cpu_count() or 1
-    held: list = []            # the process pool, once started
+    held: list = []  # the process pool, once started
     try:
         _check_pass(source, state, out, workers, count, shard_size, progress, held)
-        tasks, splits, unreadable = _shard_tasks(src, source, state, out, size=size, quality=quality,
-                                                 shard_size=shard_size, seed=seed)
+        tasks, splits, unreadable = _shard_tasks(
+            src, source, state, out, size=size, quality=quality, shard_size=shard_size, seed=seed
+        )
         written, images, reused = _write_shards(tasks, out, workers, progress, held)
         if held:
             held[0].close()
@@ -297,18 +419,47 @@ def prepare_shards(src, out, *, size: int = 256, quality: int = 90, shard_size: 
             held[0].close(abort=True)
         _remove_temporaries(out)
         raise
-    manifest = _manifest(src, source, splits, unreadable, size=size, quality=quality, seed=seed,
-                         shard_size=shard_size)
+    manifest = _manifest(
+        src,
+        source,
+        splits,
+        unreadable,
+        size=size,
+        quality=quality,
+        seed=seed,
+        shard_size=shard_size,
+    )
     _write_json(out / MANIFEST, manifest)
     total = sum((out / n).stat().st_size for s in splits.values() for n in s["shards"])
     return Prepared(manifest, out, sorted(written), reused, images, total, time.perf_counter() - t0)
 
 
-def prepare(src, out, *, size: int = 256, quality: int = 90, shard_size: int = 1000, workers: int | None = None,
-            seed: int = 0, image_key: str = "filepath", caption_key: str = "title", val_fraction: float = 0.1,
-            progress: bool = True) -> dict:
+def prepare(
+    src,
+    out,
+    *,
+    size: int = 256,
+    quality: int = 90,
+    shard_size: int = 1000,
+    workers: int | None = None,
+    seed: int = 0,
+    image_key: str = "filepath",
+    caption_key: str = "title",
+    val_fraction: float = 0.1,
+    progress: bool = True,
+) -> dict:
     """SRC (ImageNet-style folder, or .csv/.tsv of image paths and captions) -> shards in OUT.
     Returns the manifest (also written to OUT/manifest.json). See the module docstring."""
-    return prepare_shards(src, out, size=size, quality=quality, shard_size=shard_size, workers=workers,
-                          seed=seed, image_key=image_key, caption_key=caption_key, val_fraction=val_fraction,
-                          progress=progress).manifest
+    return prepare_shards(
+        src,
+        out,
+        size=size,
+        quality=quality,
+        shard_size=shard_size,
+        workers=workers,
+        seed=seed,
+        image_key=image_key,
+        caption_key=caption_key,
+        val_fraction=val_fraction,
+        progress=progress,
+    ).manifest

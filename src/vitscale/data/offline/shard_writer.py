@@ -1,6 +1,7 @@
 """The worker side of `vitscale data prepare`: image work (check, resize, encode) and shard writing
 in a process pool, with a progress bar of images. prepare.py decides what goes where.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,8 @@ from PIL import Image
 
 from ...errors import DataError
 
-TMP = ".tmp"               # a shard is written under NAME.tar.tmp and renamed when complete
-TAR_MTIME = 0              # fixed tar metadata: shard bytes do not depend on when they were written
+TMP = ".tmp"  # a shard is written under NAME.tar.tmp and renamed when complete
+TAR_MTIME = 0  # fixed tar metadata: shard bytes do not depend on when they were written
 
 
 # ---------------------------------------------------------------- image work (in the workers)
@@ -33,9 +34,12 @@ def flatten(img: Image.Image) -> Image.Image:
     img2dataset does: a JPEG has no alpha, and dropping it leaves whatever colour the transparent
     pixels hold (black, for most of OpenClipArt's drawings)."""
     from ..jpeg import to_rgb
+
     if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
         rgba = img.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+        return Image.alpha_composite(
+            Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba
+        ).convert("RGB")
     return to_rgb(img)
 
 
@@ -43,7 +47,7 @@ def encode(path: str, size: int, quality: int) -> bytes:
     """An image file -> JPEG bytes: RGB (transparency over white), shorter side `size` when larger
     (never upscaled)."""
     with _open(path) as img:
-        if img.format == "JPEG":             # decode at the smallest DCT scale still >= size
+        if img.format == "JPEG":  # decode at the smallest DCT scale still >= size
             img.draft("RGB", (size, size))
         img = flatten(img)
         img.load()
@@ -59,6 +63,7 @@ def encode(path: str, size: int, quality: int) -> bytes:
 def readable(path: str) -> str:
     """'' when the image decodes (JPEG at 1/8 scale, enough to read every coefficient), else why not."""
     from ..jpeg import to_rgb
+
     try:
         with _open(path) as img:
             if img.format == "JPEG":
@@ -69,7 +74,7 @@ def readable(path: str) -> str:
         return f"{type(e).__name__}: {e}"
 
 
-_report = None             # in a pool worker: the progress queue's put
+_report = None  # in a pool worker: the progress queue's put
 
 
 def _tick(n: int = 1) -> None:
@@ -79,7 +84,7 @@ def _tick(n: int = 1) -> None:
 
 def _worker_init(queue) -> None:
     global _report
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C: the parent terminates the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent terminates the pool
     _report = queue.put
 
 
@@ -96,11 +101,11 @@ def check_chunk(paths: list[str]) -> list[tuple[int, str]]:
 
 @dataclasses.dataclass
 class ShardTask:
-    out: str                 # DIR
-    name: str                # e.g. train-000003.tar
-    start: int               # index of the first sample
-    samples: list            # [(file, source as written, label int | caption str)]
-    kind: str                # classification | pairs
+    out: str  # DIR
+    name: str  # e.g. train-000003.tar
+    start: int  # index of the first sample
+    samples: list  # [(file, source as written, label int | caption str)]
+    kind: str  # classification | pairs
     size: int
     quality: int
 
@@ -108,6 +113,7 @@ class ShardTask:
 def write_shard(task: ShardTask) -> tuple[str, int, int]:
     """Write one shard via NAME.tmp + rename -> (name, samples, bytes)."""
     from webdataset import TarWriter
+
     final = os.path.join(task.out, task.name)
     tmp = final + TMP
     try:
@@ -118,15 +124,25 @@ def write_shard(task: ShardTask) -> tuple[str, int, int]:
                     try:
                         jpg = encode(path, task.size, task.quality)
                     except Exception as e:  # noqa: BLE001
-                        raise DataError(f"prepare: {source} passed the check pass but cannot be read now "
-                                        f"({type(e).__name__}: {e}): the source changed while preparing; "
-                                        f"start again into a new --out") from None
-                    field, ext, payload = (("label", "cls", str(target).encode("ascii"))
-                                           if task.kind == "classification"
-                                           else ("caption", "txt", target.encode("utf-8")))
+                        raise DataError(
+                            f"prepare: {source} passed the check pass but cannot be read now "
+                            f"({type(e).__name__}: {e}): the source changed while preparing; "
+                            f"start again into a new --out"
+                        ) from None
+                    field, ext, payload = (
+                        ("label", "cls", str(target).encode("ascii"))
+                        if task.kind == "classification"
+                        else ("caption", "txt", target.encode("utf-8"))
+                    )
                     meta = {"index": i, "source": source, field: target}
-                    sink.write({"__key__": f"{i:09d}", "jpg": jpg, ext: payload,
-                                "json": json.dumps(meta, ensure_ascii=False).encode("utf-8")})
+                    sink.write(
+                        {
+                            "__key__": f"{i:09d}",
+                            "jpg": jpg,
+                            ext: payload,
+                            "json": json.dumps(meta, ensure_ascii=False).encode("utf-8"),
+                        }
+                    )
                     _tick()
             f.flush()
             os.fsync(f.fileno())
@@ -140,7 +156,6 @@ def write_shard(task: ShardTask) -> tuple[str, int, int]:
     return task.name, len(task.samples), os.path.getsize(final)
 
 
-
 # ---------------------------------------------------------------- running tasks
 class Runner:
     """Tasks in a process pool (or in this process for workers=1) with a progress bar of images."""
@@ -149,6 +164,7 @@ class Runner:
         self.workers, self.progress, self.pool, self.queue = workers, progress, None, None
         if workers > 1:
             import multiprocessing as mp
+
             ctx = mp.get_context()
             self.queue = ctx.Queue()
             self.pool = ctx.Pool(workers, initializer=_worker_init, initargs=(self.queue,))
@@ -166,6 +182,7 @@ class Runner:
                     _report = None
                 return
             import queue as queue_mod
+
             pending, seen = [self.pool.apply_async(fn, (t,)) for t in tasks], 0
             while pending:
                 try:
@@ -179,12 +196,12 @@ class Runner:
                 still = []
                 for r in pending:
                     if r.ready():
-                        yield r.get()        # re-raises a worker's exception here
+                        yield r.get()  # re-raises a worker's exception here
                     else:
                         still.append(r)
                 pending = still
-            try:                             # ticks still in flight when the last task returned
-                while seen < sum(sizes):         # (so that none is counted in the next pass)
+            try:  # ticks still in flight when the last task returned
+                while seen < sum(sizes):  # (so that none is counted in the next pass)
                     n = self.queue.get(timeout=5)
                     advance(n)
                     seen += n
@@ -217,9 +234,16 @@ class _Bar:
             TimeElapsedColumn,
             TimeRemainingColumn,
         )
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("images"), TimeElapsedColumn(), TimeRemainingColumn(),
-                            console=Console(stderr=True))
+
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("images"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
         self.bar.start()
         task = self.bar.add_task(self.label, total=self.total)
         return lambda n: self.bar.advance(task, n)
@@ -227,7 +251,6 @@ class _Bar:
     def __exit__(self, *exc):
         if self.bar is not None:
             self.bar.stop()
-
 
 
 def ordered(runner: Runner, fn, tasks, sizes, label):

@@ -1,4 +1,5 @@
 """A CSV/TSV of (image path, caption) -> Records (paths relative to the file's folder)."""
+
 from __future__ import annotations
 
 import csv
@@ -21,8 +22,10 @@ def read_csv(path: str, image_key: str, caption_key: str) -> Records:
         cols = reader.fieldnames or []
         for key, what in ((image_key, "data.csv_image_key"), (caption_key, "data.csv_caption_key")):
             if key not in cols:
-                raise DataError(f"csv dataset {p}: no column '{key}' ({what}); columns: "
-                                f"{', '.join(cols) or 'none (empty file)'}")
+                raise DataError(
+                    f"csv dataset {p}: no column '{key}' ({what}); columns: "
+                    f"{', '.join(cols) or 'none (empty file)'}"
+                )
         rows = [(r[image_key] or "", r[caption_key] or "") for r in reader]
     if not rows:
         raise DataError(f"csv dataset {p}: no rows")

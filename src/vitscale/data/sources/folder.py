@@ -1,5 +1,6 @@
 """ImageNet-style folders: root/train/<class>/*.jpg and root/{val,validation,test}/<class>/...
 scan() lists them (paths and labels, sorted); loaders/workers.py decodes them."""
+
 from __future__ import annotations
 
 import logging
@@ -26,12 +27,16 @@ def _images_in(folder: Path) -> list[str]:
 def _split_dirs(root: Path) -> tuple[Path, Path]:
     train_dir = root / "train"
     if not train_dir.is_dir():
-        raise DataError(f"folder dataset: {train_dir} not found (expected {root}/train/<class>/*.jpg "
-                        f"and {root}/val/<class>/*.jpg)")
+        raise DataError(
+            f"folder dataset: {train_dir} not found (expected {root}/train/<class>/*.jpg "
+            f"and {root}/val/<class>/*.jpg)"
+        )
     eval_dir = next((root / s for s in EVAL_SPLITS if (root / s).is_dir()), None)
     if eval_dir is None:
-        raise DataError(f"folder dataset: no evaluation split in {root} (expected one of "
-                        f"{', '.join(EVAL_SPLITS)})")
+        raise DataError(
+            f"folder dataset: no evaluation split in {root} (expected one of "
+            f"{', '.join(EVAL_SPLITS)})"
+        )
     return train_dir, eval_dir
 
 
@@ -45,10 +50,13 @@ def _classes_in(split_dir: Path) -> dict:
         else:
             empty.append(d.name)
     if empty:
-        log.warning("skipped %d empty class folder(s) in %s: %s", len(empty), split_dir,
-                    ", ".join(empty))
+        log.warning(
+            "skipped %d empty class folder(s) in %s: %s", len(empty), split_dir, ", ".join(empty)
+        )
     if not found:
-        raise DataError(f"folder dataset: no images ({'/'.join(EXTENSIONS)}) in {split_dir}/<class>/")
+        raise DataError(
+            f"folder dataset: no images ({'/'.join(EXTENSIONS)}) in {split_dir}/<class>/"
+        )
     return found
 
 
@@ -60,8 +68,10 @@ def scan(root: Path):
     index = {c: i for i, c in enumerate(classes)}
     for name in splits[1]:
         if name not in index:
-            raise DataError(f"folder dataset: class '{name}' in {eval_dir} has no training images "
-                            f"in {train_dir}")
+            raise DataError(
+                f"folder dataset: class '{name}' in {eval_dir} has no training images "
+                f"in {train_dir}"
+            )
     out = []
     for found in splits:
         paths = [p for c in found for p in found[c]]

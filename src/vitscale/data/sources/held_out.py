@@ -1,6 +1,7 @@
 """The held-out split by key, the same on every machine: a sample is held out when crc32(key)
 falls below the fraction (CSV rows and seek-read shards: sources/csv.py, sources/shards.py; streamed
 shards: sources/shard_sets.py; OpenClipArt; `vitscale data prepare`'s val split)."""
+
 from __future__ import annotations
 
 import zlib

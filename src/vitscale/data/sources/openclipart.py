@@ -11,6 +11,7 @@ Held-out: the images whose crc32(relative path) falls below data.test_fraction. 
 classes: the top-level category folders, except "special" (CD covers, templates, gradients and
 patterns: no visual concept) and "unsorted" (no concept either), on the held-out images.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,9 +36,19 @@ ROOT = Path("/usr/share/openclipart")
 NO_ZEROSHOT = ("special", "unsorted")
 TEMPLATES = ("clip art of {}.", "a drawing of {}.", "an icon of {}.", "a cartoon of {}.")
 MAX_KEYWORDS = 8
-FORMAT = "v1"               # bump when captions or decoding change (cache key)
-MAX_PIXELS = 40_000_000     # 18 posters of 100-230 Mpixel would take minutes and GBs: skipped
-DROP_KEYWORDS = {"unsorted", "hash", "clip art", "clipart", "image", "svg", "png", "media", "public domain"}
+FORMAT = "v1"  # bump when captions or decoding change (cache key)
+MAX_PIXELS = 40_000_000  # 18 posters of 100-230 Mpixel would take minutes and GBs: skipped
+DROP_KEYWORDS = {
+    "unsorted",
+    "hash",
+    "clip art",
+    "clipart",
+    "image",
+    "svg",
+    "png",
+    "media",
+    "public domain",
+}
 
 
 def _text(s: str) -> str:
@@ -53,7 +64,7 @@ def svg_metadata(svg: str) -> tuple[str, list[str], str]:
     c = re.search(r"<dc:creator\b.*?<dc:title[^>]*>(.*?)</dc:title>", work, flags=re.S)
     if c:
         creator = _text(c.group(1))
-    work = re.sub(r"<(\w+:)?Agent\b.*?</(\w+:)?Agent>", "", work, flags=re.S)    # publisher etc.
+    work = re.sub(r"<(\w+:)?Agent\b.*?</(\w+:)?Agent>", "", work, flags=re.S)  # publisher etc.
     t = re.search(r"<dc:title[^>]*>(.*?)</dc:title>", work, flags=re.S)
     title = _text(t.group(1)) if t else ""
     keywords: list[str] = []
@@ -62,8 +73,12 @@ def svg_metadata(svg: str) -> tuple[str, list[str], str]:
         for li in re.findall(r"<rdf:li[^>]*>(.*?)</rdf:li>", s.group(1), flags=re.S):
             for kw in _text(li).split(","):
                 kw = kw.strip()
-                if kw and kw.lower() not in DROP_KEYWORDS and kw.lower() != title.lower() \
-                        and kw.lower() not in (k.lower() for k in keywords):
+                if (
+                    kw
+                    and kw.lower() not in DROP_KEYWORDS
+                    and kw.lower() != title.lower()
+                    and kw.lower() not in (k.lower() for k in keywords)
+                ):
                     keywords.append(kw)
     return title, keywords, creator
 
@@ -73,11 +88,14 @@ def name_from_file(stem: str, creator: str = "") -> str:
     words = [w for w in re.split(r"[_\-\s]+", stem) if w]
     while words and (words[-1].isdigit() or len(words[-1]) == 1):
         words.pop()
-    if creator:                       # file names are "<title>_<creator>" cut to 24 characters
+    if creator:  # file names are "<title>_<creator>" cut to 24 characters
         author = [w.lower() for w in re.split(r"[_\-\s]+", creator) if w]
         for k in range(min(len(words) - 1, len(author)), 0, -1):
             tail = [w.lower() for w in words[-k:]]
-            if all(a.startswith(t) if i == k - 1 else a == t for i, (t, a) in enumerate(zip(tail, author))):
+            if all(
+                a.startswith(t) if i == k - 1 else a == t
+                for i, (t, a) in enumerate(zip(tail, author))
+            ):
                 words = words[:-k]
                 break
     return " ".join(words)
@@ -111,7 +129,7 @@ def load_image(path: str, size: int) -> np.ndarray:
 
 
 def _one(args):
-    warnings.simplefilter("ignore", Image.DecompressionBombWarning)   # MAX_PIXELS guards us
+    warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # MAX_PIXELS guards us
     Image.MAX_IMAGE_PIXELS = None
     root, rel, size = args
     png = os.path.join(root, "png", rel)
@@ -130,8 +148,10 @@ def _one(args):
 
 def scan(root: Path) -> list[str]:
     if not (root / "png").is_dir() or not (root / "svg").is_dir():
-        raise DataError(f"OpenClipArt is not installed ({root}/png, {root}/svg): "
-                        f"apt-get install openclipart-png openclipart-svg")
+        raise DataError(
+            f"OpenClipArt is not installed ({root}/png, {root}/svg): "
+            f"apt-get install openclipart-png openclipart-svg"
+        )
     rels = sorted(str(p.relative_to(root / "png")) for p in (root / "png").rglob("*.png"))
     if not rels:
         raise DataError(f"OpenClipArt: no PNG files under {root}/png")
@@ -148,14 +168,18 @@ def _pool_context():
 def decode_all(root: Path, rels: list[str], size: int, workers: int | None = None) -> dict:
     """-> {images uint8 [N,3,S,S], captions, categories, rels, titles, keywords, skipped}."""
     jobs = [(str(root), r, size) for r in rels]
-    workers = workers if workers is not None else (min(os.cpu_count() or 1, 8) if len(jobs) > 200 else 0)
+    workers = (
+        workers if workers is not None else (min(os.cpu_count() or 1, 8) if len(jobs) > 200 else 0)
+    )
     t0, out = time.time(), []
     if workers > 1:
         with _pool_context().Pool(workers) as pool:
             for i, r in enumerate(pool.imap(_one, jobs, chunksize=16), 1):
                 out.append(r)
                 if i % 1000 == 0:
-                    log.info("OpenClipArt: decoded %d/%d images (%.0fs)", i, len(jobs), time.time() - t0)
+                    log.info(
+                        "OpenClipArt: decoded %d/%d images (%.0fs)", i, len(jobs), time.time() - t0
+                    )
     else:
         out = [_one(j) for j in jobs]
     keep = [i for i, r in enumerate(out) if r[0] is not None]
@@ -163,11 +187,16 @@ def decode_all(root: Path, rels: list[str], size: int, workers: int | None = Non
         if r[0] is None:
             log.warning("OpenClipArt: skipped unreadable image %s (%s)", rels[i], r[4])
     images = np.stack([out[i][0] for i in keep]) if keep else np.zeros((0, size, size, 3), np.uint8)
-    return {"images": torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),
-            "captions": [out[i][1] for i in keep], "rels": [rels[i] for i in keep],
-            "categories": [rels[i].split("/", 1)[0] for i in keep],
-            "titles": sum(out[i][2] for i in keep), "keywords": sum(out[i][3] for i in keep),
-            "skipped": len(out) - len(keep), "seconds": time.time() - t0}
+    return {
+        "images": torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),
+        "captions": [out[i][1] for i in keep],
+        "rels": [rels[i] for i in keep],
+        "categories": [rels[i].split("/", 1)[0] for i in keep],
+        "titles": sum(out[i][2] for i in keep),
+        "keywords": sum(out[i][3] for i in keep),
+        "skipped": len(out) - len(keep),
+        "seconds": time.time() - t0,
+    }
 
 
 def load(root: str = "", size: int = 64, *, limit: int | None = None) -> dict:
@@ -175,17 +204,21 @@ def load(root: str = "", size: int = 64, *, limit: int | None = None) -> dict:
     root_p = Path(root).expanduser() if root else ROOT
     rels = scan(root_p)
     if limit is not None:
-        small = [r for r in rels if (root_p / "png" / r).stat().st_size < 256_000]   # fast subset
+        small = [r for r in rels if (root_p / "png" / r).stat().st_size < 256_000]  # fast subset
         step = max(1, len(small) // limit)
         return decode_all(root_p, small[::step][:limit], size)
-    tag = hashlib.blake2b(("\n".join([FORMAT, str(root_p.resolve())] + rels)).encode(), digest_size=6).hexdigest()
+    tag = hashlib.blake2b(
+        ("\n".join([FORMAT, str(root_p.resolve())] + rels)).encode(), digest_size=6
+    ).hexdigest()
     cache = data_home() / f"openclipart_{size}_{tag}.pt"
     if cache.exists():
         try:
             return torch.load(cache, weights_only=True)
         except Exception as e:  # noqa: BLE001 - a corrupt cache is rebuilt
             log.warning("OpenClipArt: rebuilding unreadable cache %s (%s)", cache, e)
-    log.info("OpenClipArt: decoding %d images at %dx%d once (cache: %s)", len(rels), size, size, cache)
+    log.info(
+        "OpenClipArt: decoding %d images at %dx%d once (cache: %s)", len(rels), size, size, cache
+    )
     print(f"OpenClipArt: decoding {len(rels)} images once into {cache} ...", flush=True)
     data = decode_all(root_p, rels, size)
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -201,6 +234,7 @@ def pairs(cfg, context_length: int, *, limit=None) -> dict:
     from ..tokenizer import readable, tokenize
     from ..transforms import NORMALIZATIONS
     from .held_out import held_out
+
     data = load(cfg.root, cfg.image_size or 64, limit=limit)
     test = torch.tensor([held_out(r, cfg.test_fraction) for r in data["rels"]], dtype=torch.bool)
     tokens = tokenize(data["captions"], context_length)
@@ -214,5 +248,13 @@ def pairs(cfg, context_length: int, *, limit=None) -> dict:
     zs_y = torch.tensor([label[cats[i]] for i in zs_idx], dtype=torch.long)
     zs = {"openclipart": ([readable(c) for c in classes], list(TEMPLATES), x[zs_idx], zs_y)}
     mean, std = NORMALIZATIONS["clip"]
-    return dict(train_x=x[~test], train_tokens=tokens[~test], test_x=x[test], test_tokens=tokens[test],
-                captions_test=caps[test.numpy()].tolist(), mean=mean, std=std, zeroshot_sets=zs)
+    return dict(
+        train_x=x[~test],
+        train_tokens=tokens[~test],
+        test_x=x[test],
+        test_tokens=tokens[test],
+        captions_test=caps[test.numpy()].tolist(),
+        mean=mean,
+        std=std,
+        zeroshot_sets=zs,
+    )

@@ -9,6 +9,7 @@ count, and index = the samples of the earlier shards (sorted list) + the positio
 the index the seek reader gives (sources/shards.py). A map of keys would cost memory per sample;
 counts cost one number per shard.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -61,6 +62,7 @@ class ShardErrors:
 def shard_samples(url: str, errors: ShardErrors):
     """Raw samples of one shard ({__key__, ext: bytes}), in tar order."""
     from webdataset.tariterators import tarfile_samples
+
     yield from tarfile_samples([{"url": open_url(url)}], handler=errors)
 
 
@@ -84,20 +86,26 @@ def _count_one(url: str, want: str, fraction: float) -> dict:
 def count_samples(urls: list[str], want: str, fraction: float) -> list[dict]:
     """Per shard: {count: [training, held-out], incomplete, max_label, error}; one pass for both
     parts, cached (local files by path, size, mtime)."""
-    return [cached_json("webdataset-counts", f"{url}|{want}|{fraction}|v2" + ("" if is_remote(url) else
-                        "|" + file_tag(url)), lambda url=url: _count_one(url, want, fraction))
-            for url in urls]
+    return [
+        cached_json(
+            "webdataset-counts",
+            f"{url}|{want}|{fraction}|v2" + ("" if is_remote(url) else "|" + file_tag(url)),
+            lambda url=url: _count_one(url, want, fraction),
+        )
+        for url in urls
+    ]
 
 
 @dataclass
 class ShardSet:
     """One split as shards: URLs, samples per shard, and where each shard's indices start."""
+
     urls: list
     counts: list
-    want: str                      # "txt" (captions) or "cls" (labels)
-    fraction: float = 0.0          # held-out share, split by key (raw shard sets without test_root)
-    test: bool = False             # the held-out part (True) or the training part of the shards
-    index_from_key: bool = False   # prepared shards: index = int(KEY)
+    want: str  # "txt" (captions) or "cls" (labels)
+    fraction: float = 0.0  # held-out share, split by key (raw shard sets without test_root)
+    test: bool = False  # the held-out part (True) or the training part of the shards
+    index_from_key: bool = False  # prepared shards: index = int(KEY)
     num_classes: int = 0
     classes: list = field(default_factory=list)
 
@@ -111,14 +119,20 @@ class ShardSet:
         return held_out(key, self.fraction) == self.test
 
     def index(self, shard: int, position: int, key: str) -> int:
-        return int(key.rsplit("/", 1)[-1]) if self.index_from_key else int(self.offsets[shard]) + position
+        return (
+            int(key.rsplit("/", 1)[-1])
+            if self.index_from_key
+            else int(self.offsets[shard]) + position
+        )
 
 
 def shard_sets(cfg, want: str) -> tuple[ShardSet, ShardSet]:
     """(train, test) shard sets of data.root / data.test_root (module docstring)."""
     if not cfg.root:
-        raise DataError("data.root must name the webdataset shards (a folder, a pattern like "
-                        "/data/{00000..00009}.tar, a pipe: command or a URL)")
+        raise DataError(
+            "data.root must name the webdataset shards (a folder, a pattern like "
+            "/data/{00000..00009}.tar, a pipe: command or a URL)"
+        )
     m = read_manifest(cfg.root)
     if m is not None:
         kind = "pairs" if want == "txt" else "classification"
@@ -126,8 +140,14 @@ def shard_sets(cfg, want: str) -> tuple[ShardSet, ShardSet]:
             raise DataError(f"webdataset: {cfg.root} was prepared for {m.get('kind')}, not {kind}")
         splits = m["splits"]
         classes = list(m.get("classes", []))
-        made = lambda s: ShardSet(s["shards"], s["counts"], want, index_from_key=True,  # noqa: E731
-                                  num_classes=len(classes), classes=classes)
+        made = lambda s: ShardSet(  # noqa: E731
+            s["shards"],
+            s["counts"],
+            want,
+            index_from_key=True,
+            num_classes=len(classes),
+            classes=classes,
+        )
         train = made(splits["train"])
         if cfg.test_root:
             test = raw_set(cfg.test_root, want, 0.0, False)
@@ -138,22 +158,34 @@ def shard_sets(cfg, want: str) -> tuple[ShardSet, ShardSet]:
         return train, test
     if cfg.test_root:
         return raw_set(cfg.root, want, 0.0, False), raw_set(cfg.test_root, want, 0.0, False)
-    return raw_set(cfg.root, want, cfg.test_fraction, False), raw_set(cfg.root, want, cfg.test_fraction, True)
+    return raw_set(cfg.root, want, cfg.test_fraction, False), raw_set(
+        cfg.root, want, cfg.test_fraction, True
+    )
 
 
 def raw_set(root: str, want: str, fraction: float, test: bool) -> ShardSet:
     urls = expand(root)
     counts = count_samples(urls, want, fraction)
     for url, c in zip(urls, counts):
-        if c["error"]:     # truncated, unreadable: its readable samples are used
-            log.warning("webdataset: shard %s is damaged (%s): using the %d sample(s) before the damage",
-                        url, c["error"], c["count"][test])
+        if c["error"]:  # truncated, unreadable: its readable samples are used
+            log.warning(
+                "webdataset: shard %s is damaged (%s): using the %d sample(s) before the damage",
+                url,
+                c["error"],
+                c["count"][test],
+            )
     incomplete = sum(c["incomplete"] for c in counts)
     if incomplete:
-        log.warning("webdataset %s: %d sample(s) without an image or a %s are skipped", root, incomplete,
-                    "caption (.txt)" if want == "txt" else "label (.cls)")
+        log.warning(
+            "webdataset %s: %d sample(s) without an image or a %s are skipped",
+            root,
+            incomplete,
+            "caption (.txt)" if want == "txt" else "label (.cls)",
+        )
     top = max(c["max_label"] for c in counts)
-    return ShardSet(urls, [c["count"][test] for c in counts], want, fraction, test, num_classes=top + 1)
+    return ShardSet(
+        urls, [c["count"][test] for c in counts], want, fraction, test, num_classes=top + 1
+    )
 
 
 def set_samples(set_: ShardSet, s: int, errors: ShardErrors, bad: list):

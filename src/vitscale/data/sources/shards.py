@@ -8,6 +8,7 @@ and then reads every sample by seeking to its offset; its stable index is the po
 sorted shard list (shard offset + position in the shard), the index the streaming reader gives
 too (sources/shard_sets.py). The seek reader wants shards on a local or network file system.
 """
+
 from __future__ import annotations
 
 import glob
@@ -47,6 +48,7 @@ def expand(root: str) -> list[str]:
     """A folder, a brace pattern (local ones may also hold * ? [ globs), a pipe: command or URL
     (several with '::') -> the shard URLs, sorted: both readers number samples in this order."""
     import braceexpand
+
     out, missing = set(), []
     for part in root.split("::"):
         p = Path(part).expanduser()
@@ -63,7 +65,9 @@ def expand(root: str) -> list[str]:
                 else:
                     missing.append(name)
     if missing:
-        raise DataError(f"webdataset: {len(missing)} shard(s) of {root} not found, e.g. {missing[0]}")
+        raise DataError(
+            f"webdataset: {len(missing)} shard(s) of {root} not found, e.g. {missing[0]}"
+        )
     if not out:
         raise DataError(f"webdataset: no shards (.tar, .tar.gz, .tgz) at {root}")
     return sorted(out)
@@ -90,7 +94,9 @@ def label_of(text: str, url: str, key: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise DataError(f"webdataset: {url}: sample {key} has label '{text[:40]}', not an integer") from None
+        raise DataError(
+            f"webdataset: {url}: sample {key} has label '{text[:40]}', not an integer"
+        ) from None
 
 
 # ---------------------------------------------------------------- the seek reader's index
@@ -98,8 +104,10 @@ def shard_list(root: str, split: str = "train") -> list[str]:
     """The split's shards: a `vitscale data prepare` folder's, else expand(root); the seek
     reader needs them uncompressed."""
     if not root:
-        raise DataError("data.root must name the webdataset shards (a folder of .tar files or a "
-                        "pattern like /data/{00000..00009}.tar)")
+        raise DataError(
+            "data.root must name the webdataset shards (a folder of .tar files or a "
+            "pattern like /data/{00000..00009}.tar)"
+        )
     m = read_manifest(root)
     if m is not None:
         if split not in m["splits"]:
@@ -108,8 +116,10 @@ def shard_list(root: str, split: str = "train") -> list[str]:
     shards = expand(root)
     other = [s for s in shards if is_remote(s) or not s.endswith(".tar")]
     if other:
-        raise DataError(f"webdataset: data.reader=seek reads local uncompressed .tar shards, not {other[0]}: "
-                        f"set data.reader=stream (or auto)")
+        raise DataError(
+            f"webdataset: data.reader=seek reads local uncompressed .tar shards, not {other[0]}: "
+            f"set data.reader=stream (or auto)"
+        )
     return shards
 
 
@@ -133,8 +143,10 @@ def scan_shard(path: str, want: str = "txt") -> dict:
                 elif ext == want:
                     s[want] = tf.extractfile(m).read().decode("utf-8", "replace").strip()
     except (tarfile.TarError, OSError) as e:
-        raise DataError(f"webdataset: cannot read shard {path} ({type(e).__name__}: {e}); shards "
-                        f"must be uncompressed .tar") from None
+        raise DataError(
+            f"webdataset: cannot read shard {path} ({type(e).__name__}: {e}); shards "
+            f"must be uncompressed .tar"
+        ) from None
     out = {"keys": [], "offsets": [], "sizes": [], "captions": [], "incomplete": 0}
     for key, s in samples.items():
         if "img" not in s or not s.get(want):
@@ -165,9 +177,19 @@ def read_shards(root: str, split: str = "train", want: str = "txt") -> Records:
         sizes += idx["sizes"]
         incomplete += idx["incomplete"]
     if incomplete:
-        log.warning("webdataset %s: skipped %d sample(s) without an image or a .%s %s",
-                    root, incomplete, want, "caption" if want == "txt" else "label")
+        log.warning(
+            "webdataset %s: skipped %d sample(s) without an image or a .%s %s",
+            root,
+            incomplete,
+            want,
+            "caption" if want == "txt" else "label",
+        )
     if not keys:
         raise DataError(f"webdataset: no samples (KEY.jpg + KEY.{want}) in {root}")
-    return Records(np.array(caps), np.array(keys), np.array(paths),
-                   np.array(offs, dtype=np.int64), np.array(sizes, dtype=np.int64))
+    return Records(
+        np.array(caps),
+        np.array(keys),
+        np.array(paths),
+        np.array(offs, dtype=np.int64),
+        np.array(sizes, dtype=np.int64),
+    )

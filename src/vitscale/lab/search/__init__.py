@@ -3,6 +3,7 @@ recipe keys (docs/search.md). This module is the command: the study in its datab
 every trial trains; space.py reads the space, trials.py trains the trials and the finish (repeats,
 the pick, its one test evaluation), report.py writes the report. The protocol and the command's
 arguments: lab/commands.py."""
+
 from __future__ import annotations
 
 import hashlib
@@ -33,16 +34,23 @@ def import_optuna():
     try:
         import optuna
     except ImportError:
-        raise UserError("vitscale search needs optuna: pip install 'vitscale[search]' (or: pip install optuna)") \
-            from None
+        raise UserError(
+            "vitscale search needs optuna: pip install 'vitscale[search]' (or: pip install optuna)"
+        ) from None
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # one line per trial is ours (trials.py)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # heartbeats
     return optuna
 
 
 def run(args) -> int:
-    if args.budget_s <= 0 or args.heartbeat_s < 1 or min(args.trials, args.repeat_top, args.seeds) < 0:
-        raise UserError("search: --budget-s must be > 0, --heartbeat-s >= 1; --trials, --repeat-top, --seeds >= 0")
+    if (
+        args.budget_s <= 0
+        or args.heartbeat_s < 1
+        or min(args.trials, args.repeat_top, args.seeds) < 0
+    ):
+        raise UserError(
+            "search: --budget-s must be > 0, --heartbeat-s >= 1; --trials, --repeat-top, --seeds >= 0"
+        )
     if not 0 < args.val_fraction <= 0.5:
         raise UserError(f"search: --val-fraction must be in (0, 0.5], got {args.val_fraction}")
     optuna = import_optuna()
@@ -51,11 +59,15 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     study = open_study(optuna, args, base, space, out)
-    log(f"search {study.study_name} in {storage_url(args, out)}: {len(space)} keys, "
+    log(
+        f"search {study.study_name} in {storage_url(args, out)}: {len(space)} keys, "
         f"{args.budget_s:g}s of training per trial, scored on data.val_fraction={base.data.val_fraction} "
-        f"of the training set (the test set is not read by trials)")
+        f"of the training set (the test set is not read by trials)"
+    )
     if args.report_only:
-        fail_dead_trials(optuna, study, 3 * args.heartbeat_s)  # a killed worker's trial is not "running"
+        fail_dead_trials(
+            optuna, study, 3 * args.heartbeat_s
+        )  # a killed worker's trial is not "running"
     else:
         run_trials(optuna, study, base, space, args, out)
     final = finalize(study, base, args, out) if args.repeat_top else None
@@ -68,13 +80,24 @@ def trial_config(args):
     """The recipe as every trial trains it: quiet, the time budget, the time-fitted schedule, the
     validation split, no checkpoints but the last, an evaluation every epoch (for the pruner)."""
     cfg = lab_config(args.config, args.overrides)
-    return with_overrides(cfg, {**budget_keys(args), "data.val_fraction": cfg.data.val_fraction or args.val_fraction,
-                                "run.checkpoint_every": 2 ** 62, "run.keep_last": 1,
-                                "run.eval_every": cfg.run.eval_every or 1})
+    return with_overrides(
+        cfg,
+        {
+            **budget_keys(args),
+            "data.val_fraction": cfg.data.val_fraction or args.val_fraction,
+            "run.checkpoint_every": 2**62,
+            "run.keep_last": 1,
+            "run.eval_every": cfg.run.eval_every or 1,
+        },
+    )
 
 
 def budget_keys(args) -> dict:
-    return {"train.time_limit_s": float(args.budget_s), "optim.schedule_clock": "time", "train.epochs": BIG_EPOCHS}
+    return {
+        "train.time_limit_s": float(args.budget_s),
+        "optim.schedule_clock": "time",
+        "train.epochs": BIG_EPOCHS,
+    }
 
 
 def recipe_config(args, final):
@@ -82,8 +105,10 @@ def recipe_config(args, final):
     training set (data.val_fraction = 0: evaluation on the test set). None without a pick."""
     if not final or not final.get("pick"):
         return None
-    return with_overrides(load_config(args.config, args.overrides),
-                          {**budget_keys(args), **final["pick"]["params"], "data.val_fraction": 0.0})
+    return with_overrides(
+        load_config(args.config, args.overrides),
+        {**budget_keys(args), **final["pick"]["params"], "data.val_fraction": 0.0},
+    )
 
 
 def storage_url(args, out: Path) -> str:
@@ -97,22 +122,44 @@ def open_study(optuna, args, base, space, out: Path):
     # a killed worker's RUNNING trial: failed once its heartbeat is 3 intervals old (the reason
     # recorded), and retried once
     if hasattr(optuna.storages, "RetryHeartbeatStaleTrialCallback"):  # optuna >= 4.9
-        retry = {"heartbeat_stale_trial_callback": retry_without_reason(
-            optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))}
+        retry = {
+            "heartbeat_stale_trial_callback": retry_without_reason(
+                optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1)
+            )
+        }
     else:
-        retry = {"failed_trial_callback": retry_without_reason(optuna.storages.RetryFailedTrialCallback(max_retry=1))}
+        retry = {
+            "failed_trial_callback": retry_without_reason(
+                optuna.storages.RetryFailedTrialCallback(max_retry=1)
+            )
+        }
     for attempt in range(5):  # workers starting together race to create the tables and the study
         try:
-            storage = record_stale_reasons(optuna, optuna.storages.RDBStorage(
-                url, engine_kwargs=engine, heartbeat_interval=args.heartbeat_s, grace_period=3 * args.heartbeat_s,
-                **retry), 3 * args.heartbeat_s)
-            study = optuna.create_study(storage=storage, study_name=args.study, direction="maximize",
-                                        load_if_exists=True, sampler=sampler(optuna, args),
-                                        pruner=make_pruner(optuna, args))
+            storage = record_stale_reasons(
+                optuna,
+                optuna.storages.RDBStorage(
+                    url,
+                    engine_kwargs=engine,
+                    heartbeat_interval=args.heartbeat_s,
+                    grace_period=3 * args.heartbeat_s,
+                    **retry,
+                ),
+                3 * args.heartbeat_s,
+            )
+            study = optuna.create_study(
+                storage=storage,
+                study_name=args.study,
+                direction="maximize",
+                load_if_exists=True,
+                sampler=sampler(optuna, args),
+                pruner=make_pruner(optuna, args),
+            )
             break
         except Exception as e:  # noqa: BLE001 - sqlalchemy's errors, whichever the database raises
             if attempt == 4:
-                raise UserError(f"search: cannot open {url}: {str(e).splitlines()[0][:300]}") from None
+                raise UserError(
+                    f"search: cannot open {url}: {str(e).splitlines()[0][:300]}"
+                ) from None
             time.sleep(0.5 + random.random() * (attempt + 1))
     what = fingerprint(base, space, args.budget_s)
     have = study.user_attrs.get("search")
@@ -122,8 +169,10 @@ def open_study(optuna, args, base, space, out: Path):
         study.set_user_attr("budget_s", float(args.budget_s))
         study.set_user_attr("base_config", base.to_dict())
     elif have != what:
-        raise UserError(f"search: study '{args.study}' in {url} was started with another recipe, space or "
-                        f"--budget-s; give the same ones, or another --study / --out")
+        raise UserError(
+            f"search: study '{args.study}' in {url} was started with another recipe, space or "
+            f"--budget-s; give the same ones, or another --study / --out"
+        )
     return study
 
 
@@ -146,6 +195,9 @@ def fingerprint(base, space, budget_s: float) -> str:
     """What makes two workers' searches the same one: the recipe (run section left out: folders,
     threads, progress differ between machines), the space and the budget."""
     cfg = {**{k: v for k, v in base.to_dict().items() if k != "run"}, "seed": base.run.seed}
-    blob = json.dumps({"cfg": cfg, "space": [d.as_dict() for d in space], "budget": float(budget_s)},
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        {"cfg": cfg, "space": [d.as_dict() for d in space], "budget": float(budget_s)},
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

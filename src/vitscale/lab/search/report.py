@@ -2,6 +2,7 @@
 the repeats, the pick and its one test evaluation), OUT/search.md (the same for people),
 OUT/pareto.png (validation accuracy against training time, every trial, the front drawn),
 OUT/importance.png and OUT/best.toml (the pick as a recipe, with the command that trains it)."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,17 +21,28 @@ def trial_row(t) -> dict:
     """A trial as the report lists it; a failed one's "error" is its one-line reason (a failure
     without one was failed by another process: its worker is gone, UNRECORDED)."""
     u = t.user_attrs
-    return {"number": t.number, "state": t.state.name.lower(), "val_accuracy": last_value(t),
-            "train_time_s": u.get("train_time_s"), "epochs": u.get("epochs"), "steps": u.get("steps"),
-            "params": dict(t.params), "error": (u.get("error") or UNRECORDED) if t.state.name == "FAIL" else None,
-            "worker": u.get("worker"), "retry_of": t.system_attrs.get("failed_trial"),
-            "curve": sorted([int(k), float(v)] for k, v in t.intermediate_values.items())}
+    return {
+        "number": t.number,
+        "state": t.state.name.lower(),
+        "val_accuracy": last_value(t),
+        "train_time_s": u.get("train_time_s"),
+        "epochs": u.get("epochs"),
+        "steps": u.get("steps"),
+        "params": dict(t.params),
+        "error": (u.get("error") or UNRECORDED) if t.state.name == "FAIL" else None,
+        "worker": u.get("worker"),
+        "retry_of": t.system_attrs.get("failed_trial"),
+        "curve": sorted([int(k), float(v)] for k, v in t.intermediate_values.items()),
+    }
 
 
 def pareto(rows: list[dict]) -> list[int]:
     """Trial numbers on the front of (higher validation accuracy, less training time)."""
-    pts = [(r["train_time_s"], r["val_accuracy"], r["number"]) for r in rows
-           if r["val_accuracy"] is not None and r["train_time_s"] is not None]
+    pts = [
+        (r["train_time_s"], r["val_accuracy"], r["number"])
+        for r in rows
+        if r["val_accuracy"] is not None and r["train_time_s"] is not None
+    ]
     front, best = [], -1.0
     for _secs, acc, n in sorted(pts, key=lambda p: (p[0], -p[1])):
         if acc > best:
@@ -43,6 +55,7 @@ def importances(study) -> dict:
     """optuna.importance over the complete trials, with PED-ANOVA (no scikit-learn needed; optuna
     5's default); {"error": why} where it cannot say (fewer than two complete trials, ...)."""
     import optuna  # here: optional (vitscale[search]); this runs only where the search did
+
     make = getattr(optuna.importance, "PedAnovaImportanceEvaluator", None)
     try:
         with warnings.catch_warnings():
@@ -68,12 +81,20 @@ def write_report(study, space, args, out: Path, final: dict | None, best_cfg) ->
     front = pareto(rows)
     imp = importances(study)
     best_toml = write_best(out, best_cfg, final, args) if best_cfg is not None else None
-    report = {"study": study.study_name, "budget_s": args.budget_s, "command": command_line(args),
-              "space": [d.as_dict() for d in space], "trials": rows, "pareto": front, "importance": imp,
-              "selection": "trials scored on data.val_fraction of the training set; the test set evaluated "
-                           "once, for the pick (and once for the recipe as written, the comparison)", "finish": final,
-              "best_toml": str(best_toml) if best_toml else None,
-              "reproduce": f"vitscale train {best_toml}" if best_toml else None}
+    report = {
+        "study": study.study_name,
+        "budget_s": args.budget_s,
+        "command": command_line(args),
+        "space": [d.as_dict() for d in space],
+        "trials": rows,
+        "pareto": front,
+        "importance": imp,
+        "selection": "trials scored on data.val_fraction of the training set; the test set evaluated "
+        "once, for the pick (and once for the recipe as written, the comparison)",
+        "finish": final,
+        "best_toml": str(best_toml) if best_toml else None,
+        "reproduce": f"vitscale train {best_toml}" if best_toml else None,
+    }
     (out / "search.json").write_text(json.dumps(report, indent=2, default=str))
     plots = draw(rows, front, imp, out, args.budget_s, final)
     path = out / "search.md"
@@ -83,25 +104,35 @@ def write_report(study, space, args, out: Path, final: dict | None, best_cfg) ->
 
 def write_best(out: Path, cfg, final: dict, args) -> Path:
     pick, test = final["pick"], final.get("test") or {}
-    head = [f"# `vitscale search` pick, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: trial {pick['trial']} "
-            f"of study {args.study}",
-            f"# validation accuracy {pick['mean']:.4f} +- {pick['std']:.4f} over {len(pick['values'])} seeds "
-            f"(data.val_fraction of the training set), {args.budget_s:g}s of training each",
-            ("# test accuracy {:.4f} on {} images: the test set's one evaluation, of the seed-{} model".format(
-                test["test_accuracy"], test["test_count"], test["seed"]) if test else "# not evaluated on the test set"),
-            "# this recipe trains on the FULL training set (data.val_fraction = 0) for the same time budget,",
-            "# the lr schedule fitted to it (optim.schedule_clock = time); train.epochs is only an upper bound",
-            f"# reproduce: vitscale train {out / 'best.toml'}",
-            "# keys chosen: " + " ".join(f"--set {k}={v}" for k, v in pick["params"].items())]
+    head = [
+        f"# `vitscale search` pick, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: trial {pick['trial']} "
+        f"of study {args.study}",
+        f"# validation accuracy {pick['mean']:.4f} +- {pick['std']:.4f} over {len(pick['values'])} seeds "
+        f"(data.val_fraction of the training set), {args.budget_s:g}s of training each",
+        (
+            "# test accuracy {:.4f} on {} images: the test set's one evaluation, of the seed-{} model".format(
+                test["test_accuracy"], test["test_count"], test["seed"]
+            )
+            if test
+            else "# not evaluated on the test set"
+        ),
+        "# this recipe trains on the FULL training set (data.val_fraction = 0) for the same time budget,",
+        "# the lr schedule fitted to it (optim.schedule_clock = time); train.epochs is only an upper bound",
+        f"# reproduce: vitscale train {out / 'best.toml'}",
+        "# keys chosen: " + " ".join(f"--set {k}={v}" for k, v in pick["params"].items()),
+    ]
     path = out / "best.toml"
     path.write_text("\n".join(head) + "\n\n" + cfg.to_toml())
     return path
 
 
-def draw(rows: list[dict], front: list[int], imp: dict, out: Path, budget_s: float, final: dict | None) -> list[str]:
+def draw(
+    rows: list[dict], front: list[int], imp: dict, out: Path, budget_s: float, final: dict | None
+) -> list[str]:
     """pareto.png and importance.png (nothing where matplotlib is missing)."""
     try:
         import matplotlib  # here: optional
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -132,7 +163,9 @@ STYLE = {"complete": ("o", "tab:blue"), "pruned": ("x", "tab:orange"), "fail": (
 def curve_xy(r: dict, budget_s: float):
     """A trial's validation accuracy against training seconds: its reports (at percent of the budget)
     and its final value at its measured training time."""
-    pts = [(budget_s * step / 100, acc) for step, acc in r["curve"] if step < 100] if budget_s else []
+    pts = (
+        [(budget_s * step / 100, acc) for step, acc in r["curve"] if step < 100] if budget_s else []
+    )
     if r["val_accuracy"] is not None and r["train_time_s"]:
         pts.append((r["train_time_s"], r["val_accuracy"]))
     return [p[0] for p in pts], [p[1] for p in pts]
@@ -141,17 +174,34 @@ def curve_xy(r: dict, budget_s: float):
 def pareto_panel(ax, rows: list[dict], front: list[int], budget_s: float) -> None:
     """Every trial: its curve (thin) and where it ended (marker); the Pareto front of the end points."""
     for state, (marker, color) in STYLE.items():
-        pts = [r for r in rows if r["state"] == state and r["val_accuracy"] is not None and r["train_time_s"]]
+        pts = [
+            r
+            for r in rows
+            if r["state"] == state and r["val_accuracy"] is not None and r["train_time_s"]
+        ]
         for r in pts:
             xs, ys = curve_xy(r, budget_s)
             ax.plot(xs, ys, color=color, lw=0.6, alpha=0.35)
         if pts:
-            ax.scatter([r["train_time_s"] for r in pts], [r["val_accuracy"] for r in pts], marker=marker,
-                       color=color, label=state, zorder=3)
+            ax.scatter(
+                [r["train_time_s"] for r in pts],
+                [r["val_accuracy"] for r in pts],
+                marker=marker,
+                color=color,
+                label=state,
+                zorder=3,
+            )
     on = sorted((r for r in rows if r["number"] in front), key=lambda r: r["train_time_s"])
     if on:
-        ax.step([r["train_time_s"] for r in on], [r["val_accuracy"] for r in on], where="post", color="k",
-                lw=1, label="Pareto front", zorder=4)
+        ax.step(
+            [r["train_time_s"] for r in on],
+            [r["val_accuracy"] for r in on],
+            where="post",
+            color="k",
+            lw=1,
+            label="Pareto front",
+            zorder=4,
+        )
         for r in on:
             ax.annotate(str(r["number"]), (r["train_time_s"], r["val_accuracy"]), fontsize=7)
     ax.set_xlabel("training time (s)")
@@ -164,8 +214,10 @@ def pareto_panel(ax, rows: list[dict], front: list[int], budget_s: float) -> Non
 def zoom_panel(ax, rows: list[dict], budget_s: float, final: dict) -> None:
     """The complete trials near the top, each curve labelled, with the repeats' means (the pick's and
     the recipe's as written) where the search has finished."""
-    done = sorted((r for r in rows if r["state"] == "complete" and r["val_accuracy"] is not None),
-                  key=lambda r: -r["val_accuracy"])
+    done = sorted(
+        (r for r in rows if r["state"] == "complete" and r["val_accuracy"] is not None),
+        key=lambda r: -r["val_accuracy"],
+    )
     if not done:
         ax.set_axis_off()
         return
@@ -173,12 +225,27 @@ def zoom_panel(ax, rows: list[dict], budget_s: float, final: dict) -> None:
     for r in top:
         xs, ys = curve_xy(r, budget_s)
         ax.plot(xs, ys, marker=".", lw=1, label=f"trial {r['number']}: {r['val_accuracy']:.4f}")
-    lines = [(c, f"trial {c['trial']}, mean of {len(c['values'])} seeds") for c in final.get("candidates", [])]
+    lines = [
+        (c, f"trial {c['trial']}, mean of {len(c['values'])} seeds")
+        for c in final.get("candidates", [])
+    ]
     if final.get("recipe"):
-        lines.append((final["recipe"], f"the recipe as written, mean of {len(final['recipe']['values'])} seeds"))
-    for (c, label), style in zip(lines, itertools.cycle(("--", ":", "-.", (0, (1, 3))))):  # every mean drawn
-        ax.axhline(c["mean"], color="k" if c.get("trial") != "recipe" else "tab:red", ls=style, lw=1,
-                   label=f"{label}: {c['mean']:.4f}")
+        lines.append(
+            (
+                final["recipe"],
+                f"the recipe as written, mean of {len(final['recipe']['values'])} seeds",
+            )
+        )
+    for (c, label), style in zip(
+        lines, itertools.cycle(("--", ":", "-.", (0, (1, 3))))
+    ):  # every mean drawn
+        ax.axhline(
+            c["mean"],
+            color="k" if c.get("trial") != "recipe" else "tab:red",
+            ls=style,
+            lw=1,
+            label=f"{label}: {c['mean']:.4f}",
+        )
     lo = min([top[-1]["val_accuracy"]] + [c["mean"] for c, _ in lines]) - 0.02
     ax.set_ylim(lo, max(r["val_accuracy"] for r in top) + 0.005)
     ax.set_xlabel("training time (s)")
@@ -193,61 +260,108 @@ def fmt(v, spec=".4f") -> str:
 
 def markdown(rep: dict, rows: list[dict], plots: list[str]) -> list[str]:
     final = rep["finish"] or {}
-    states = {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned", "fail", "running", "waiting")}
-    lines = [f"# Search `{rep['study']}`: the best model in {rep['budget_s']:g} s of training", "",
-             f"`{rep['command']}`", "",
-             "Trials are scored on a validation split carved from the training set (data.val_fraction, "
-             "seeded and stratified); no trial reads the test set. The test set is evaluated once, for the "
-             "final pick, below (and, unless --no-recipe, once for the recipe as written, to compare).", "",
-             "trials: " + ", ".join(f"{n} {s}" for s, n in states.items() if n), ""]
+    states = {
+        s: sum(r["state"] == s for r in rows)
+        for s in ("complete", "pruned", "fail", "running", "waiting")
+    }
+    lines = [
+        f"# Search `{rep['study']}`: the best model in {rep['budget_s']:g} s of training",
+        "",
+        f"`{rep['command']}`",
+        "",
+        "Trials are scored on a validation split carved from the training set (data.val_fraction, "
+        "seeded and stratified); no trial reads the test set. The test set is evaluated once, for the "
+        "final pick, below (and, unless --no-recipe, once for the recipe as written, to compare).",
+        "",
+        "trials: " + ", ".join(f"{n} {s}" for s, n in states.items() if n),
+        "",
+    ]
     lines += pick_lines(final, rep)
     if "pareto.png" in plots:
         lines += ["", "![accuracy against training time](pareto.png)"]
     lines += ["", "## Key importance (optuna.importance, PED-ANOVA over the complete trials)", ""]
     imp = rep["importance"]
-    lines += [f"not available: {imp['error']}"] if "error" in imp else \
-        ["| key | importance |", "|---|---|"] + [f"| `{k}` | {v:.3f} |" for k, v in imp.items()]
-    lines += ["", "## Trials (validation accuracy; * = on the Pareto front)", "",
-              "| # | state | val acc | train s | epochs | keys | note |", "|---|---|---|---|---|---|---|"]
+    lines += (
+        [f"not available: {imp['error']}"]
+        if "error" in imp
+        else ["| key | importance |", "|---|---|"]
+        + [f"| `{k}` | {v:.3f} |" for k, v in imp.items()]
+    )
+    lines += [
+        "",
+        "## Trials (validation accuracy; * = on the Pareto front)",
+        "",
+        "| # | state | val acc | train s | epochs | keys | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in sorted(rows, key=lambda r: -(r["val_accuracy"] or -1)):
         keys = " ".join(f"{k}={fmt(v, '.3g')}" for k, v in r["params"].items())
         note = r["error"] or (f"retry of {r['retry_of']}" if r["retry_of"] is not None else "")
-        lines.append(f"| {r['number']}{'*' if r['number'] in rep['pareto'] else ''} | {r['state']} | "
-                     f"{fmt(r['val_accuracy'])} | {fmt(r['train_time_s'], '.1f')} | {fmt(r['epochs'], '.2f')} | "
-                     f"{keys} | {note} |")
+        lines.append(
+            f"| {r['number']}{'*' if r['number'] in rep['pareto'] else ''} | {r['state']} | "
+            f"{fmt(r['val_accuracy'])} | {fmt(r['train_time_s'], '.1f')} | {fmt(r['epochs'], '.2f')} | "
+            f"{keys} | {note} |"
+        )
     return lines
 
 
 def pick_lines(final: dict, rep: dict) -> list[str]:
     if not final.get("pick"):
-        return ["No pick: no repeats were run (--repeat-top 0, or no complete trial yet); the test set "
-                "was not evaluated."]
-    out = ["## The best trials repeated with other seeds (validation accuracy)", "",
-           f"Seeds {', '.join(str(s) for s in final.get('seeds', []))}; epochs = how many each run trained "
-           "in the budget (the machine's speed moves them from run to run).", "",
-           "| trial | mean | spread (std) | values | epochs |", "|---|---|---|---|---|"]
+        return [
+            "No pick: no repeats were run (--repeat-top 0, or no complete trial yet); the test set "
+            "was not evaluated."
+        ]
+    out = [
+        "## The best trials repeated with other seeds (validation accuracy)",
+        "",
+        f"Seeds {', '.join(str(s) for s in final.get('seeds', []))}; epochs = how many each run trained "
+        "in the budget (the machine's speed moves them from run to run).",
+        "",
+        "| trial | mean | spread (std) | values | epochs |",
+        "|---|---|---|---|---|",
+    ]
     rec = final.get("recipe")
     for c in final["candidates"] + ([rec] if rec else []):
         name = "the recipe as written" if c["trial"] == "recipe" else c["trial"]
-        out.append(f"| {name} | {c['mean']:.4f} | {c['std']:.4f} | {', '.join(f'{v:.4f}' for v in c['values'])} | "
-                   f"{', '.join(fmt(e, '.2f') for e in c.get('epochs', []))} |")
+        out.append(
+            f"| {name} | {c['mean']:.4f} | {c['std']:.4f} | {', '.join(f'{v:.4f}' for v in c['values'])} | "
+            f"{', '.join(fmt(e, '.2f') for e in c.get('epochs', []))} |"
+        )
     p, test = final["pick"], final.get("test")
-    out += ["", f"**Pick: trial {p['trial']}** (best mean): " + " ".join(f"`{k}={v}`" for k, v in p["params"].items())]
+    out += [
+        "",
+        f"**Pick: trial {p['trial']}** (best mean): "
+        + " ".join(f"`{k}={v}`" for k, v in p["params"].items()),
+    ]
     if test:
         times = test.get("evaluations", 1)
-        out += ["", f"**Test set (evaluated once for the pick): accuracy {test['test_accuracy']:.4f} on "
-                f"{test['test_count']} images** (the seed-{test['seed']} repeat, trained without the validation "
-                f"split)" + (f"; this folder's search has evaluated {times} picks on the test set over its "
-                             "history" if times > 1 else "")]
+        out += [
+            "",
+            f"**Test set (evaluated once for the pick): accuracy {test['test_accuracy']:.4f} on "
+            f"{test['test_count']} images** (the seed-{test['seed']} repeat, trained without the validation "
+            f"split)"
+            + (
+                f"; this folder's search has evaluated {times} picks on the test set over its "
+                "history"
+                if times > 1
+                else ""
+            ),
+        ]
     rtest = final.get("recipe_test")
     if rtest:
-        out += ["", f"**The recipe as written**, trained under the same protocol (budget, validation split, "
-                f"seeds; none of the space's keys changed), tested once on the same seed: **test accuracy "
-                f"{rtest['test_accuracy']:.4f}**."]
+        out += [
+            "",
+            f"**The recipe as written**, trained under the same protocol (budget, validation split, "
+            f"seeds; none of the space's keys changed), tested once on the same seed: **test accuracy "
+            f"{rtest['test_accuracy']:.4f}**.",
+        ]
     if final.get("decision"):
         d = final["decision"]
-        out += ["", f"**Decision: {'adopt the pick' if d['adopt'] else 'keep the recipe'}**: {d['text']}. "
-                "The pick replaces the recipe only with a higher mean validation accuracy over the same seeds "
-                "and a higher test accuracy on the same seed."]
+        out += [
+            "",
+            f"**Decision: {'adopt the pick' if d['adopt'] else 'keep the recipe'}**: {d['text']}. "
+            "The pick replaces the recipe only with a higher mean validation accuracy over the same seeds "
+            "and a higher test accuracy on the same seed.",
+        ]
     out += ["", f"Reproduce on the full training set: `{rep['reproduce']}`"]
     return out

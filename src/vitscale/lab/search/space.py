@@ -11,6 +11,7 @@ section, each key a range or a list of choices (docs/search.md):
 
 Ranges take `log` (true: log scale, low > 0) and `step` (a grid); every key, choice and bound is
 checked against the recipe schema, and a bad one is a one-line error naming it."""
+
 from __future__ import annotations
 
 import sys
@@ -34,8 +35,9 @@ RANGE_FIELDS = {"low", "high", "log", "step"}
 @dataclass
 class Dim:
     """One searched key: `choices`, or a range low..high (int for integer keys), log or not, stepped or not."""
+
     key: str
-    kind: str                 # "choice", "int" or "float"
+    kind: str  # "choice", "int" or "float"
     choices: tuple = ()
     low: float = 0.0
     high: float = 0.0
@@ -46,7 +48,9 @@ class Dim:
         if self.kind == "choice":
             return trial.suggest_categorical(self.key, list(self.choices))
         if self.kind == "int":
-            return trial.suggest_int(self.key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
+            return trial.suggest_int(
+                self.key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log
+            )
         return trial.suggest_float(self.key, self.low, self.high, step=self.step, log=self.log)
 
     def describe(self) -> str:
@@ -56,8 +60,15 @@ class Dim:
         return f"{self.key} {self.kind} {self.low:g}..{self.high:g}{scale}"
 
     def as_dict(self) -> dict:
-        return {"key": self.key, "kind": self.kind, "choices": list(self.choices), "low": self.low,
-                "high": self.high, "log": self.log, "step": self.step}
+        return {
+            "key": self.key,
+            "kind": self.kind,
+            "choices": list(self.choices),
+            "low": self.low,
+            "high": self.high,
+            "log": self.log,
+            "step": self.step,
+        }
 
 
 def resolve_space(path: str | None) -> Path:
@@ -85,7 +96,9 @@ def parse_space(data: dict, source: str = "space") -> list[Dim]:
     dims = []
     for sec, keys in data.items():
         if not isinstance(keys, dict):
-            raise ConfigError(f"{source}: '{sec}' must be a table of keys ([section] then key = range or choices)")
+            raise ConfigError(
+                f"{source}: '{sec}' must be a table of keys ([section] then key = range or choices)"
+            )
         for key, spec in keys.items():
             dims.append(parse_dim(f"{sec}.{key}", spec, source))
     if not dims:
@@ -99,18 +112,26 @@ def parse_dim(key: str, spec, source: str) -> Dim:
     if isinstance(spec, list):
         spec = {"choices": spec}
     if not isinstance(spec, dict):
-        raise ConfigError(f"{source}: {key} must be {{ low = .., high = .. }}, {{ choices = [..] }} or a list, "
-                          f"got {spec!r}")
+        raise ConfigError(
+            f"{source}: {key} must be {{ low = .., high = .. }}, {{ choices = [..] }} or a list, "
+            f"got {spec!r}"
+        )
     if "choices" in spec:
         extra = set(spec) - {"choices"}
         if extra or not isinstance(spec["choices"], list) or not spec["choices"]:
-            raise ConfigError(f"{source}: {key}: choices must be a non-empty list, alone "
-                              f"(got {', '.join(sorted(extra)) or repr(spec['choices'])})")
-        return Dim(key, "choice", choices=tuple(check_value(key, v, source) for v in spec["choices"]))
+            raise ConfigError(
+                f"{source}: {key}: choices must be a non-empty list, alone "
+                f"(got {', '.join(sorted(extra)) or repr(spec['choices'])})"
+            )
+        return Dim(
+            key, "choice", choices=tuple(check_value(key, v, source) for v in spec["choices"])
+        )
     unknown = set(spec) - RANGE_FIELDS
     if unknown or not {"low", "high"} <= set(spec):
-        raise ConfigError(f"{source}: {key}: a range needs low and high (and optionally log, step); "
-                          f"got {', '.join(sorted(spec)) or 'nothing'}")
+        raise ConfigError(
+            f"{source}: {key}: a range needs low and high (and optionally log, step); "
+            f"got {', '.join(sorted(spec)) or 'nothing'}"
+        )
     if typ not in (int, float):
         raise ConfigError(f"{source}: {key} is not a number: give choices = [..]")
     low, high = (check_value(key, spec[b], source) for b in ("low", "high"))
@@ -121,10 +142,16 @@ def parse_dim(key: str, spec, source: str) -> Dim:
         raise ConfigError(f"{source}: {key}: low ({low}) must be below high ({high})")
     if log and (low <= 0 or step):
         raise ConfigError(f"{source}: {key}: a log range needs low > 0 and no step")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float)) or step <= 0
-                             or (typ is int and step != int(step))):
-        raise ConfigError(f"{source}: {key}: step must be a positive {'integer' if typ is int else 'number'}, "
-                          f"got {step!r}")
+    if step is not None and (
+        isinstance(step, bool)
+        or not isinstance(step, (int, float))
+        or step <= 0
+        or (typ is int and step != int(step))
+    ):
+        raise ConfigError(
+            f"{source}: {key}: step must be a positive {'integer' if typ is int else 'number'}, "
+            f"got {step!r}"
+        )
     return Dim(key, "int" if typ is int else "float", low=low, high=high, log=log, step=step)
 
 
@@ -134,7 +161,9 @@ def key_type(key: str, source: str) -> type:
     section = getattr(Config(), sec, None) if sec in SECTIONS else None
     if section is None or name not in {f.name for f in fields(section)}:
         try:
-            set_value(Config(), key, None)  # the schema's own message: unknown section/key, did you mean
+            set_value(
+                Config(), key, None
+            )  # the schema's own message: unknown section/key, did you mean
         except ConfigError as e:
             raise ConfigError(str(e).replace("config:", f"{source}:", 1)) from None
     return get_type_hints(type(section))[name]

@@ -4,6 +4,7 @@ a trial that cannot train (a shape the model refuses, out of memory, a NaN loss)
 with its one-line reason while the search goes on (a killed worker's trial too, by the worker
 that finds its heartbeat stale: record_stale_reasons). Then the finish: the best trials repeated with
 other seeds, the pick by the best mean, and the pick's one evaluation on the test set."""
+
 from __future__ import annotations
 
 import copy
@@ -65,6 +66,7 @@ class Pruning:
     Never in the last (100 - LAST)% of the budget, the last evaluation included: a prune there saves
     seconds and throws away a nearly finished trial (the default job's search pruned one at 99%,
     91.10% validation, 4th best of 35)."""
+
     EVERY = 5
     LAST = 90
 
@@ -74,15 +76,23 @@ class Pruning:
 
     def __call__(self, tr, ev: dict) -> None:
         acc = ev.get(tr.task.metric)
-        step = int(100 * tr.train_time / self.budget)  # < LAST here; 100 is the final value (run_trials)
+        step = int(
+            100 * tr.train_time / self.budget
+        )  # < LAST here; 100 is the final value (run_trials)
         if acc is None or step < self.last + self.EVERY or step >= self.LAST:
             return
         self.last = step
         self.trial.report(acc, step)
         if self.trial.should_prune():
-            for k, v in (("train_time_s", tr.train_time), ("steps", tr.step), ("epochs", tr.step / tr.steps_per_epoch)):
+            for k, v in (
+                ("train_time_s", tr.train_time),
+                ("steps", tr.step),
+                ("epochs", tr.step / tr.steps_per_epoch),
+            ):
                 self.trial.set_user_attr(k, v)
-            raise self.optuna.TrialPruned(f"pruned at {step}% of the budget (validation accuracy {acc:.4f})")
+            raise self.optuna.TrialPruned(
+                f"pruned at {step}% of the budget (validation accuracy {acc:.4f})"
+            )
 
 
 def one_line(e: BaseException) -> str:
@@ -119,6 +129,7 @@ def record_stale_reasons(optuna, storage, grace_s: float):
             worker = storage.get_trial(trial_id).user_attrs.get("worker")
             note_failure(optuna, storage, trial_id, stale_reason(worker, grace_s))
         return ids
+
     storage._get_stale_trial_ids = stale_trial_ids
     return storage
 
@@ -126,24 +137,31 @@ def record_stale_reasons(optuna, storage, grace_s: float):
 def retry_without_reason(retry):
     """Optuna's retry callback, the failed trial's reason not copied to its retry (which has not
     failed; its own failure, if any, records its own)."""
+
     def callback(study, trial) -> None:
         trial = copy.copy(trial)  # a cached trial is not changed
         trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k != "error"}
         retry(study, trial)
+
     return callback
 
 
 def run_trials(optuna, study, base, space, args, out: Path) -> None:
     """This worker's --trials trials (0: until stopped); Ctrl-C stops between or inside one."""
+
     def train_trial(trial):
-        study._storage.record_heartbeat(trial._trial_id)  # now, not when the heartbeat thread gets to it
+        study._storage.record_heartbeat(
+            trial._trial_id
+        )  # now, not when the heartbeat thread gets to it
         free_memory()  # what an earlier trial's error left referenced (its traceback) is gone now
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         params = {d.key: d.suggest(trial) for d in space}
         run_dir = out / "trials" / f"{trial.number:05d}"
         trial.set_user_attr("run_dir", str(run_dir))
         try:
-            r = train_run(with_overrides(base, params), run_dir, Pruning(optuna, trial, args.budget_s))
+            r = train_run(
+                with_overrides(base, params), run_dir, Pruning(optuna, trial, args.budget_s)
+            )
         finally:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the metrics stay
         for k in ("train_time_s", "steps", "epochs", "images_per_s"):
@@ -165,10 +183,16 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
         except Exception as e:  # noqa: BLE001 - any failure of one trial is that trial's
             trial.set_user_attr("error", one_line(e))
             raise TrialFailed(one_line(e)) from None
+
     fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
     try:
-        study.optimize(objective, n_trials=args.trials or None, catch=(TrialFailed,), callbacks=[progress_line],
-                       gc_after_trial=True)  # (and timing.free_memory: a failed trial's traceback is gone by then)
+        study.optimize(
+            objective,
+            n_trials=args.trials or None,
+            catch=(TrialFailed,),
+            callbacks=[progress_line],
+            gc_after_trial=True,
+        )  # (and timing.free_memory: a failed trial's traceback is gone by then)
     except KeyboardInterrupt:
         log("search: stopped; the unfinished trial is marked failed")
     fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
@@ -182,15 +206,30 @@ def fail_dead_trials(optuna, study, grace_s: float) -> None:
     milliseconds of starting)."""
     optuna.storages.fail_stale_trials(study)
     storage, now = study._storage, datetime.datetime.now()
-    retry = storage.get_heartbeat_stale_trial_callback() if hasattr(storage, "get_heartbeat_stale_trial_callback") \
+    retry = (
+        storage.get_heartbeat_stale_trial_callback()
+        if hasattr(storage, "get_heartbeat_stale_trial_callback")
         else storage.get_failed_trial_callback()
+    )
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        if "worker" in t.user_attrs or not t.datetime_start or (now - t.datetime_start).total_seconds() < grace_s:
+        if (
+            "worker" in t.user_attrs
+            or not t.datetime_start
+            or (now - t.datetime_start).total_seconds() < grace_s
+        ):
             continue
-        note_failure(optuna, storage, t._trial_id, f"worker stopped before the trial's first heartbeat, "
-                     f"{(now - t.datetime_start).total_seconds():.0f} s after it started (killed or lost)")
+        note_failure(
+            optuna,
+            storage,
+            t._trial_id,
+            f"worker stopped before the trial's first heartbeat, "
+            f"{(now - t.datetime_start).total_seconds():.0f} s after it started (killed or lost)",
+        )
         try:
-            if storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.FAIL) and retry:
+            if (
+                storage.set_trial_state_values(t._trial_id, state=optuna.trial.TrialState.FAIL)
+                and retry
+            ):
                 retry(study, storage.get_trial(t._trial_id))
         except optuna.exceptions.UpdateFinishedTrialError:
             pass  # another worker got there first
@@ -206,11 +245,17 @@ def last_value(t):
 def progress_line(study, t) -> None:
     """One line per finished trial: number, state, validation accuracy, training time, params."""
     acc, secs, ep = last_value(t), t.user_attrs.get("train_time_s"), t.user_attrs.get("epochs")
-    params = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.params.items())
-    err = f" | {t.user_attrs['error']}" if t.state.name == "FAIL" and "error" in t.user_attrs else ""
-    log(f"trial {t.number:4d} {t.state.name.lower():8s} val {'-' if acc is None else f'{acc:.4f}'} | "
+    params = " ".join(
+        f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.params.items()
+    )
+    err = (
+        f" | {t.user_attrs['error']}" if t.state.name == "FAIL" and "error" in t.user_attrs else ""
+    )
+    log(
+        f"trial {t.number:4d} {t.state.name.lower():8s} val {'-' if acc is None else f'{acc:.4f}'} | "
         f"{'-' if secs is None else f'{secs:.1f}'}s train, {'-' if ep is None else f'{ep:.2f}'} epochs | "
-        f"{params}{err}")
+        f"{params}{err}"
+    )
 
 
 def finalize(study, base, args, out: Path) -> dict:
@@ -218,22 +263,42 @@ def finalize(study, base, args, out: Path) -> dict:
     kept in OUT/repeats/, done once); the pick = the best mean validation accuracy; its one test
     evaluation. Unless --no-recipe: the recipe as written trained under the same protocol (the same
     budget, validation split and seeds), tested once on the same seed as the pick, and the decision."""
-    done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE" and t.value is not None]
-    top = sorted(done, key=lambda t: -t.value)[:args.repeat_top]
+    done = [
+        t
+        for t in study.get_trials(deepcopy=False)
+        if t.state.name == "COMPLETE" and t.value is not None
+    ]
+    top = sorted(done, key=lambda t: -t.value)[: args.repeat_top]
     if not top:
         log("search: no complete trial yet: nothing to repeat or test")
         return {"candidates": [], "pick": None}
     seeds = [base.run.seed + i for i in range(1, args.seeds + 1)] or [base.run.seed]
     cands = []
     for t in top:
-        runs = [repeat(base, t.params, seed, out / "repeats" / f"trial{t.number:05d}-seed{seed}", f"trial {t.number}")
-                for seed in seeds]
-        cands.append(candidate(t.number, dict(t.params), [t.value], runs, [t.user_attrs.get("epochs")]))
-        log(f"repeat trial {t.number}: validation accuracy {cands[-1]['mean']:.4f} +- {cands[-1]['std']:.4f} "
-            f"over {len(cands[-1]['values'])} seeds")
+        runs = [
+            repeat(
+                base,
+                t.params,
+                seed,
+                out / "repeats" / f"trial{t.number:05d}-seed{seed}",
+                f"trial {t.number}",
+            )
+            for seed in seeds
+        ]
+        cands.append(
+            candidate(t.number, dict(t.params), [t.value], runs, [t.user_attrs.get("epochs")])
+        )
+        log(
+            f"repeat trial {t.number}: validation accuracy {cands[-1]['mean']:.4f} +- {cands[-1]['std']:.4f} "
+            f"over {len(cands[-1]['values'])} seeds"
+        )
     pick = max(cands, key=lambda c: c["mean"])
-    final = {"candidates": cands, "pick": pick, "seeds": [base.run.seed, *seeds] if args.seeds else [base.run.seed],
-             "test": test_once(pick, out)}
+    final = {
+        "candidates": cands,
+        "pick": pick,
+        "seeds": [base.run.seed, *seeds] if args.seeds else [base.run.seed],
+        "test": test_once(pick, out),
+    }
     if args.recipe:
         recipe = recipe_runs(base, seeds, out)
         final.update(recipe=recipe, recipe_test=test_once(recipe, out))
@@ -247,9 +312,15 @@ def candidate(label, params: dict, first: list, runs: list[dict], first_epochs: 
     epochs each trained in the budget (the machine's speed moves them from run to run)."""
     ok = [r for r in runs if r.get("accuracy") is not None]
     values = first + [r["accuracy"] for r in ok]
-    return {"trial": label, "params": params, "values": values, "mean": statistics.fmean(values) if values else 0.0,
-            "std": statistics.pstdev(values) if values else 0.0, "runs": runs,
-            "epochs": first_epochs[:len(first)] + [r.get("epochs") for r in ok]}
+    return {
+        "trial": label,
+        "params": params,
+        "values": values,
+        "mean": statistics.fmean(values) if values else 0.0,
+        "std": statistics.pstdev(values) if values else 0.0,
+        "runs": runs,
+        "epochs": first_epochs[: len(first)] + [r.get("epochs") for r in ok],
+    }
 
 
 def recipe_runs(base, seeds: list[int], out: Path) -> dict:
@@ -257,13 +328,25 @@ def recipe_runs(base, seeds: list[int], out: Path) -> dict:
     (the trials' seed) and every repeat seed. Its `runs` are the repeat seeds' (in their order), so
     its test evaluation is of the same seed as the pick's."""
     every = list(dict.fromkeys([base.run.seed, *seeds]))
-    runs = {s: repeat(base, {}, s, out / "repeats" / f"recipe-seed{s}", "the recipe") for s in every}
-    first = [runs[base.run.seed]] if base.run.seed not in seeds and runs[base.run.seed].get("accuracy") is not None \
+    runs = {
+        s: repeat(base, {}, s, out / "repeats" / f"recipe-seed{s}", "the recipe") for s in every
+    }
+    first = (
+        [runs[base.run.seed]]
+        if base.run.seed not in seeds and runs[base.run.seed].get("accuracy") is not None
         else []
-    rec = candidate("recipe", {}, [r["accuracy"] for r in first], [runs[s] for s in seeds],
-                    [r.get("epochs") for r in first])
-    log(f"the recipe as written: validation accuracy {rec['mean']:.4f} +- {rec['std']:.4f} over "
-        f"{len(rec['values'])} seeds")
+    )
+    rec = candidate(
+        "recipe",
+        {},
+        [r["accuracy"] for r in first],
+        [runs[s] for s in seeds],
+        [r.get("epochs") for r in first],
+    )
+    log(
+        f"the recipe as written: validation accuracy {rec['mean']:.4f} +- {rec['std']:.4f} over "
+        f"{len(rec['values'])} seeds"
+    )
     return rec
 
 
@@ -271,19 +354,37 @@ def decide(pick: dict, pick_test: dict | None, recipe: dict, recipe_test: dict |
     """Whether the pick should replace the recipe: better mean validation accuracy over the same seeds
     AND better test accuracy on the same seed; the gap is also set against the seeds' spread."""
     if not recipe["values"]:
-        return {"adopt": False, "val_gap": None, "seed_spread": None, "test_gap": None, "within_noise": None,
-                "text": "the recipe as written did not train (its runs failed: see the log); no comparison"}
+        return {
+            "adopt": False,
+            "val_gap": None,
+            "seed_spread": None,
+            "test_gap": None,
+            "within_noise": None,
+            "text": "the recipe as written did not train (its runs failed: see the log); no comparison",
+        }
     gap = pick["mean"] - recipe["mean"]
     noise = max(pick["std"], recipe["std"])
     tests = (pick_test or {}).get("test_accuracy"), (recipe_test or {}).get("test_accuracy")
     test_gap = None if None in tests else tests[0] - tests[1]
     adopt = gap > 0 and test_gap is not None and test_gap > 0
-    text = (f"the pick (trial {pick['trial']}) {'beats' if adopt else 'does not beat'} the recipe as written: "
-            f"validation {pick['mean']:.4f} vs {recipe['mean']:.4f} (mean over the same seeds, gap {gap:+.4f}, "
-            f"seed spread up to {noise:.4f}{', within it' if abs(gap) <= noise else ''})"
-            + (f", test {tests[0]:.4f} vs {tests[1]:.4f}" if test_gap is not None else ", no test accuracy for both"))
-    return {"adopt": adopt, "val_gap": gap, "seed_spread": noise, "test_gap": test_gap,
-            "within_noise": abs(gap) <= noise, "text": text}
+    text = (
+        f"the pick (trial {pick['trial']}) {'beats' if adopt else 'does not beat'} the recipe as written: "
+        f"validation {pick['mean']:.4f} vs {recipe['mean']:.4f} (mean over the same seeds, gap {gap:+.4f}, "
+        f"seed spread up to {noise:.4f}{', within it' if abs(gap) <= noise else ''})"
+        + (
+            f", test {tests[0]:.4f} vs {tests[1]:.4f}"
+            if test_gap is not None
+            else ", no test accuracy for both"
+        )
+    )
+    return {
+        "adopt": adopt,
+        "val_gap": gap,
+        "seed_spread": noise,
+        "test_gap": test_gap,
+        "within_noise": abs(gap) <= noise,
+        "text": text,
+    }
 
 
 def repeat(base, params: dict, seed: int, run_dir: Path, what: str) -> dict:
@@ -292,15 +393,23 @@ def repeat(base, params: dict, seed: int, run_dir: Path, what: str) -> dict:
     summary = run_dir / "summary.json"
     if summary.is_file():
         r = json.loads(summary.read_text())
-        r["accuracy"] = r.get("test_accuracy")  # the run's evaluation split: validation (data.val_fraction)
+        r["accuracy"] = r.get(
+            "test_accuracy"
+        )  # the run's evaluation split: validation (data.val_fraction)
     else:
         try:
             r = train_run(with_overrides(base, {**params, "run.seed": seed}), run_dir)
         except Exception as e:  # noqa: BLE001
             log(f"repeat of {what} with seed {seed} failed: {one_line(e)}")
             return {"seed": seed, "error": one_line(e), "run_dir": str(run_dir)}
-    return {"seed": seed, "accuracy": r["accuracy"], "train_time_s": r["train_time_s"], "epochs": r.get("epochs"),
-            "checkpoint": r["checkpoint"], "run_dir": str(run_dir)}
+    return {
+        "seed": seed,
+        "accuracy": r["accuracy"],
+        "train_time_s": r["train_time_s"],
+        "epochs": r.get("epochs"),
+        "checkpoint": r["checkpoint"],
+        "run_dir": str(run_dir),
+    }
 
 
 def test_once(pick: dict, out: Path) -> dict | None:
@@ -309,7 +418,9 @@ def test_once(pick: dict, out: Path) -> dict | None:
     every earlier pick's, so the report can say how often this folder's search looked at the test set."""
     path = out / "test.json"
     history = json.loads(path.read_text()) if path.is_file() else []
-    picks = sum(h["trial"] != "recipe" for h in history)  # the recipe's evaluation is the comparison's
+    picks = sum(
+        h["trial"] != "recipe" for h in history
+    )  # the recipe's evaluation is the comparison's
     for h in history:
         if h["trial"] == pick["trial"]:
             return {**h, "evaluations": picks}
@@ -317,10 +428,21 @@ def test_once(pick: dict, out: Path) -> dict | None:
     if run is None:
         return None
     r = evaluate.evaluate_checkpoint(run["checkpoint"], ["data.val_fraction=0"])
-    h = {"trial": pick["trial"], "seed": run["seed"], "run_dir": run["run_dir"], "checkpoint": run["checkpoint"],
-         "test_accuracy": r["test_accuracy"], "test_loss": r["test_loss"], "test_count": r["test_count"]}
+    h = {
+        "trial": pick["trial"],
+        "seed": run["seed"],
+        "run_dir": run["run_dir"],
+        "checkpoint": run["checkpoint"],
+        "test_accuracy": r["test_accuracy"],
+        "test_loss": r["test_loss"],
+        "test_count": r["test_count"],
+    }
     path.write_text(json.dumps(history + [h], indent=2))
-    what = "the recipe as written" if pick["trial"] == "recipe" else f"the pick, trial {pick['trial']}"
-    log(f"{what}: test accuracy {h['test_accuracy']:.4f} on {h['test_count']} images (seed {h['seed']}; "
-        f"its one evaluation on the test set)")
+    what = (
+        "the recipe as written" if pick["trial"] == "recipe" else f"the pick, trial {pick['trial']}"
+    )
+    log(
+        f"{what}: test accuracy {h['test_accuracy']:.4f} on {h['test_count']} images (seed {h['seed']}; "
+        f"its one evaluation on the test set)"
+    )
     return {**h, "evaluations": picks + (pick["trial"] != "recipe")}
