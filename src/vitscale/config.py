@@ -252,6 +252,22 @@ class ModelConfig:
         "dropped per block and step, their branch not computed (docs/performance.md)",
     )
     dropout: float = num(0.0, min=0.0, max=1.0)
+    patch_dropout: float = num(
+        0.0,
+        min=0.0,
+        max=1.0,
+        doc="FLIP's patch dropout, as OpenCLIP's patch_dropout: the fraction of image patch "
+        "tokens dropped per sample in training, in [0, 1) (the class token and at least one "
+        "patch kept; evaluation sees all); 0 = off (docs/clip.md)",
+    )
+    patch_dropout_until: float = num(
+        1.0,
+        min=0.0,
+        max=1.0,
+        doc="the fraction of train.epochs trained with patch dropout; the epochs after it train "
+        "on every token (FLIP's unmasked tail; switched at an epoch's start: an epoch that would "
+        "end past the fraction is unmasked). 1 = the whole run",
+    )
     # CLIP models (arch clip_*): the text tower and the shared embedding
     embed_dim: int = num(0, min=0, doc="CLIP: shared embedding size (0 = the arch's default)")
     text_dim: int = num(0, min=0, doc="CLIP: text transformer width (0 = the arch's default)")
@@ -772,6 +788,11 @@ def capture_refusal(cfg: Config) -> str | None:
         )
     elif cfg.optim.schedule_clock == "time":
         why = "optim.schedule_clock=time reads the host clock each step; use schedule_clock=steps"
+    elif cfg.model.patch_dropout and cfg.model.patch_dropout_until < 1:
+        why = (
+            "model.patch_dropout_until < 1 switches patch dropout off mid-run, which changes the "
+            "image tokens a recorded step holds; use patch_dropout_until=1"
+        )
     elif t.compile and t.compile_mode in ("reduce-overhead", "max-autotune"):
         why = (
             f"train.compile_mode={t.compile_mode} captures CUDA graphs of its own; use compile_mode="
@@ -830,6 +851,11 @@ def check(cfg: Config) -> None:
         raise ConfigError(
             "config: optim.schedule_clock=time needs train.time_limit_s > 0 (the budget the "
             "lr schedule spans)"
+        )
+    if cfg.model.patch_dropout >= 1:
+        raise ConfigError(
+            f"config: model.patch_dropout must be < 1 (the fraction of patch tokens dropped; at "
+            f"least one is kept), got {cfg.model.patch_dropout!r}"
         )
     if cfg.model.heads and cfg.model.dim and cfg.model.dim % cfg.model.heads:
         raise ConfigError(

@@ -4,7 +4,17 @@ from .clip import CLIP, CLIP_REGISTRY, ClipSpec, clip_forward_flops, is_clip_arc
 from .flops import count_params, vit_forward_flops, vit_forward_macs, vit_train_flops
 from .layers import DROP_PATH_MODES, set_drop_path_mode
 from .text import TextSpec, TextTransformer, text_forward_macs
-from .vit import REGISTRY, SIZES, VisionTransformer, ViTSpec, model_names, resolve_spec, vit
+from .vit import (
+    REGISTRY,
+    SIZES,
+    VisionTransformer,
+    ViTSpec,
+    kept_patches,
+    model_names,
+    resolve_spec,
+    set_patch_dropout,
+    vit,
+)
 
 __all__ = [
     "REGISTRY",
@@ -29,4 +39,6 @@ __all__ = [
     "text_forward_macs",
     "DROP_PATH_MODES",
     "set_drop_path_mode",
+    "kept_patches",
+    "set_patch_dropout",
 ]

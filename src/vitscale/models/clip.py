@@ -187,12 +187,15 @@ class CLIP(nn.Module):
         return img, txt, self.logit_scale.clone()
 
 
-def clip_forward_flops(spec: ClipSpec, text_length: int | None = None) -> int:
-    """FLOPs of one (image, caption) pair's forward pass, both towers (1 MAC = 2 FLOPs)."""
+def clip_forward_flops(
+    spec: ClipSpec, text_length: int | None = None, patch_dropout: float = 0.0
+) -> int:
+    """FLOPs of one (image, caption) pair's forward pass, both towers (1 MAC = 2 FLOPs); with
+    patch_dropout, of a training forward (the image blocks see the kept patch tokens only)."""
     from .flops import vit_forward_macs
 
     vision = replace(spec.vision, num_classes=spec.embed_dim)
     return 2 * (
-        vit_forward_macs(vision)
+        vit_forward_macs(vision, patch_dropout)
         + text_forward_macs(replace(spec.text, embed_dim=spec.embed_dim), text_length)
     )

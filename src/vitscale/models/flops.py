@@ -6,12 +6,15 @@ a few percent of the total and are not matmul work). Training = 3x forward (back
 
 from __future__ import annotations
 
-from .vit import ViTSpec
+from .vit import ViTSpec, kept_patches
 
 
-def vit_forward_macs(spec: ViTSpec) -> int:
-    """Multiply-accumulates of one image's forward pass."""
+def vit_forward_macs(spec: ViTSpec, patch_dropout: float = 0.0) -> int:
+    """Multiply-accumulates of one image's forward pass; with patch_dropout, of a training forward,
+    whose blocks see the kept patch tokens only (the patch embedding still sees every patch)."""
     D, T = spec.dim, spec.num_tokens
+    if patch_dropout:
+        T = spec.num_prefix_tokens + kept_patches(spec.num_patches, patch_dropout)
     hidden = int(D * spec.mlp_ratio)
     patch = stem_macs(spec)
     attn = T * D * 3 * D + 2 * T * T * D + T * D * D  # qkv, q@k^T and attn@v, proj
@@ -35,8 +38,8 @@ def stem_macs(spec: ViTSpec) -> int:
     return macs + spec.num_patches * c * spec.dim
 
 
-def vit_forward_flops(spec: ViTSpec) -> int:
-    return 2 * vit_forward_macs(spec)
+def vit_forward_flops(spec: ViTSpec, patch_dropout: float = 0.0) -> int:
+    return 2 * vit_forward_macs(spec, patch_dropout)
 
 
 def vit_train_flops(spec: ViTSpec) -> int:

@@ -96,6 +96,24 @@ def model_names() -> list[str]:
     return sorted(REGISTRY)
 
 
+def kept_patches(num_patches: int, p: float) -> int:
+    """Patch tokens a training step keeps under patch dropout of rate p: OpenCLIP's PatchDropout
+    count, max(1, int(N x (1 - p))), a fixed number so that shapes are static."""
+    return max(1, int(num_patches * (1 - p)))
+
+
+def drop_patches(x: torch.Tensor, prefix: int, p: float) -> torch.Tensor:
+    """FLIP's patch dropout (OpenCLIP's PatchDropout): keep the `prefix` tokens (class, registers)
+    and a random subset of kept_patches(N, p) of the N patch tokens per sample, drawn uniformly
+    without replacement from the device's default generator (the run's seeded stream) as the top-k
+    of uniform noise. [B, prefix + N, D] -> [B, prefix + k, D]."""
+    B, T, D = x.shape
+    n = T - prefix
+    keep = torch.rand(B, n, device=x.device).topk(kept_patches(n, p), dim=-1).indices  # [B, k]
+    kept = x[:, prefix:].gather(1, keep.unsqueeze(-1).expand(-1, -1, D))  # [B, k, D]
+    return torch.cat([x[:, :prefix], kept], dim=1) if prefix else kept
+
+
 class LayerScale(nn.Module):
     """x * gamma, one learned scale per channel (timm's LayerScale: blocks.N.ls1/ls2.gamma)."""
 
@@ -124,7 +142,14 @@ class LayerScaleBlock(Block):
 
 
 class VisionTransformer(nn.Module):
-    """Pre-norm ViT. Shapes: image [B, C, H, W] -> tokens [B, T, D] -> logits [B, num_classes]."""
+    """Pre-norm ViT. Shapes: image [B, C, H, W] -> tokens [B, T, D] -> logits [B, num_classes].
+
+    `patch_dropout` (set_patch_dropout; 0 = off): in training, after the position embeddings are
+    added and before norm_pre (OpenCLIP's ln_pre), only the class and register tokens and a random
+    kept_patches(N, p) of the N patch tokens go on to the blocks (drop_patches). Evaluation sees
+    every token. It is no parameter and no state-dict key."""
+
+    patch_dropout = 0.0
 
     def __init__(self, spec: ViTSpec):
         super().__init__()
@@ -221,6 +246,8 @@ class VisionTransformer(nn.Module):
             x = torch.cat([*prefix, x], dim=1)  # [B, prefix + N, D]
         if not self.spec.no_embed_class:
             x = x + self.pos_embed
+        if self.patch_dropout and self.training:  # [B, prefix + k, D]
+            x = drop_patches(x, self.spec.num_prefix_tokens, self.patch_dropout)
         x = self.norm_pre(x)
         for blk in self.blocks:
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
@@ -241,6 +268,17 @@ class VisionTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+def set_patch_dropout(model: nn.Module, p: float) -> nn.Module:
+    """Every ViT of `model` (a classifier, a CLIP image tower) drops patch tokens at rate p in
+    training (0 <= p < 1; 0 = every token, the model exactly as without it)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"patch dropout must be in [0, 1), got {p}")
+    for m in model.modules():
+        if isinstance(m, VisionTransformer):
+            m.patch_dropout = float(p)
+    return model
 
 
 def did_you_mean(name: str, options) -> str:

@@ -16,6 +16,7 @@ from ..models import VisionTransformer, ViTSpec, resolve_spec, set_drop_path_mod
 from ..optim import block_index
 from ..precision import fp8_slower
 from .base import Task, padding_forwards
+from .patch_dropout import PatchDropout
 
 
 def freeze(model: nn.Module, what: str, blocks: int = 0) -> None:
@@ -59,6 +60,9 @@ class ClassificationTask(Task):
         self.label_smoothing = cfg.train.label_smoothing
         self.hflip_tta = cfg.train.eval_hflip_tta
         self.num_classes = cfg.model.num_classes
+        self.patch_dropout = PatchDropout(
+            cfg.model, cfg.train.epochs, announce=cfg.run.progress != "off"
+        )
 
     # -- building ---------------------------------------------------------------------------------
     def check(self) -> None:
@@ -200,13 +204,24 @@ class ClassificationTask(Task):
                 unexpected,
             )
         freeze(model, self.cfg.model.freeze, self.cfg.model.freeze_blocks)
-        return set_drop_path_mode(model, self.cfg.model.drop_path_mode)
+        return self.patch_dropout.build(set_drop_path_mode(model, self.cfg.model.drop_path_mode))
 
     def flops(self, spec: ViTSpec) -> int:
-        return vit_forward_flops(spec)
+        """One image's forward; with model.patch_dropout, a training one (the kept tokens, averaged
+        over the masked and unmasked epochs)."""
+        pd = self.patch_dropout
+        if not pd.p:
+            return vit_forward_flops(spec)
+        return pd.flops(vit_forward_flops(spec), vit_forward_flops(spec, pd.p))
 
     def describe(self, spec: ViTSpec) -> str:
-        return f"{spec.depth}x{spec.dim} ViT, {spec.num_tokens} tokens"
+        return (
+            f"{spec.depth}x{spec.dim} ViT, {spec.num_tokens} tokens"
+            + self.patch_dropout.describe(spec.num_patches, spec.num_prefix_tokens)
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.patch_dropout.set_epoch(epoch)
 
     def info_extra(self, spec, model) -> dict:
         return {"tokens": spec.num_tokens}

@@ -33,6 +33,7 @@ from ..models import (
 )
 from ..optim import schedule
 from .base import Task, padding_forwards
+from .patch_dropout import PatchDropout
 
 RECALL_K = (1, 5, 10)
 
@@ -98,6 +99,9 @@ class ClipTask(Task):
         self.context_length = cfg.model.context_length
         self.prompt_templates = cfg.clip.prompt_templates
         self.last_logs: dict = {}
+        self.patch_dropout = PatchDropout(
+            cfg.model, cfg.train.epochs, announce=cfg.run.progress != "off"
+        )
 
     # -- building ---------------------------------------------------------------------------------
     def check(self) -> None:
@@ -229,17 +233,22 @@ class ClipTask(Task):
         model = CLIP(spec)
         if self.init_state is not None:
             model.load_state_dict(self.init_state, strict=True)
-        return set_drop_path_mode(model, self.cfg.model.drop_path_mode)
+        return self.patch_dropout.build(set_drop_path_mode(model, self.cfg.model.drop_path_mode))
 
     def flops(self, spec: ClipSpec) -> int:
-        return clip_forward_flops(spec)  # one (image, caption) pair
+        """One (image, caption) pair's forward; with model.patch_dropout, a training one (the kept
+        image tokens, averaged over the masked and unmasked epochs)."""
+        pd = self.patch_dropout
+        if not pd.p:
+            return clip_forward_flops(spec)
+        return pd.flops(clip_forward_flops(spec), clip_forward_flops(spec, patch_dropout=pd.p))
 
     def describe(self, spec: ClipSpec) -> str:
         v, t = spec.vision, spec.text
         return (
             f"CLIP (image {v.depth}x{v.dim} ViT, {v.num_tokens} tokens; text {t.depth}x{t.dim}, "
             f"{t.context_length} tokens; embedding {spec.embed_dim})"
-        )
+        ) + self.patch_dropout.describe(v.num_patches, v.num_prefix_tokens)
 
     def info_extra(self, spec, model) -> dict:
         params, vision = count_params(model), count_params(model.visual)
@@ -312,6 +321,7 @@ class ClipTask(Task):
 
     def set_epoch(self, epoch: int) -> None:
         self.loss_module.set_epoch(epoch)
+        self.patch_dropout.set_epoch(epoch)
 
     def after_step(self, step: int | None = None) -> None:
         self.loss_module.after_step(step)
