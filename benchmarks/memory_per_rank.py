@@ -130,26 +130,21 @@ def rss_bytes() -> int:
 
 
 def worker(config: str, sets: list[str], warmup: int) -> None:
-    import contextlib
 
     import torch
 
     from vitscale.lab.machine import max_rss_bytes
     from vitscale.lab.recipes import lab_config
-    from vitscale.lab.timing import Bench, micros
+    from vitscale.lab.timing import Bench
 
     cfg = lab_config(config, sets)
     rss0, rss_start = max_rss_bytes(), rss_bytes()
     b = Bench(cfg, synthetic=True)
-    s, tr, A = b.s, b.trainer, cfg.train.accum_steps
+    s, tr = b.s, b.trainer
     if warmup:
         b.steps(warmup)
-    # one step taken apart: backward, look, optimizer step, look
-    for i, micro in enumerate(micros(b.fixed, A)):
-        with s.no_sync() if i < A - 1 else contextlib.nullcontext():
-            with s.autocast():
-                loss = tr.task.forward_loss(s.model, micro, s.prepare) / A
-            s.backward(loss)
+    # one step taken apart (the step function's own parts): backward, look, optimizer step, look
+    loss = tr.step_fn.forward_backward(b.fixed)
     del loss
     gc.collect()
 

@@ -15,7 +15,11 @@ capture logic on a CPU with a recorder that replays the recorded operations as a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from .step import FiniteWatch
 
 
 class CudaGraph:
@@ -41,62 +45,62 @@ class CudaGraph:
         self.graph.replay()
 
 
-def graph_for(strategy):
-    """The graph the strategy's step is captured into (`strategy.captured`: the one place that
-    decides), or None where the whole step runs eagerly (a CPU)."""
-    return CudaGraph() if strategy.captured else None
+def graph_for(captured: bool):
+    """The graph a step is captured into where `captured` (the strategy's decision:
+    `strategy.captured`, the one place that decides), or None where the whole step runs eagerly
+    (a CPU)."""
+    return CudaGraph() if captured else None
 
 
 class WholeStep:
-    """One optimizer step of a Trainer as one unit: `step(batch) -> (loss, info)`, both device
-    tensors (static buffers once captured), the non-finite watch updated inside."""
+    """One optimizer step as one unit: `step(batch) -> (loss, info)`, both device tensors (static
+    buffers once captured), the non-finite watch updated inside. Built from the parts it uses:
+    the step function, the optimizer's parameter groups, the lr table (optim.lr_table), the step
+    the run is at and the watch."""
 
     WARMUP = 3  # eager steps before the capture (optimizer state, EMA and compile warm up)
 
-    def __init__(self, tr, graph=None, eager: bool = False):
-        """`graph`: what the step is captured into (default: the strategy's, `graph_for`); `eager`:
-        never captured, the same function run eagerly every step on any device (the GPU test's
-        reference: the captured step must replay exactly this)."""
-        self.tr, s = tr, tr.strategy
-        self.groups = s.optimizer.param_groups
-        device = s.device
-        # the lr of each parameter group at each step, as the scheduler computes it (base lr x its
-        # lambda, in double: exactly the float the scheduler would set); one column past the end
-        sched = tr.scheduler
-        dtype = (
-            torch.float64 if device.type == "cpu" else torch.float32
-        )  # CUDA's fused AdamW reads fp32
-        factors: dict[int, list[float]] = {}
-        rows = []
-        for lam, base in zip(sched.lr_lambdas, sched.base_lrs):
-            f = factors.setdefault(id(lam), [lam(i) for i in range(tr.total_steps + 1)])
-            rows.append([base * x for x in f])
-        self.table = torch.tensor(rows, dtype=dtype).to(device)  # [groups, steps + 1]
-        self.last = tr.total_steps
-        self.lr = torch.zeros(len(rows), dtype=dtype, device=device)
+    def __init__(
+        self,
+        fn: Callable[[tuple], tuple[torch.Tensor, dict]],
+        groups: list[dict],
+        table: torch.Tensor,
+        start_step: int,
+        watch: FiniteWatch,
+        *,
+        captured: bool = False,
+        graph=None,
+        eager: bool = False,
+    ):
+        """`fn(batch) -> (loss, info)`: the training step (step.TrainStep at the run's step);
+        `table`: [groups, last step + 1] lrs; `graph`: what the step is captured into (default:
+        `graph_for(captured)`); `eager`: never captured, the same function run eagerly every step
+        on any device (the GPU test's reference: the captured step must replay exactly this)."""
+        self.fn, self.groups, self.table, self.watch = fn, groups, table, watch
+        self.last = table.shape[1] - 1
+        self.lr = torch.zeros(table.shape[0], dtype=table.dtype, device=table.device)
         self.lrs = list(self.lr.unbind(0))  # 0-dim views, one per group
-        self.step_t = torch.tensor(tr.step, dtype=torch.int64, device=device)
-        self.graph = None if eager else graph if graph is not None else graph_for(s)
+        self.step_t = torch.tensor(start_step, dtype=torch.int64, device=table.device)
+        self.graph = None if eager else graph if graph is not None else graph_for(captured)
         self.eager = 0  # steps run eagerly so far (the warm-up)
-        self.static = None  # the captured step's input buffers
+        self.static: tuple | None = None  # the captured step's input buffers
         self.out = None  # and its outputs
 
     def body(self, batch: tuple):
-        """The step on `batch`: lr from the table at the device step, the Trainer's step, the
+        """The step on `batch`: lr from the table at the device step, the step function, the
         counter and the non-finite watch. Nothing here reads the device."""
-        tr = self.tr
         idx = self.step_t.clamp(max=self.last).view(1)
         self.lr.copy_(self.table.index_select(1, idx).view(-1))
         floats = [g["lr"] for g in self.groups]
         for g, t in zip(self.groups, self.lrs):
             g["lr"] = t
         try:
-            loss, info = tr.train_step(batch)
+            loss, info = self.fn(batch)
         finally:  # the scheduler and checkpoints keep seeing floats
             for g, f in zip(self.groups, floats):
                 g["lr"] = f
         self.step_t += 1
-        tr.watch.see(self.step_t, loss)
+        self.watch.see(self.step_t, loss)
         return loss, info
 
     def step(self, batch: tuple):
@@ -106,8 +110,8 @@ class WholeStep:
             self.eager += 1
             return self.graph.warmup(lambda: self.body(batch))
         if self.static is None:
-            self.static = tuple(t.clone() for t in batch)
-            self.out = self.graph.capture(lambda: self.body(self.static))
+            static = self.static = tuple(t.clone() for t in batch)
+            self.out = self.graph.capture(lambda: self.body(static))
         else:
             for buf, t in zip(self.static, batch):
                 buf.copy_(t, non_blocking=True)

@@ -211,20 +211,19 @@ def cmd_eval(args) -> int:
 
 def cmd_info(args) -> int:
     from .config import load_config
-    from .strategy import check_engine
-    from .tasks import check_config, model_info, task_class
+    from .loop import check_run
+    from .tasks import model_info, task_class
 
-    info = model_info(check_engine(check_config(load_config(args.config, args.overrides))))
+    info = model_info(check_run(load_config(args.config, args.overrides)))
     print(json.dumps(info) if args.json else task_class(info["kind"]).info_line(info))
     return 0
 
 
 def cmd_config(args) -> int:
     from .config import load_config
-    from .strategy import check_engine
-    from .tasks import check_config
+    from .loop import check_run
 
-    print(check_engine(check_config(load_config(args.config, args.overrides))).to_toml(), end="")
+    print(check_run(load_config(args.config, args.overrides)).to_toml(), end="")
     return 0
 
 

@@ -6,7 +6,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,17 +21,23 @@ from .fastpaths import resolve as resolve_fast_paths
 from .launch import launch_env
 from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops, synchronizer
 from .models import count_params
-from .optim import build_scheduler
+from .optim import build_scheduler, lr_table
 from .precision import tf32_active
-from .run_state import Resume, RunProgress, check_resumable, open_resume, resume_run, run_state
-from .stop import PREEMPTED, SLURM_MARGIN_S, Agreement, StopRequest, slurm_deadline
-from .strategy import build_strategy, check_launch
+from .run_state import (
+    Resume,
+    RunParts,
+    RunProgress,
+    check_cap,
+    check_resumable,
+    open_resume,
+    resume_run,
+    run_state,
+)
+from .step import FiniteWatch, TrainStep, check_training_state
+from .stop import PREEMPTED, Agreement, StopRequest, announce_deadline, slurm_deadline
+from .strategy import Strategy, build_strategy, check_engine, check_launch
 from .strategy.devices import LauncherWatch
 from .tasks import build_task, check_config
-
-
-def _no_phase(name: str) -> None:
-    pass
 
 
 @dataclass
@@ -52,33 +57,6 @@ class Window:
             self.data_s + data_s,
         )
         self.skipped = self.skipped + skipped
-
-
-class FiniteWatch:
-    """Non-finite losses noticed without a host sync per step: the first bad step and its loss are
-    kept on the device (a few element-wise ops per step) and read by `check()` at log steps and
-    before anything is evaluated or saved, so a NaN never reaches a checkpoint."""
-
-    def __init__(self):
-        self.first = None  # device tensors: step number (-1: none yet), its loss
-
-    def see(self, step: int | torch.Tensor, loss: torch.Tensor) -> None:
-        """`step`: the step just taken (a host int, or a device counter: train.capture=step).
-        In place: the same two tensors every step (a captured step replays into them)."""
-        loss = loss.detach()
-        if self.first is None:
-            self.first = (torch.full((), -1, dtype=torch.int64, device=loss.device), loss.clone())
-        first, bad_loss = self.first
-        new = (first < 0) & ~torch.isfinite(loss)
-        bad_loss.copy_(torch.where(new, loss, bad_loss))
-        first.copy_(torch.where(new, step, first))
-
-    def bad(self) -> tuple[int, float] | None:
-        """(step, loss) of the first non-finite loss, or None (reads the device: a sync)."""
-        if self.first is None:
-            return None
-        step = int(self.first[0])
-        return (step, float(self.first[1])) if step >= 0 else None
 
 
 def make_run_dir(cfg: Config, s, run_dir, resume) -> tuple[Path, RunLock | None, list[Path]]:
@@ -134,31 +112,45 @@ class Progressed:
         setattr(tr.progress, self.name, value)
 
 
+def check_run(cfg: Config, world_size: int | None = None) -> Config:
+    """Every refusal that needs no data and no engine, in one place: the task's checks (model.init
+    files), the engine's (strategy.check_engine), the launch (N copies into one run folder) and
+    that the global batch splits over processes x micro-batches. `vitscale train`, `config` and
+    `info` ask it; `world_size` None: this process's launch (1 outside a launcher)."""
+    world = launch_env(os.environ).world_size if world_size is None else world_size
+    check_engine(check_config(cfg))
+    check_launch(cfg.strategy.name, world)
+    micro_batch(cfg.data.batch_size, world, cfg.train.accum_steps)
+    return cfg
+
+
 class Trainer:
-    """Builds data, model and strategy from a config; `fit()` trains, evaluates and checkpoints."""
+    """Wires a run's parts from a config (data, model, strategy, task, schedule, progress, the step
+    function); `fit()` trains, evaluates and checkpoints. `on_eval(result)`: called after every
+    evaluation (a search reports there); `signals`: stop signals end the run with a checkpoint
+    (False: the lab's trainers leave them, and SLURM_JOB_END_TIME, to their command)."""
 
     step, train_time, images_seen = Progressed(), Progressed(), Progressed()
     steady, best_acc, last_eval = Progressed(), Progressed(), Progressed()
 
     def __init__(
-        self, cfg: Config, run_dir: Path | None = None, resume: Resume | str | Path | None = None
+        self,
+        cfg: Config,
+        run_dir: Path | None = None,
+        resume: Resume | None = None,
+        *,
+        on_eval: Callable[[dict], None] | None = None,
+        signals: bool = True,
     ):
-        """`resume`: a checkpoint file or run folder, or one already opened and checked
-        (run_state.resume_request: `vitscale train --resume`), which is taken as it is."""
+        """`resume`: a checkpoint opened and checked (run_state.open_resume / resume_request)."""
+        self.on_eval, self.stop_on_signals = on_eval, signals
         # train.precision / train.capture = auto answered for this machine: what the run saves
         self.fast = resolve_fast_paths(cfg)
         self.cfg = cfg = self.fast.cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
-        check_config(cfg)  # the task's checks (model.init files), before an engine starts
-        world = launch_env(os.environ).world_size
-        check_launch(cfg.strategy.name, world)  # N copies into one run folder
-        # the one check that the global batch splits over processes x micro-batches (before an engine
-        # starts: DeepSpeed's config and the data plan divide by it)
-        micro_batch(cfg.data.batch_size, world, cfg.train.accum_steps)
-        if resume is not None and not isinstance(resume, Resume):
-            resume = open_resume(resume)
+        check_run(cfg)  # before an engine starts (DeepSpeed's config divides the batch)
         if resume is not None and resume.changes is None:  # before anything is written
             resume.changes = check_resumable(resume, cfg)
         # the strategy builds its optimizer at the lr for this global batch (optim.scaled_lr); the
@@ -167,31 +159,18 @@ class Trainer:
         self.lr = s.lr
         self.run_dir, self.lock, made = make_run_dir(cfg, s, run_dir, resume)
         self.launcher = LauncherWatch()
+        self.last_ckpt: Path | None = None
         try:
             self.build(cfg, s)
             if resume is not None:
-                resume_run(self, resume)
-                self.check_cap()
+                resume_run(self.parts, resume)
+                self.last_ckpt = resume.path
+                check_cap(cfg, self.step, self.steps_per_epoch)
         except BaseException:  # a half-built run: its data workers stopped, its folder released
             self.close()
             if resume is None and s.is_main:
                 discard_unstarted(self.run_dir, made)
             raise
-
-    def check_cap(self) -> None:
-        """A resumed run that run.max_steps stops where it already is, short of its epochs (a cap
-        saved with the run, and more epochs asked for now): refused in one line naming the cap,
-        rather than a run that trains nothing and reports the old result."""
-        cap, epochs = (
-            self.cfg.run.max_steps,
-            math.ceil(self.cfg.train.epochs * self.steps_per_epoch),
-        )
-        if cap and self.step >= cap and epochs > cap:
-            raise UserError(
-                f"resume: run.max_steps = {cap} caps this run at step {cap}, where it already is, "
-                f"short of its {self.cfg.train.epochs:g} epochs ({epochs} steps): add --set "
-                f"run.max_steps=0 to train them (or a larger cap)"
-            )
 
     def close(self) -> None:
         """After training, or when it stopped on an error (also half-built): the data's workers
@@ -201,8 +180,8 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
 
-    def build(self, cfg: Config, s) -> None:
-        """Data, model, engine, schedule and counters of a new run."""
+    def build(self, cfg: Config, s: Strategy) -> None:
+        """Data, model, engine, schedule, counters and the step function of a new run."""
         self.task = task = build_task(cfg)
         self.data = task.build_data(s)
         if cfg.data.batch_size > self.data.train_size:
@@ -211,15 +190,13 @@ class Trainer:
                 f"({self.data.train_size} images)"
             )
         self.spec = task.spec_for(self.data)
-        self.flops_per_image = task.flops(
-            self.spec
-        )  # per training sample (image, or image-caption pair)
+        self.flops_per_image = task.flops(self.spec)  # per training sample (image, or pair)
         torch.manual_seed(cfg.run.seed)
         model = task.build_model(self.spec)  # the same initial weights on every rank
         if s.rank:  # a stream of its own per rank for dropout / stochastic depth
             torch.manual_seed(cfg.run.seed + 1_000_003 * s.rank)
         self.params = count_params(model)
-        self.strategy.setup(model)
+        s.setup(model)
         self.steps_per_epoch = len(self.data.train)
         remainder = self.data.train_size % cfg.data.batch_size
         self.empty_last_share = not cfg.data.drop_last and 0 < remainder < s.world_size
@@ -236,18 +213,18 @@ class Trainer:
             steps_per_epoch=self.steps_per_epoch,
             device=s.device,
         )
-        self.progress = (
-            RunProgress()
-        )  # step, training time, samples seen, best metric, last evaluation
+        self.progress = RunProgress()  # step, training time, samples, best metric, last eval
         # optim.schedule_clock=time: the decay follows self.train_time to train.time_limit_s
         self.scheduler = build_scheduler(
-            self.strategy.optimizer,
+            s.optimizer,
             cfg.optim,
             self.total_steps,
             self.steps_per_epoch,
             clock=lambda: self.train_time,
             budget_s=cfg.train.time_limit_s,
         )
+        self.parts = RunParts(cfg, s, self.scheduler, self.progress, task, self.spec)
+        self.step_fn = TrainStep(s, task, cfg.train.accum_steps)
         self.watch = FiniteWatch()
         # train.capture=step: the whole step as one unit (built at the first step: after a resume
         # has loaded the state it captures), its batches prepared many at a time
@@ -255,115 +232,87 @@ class Trainer:
         self.ahead = (
             ahead_batches(cfg, self.data.train.batch_size, self.data) if s.whole_step else 1
         )
-        self.last_ckpt: Path | None = None
 
-    # -- checkpoints ------------------------------------------------------------------------------
-    def check_finite(self) -> None:
-        """TrainingError if a loss since the start was non-finite (the same on every rank: the loss
-        is the mean over ranks). Called before anything is logged, evaluated or saved."""
-        bad = self.watch.bad()
-        if bad is None:
-            return
-        step, loss = bad
-        raise TrainingError(
-            f"loss is {loss} at step {step} (epoch {(step - 1) // self.steps_per_epoch}): "
-            f"training stopped{self._last_good()}"
-        )
-
-    def check_state(self) -> None:
-        """check_finite, then the training state itself (weights, masters, optimizer state, EMA):
-        an update can overflow although its loss was finite. Collective; called before anything
-        is evaluated or saved (one reduction per tensor: never per step), so no checkpoint and no
-        evaluation ever holds a NaN."""
-        self.check_finite()
-        bad = self.strategy.count_nonfinite()
-        if bad:
-            raise TrainingError(
-                f"the training state is not finite after step {self.step} ({bad} tensors hold "
-                "NaN or inf although every loss was finite: an update overflowed; lower "
-                f"optim.lr or set optim.grad_clip): training stopped{self._last_good()}"
-            )
-
-    def _last_good(self) -> str:
-        return (
-            f"; last good checkpoint: {self.last_ckpt}"
-            if self.last_ckpt
-            else "; no checkpoint was written before it"
-        )
+    # -- checks, checkpoints, evaluation ----------------------------------------------------------
+    def check_state(self, state: bool = True) -> None:
+        """TrainingError if a loss since the start was non-finite; with `state`, also if the
+        training state itself is (collective: one reduction per tensor, never per step). Called
+        before anything is logged, evaluated or saved: no checkpoint ever holds a NaN."""
+        self.watch.check(self.steps_per_epoch, self.last_good())
+        if state:
+            check_training_state(self.strategy, self.step, self.last_good())
 
     def save(self) -> Path:
         """Collective (every rank's RNG goes in); the main process writes."""
         self.check_state()
         s = self.strategy
-        suffix = (
-            s.engine_suffix
-        )  # DeepSpeed, FSDP2 sharded: big state in a folder every rank writes
+        suffix = s.engine_suffix  # DeepSpeed, FSDP2 sharded: a folder every rank writes
         if suffix:
             s.save_engine(self.run_dir / "checkpoints" / f"step_{self.step:08d}{suffix}")
-        state = {**run_state(self), "engine": suffix}
+        state = {**run_state(self.parts), "engine": suffix}
         path = self.run_dir / "checkpoints" / f"step_{self.step:08d}.pt"
-        if self.strategy.is_main:
+        if s.is_main:
             path = save_checkpoint(self.run_dir, self.step, state, self.cfg.run.keep_last)
         self.last_ckpt = path
         return path
 
-    # -- evaluation -------------------------------------------------------------------------------
+    def saved_now(self) -> bool:
+        return self.last_ckpt is not None and self.last_ckpt.name.endswith(f"{self.step:08d}.pt")
+
     def evaluate(self) -> dict:
         """The task's metrics over the whole test set (every rank gets the same numbers)."""
         self.check_state()
         self.strategy.sync_buffers()  # every rank evaluates the buffers that are saved (rank 0's)
         r = self.task.evaluate_all(self.strategy, self.data)
-        self.last_eval = {
-            "step": self.step,
-            "epoch": self.step / self.steps_per_epoch,
-            "train_time_s": self.train_time,
-            **r,
-        }
+        epoch = self.step / self.steps_per_epoch
+        self.last_eval = {"step": self.step, "epoch": epoch, "train_time_s": self.train_time, **r}
         value = r.get(self.task.metric)
         if value is not None:
             self.best_acc = value if self.best_acc is None else max(self.best_acc, value)
+        if self.on_eval is not None:
+            self.on_eval(self.last_eval)
         return self.last_eval
 
     # -- training ---------------------------------------------------------------------------------
-    def train_step(
-        self, batch: tuple, phase: Callable[[str], None] | None = None
-    ) -> tuple[torch.Tensor, dict]:
-        """One optimizer step over a batch ((images, labels) or (images, tokens, index)) split
-        into accum_steps micro-batches; returns (the loss, the strategy's step info), both left
-        on the device: nothing here waits for the GPU (the loop reads them at log steps).
-        `phase`: called with "forward" and "backward" after each micro-batch's forward and
-        backward, "loss_reduce" after the multi-process loss mean and "optimizer" after the
-        update: the lab's step split times this very step through it (None in training)."""
-        s, A = self.strategy, self.cfg.train.accum_steps
-        mark = phase or _no_phase
-        total = torch.zeros((), device=batch[0].device)
-        with s.comm_window():  # the step's collectives are counted (comm_stats)
-            for i, micro in enumerate(zip(*(t.chunk(A) for t in batch))):
-                with s.no_sync() if i < A - 1 else contextlib.nullcontext():
-                    with s.autocast():
-                        loss = self.task.forward_loss(s.model, micro, s.prepare) / A
-                    mark("forward")
-                    s.backward(loss)
-                    mark("backward")
-                total += loss.detach()
-            if s.world_size > 1:  # the mean over all ranks: every rank sees the same (NaN) loss
-                total = s.all_reduce_sum(total) / s.world_size
-                mark("loss_reduce")
-            info = s.step()
-            self.task.after_step(self.step)
-            mark("optimizer")
-        return total, info
+    def train_step(self, batch: tuple, phase=None) -> tuple[torch.Tensor, dict]:
+        """The step function (step.TrainStep) at this run's step: (loss, info) on the device."""
+        return self.step_fn(batch, self.step, phase)
 
     def run_step(self, batch: tuple) -> tuple[torch.Tensor, dict]:
         """One optimizer step as training runs it (and the lab times it): `train_step`, or with
         train.capture=step the whole step as one unit (capture.WholeStep: a graph replay on a
         GPU); the non-finite watch sees its loss either way. Nothing here reads the device."""
-        if self.strategy.whole_step:
-            self.whole = self.whole or WholeStep(self)
+        s = self.strategy
+        if s.whole_step:
+            if self.whole is None:
+                table = lr_table(self.scheduler, self.total_steps, s.device)
+                self.whole = WholeStep(
+                    self.train_step,
+                    s.optimizer.param_groups,
+                    table,
+                    self.step,
+                    self.watch,
+                    captured=s.captured,
+                )
             return self.whole.step(batch)  # the watch is updated inside
         loss, info = self.train_step(batch)
         self.watch.see(self.step + 1, loss)
         return loss, info
+
+    def skip_empty_share(self) -> bool:
+        """data.drop_last=false: the epoch's last global batch is partial, and where it has fewer
+        samples than processes some rank's share is empty: every rank skips that step, decided
+        from the sizes alone (no collective, no host sync)."""
+        last = self.step % self.steps_per_epoch == self.steps_per_epoch - 1
+        if not (self.empty_last_share and last):
+            return False
+        self.bar.message(
+            f"step {self.step + 1}: the epoch's last batch has fewer samples than "
+            "processes; step skipped on every rank"
+        )
+        self.scheduler.step()
+        self.step += 1
+        return True
 
     def train_epoch(self) -> str:
         """Steps from the current one to the end of its epoch (or of training); returns the stop
@@ -379,19 +328,7 @@ class Trainer:
                 break
             n_local = batch[0].shape[0]
             t_data = time.perf_counter() - t_last
-            # data.drop_last=false: the epoch's last global batch is partial, and where it has
-            # fewer samples than processes some rank's share is empty: every rank skips that step,
-            # decided from the sizes alone (no collective, no host sync)
-            if (
-                self.empty_last_share
-                and self.step % self.steps_per_epoch == self.steps_per_epoch - 1
-            ):
-                self.bar.message(
-                    f"step {self.step + 1}: the epoch's last batch has fewer samples than "
-                    "processes; step skipped on every rank"
-                )
-                self.scheduler.step()
-                self.step += 1
+            if self.skip_empty_share():
                 t_last = time.perf_counter()
                 continue
             if n_local == 0:  # the loaders replace unreadable samples (data/): never an empty batch
@@ -402,7 +339,7 @@ class Trainer:
                 raise TrainingError(
                     f"step {self.step + 1}: the launcher that started this process is gone "
                     "(killed or preempted): this rank stops; the last complete checkpoint "
-                    f"is kept{self._last_good()}"
+                    f"is kept{self.last_good()}"
                 )
             loss, info = self.run_step(batch)
             self.scheduler.step()
@@ -422,9 +359,12 @@ class Trainer:
             t_last = time.perf_counter()  # checkpoint I/O is not training time
         return "done"
 
-    def account(
-        self, dt: float, t_data: float, images: int, loss, info: dict, log_now: bool = True
-    ) -> None:
+    def last_good(self) -> str:
+        if self.last_ckpt:
+            return f"; last good checkpoint: {self.last_ckpt}"
+        return "; no checkpoint was written before it"
+
+    def account(self, dt: float, t_data: float, images: int, loss, info: dict, log_now=True):
         """Time and samples of a finished step (`images`: global); at log steps (`log_now`) the
         train log record, where the loss, gradient norm and skipped steps are read from the
         device; the progress line."""
@@ -433,30 +373,14 @@ class Trainer:
         if not self._first:  # throughput excludes each process's first step (compile, warm-up)
             self.steady = [self.steady[0] + dt, self.steady[1] + images]
         self._first = False
-        w = self.window
-        w.add(dt, images, t_data, info["skipped"])
+        self.window.add(dt, images, t_data, info["skipped"])
         if log_now:
-            self.check_finite()
-            steps = w.images / images
-            loss = float(loss)
-            self.log.log(
-                {
-                    "kind": "train",
-                    "step": self.step,
-                    "epoch": self.step / self.steps_per_epoch,
-                    "loss": loss,
-                    "lr": self.scheduler.get_last_lr()[0],
-                    "images_per_s": w.images / w.seconds,
-                    "step_time_s": w.seconds / max(1, steps),
-                    "data_time_s": w.data_s / max(1, steps),
-                    "grad_norm": float(info["grad_norm"]),
-                    "skipped": int(w.skipped),
-                    **self.task.logs(),
-                    **self.strategy.comm_stats(round(steps)),
-                }
-            )
+            self.check_state(state=False)
+            record = train_record(self, self.window, images, float(loss), info)
+            self.log.log(record)
             self.window = Window()
-            self._bar_text = f"loss {loss:.4f} | {self.images_seen / self.train_time:.0f} img/s"
+            ips = self.images_seen / self.train_time
+            self._bar_text = f"loss {record['loss']:.4f} | {ips:.0f} img/s"
         self.bar.update(self.step, self._bar_text)
 
     def end_of_epoch(self) -> None:
@@ -469,34 +393,19 @@ class Trainer:
             ev = self.evaluate()
             self.log.log({"kind": "eval", **ev}, prefix="eval")
             self.bar.message(
-                f"epoch {ev['epoch']:.2f} step {self.step}: {self.task.describe_eval(ev, self.best_acc)}, "
-                f"{self.train_time:.0f}s training"
+                f"epoch {ev['epoch']:.2f} step {self.step}: "
+                f"{self.task.describe_eval(ev, self.best_acc)}, {self.train_time:.0f}s training"
             )
         if not cfg.run.checkpoint_every:
             self.save()
-
-    # SIGTERM, SIGUSR1, SIGINT and SLURM_JOB_END_TIME stop the run at a step with a checkpoint
-    # (stop.py); the lab's trainers (search trials, the ladder) leave them to their command (Ctrl-C
-    # ends the command)
-    stop_on_signals = True
-
-    def saved_now(self) -> bool:
-        return self.last_ckpt is not None and self.last_ckpt.name.endswith(f"{self.step:08d}.pt")
 
     def train_until_stopped(self, stop: StopRequest) -> str:
         """Epochs until the end or a stop request; the reason ("done", "time limit", a signal's name,
         "job end"). A request that arrives during an evaluation or a checkpoint is handled at the
         epoch's end, before another step."""
-        deadline = (
-            slurm_deadline() if self.stop_on_signals else None
-        )  # the lab's trainers: their command's
+        deadline = slurm_deadline() if self.stop_on_signals else None
         if deadline is not None and self.strategy.is_main:  # said whatever run.progress is
-            print(
-                f"SLURM_JOB_END_TIME is set: the run stops with a checkpoint {SLURM_MARGIN_S:.0f} s "
-                f"before the job's end, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(deadline))}",
-                file=sys.stderr,
-                flush=True,
-            )
+            announce_deadline(deadline)
         self.agreement = Agreement(self.strategy, stop, self.cfg.train.time_limit_s, deadline)
         stop_reason = "done"
         try:
@@ -521,32 +430,18 @@ class Trainer:
             if main
             else NullLog()
         )
-        self.bar = Progress(
-            self.total_steps,
-            cfg.run.progress if main else "off",
-            start=self.step,
-            every=cfg.run.log_every,
-        )
+        progress = cfg.run.progress if main else "off"
+        self.bar = Progress(self.total_steps, progress, start=self.step, every=cfg.run.log_every)
         self.bar.message(self.fast.line())
         self.bar.message(describe_run(self))
         self.window, self._first, self._bar_text = Window(), True, ""
         with StopRequest(quiet=not main, signals=self.stop_on_signals) as stop:
             stop_reason = self.train_until_stopped(stop)
-        if (
-            stop_reason in PREEMPTED
-        ):  # the exact state saved at once, no evaluation: the scheduler waits
-            if not self.saved_now():
+        if stop_reason in PREEMPTED:  # the exact state saved at once, no evaluation: the
+            if not self.saved_now():  # scheduler waits
                 self.save()
             self.log.close()
-            return {
-                "rank": self.strategy.rank,
-                "stop_reason": stop_reason,
-                "step": self.step,
-                "total_steps": self.total_steps,
-                "epoch": self.step / self.steps_per_epoch,
-                "checkpoint": str(self.last_ckpt),
-                "run_dir": str(self.run_dir),
-            }
+            return preempted_summary(self, stop_reason)
         if self.last_eval is None or self.last_eval["step"] != self.step:
             self.log.log({"kind": "eval", **self.evaluate()}, prefix="eval")
         if not self.saved_now():
@@ -572,6 +467,40 @@ def ahead_batches(cfg: Config, local_batch: int, data) -> int:
     """Batches a train loader prepares at once under train.capture=step."""
     per_batch = 4 * local_batch * data.channels * data.image_size**2
     return max(1, AHEAD_BYTES // max(1, per_batch))
+
+
+def train_record(tr: Trainer, w: Window, images: int, loss: float, info: dict) -> dict:
+    """The train log record of a log step (`w`: the window since the last one; `images`: the last
+    step's global samples): loss, lr, throughput, gradient norm, skipped steps, the task's and the
+    engine's own numbers. Reads the device (the gradient norm, the skipped count)."""
+    steps = w.images / images
+    return {
+        "kind": "train",
+        "step": tr.step,
+        "epoch": tr.step / tr.steps_per_epoch,
+        "loss": loss,
+        "lr": tr.scheduler.get_last_lr()[0],
+        "images_per_s": w.images / w.seconds,
+        "step_time_s": w.seconds / max(1, steps),
+        "data_time_s": w.data_s / max(1, steps),
+        "grad_norm": float(info["grad_norm"]),
+        "skipped": int(w.skipped),
+        **tr.task.logs(),
+        **tr.strategy.comm_stats(round(steps)),
+    }
+
+
+def preempted_summary(tr: Trainer, stop_reason: str) -> dict:
+    """What `fit()` returns for a run stopped by a signal or the job's end (no summary.json)."""
+    return {
+        "rank": tr.strategy.rank,
+        "stop_reason": stop_reason,
+        "step": tr.step,
+        "total_steps": tr.total_steps,
+        "epoch": tr.step / tr.steps_per_epoch,
+        "checkpoint": str(tr.last_ckpt),
+        "run_dir": str(tr.run_dir),
+    }
 
 
 def describe_run(tr: Trainer) -> str:
@@ -635,9 +564,20 @@ def run_summary(tr: Trainer, stop_reason: str) -> dict:
     }
 
 
-def train(cfg: Config, run_dir: Path | None = None, resume: str | Path | None = None) -> dict:
-    """Train; `run_dir` None = run.out_dir/run.name-TIMESTAMP. Returns the summary (every rank)."""
-    trainer = Trainer(cfg, run_dir, resume)
+def train(
+    cfg: Config,
+    run_dir: Path | None = None,
+    resume: Resume | str | Path | None = None,
+    *,
+    on_eval: Callable[[dict], None] | None = None,
+    signals: bool = True,
+) -> dict:
+    """Train; `run_dir` None = run.out_dir/run.name-TIMESTAMP; `resume`: a checkpoint file or run
+    folder (its newest readable checkpoint), or one already opened. Returns the summary (every
+    rank). `on_eval`, `signals`: as the Trainer takes them."""
+    if resume is not None and not isinstance(resume, Resume):
+        resume = open_resume(resume)
+    trainer = Trainer(cfg, run_dir, resume, on_eval=on_eval, signals=signals)
     try:
         summary = trainer.fit()
     finally:

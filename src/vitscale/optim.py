@@ -201,6 +201,20 @@ def continue_schedule(scheduler, state: dict, base_lrs: list[float]) -> None:
     scheduler.step()
 
 
+def lr_table(scheduler, total_steps: int, device: torch.device) -> torch.Tensor:
+    """The lr of each parameter group at steps 0..total_steps, as `scheduler` (a LambdaLR) computes
+    it: its base lr times its lambda, in double, exactly the float the scheduler would set. The
+    device table a captured step reads its lr from (capture.WholeStep): [groups, total_steps + 1],
+    float64 on a CPU, float32 on a GPU (CUDA's fused AdamW reads fp32)."""
+    dtype = torch.float64 if device.type == "cpu" else torch.float32
+    factors: dict[int, list[float]] = {}
+    rows = []
+    for lam, base in zip(scheduler.lr_lambdas, scheduler.base_lrs):
+        f = factors.setdefault(id(lam), [lam(i) for i in range(total_steps + 1)])
+        rows.append([base * x for x in f])
+    return torch.tensor(rows, dtype=dtype).to(device)
+
+
 def build_scheduler(
     optimizer,
     cfg: OptimConfig,

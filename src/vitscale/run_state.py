@@ -1,19 +1,25 @@
-"""A training run's checkpoint: what it holds of a `Trainer` (loop.py) and the Trainer put back
-from one (`vitscale train --resume`). The files themselves (atomic writes, keep-last-N, RNG
+"""A training run's checkpoint: what it holds of a run's parts (`RunParts`: strategy, schedule,
+progress, task) and the parts put back from one (`vitscale train --resume`). The files themselves (atomic writes, keep-last-N, RNG
 states) are checkpoint.py's; whether an engine can resume another's is strategy/resume.py's."""
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+from torch.optim.lr_scheduler import LambdaLR
 
 from .checkpoint import newest_readable, rng_state, set_rng_state
 from .config import Config, saved_config
 from .errors import ConfigError, UserError
 from .fastpaths import resolve as resolve_fast_paths
 from .optim import continue_schedule
+from .strategy.base import Strategy
 from .strategy.resume import check_resume, engine_folder
+from .tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -163,21 +169,36 @@ def resume_request(resume, overrides=(), out=None) -> tuple[Config, Path, Resume
     return cfg, Path(out) if out else r.run_dir, r
 
 
-def run_state(tr) -> dict:
-    """The checkpoint of a Trainer at its current step (collective: every rank's RNG goes in)."""
-    s = tr.strategy
+@dataclass
+class RunParts:
+    """The parts of a run that a checkpoint holds, each with its own state_dict/load_state_dict
+    (the strategy: weights, optimizer, scaler, EMA; the lr schedule; the progress counters; the
+    task's loss state), with the config and model spec that travel with them. The Trainer wires
+    them; saving and resuming receive them, not the Trainer."""
+
+    cfg: Config
+    strategy: Strategy
+    scheduler: LambdaLR
+    progress: RunProgress
+    task: Task
+    spec: Any
+
+
+def run_state(p: RunParts) -> dict:
+    """The checkpoint of a run at its current step (collective: every rank's RNG goes in)."""
+    s = p.strategy
     return {
         "version": 1,
-        "config": tr.cfg.to_dict(),
+        "config": p.cfg.to_dict(),
         "strategy": s.state_dict(),
-        "scheduler": tr.scheduler.state_dict(),
+        "scheduler": p.scheduler.state_dict(),
         "rng": s.gather_objects(rng_state()),
         "world_size": s.world_size,
-        **tr.progress.state_dict(),
-        "spec": asdict(tr.spec),
-        "kind": tr.task.kind,
-        "task": tr.task.state_dict(),
-        "preprocess": tr.task.preprocess,
+        **p.progress.state_dict(),
+        "spec": asdict(p.spec),
+        "kind": p.task.kind,
+        "task": p.task.state_dict(),
+        "preprocess": p.task.preprocess,
     }
 
 
@@ -188,37 +209,48 @@ def check_resumable(r: Resume, cfg: Config) -> list[str]:
     return check_changes(r.state["config"], cfg, r.path)
 
 
-def resume_run(tr, r: Resume) -> None:
-    """A built Trainer continued from the checkpoint `r`: the engine's own folder (.ds, .dcp)
-    where there is one, then everything run_state saved; the optimizer's hyperparameters and the
+def resume_run(p: RunParts, r: Resume) -> None:
+    """Built parts continued from the checkpoint `r`: the engine's own folder (.ds, .dcp) where
+    there is one, then everything run_state saved; the optimizer's hyperparameters and the
     schedule are this config's, so that the `changes` (check_resumable's) take effect: announced
     in one line."""
-    s = tr.strategy
+    s = p.strategy
     # what the optimizer was built with from this config (lr, weight decay, betas...): loading its
     # state puts the checkpoint's values back, and a key changed on resume must take effect
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in s.optimizer.param_groups]
     folder = engine_folder(r.path, r.state)  # the engine's own folder next to it (.ds, .dcp)
     if folder is not None:
         s.load_engine(folder)
-    restore_run(tr, r.state, hyper)
-    tr.last_ckpt = r.path
+    restore_run(p, r.state, hyper)
     if r.changes and s.is_main:
-        log.warning("resume: %s from step %d with %s", r.run_dir, tr.step, ", ".join(r.changes))
+        step = p.progress.step
+        log.warning("resume: %s from step %d with %s", r.run_dir, step, ", ".join(r.changes))
 
 
-def restore_run(tr, state: dict, hyper: list[dict]) -> None:
-    s = tr.strategy
+def restore_run(p: RunParts, state: dict, hyper: list[dict]) -> None:
+    s = p.strategy
     s.load_state_dict(state["strategy"])
     for group, h in zip(s.optimizer.param_groups, hyper):
         group.update(h)
-    tr.progress.load_state_dict(
-        state
-    )  # before the schedule: a time-clock schedule reads train_time
+    p.progress.load_state_dict(state)  # before the schedule: a time-clock schedule reads it
     # this config's base lrs and schedule (a new lr, more epochs) at the restored step
-    continue_schedule(tr.scheduler, state["scheduler"], [h["initial_lr"] for h in hyper])
+    continue_schedule(p.scheduler, state["scheduler"], [h["initial_lr"] for h in hyper])
     rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
     set_rng_state(rngs[s.rank] if len(rngs) == s.world_size else rngs[0])
     try:
-        tr.task.load_state_dict(state.get("task", {}))
+        p.task.load_state_dict(state.get("task", {}))
     except (ValueError, KeyError) as e:  # e.g. a loss state from another version or dataset
         raise UserError(f"checkpoint: {e}") from None
+
+
+def check_cap(cfg: Config, step: int, steps_per_epoch: int) -> None:
+    """A resumed run that run.max_steps stops where it already is, short of its epochs (a cap
+    saved with the run, and more epochs asked for now): refused in one line naming the cap,
+    rather than a run that trains nothing and reports the old result."""
+    cap, epochs = cfg.run.max_steps, math.ceil(cfg.train.epochs * steps_per_epoch)
+    if cap and step >= cap and epochs > cap:
+        raise UserError(
+            f"resume: run.max_steps = {cap} caps this run at step {cap}, where it already is, "
+            f"short of its {cfg.train.epochs:g} epochs ({epochs} steps): add --set "
+            f"run.max_steps=0 to train them (or a larger cap)"
+        )

@@ -52,6 +52,17 @@ def slurm_deadline(env=None) -> float | None:
         return None
 
 
+def announce_deadline(deadline: float) -> None:
+    """The one line a run whose job has an end time prints at its start (whatever run.progress)."""
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(deadline))
+    print(
+        f"SLURM_JOB_END_TIME is set: the run stops with a checkpoint {SLURM_MARGIN_S:.0f} s "
+        f"before the job's end, at {at}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 class StopRequest:
     """The signal handlers, installed for the loop's lifetime (`with StopRequest() as stop:`); where
     they cannot be installed (not the main thread) the run goes on without them."""

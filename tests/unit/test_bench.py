@@ -16,7 +16,8 @@ from helpers import check_bench_schema
 from vitscale.cli import main
 from vitscale.config import load_config
 from vitscale.lab.timing import Bench
-from vitscale.loop import FiniteWatch, Trainer
+from vitscale.loop import Trainer
+from vitscale.step import FiniteWatch, TrainStep
 from vitscale.metrics import mfu
 
 TINY = "configs/tests/tiny.toml"
@@ -86,7 +87,8 @@ class FakeStrategy:
 
 
 def fake_bench(world_size, name="ddp", accum=1):
-    """A Bench around the real `Trainer.train_step`, run on a fake trainer whose strategy sleeps."""
+    """A Bench around the real step function (step.TrainStep), run on a fake trainer whose strategy
+    sleeps."""
     task = type(
         "T",
         (),
@@ -95,12 +97,10 @@ def fake_bench(world_size, name="ddp", accum=1):
             "after_step": lambda self, step=None: None,
         },
     )()
-    trainer = types.SimpleNamespace(
-        cfg=load_config(TINY, [f"train.accum_steps={accum}"]),
-        task=task,
-        step=0,
-        strategy=FakeStrategy(world_size, name),
-    )
+    cfg = load_config(TINY, [f"train.accum_steps={accum}"])
+    strategy = FakeStrategy(world_size, name)
+    trainer = types.SimpleNamespace(cfg=cfg, task=task, step=0, strategy=strategy)
+    trainer.step_fn = TrainStep(strategy, task, cfg.train.accum_steps)
     trainer.train_step = functools.partial(Trainer.train_step, trainer)
     trainer.run_step, trainer.watch = functools.partial(Trainer.run_step, trainer), FiniteWatch()
     return Bench.around(trainer, (torch.zeros(4, 1), torch.zeros(4)))

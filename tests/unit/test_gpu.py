@@ -132,12 +132,17 @@ def _fit(tmp_path, name, sets, eager_whole=False):
     from vitscale.capture import WholeStep
     from vitscale.config import load_config
     from vitscale.loop import Trainer
+    from vitscale.optim import lr_table
 
     tr = Trainer(
         load_config("configs/tests/tiny.toml", ["run.device=cuda", *sets]), tmp_path / name
     )
-    if eager_whole:
-        tr.whole = WholeStep(tr, eager=True)
+    if eager_whole:  # the parts the loop's own WholeStep gets (Trainer.run_step)
+        s = tr.strategy
+        table = lr_table(tr.scheduler, tr.total_steps, s.device)
+        tr.whole = WholeStep(
+            tr.train_step, s.optimizer.param_groups, table, tr.step, tr.watch, eager=True
+        )
     try:
         summary = tr.fit()
     finally:

@@ -576,26 +576,22 @@ def test_pruning_reports_percent_of_the_budget_and_never_prunes_the_end():
             self.attrs[k] = v
 
     trial = FakeTrial()
-    prune = Pruning(optuna, trial, budget_s=10.0)
-    tr = types.SimpleNamespace(
-        task=types.SimpleNamespace(metric="test_accuracy"), step=0, steps_per_epoch=10
-    )
-    for t, acc in (
-        (1.0, 0.1),
-        (1.2, 0.2),
-        (3.0, 0.3),
-    ):  # 10%, 12% (under 5 points later: skipped), 30%
-        tr.train_time, tr.step = t, tr.step + 10
-        prune(tr, {"test_accuracy": acc})
+    prune = Pruning(optuna, trial, budget_s=10.0, metric="test_accuracy")
+
+    def ev(train_time_s, acc, step=0):  # an evaluation's record, as the Trainer passes it
+        return {
+            "train_time_s": train_time_s,
+            "step": step,
+            "epoch": step / 10,
+            "test_accuracy": acc,
+        }
+
+    for step, (t, acc) in enumerate(((1.0, 0.1), (1.2, 0.2), (3.0, 0.3)), 1):
+        prune(ev(t, acc, 10 * step))  # 10%, 12% (under 5 points later: skipped), 30%
     assert trial.reports == [(10, 0.1), (30, 0.3)]
-    tr.train_time = 10.5  # the last evaluation, past the budget: not reported here, never pruned
-    prune(tr, {"test_accuracy": 0.9})
-    tr.train_time = (
-        9.2  # the last 10% of the budget: not reported, never pruned (a prune there saves little)
-    )
-    prune(tr, {"test_accuracy": 0.05})
+    prune(ev(10.5, 0.9))  # the last evaluation, past the budget: not reported here, never pruned
+    prune(ev(9.2, 0.05))  # the last 10% of the budget: not reported, never pruned (saves little)
     assert trial.reports == [(10, 0.1), (30, 0.3)]
-    tr.train_time = 6.0
     with pytest.raises(optuna.TrialPruned, match="pruned at 60% of the budget"):
-        prune(tr, {"test_accuracy": 0.4})
+        prune(ev(6.0, 0.4, 30))
     assert trial.attrs["train_time_s"] == 6.0 and trial.attrs["epochs"] == 3.0

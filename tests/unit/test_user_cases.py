@@ -129,6 +129,8 @@ def test_a_run_refused_after_its_start_leaves_no_folder_behind(tmp_path, capsys)
             "optim.name=lamb",
         ],
         ["train.precision=fp16"],  # this CPU's refusal, whatever the engine
+        ["data.batch_size=10", "train.accum_steps=3"],  # the global batch does not split
+        ["strategy.name=ddp", "train.accum_steps=0"],  # the schema's own check, for comparison
     ],
 )
 def test_config_and_info_refuse_what_train_refuses_with_the_same_line(tmp_path, capsys, sets_):
@@ -142,5 +144,5 @@ def test_config_and_info_refuse_what_train_refuses_with_the_same_line(tmp_path, 
         assert rc == 2 and len(err.strip().splitlines()) == 1, err
         lines.append(err)
     assert lines[0] == lines[1] == lines[2]
-    assert "does not support" in lines[0] or "refused on CPU" in lines[0]
+    assert any(w in lines[0] for w in ("does not support", "refused on CPU", "split", "accum"))
     assert not (tmp_path / "run").exists()

@@ -144,8 +144,7 @@ def accuracy(cfg, steps: int) -> dict:
         cfg, {"run.max_steps": steps, "run.eval_every": 0, "run.checkpoint_every": steps + 1}
     )
     with tempfile.TemporaryDirectory(prefix="vitscale-ladder-") as tmp:
-        t = Trainer(cfg, Path(tmp) / "run")
-        t.stop_on_signals = False  # Ctrl-C ends the ladder, as before
+        t = Trainer(cfg, Path(tmp) / "run", signals=False)  # Ctrl-C ends the ladder
         try:
             s = t.fit()
         finally:

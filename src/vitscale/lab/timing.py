@@ -1,6 +1,6 @@
 """Timing one trainer (bench, ladder, tune share it).
 
-`Bench` wraps one `Trainer` and times its exact training step (`Trainer.train_step`) on real
+`Bench` wraps one `Trainer` and times its exact training step (its step function, step.TrainStep) on real
 batches from the loader (or one fixed batch), with synchronized timers; `split()` is a separate,
 instrumented pass (syncs between phases) that divides a step into forward / backward /
 communication / optimizer. A Bench keeps the process-wide settings its configuration applied
@@ -30,10 +30,6 @@ from .recipes import synthetic_data
 perf = time.perf_counter
 
 
-def micros(batch: tuple, accum: int):
-    return zip(*(t.chunk(accum) for t in batch))
-
-
 def static_compiles() -> None:
     """Several configurations compiled in one process (ladder, tune) share the model's forward code,
     so torch.compile would recompile the second shape as a dynamic-shape graph, a different program
@@ -47,7 +43,7 @@ def static_compiles() -> None:
 
 
 class PhaseTimer:
-    """`Trainer.train_step`'s `phase` hook: seconds per phase name, each phase ending where the
+    """The step function.s `phase` hook (step.TrainStep): seconds per phase name, each phase ending where the
     step calls the hook (the device synchronized there) and starting where the last one ended."""
 
     def __init__(self, sync):
@@ -196,21 +192,13 @@ class Bench:
         return out
 
     def local_backward(self, batch: tuple) -> float:
-        """Seconds of backward compute alone: forward + backward of every micro-batch under
-        `no_sync()` (no gradient communication), gradients dropped afterwards."""
-        tr, s, A = self.trainer, self.s, self.cfg.train.accum_steps
-        seconds = 0.0
-        with s.no_sync():
-            for micro in micros(batch, A):
-                with s.autocast():
-                    loss = tr.task.forward_loss(s.model, micro, s.prepare) / A
-                self.sync()
-                a = perf()
-                s.backward(loss)
-                self.sync()
-                seconds += perf() - a
-        s.optimizer.zero_grad(set_to_none=True)
-        return seconds
+        """Seconds of backward compute alone: the step function's forward + backward of every
+        micro-batch under `no_sync()` (no gradient communication), gradients dropped afterwards."""
+        timer = PhaseTimer(self.sync)
+        timer.start()
+        self.trainer.step_fn.forward_backward(batch, phase=timer, defer_all=True)
+        self.s.optimizer.zero_grad(set_to_none=True)
+        return timer.seconds["backward"]
 
     @property
     def closed(self) -> bool:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ... import evaluate  # evaluate.evaluate_checkpoint looked up when called (tests wrap it)
 from ...errors import UserError
-from ...loop import Trainer
+from ...loop import train
+from ...tasks import task_class, task_kind
 from ..recipes import log, with_overrides
 from ..timing import free_memory
 
@@ -27,37 +28,23 @@ class TrialFailed(Exception):
     """A trial that could not train: Optuna marks it failed and the search continues."""
 
 
-class SearchTrainer(Trainer):
-    """The Trainer with a hook after every evaluation (`on_eval(trainer, result)`), where the
-    search reports to Optuna and may raise TrialPruned. Signals stay the search command's."""
-
-    stop_on_signals = False
-
-    def __init__(self, cfg, run_dir, on_eval=None):
-        self.on_eval = on_eval
-        super().__init__(cfg, run_dir)
-
-    def evaluate(self) -> dict:
-        ev = super().evaluate()
-        if self.on_eval is not None:
-            self.on_eval(self, ev)
-        return ev
-
-
 def train_run(cfg, run_dir: Path, on_eval=None) -> dict:
-    """Train `cfg` into a fresh `run_dir` (what a killed run left there is removed) -> summary."""
+    """Train `cfg` into a fresh `run_dir` (what a killed run left there is removed) -> summary, with
+    `on_eval(result)` after every evaluation (where the search reports to Optuna and may raise
+    TrialPruned). Signals stay the search command's."""
     run_dir = Path(run_dir)
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    tr = SearchTrainer(cfg, run_dir, on_eval)
     try:
-        summary = tr.fit()
-        tr.strategy.close()
-        return {**summary, "accuracy": summary.get(tr.task.metric)}
+        summary = train(cfg, run_dir, on_eval=on_eval, signals=False)
+        return {**summary, "accuracy": summary.get(metric_of(cfg))}
     finally:
-        tr.close()
-        del tr
         free_memory()  # the next trial starts from empty accelerator memory (also after an OOM)
+
+
+def metric_of(cfg) -> str:
+    """The metric a run of `cfg` keeps the best of (its task's)."""
+    return task_class(task_kind(cfg)).metric
 
 
 class Pruning:
@@ -70,24 +57,22 @@ class Pruning:
     EVERY = 5
     LAST = 90
 
-    def __init__(self, optuna, trial, budget_s: float):
-        self.optuna, self.trial, self.budget = optuna, trial, budget_s
+    def __init__(self, optuna, trial, budget_s: float, metric: str):
+        self.optuna, self.trial, self.budget, self.metric = optuna, trial, budget_s, metric
         self.last = -self.EVERY
 
-    def __call__(self, tr, ev: dict) -> None:
-        acc = ev.get(tr.task.metric)
-        step = int(
-            100 * tr.train_time / self.budget
-        )  # < LAST here; 100 is the final value (run_trials)
+    def __call__(self, ev: dict) -> None:
+        acc = ev.get(self.metric)
+        step = int(100 * ev["train_time_s"] / self.budget)  # < LAST here; 100 is the final value
         if acc is None or step < self.last + self.EVERY or step >= self.LAST:
             return
         self.last = step
         self.trial.report(acc, step)
         if self.trial.should_prune():
             for k, v in (
-                ("train_time_s", tr.train_time),
-                ("steps", tr.step),
-                ("epochs", tr.step / tr.steps_per_epoch),
+                ("train_time_s", ev["train_time_s"]),
+                ("steps", ev["step"]),
+                ("epochs", ev["epoch"]),
             ):
                 self.trial.set_user_attr(k, v)
             raise self.optuna.TrialPruned(
@@ -159,9 +144,8 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
         run_dir = out / "trials" / f"{trial.number:05d}"
         trial.set_user_attr("run_dir", str(run_dir))
         try:
-            r = train_run(
-                with_overrides(base, params), run_dir, Pruning(optuna, trial, args.budget_s)
-            )
+            cfg = with_overrides(base, params)
+            r = train_run(cfg, run_dir, Pruning(optuna, trial, args.budget_s, metric_of(cfg)))
         finally:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the metrics stay
         for k in ("train_time_s", "steps", "epochs", "images_per_s"):
