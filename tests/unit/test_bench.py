@@ -17,8 +17,8 @@ from vitscale.cli import main
 from vitscale.config import load_config
 from vitscale.lab.timing import Bench
 from vitscale.loop import Trainer
-from vitscale.step import FiniteWatch, TrainStep
 from vitscale.metrics import mfu
+from vitscale.step import FiniteWatch, TrainStep
 
 TINY = "configs/tests/tiny.toml"
 FAST = [
