@@ -197,6 +197,26 @@ class PairEvalLoader(TensorEvalLoader):
             yield x, tokens, torch.arange(s, s + len(x), device=self.device)
 
 
+def _zeroshot_loaders(
+    cfg, zeroshot_sets, norm: Normalizer, *, home, device, rank, world_size
+) -> dict:
+    """name -> ZeroShotSet: each set's images and labels moved to `home`, behind an eval loader."""
+    zs = {}
+    for name, (classes, templates, x, y) in zeroshot_sets.items():
+        loader = TensorEvalLoader(
+            x.to(home),
+            y.to(home),
+            cfg.eval_batch_size,
+            norm,
+            device=device,
+            rank=rank,
+            world_size=world_size,
+            pin_memory=cfg.pin_memory,
+        )
+        zs[name] = ZeroShotSet(list(classes), list(templates), loader)
+    return zs
+
+
 def memory_bundle(
     cfg,
     *,
@@ -225,19 +245,9 @@ def memory_bundle(
         len(train_x), cfg.batch_size, seed=seed, drop_last=True, rank=rank, world_size=world_size
     )
     augment = BatchAugment(cfg, mean=mean, std=std, num_classes=1)
-    zs = {}
-    for name, (classes, templates, x, y) in zeroshot_sets.items():
-        loader = TensorEvalLoader(
-            x.to(home),
-            y.to(home),
-            cfg.eval_batch_size,
-            augment.norm,
-            device=device,
-            rank=rank,
-            world_size=world_size,
-            pin_memory=cfg.pin_memory,
-        )
-        zs[name] = ZeroShotSet(list(classes), list(templates), loader)
+    zs = _zeroshot_loaders(
+        cfg, zeroshot_sets, augment.norm, home=home, device=device, rank=rank, world_size=world_size
+    )
     return DataBundle(
         train=PairTrainLoader(
             train_x,

@@ -84,28 +84,39 @@ def list_source(
         "seed": seed,
     }
     if p.is_dir():
-        from ..sources.folder import scan
-
-        classes, (tr_p, tr_y), (ev_p, ev_y) = scan(p)
-        root = str(p)
-
-        def rows(paths, labels):
-            return [
-                (f, Path(os.path.relpath(f, root)).as_posix(), int(y))
-                for f, y in zip(paths.tolist(), labels.tolist())
-            ]
-
-        return Source(
-            "classification",
-            classes,
-            {"train": rows(tr_p, tr_y), "val": rows(ev_p, ev_y)},
-            0,
-            {"kind": "classification", **args},
-        )
+        return _list_folder(p, args)
     if p.suffix.lower() not in CSV_SUFFIXES:
         raise DataError(
             f"prepare: {src} is neither a folder (ROOT/train/<class>/...) nor a .csv/.tsv file"
         )
+    return _list_csv(p, args, image_key, caption_key, val_fraction)
+
+
+def _list_folder(p: Path, args: dict) -> Source:
+    """An image folder ROOT/{train,val}/<class>/*: labelled rows, sources relative to ROOT."""
+    from ..sources.folder import scan
+
+    classes, (tr_p, tr_y), (ev_p, ev_y) = scan(p)
+    root = str(p)
+
+    def rows(paths, labels):
+        return [
+            (f, Path(os.path.relpath(f, root)).as_posix(), int(y))
+            for f, y in zip(paths.tolist(), labels.tolist())
+        ]
+
+    return Source(
+        "classification",
+        classes,
+        {"train": rows(tr_p, tr_y), "val": rows(ev_p, ev_y)},
+        0,
+        {"kind": "classification", **args},
+    )
+
+
+def _list_csv(p: Path, args: dict, image_key, caption_key, val_fraction) -> Source:
+    """A CSV/TSV of (image, caption): captioned rows split by key into train and val; rows with
+    an empty caption dropped (and counted)."""
     from ..sources.csv import read_csv
     from ..sources.held_out import held_out
 
