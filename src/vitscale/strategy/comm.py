@@ -87,7 +87,7 @@ class EventTimer:
     def __init__(self):
         self.start = torch.cuda.Event(enable_timing=True)
         self.start.record()
-        self.end = None
+        self.end: torch.cuda.Event | None = None
 
     def stop(self) -> None:
         end = torch.cuda.Event(enable_timing=True)
@@ -95,6 +95,7 @@ class EventTimer:
         self.end = end
 
     def seconds(self) -> float:
+        assert self.end is not None, "EventTimer.seconds() before stop()"  # settle(): stopped only
         self.end.synchronize()
         return self.start.elapsed_time(self.end) / 1e3
 
@@ -224,7 +225,8 @@ class Counter:
         # torch.compile never traces the counting (a compiled DDP model's forward reaches DDP's
         # buffer broadcast): it runs eagerly around the collective, as the collective itself does
         counted = torch._dynamo.disable(counted, recursive=True)
-        counted._vitscale_counted = True
+        # disable() is untyped (its decorator and context-manager forms in one union): a function here
+        counted._vitscale_counted = True  # pyright: ignore[reportAttributeAccessIssue]
         return counted
 
 
@@ -288,11 +290,11 @@ def time_all_reduce(world: int, sizes: list[int], iters: int) -> list[tuple[int,
     import os
     import tempfile
 
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         init, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
-        mp.spawn(
+        spawn(
             _all_reduce_worker, args=(world, init, list(sizes), iters, out), nprocs=world, join=True
         )
         return [(int(b), float(t)) for b, t in (ln.split() for ln in open(out).read().splitlines())]

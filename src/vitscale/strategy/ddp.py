@@ -20,9 +20,12 @@ def allreduce_hook(dtype: torch.dtype | None = None):
 
     def hook(process_group, bucket):  # no annotations: DDP checks them against real types
         group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None  # DDP was built in an initialized process group: WORLD is set
         buf = bucket.buffer()
         payload = (buf.to(dtype) if dtype is not None else buf).div_(group.size())
-        fut = dist.all_reduce(payload, group=group, async_op=True).get_future()
+        work = dist.all_reduce(payload, group=group, async_op=True)
+        assert work is not None  # async_op on a group this rank belongs to returns its Work
+        fut = work.get_future()
 
         def finish(f):
             if dtype is not None:
@@ -48,4 +51,5 @@ class DDPStrategy(Distributed):
 
     def no_sync(self):
         ddp = getattr(self.model, "_orig_mod", self.model)  # compiled DDP keeps it inside
+        assert isinstance(ddp, DistributedDataParallel)  # what wrap() made of the model in setup
         return ddp.no_sync()

@@ -27,6 +27,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,12 @@ from torch import nn
 from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups, with_lr
+from .base import GradCheckpointing
 from .devices import backend_for, compile_kwargs, sdpa_context
 from .dist import Distributed, env_world, free_port, launched
+
+if TYPE_CHECKING:  # DeepSpeed is optional: imported when setup() builds the engine
+    from deepspeed import DeepSpeedEngine
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -219,7 +224,8 @@ def checked_ds_config(
 
 class DeepSpeedStrategy(Distributed):
     name = "deepspeed"
-    engine_suffix = ".ds"  # the loop calls save_engine(step_N.ds) before writing step_N.pt
+    engine_suffix: str | None = ".ds"  # the loop calls save_engine(step_N.ds) before step_N.pt
+    model: nn.Module  # the engine once set up, typed as base.Strategy declares it (an nn.Module)
 
     def __init__(
         self,
@@ -240,8 +246,15 @@ class DeepSpeedStrategy(Distributed):
         self.input_dtype: torch.dtype | None = (
             None  # set by setup(): what the engine's weights hold
         )
-        self.engine = None
+        self.engine: DeepSpeedEngine | None = None  # built by setup()
         self._micro = 0
+
+    @property
+    def ds_engine(self) -> DeepSpeedEngine:
+        """The engine setup() built (a RuntimeError before setup)."""
+        if self.engine is None:
+            raise RuntimeError("deepspeed strategy: the engine is built by setup(), not called yet")
+        return self.engine
 
     # -- set-up ---------------------------------------------------------------------------------
     def _import_deepspeed(self):
@@ -259,9 +272,11 @@ class DeepSpeedStrategy(Distributed):
             ) from None
         from deepspeed.accelerator import get_accelerator
 
-        if get_accelerator().device_name() != self.device.type:
+        accelerator = get_accelerator()
+        assert accelerator is not None  # get_accelerator() makes one when none is set yet
+        if accelerator.device_name() != self.device.type:
             raise ConfigError(
-                f"config: DeepSpeed runs on its '{get_accelerator().device_name()}' accelerator but "
+                f"config: DeepSpeed runs on its '{accelerator.device_name()}' accelerator but "
                 f"the run wants {self.device.type} (set DS_ACCELERATOR={self.device.type})"
             )
         if not (
@@ -294,7 +309,7 @@ class DeepSpeedStrategy(Distributed):
         self._ensure_process_group()
         self.place(model)
         if self.cfg.activation_checkpointing:
-            model.set_grad_checkpointing(True)
+            cast(GradCheckpointing, model).set_grad_checkpointing(True)
         groups = param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay)
         if (
             self.scfg.offload_optimizer
@@ -326,7 +341,10 @@ class DeepSpeedStrategy(Distributed):
         )
         # this rank's fp32 master shards that the optimizer updates (None: it updates the weights)
         if self.stage == 3:  # ZeRO-3 fills the optimizer's groups only while it steps
-            self.master = list(self.engine.optimizer.fp32_partitioned_groups_flat)
+            zero3 = self.engine.optimizer
+            assert zero3 is not None  # initialize() wrapped the optimizer handed to it
+            # DeepSpeedZeroOptimizer_Stage3's own attribute (the engine types its optimizer loosely)
+            self.master = list(zero3.fp32_partitioned_groups_flat)  # pyright: ignore[reportAttributeAccessIssue]
         elif self.stage > 0 or self.input_dtype is not None:
             self.master = [p for g in optimizer.param_groups for p in g["params"]]
         else:
@@ -334,7 +352,9 @@ class DeepSpeedStrategy(Distributed):
         if self.cfg.compile:  # DeepSpeed's own: the wrapped module compiled, hooks kept outside
             self.engine.compile(compile_kwargs=compile_kwargs(self.cfg.compile_mode))
         self.model = self.engine  # callable: forward through the engine (ZeRO-3 gathers parameters)
-        self.module = self.engine.module
+        module = self.engine.module
+        assert isinstance(module, nn.Module)  # the model initialize() wrapped
+        self.module = module
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):
@@ -354,8 +374,9 @@ class DeepSpeedStrategy(Distributed):
         """One micro-batch. The loop already divided the loss by accum_steps (no second scaling);
         the last of the accum_steps micro-batches is DeepSpeed's accumulation boundary."""
         self._micro += 1
-        self.engine.set_gradient_accumulation_boundary(self._micro == self.cfg.accum_steps)
-        self.engine.backward(loss, scale_wrt_gas=False)
+        engine = self.ds_engine
+        engine.set_gradient_accumulation_boundary(self._micro == self.cfg.accum_steps)
+        engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> dict:
         if self._micro != self.cfg.accum_steps:
@@ -372,15 +393,16 @@ class DeepSpeedStrategy(Distributed):
                 if grads
                 else torch.zeros(())
             )
-        skipped_before = self.engine.skipped_steps
-        self.engine.step()
+        engine = self.ds_engine
+        skipped_before = engine.skipped_steps
+        engine.step()
         self._micro = 0
         if norm is None:
-            norm = self.engine.get_global_grad_norm()
+            norm = engine.get_global_grad_norm()
         # the norm stays as the engine gives it (a tensor is read at the loop's log steps)
         return {
             "grad_norm": norm if norm is not None else 0.0,
-            "skipped": self.engine.skipped_steps != skipped_before,
+            "skipped": engine.skipped_steps != skipped_before,
         }
 
     def eval_module(self) -> nn.Module:
@@ -390,7 +412,8 @@ class DeepSpeedStrategy(Distributed):
 
     def local_tensors(self, p: torch.Tensor) -> list[torch.Tensor]:
         # ZeRO-3: `p` is an empty placeholder while released; the rank's slice is `p.ds_tensor`
-        return super().local_tensors(p) + ([p.ds_tensor] if hasattr(p, "ds_tensor") else [])
+        # (ds_tensor: an attribute ZeRO-3 sets on the parameters it partitions)
+        return super().local_tensors(p) + ([p.ds_tensor] if hasattr(p, "ds_tensor") else [])  # pyright: ignore[reportAttributeAccessIssue]
 
     # -- checkpoints ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict:
@@ -436,7 +459,7 @@ class DeepSpeedStrategy(Distributed):
         path = Path(path)
         return self.write_folder(
             path,
-            lambda tmp: self.engine.save_checkpoint(
+            lambda tmp: self.ds_engine.save_checkpoint(
                 str(path.parent), tag=tmp.name, save_latest=False
             ),
         )
@@ -451,7 +474,7 @@ class DeepSpeedStrategy(Distributed):
                 "save_engine wrote next to the .pt checkpoint)"
             )
         try:
-            load_path, _ = self.engine.load_checkpoint(
+            load_path, _ = self.ds_engine.load_checkpoint(
                 str(path.parent),
                 tag=path.name,
                 load_optimizer_states=True,

@@ -142,7 +142,8 @@ def backend_readers() -> dict:
         readers.update(
             {
                 "cuda.matmul.fp32_precision": lambda: torch.backends.cuda.matmul.fp32_precision,
-                "cudnn.conv.fp32_precision": lambda: torch.backends.cudnn.conv.fp32_precision,
+                # set on torch's CudnnModule at runtime; the module's own annotations omit `conv`
+                "cudnn.conv.fp32_precision": lambda: torch.backends.cudnn.conv.fp32_precision,  # pyright: ignore[reportAttributeAccessIssue]
             }
         )
     out = {}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..checkpoint import commit_folder
 from ..config import OptimConfig, StrategyConfig, TrainConfig
@@ -79,7 +80,9 @@ def init_process_group(
     # the store env:// would make, with keys of their own per torchrun restart: after a restart,
     # gloo otherwise now and then reads a dead process's address and fails to connect
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
+    # the stores are looked up on torch.distributed (public there at runtime, re-exported from
+    # torch._C without being marked so in its typing), where the CPU tests replace them
+    store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
         launch.master_addr,
         launch.master_port,
         launch.world_size,
@@ -88,7 +91,8 @@ def init_process_group(
         multi_tenant=not agent,
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(store=dist.PrefixStore(f"vitscale/attempt_{attempt}", store), **kw)
+    prefixed = dist.PrefixStore(f"vitscale/attempt_{attempt}", store)  # pyright: ignore[reportPrivateImportUsage]
+    dist.init_process_group(store=prefixed, **kw)
 
 
 def is_comm_failure(e: BaseException) -> bool:
@@ -145,6 +149,10 @@ class Distributed(SingleDevice):
 
     # collectives on CPU tensors as well as on the devices' (FSDP2 with cpu_offload)
     cpu_collectives = False
+    # set by setup() / setup_eval(), as base.Strategy declares them: what the training step calls
+    # (the engine's wrapper, compiled or not) and the plain model
+    model: nn.Module
+    module: nn.Module
 
     def __init__(
         self,

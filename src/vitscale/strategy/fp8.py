@@ -13,6 +13,7 @@ is built, this module again on the model), and a width never measured is announc
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 from torch import nn
 
@@ -75,7 +76,7 @@ def convert_fp8(model: nn.Module, recipe: str) -> list[str]:
             "dimensions divisible by 16 to compute in float8"
         )
     modules = dict(model.named_modules())
-    width = min(modules[n].in_features for n in names)
+    width = min(cast(nn.Linear, modules[n]).in_features for n in names)  # fp8_layers: Linear only
     refusal = fp8_slower(recipe, width)
     if refusal:
         raise ConfigError(refusal)

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Any, cast
 
 import torch
-import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict_loader as dcp_loader
+import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -34,15 +36,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 
 from ..checkpoint import optim_keyed_by_name, optim_state_by_name
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
 from ..precision import DTYPES, half_dtype
+from .base import GradCheckpointing
 from .devices import compile_kwargs
 from .dist import Distributed
 
@@ -111,10 +116,10 @@ class FSDPStrategy(Distributed):
     def setup(self, model: nn.Module) -> None:
         self.place(model)
         if self.cfg.activation_checkpointing:
-            model.set_grad_checkpointing(True)
+            cast(GradCheckpointing, model).set_grad_checkpointing(True)
         mp = mp_policy(self.cfg.precision, self.scfg.reduce_dtype)
         offload = CPUOffloadPolicy() if self.scfg.cpu_offload else OffloadPolicy()
-        kw = dict(
+        kw: dict[str, Any] = dict(
             mp_policy=mp,
             offload_policy=offload,
             reshard_after_forward=self.scfg.reshard_after_forward,
@@ -135,11 +140,13 @@ class FSDPStrategy(Distributed):
     def no_sync(self):
         @contextlib.contextmanager
         def ctx():
-            self.model.set_requires_gradient_sync(False)
+            model = self.model
+            assert isinstance(model, FSDPModule)  # fully_shard() made the root one in setup
+            model.set_requires_gradient_sync(False)
             try:
                 yield
             finally:
-                self.model.set_requires_gradient_sync(True)
+                model.set_requires_gradient_sync(True)
 
         return ctx()
 
@@ -152,7 +159,7 @@ class FSDPStrategy(Distributed):
         norm = torch.nn.utils.clip_grad_norm_(
             params, clip if clip > 0 else float("inf"), foreach=True
         )
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # sharded grads: gathered
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": norm.detach(), "skipped": False}  # read at log steps (no host sync)
@@ -192,7 +199,7 @@ class FSDPStrategy(Distributed):
         """Collective: every rank writes its shards (torch.distributed.checkpoint) into the folder
         `path` (step_N.dcp), atomically (Distributed.write_folder)."""
         return self.write_folder(
-            path, lambda tmp: dcp.save(self._sharded_state(), checkpoint_id=str(tmp))
+            path, lambda tmp: dcp_saver.save(self._sharded_state(), checkpoint_id=str(tmp))
         )
 
     def load_engine(self, path: str | Path) -> None:
@@ -205,6 +212,6 @@ class FSDPStrategy(Distributed):
                 "step_N.dcp folder written next to the .pt checkpoint)"
             )
         sd = self._sharded_state()
-        dcp.load(sd, checkpoint_id=str(path))
+        dcp_loader.load(sd, checkpoint_id=str(path))
         set_model_state_dict(self.model, sd["model"])
         set_optimizer_state_dict(self.model, self.optimizer, sd["optimizer"])

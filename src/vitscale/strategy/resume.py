@@ -25,8 +25,8 @@ def saved_strategy(state: dict) -> str:
 def read_dcp(path: Path, keys: set[str] | None = None) -> dict:
     """A torch.distributed.checkpoint folder consolidated in this process (no process group used):
     full tensors on the CPU; `keys` limits it to those top-level entries (e.g. {"model"})."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     path = Path(path)
