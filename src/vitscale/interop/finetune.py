@@ -171,6 +171,19 @@ def init_weights(
     spec = replace(
         src, image_size=image_size, in_chans=in_chans, num_classes=num_classes, **overrides
     )
+    _check_keys(sd, src, path)
+    out = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
+    # the class and register tokens' rows
+    prefix = 0 if spec.no_embed_class else spec.num_prefix_tokens
+    out["pos_embed"] = resample_pos_embed(out["pos_embed"], image_size // spec.patch_size, prefix)
+    first = "patch_embed.proj.weight" if spec.stem == "patch" else "patch_embed.proj.0.weight"
+    out[first] = adapt_in_chans(out[first], in_chans)
+    _fit_head(out, head_policy, num_classes)
+    return spec, out
+
+
+def _check_keys(sd: dict, src: ViTSpec, path: str) -> None:
+    """Refuse a state dict whose keys are not those of `src`'s model (the head may be absent)."""
     with torch.device("meta"):  # the keys and shapes, without the memory
         want = VisionTransformer(src).state_dict()
     unknown, missing = set(sd) - set(want), set(want) - set(sd) - {"head.weight", "head.bias"}
@@ -179,13 +192,11 @@ def init_weights(
             [f"missing keys {', '.join(sorted(missing)[:4])}"] if missing else []
         )
         raise UserError(f"model.init: {path}: {'; '.join(parts)}")
-    out = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
-    prefix = (
-        0 if spec.no_embed_class else spec.num_prefix_tokens
-    )  # the class and register tokens' rows
-    out["pos_embed"] = resample_pos_embed(out["pos_embed"], image_size // spec.patch_size, prefix)
-    first = "patch_embed.proj.weight" if spec.stem == "patch" else "patch_embed.proj.0.weight"
-    out[first] = adapt_in_chans(out[first], in_chans)
+
+
+def _fit_head(out: dict, head_policy: str, num_classes: int) -> None:
+    """model.init_head: keep the weights' head (refused unless it has `num_classes` rows), or drop
+    it from `out` to be re-initialized (reset, or auto with another number of classes)."""
     same_head = "head.weight" in out and out["head.weight"].shape[0] == num_classes
     if head_policy == "keep" and not same_head:
         raise UserError(
@@ -196,7 +207,6 @@ def init_weights(
     if head_policy == "reset" or not same_head:
         out.pop("head.weight", None)
         out.pop("head.bias", None)
-    return spec, out
 
 
 def weights_normalization(path: str, arch: str = "") -> str:

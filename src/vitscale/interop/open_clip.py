@@ -512,10 +512,40 @@ def init_weights(
     grid (finetune.resample_pos_embed), RGB patch filters summed for grey images, the text position
     embeddings cut to `context_length` (exact: causal attention never looks past a caption's last
     token). `quick_gelu` None: from the configuration, else from the file name (uses_quick_gelu)."""
-    from .files import read_state_dict
-    from .finetune import adapt_in_chans, resample_pos_embed
-
     path = weights_path(path)
+    src, state = _read_init(
+        path, open_clip, quick_gelu=quick_gelu, vision_heads=vision_heads, text_heads=text_heads
+    )
+    _check_init_geometry(
+        src, image_size=image_size, context_length=context_length, vocab_size=vocab_size
+    )
+    v, t = src.vision, src.text
+    spec = replace(
+        src,
+        vision=replace(
+            v,
+            image_size=image_size,
+            in_chans=in_chans,
+            attention=attention,
+            drop_path=drop_path,
+            dropout=dropout,
+        ),
+        text=replace(t, context_length=context_length, attention=attention),
+    )
+    return spec, _fit_init_state(
+        state,
+        patch_size=v.patch_size,
+        image_size=image_size,
+        in_chans=in_chans,
+        context_length=context_length,
+    )
+
+
+def _read_init(path, open_clip: str, *, quick_gelu, vision_heads, text_heads):
+    """init_weights' reading: (the weights' own spec, their state dict in vitscale's keys), the
+    architecture resolved from the weights and their configuration, what was assumed announced."""
+    from .files import read_state_dict
+
     try:
         mc, _, _ = read_config(open_clip, path)
         note = ""
@@ -544,6 +574,13 @@ def init_weights(
         assumed,
         INIT_HINT,
     )
+    return src, state
+
+
+def _check_init_geometry(
+    src: ClipSpec, *, image_size: int, context_length: int, vocab_size: int
+) -> None:
+    """Refuse a run whose image size, context length or vocabulary the weights cannot serve."""
     v, t = src.vision, src.text
     if image_size % v.patch_size:
         raise UserError(
@@ -565,20 +602,17 @@ def init_weights(
             f"model.init: the weights' vocabulary has {t.vocab_size} tokens, the tokenizer "
             f"{vocab_size}"
         )
-    spec = replace(
-        src,
-        vision=replace(
-            v,
-            image_size=image_size,
-            in_chans=in_chans,
-            attention=attention,
-            drop_path=drop_path,
-            dropout=dropout,
-        ),
-        text=replace(t, context_length=context_length, attention=attention),
-    )
+
+
+def _fit_init_state(
+    state: dict, *, patch_size: int, image_size: int, in_chans: int, context_length: int
+) -> dict:
+    """The weights to this run's geometry: image position embeddings resampled to the patch grid,
+    patch filters to `in_chans`, text position embeddings cut to `context_length`."""
+    from .finetune import adapt_in_chans, resample_pos_embed
+
     state["visual.pos_embed"] = resample_pos_embed(
-        state["visual.pos_embed"], image_size // v.patch_size, 1
+        state["visual.pos_embed"], image_size // patch_size, 1
     )
     state["visual.patch_embed.proj.weight"] = adapt_in_chans(
         state["visual.patch_embed.proj.weight"], in_chans
@@ -586,7 +620,7 @@ def init_weights(
     state["text.positional_embedding"] = state["text.positional_embedding"][
         :context_length
     ].contiguous()
-    return spec, state
+    return state
 
 
 def export_run(model: CLIP, out, metadata: dict, run_dir, preprocess: dict) -> Path:

@@ -293,6 +293,13 @@ def _check_args(a: dict, distilled: bool, label: str) -> None:
         raise UserError(
             f"timm ViT{label}: the argument {unknown[0]}={a[unknown[0]]!r} is not known to vitscale"
         )
+    _check_layers(a, label)
+    _check_options(a, label)
+
+
+def _check_layers(a: dict, label: str) -> None:
+    """The layer classes (block_fn, attn_layer, mlp_layer, norm_layer, embed_layer): timm's
+    defaults, or those vitscale's ViT computes the same."""
     blocks = {
         "ParallelThingsBlock": UNSUPPORTED[".attns."],
         "ParallelScalingBlock": UNSUPPORTED[".in_proj."],
@@ -328,6 +335,10 @@ def _check_args(a: dict, distilled: bool, label: str) -> None:
         raise _refusal(
             label, f"the patch embedding {_short(_layer(a['embed_layer'])[0])} (embed_layer)"
         )
+
+
+def _check_options(a: dict, label: str) -> None:
+    """The remaining arguments: extra norms, biases, pooling, position embedding, activation."""
     if a["embed_norm_layer"] is not None:
         raise _refusal(label, UNSUPPORTED["patch_embed.norm"])
     if a["qk_norm"]:
@@ -471,15 +482,7 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
     """The spec the keys show, timm's defaults for what they leave open, announced in one line."""
     refuse_unsupported(sd, UNSUPPORTED, "timm ViT", "vitscale's ViT")
     dim, in_chans, patch, depth = _shape_facts(sd)
-    if "blocks.0.norm1.weight" in sd and "blocks.0.norm1.bias" not in sd:
-        raise _refusal("", "RMSNorm (blocks.0.norm1 has a weight and no bias)")
-    fc1, fc2 = sd["blocks.0.mlp.fc1.weight"], sd.get("blocks.0.mlp.fc2.weight")
-    if fc2 is not None and fc1.shape[0] == 2 * fc2.shape[1]:
-        raise _refusal(
-            "",
-            f"a gated MLP (GluMlp: blocks.0.mlp.fc1 gives {fc1.shape[0]} features, fc2 takes "
-            f"{fc2.shape[1]})",
-        )
+    _refuse_norm_and_mlp(sd)
     token = "cls_token" in sd
     reg = sd["reg_token"].shape[1] if "reg_token" in sd else 0
     fc_norm = "fc_norm.weight" in sd
@@ -502,26 +505,7 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
         assumed.append(f"{heads} attention heads (model.heads)")
     if dim % heads:
         raise UserError(f"timm ViT: width {dim} is not divisible by {heads} heads")
-    if head == "token":
-        pooling = "the class token's features, not the patch tokens' average"
-    else:  # fc_norm keys (or no class token) say pooling, not which: 'avg', 'max' and fc_norm with 'token' all fit
-        pooling = (
-            f"the average of the patch tokens{', then fc_norm' if fc_norm else ''} as the feature "
-            f"(global_pool='avg', not 'max'{' or the class token' if token else ''}, nor per-token outputs)"
-        )
-    assumed += [
-        "exact GELU (not GELU-tanh or QuickGELU)",
-        "LayerNorm eps 1e-6",
-        pooling,
-        "pre-norm blocks",
-    ]
-    log.warning(
-        "%s: no config.json beside the weights and no architecture name, so what the weights leave open "
-        "is assumed, and the file cannot confirm it: %s (timm's defaults; set model.init_arch to the timm "
-        "architecture, e.g. vit_base_patch16_224, or put the hub's config.json next to the file)",
-        announce,
-        ", ".join(assumed),
-    )
+    _announce_defaults(announce, assumed, head=head, token=token, fc_norm=fc_norm)
     hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
     return ViTSpec(
         image_size=grid * patch,
@@ -541,6 +525,47 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
         qkv_bias="blocks.0.attn.qkv.bias" in sd,
         pre_norm="norm_pre.weight" in sd,
         final_norm=fc_norm or "norm.weight" in sd,
+    )
+
+
+def _refuse_norm_and_mlp(sd: dict) -> None:
+    """One line for an RMSNorm or a gated MLP, which the keys show by their shapes."""
+    if "blocks.0.norm1.weight" in sd and "blocks.0.norm1.bias" not in sd:
+        raise _refusal("", "RMSNorm (blocks.0.norm1 has a weight and no bias)")
+    fc1, fc2 = sd["blocks.0.mlp.fc1.weight"], sd.get("blocks.0.mlp.fc2.weight")
+    if fc2 is not None and fc1.shape[0] == 2 * fc2.shape[1]:
+        raise _refusal(
+            "",
+            f"a gated MLP (GluMlp: blocks.0.mlp.fc1 gives {fc1.shape[0]} features, fc2 takes "
+            f"{fc2.shape[1]})",
+        )
+
+
+def _announce_defaults(
+    announce: str, assumed: list, *, head: str, token: bool, fc_norm: bool
+) -> None:
+    """The one warning of _spec_from_keys: what was `assumed`, then timm's defaults the keys
+    cannot show (activation, norm eps, pooling, pre-norm)."""
+    if head == "token":
+        pooling = "the class token's features, not the patch tokens' average"
+    else:  # fc_norm keys (or no class token) say pooling, not which: 'avg', 'max' and fc_norm with 'token' all fit
+        pooling = (
+            f"the average of the patch tokens{', then fc_norm' if fc_norm else ''} as the feature "
+            f"(global_pool='avg', not 'max'{' or the class token' if token else ''}, nor per-token outputs)"
+        )
+    assumed = [
+        *assumed,
+        "exact GELU (not GELU-tanh or QuickGELU)",
+        "LayerNorm eps 1e-6",
+        pooling,
+        "pre-norm blocks",
+    ]
+    log.warning(
+        "%s: no config.json beside the weights and no architecture name, so what the weights leave open "
+        "is assumed, and the file cannot confirm it: %s (timm's defaults; set model.init_arch to the timm "
+        "architecture, e.g. vit_base_patch16_224, or put the hub's config.json next to the file)",
+        announce,
+        ", ".join(assumed),
     )
 
 
