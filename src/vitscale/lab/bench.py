@@ -13,6 +13,7 @@ import torch
 
 from ..config import parse_override
 from ..errors import UserError
+from ..loop import state_bytes
 from ..metrics import mfu, peak_flops
 from ..precision import tf32_active
 from ..strategy.comm import KINDS
@@ -21,6 +22,12 @@ from .peer import describe_peer, import_timm, peer_rounds
 from .recipes import check_counts, lab_config, with_overrides
 from .rounds import gather_max, paired_rounds, rate, rounds_won, side_by_side
 from .timing import Bench, kernel_seconds
+
+SPLIT_NOTE = (
+    "step_time_s/images_per_s: un-instrumented steps (data fetch included); "
+    "split: a separate instrumented pass on one batch with syncs between phases "
+    "(max across ranks), data from the timed steps"
+)
 
 
 def measure(
@@ -34,6 +41,8 @@ def measure(
     rounds: int = 5,
     beside: list | None = None,
 ) -> dict:
+    """`vitscale bench`'s report (commands.py says what it holds): the timed steps, the split,
+    memory, MFU, communication, and the --peer / --beside rounds where asked."""
     rss0 = max_rss_bytes()
     cuda = torch.cuda.is_available() and cfg.run.device != "cpu"
     if cuda:
@@ -43,19 +52,11 @@ def measure(
     try:
         r, comm = timed_steps(b, steps, warmup, trials)
         split = b.split(split_steps or min(steps, 5))
-        if cuda:
-            mem, mem_src = (
-                torch.cuda.max_memory_allocated(s.device),
-                "cuda max_memory_allocated (this process)",
-            )
-        else:
-            mem, mem_src = max_rss_bytes() - rss0, "process max RSS growth (ru_maxrss), CPU"
-        mem = max(s.gather_objects(mem))
-        state = s.gather_objects(b.trainer.state_bytes())  # what each rank holds, by kind
+        mem, mem_src = _peak_memory(s, cuda, rss0)
+        state = s.gather_objects(state_bytes(s, b.trainer.task))  # what each rank holds, by kind
         split_all = s.gather_objects({k: v for k, v in split.items() if k != "notes"})
-        peak, peak_src = peak_flops(
-            s.device, cfg.train.precision, cfg.train.tf32
-        )  # every rank at once: shared cores
+        # every rank at once: shared cores
+        peak, peak_src = peak_flops(s.device, cfg.train.precision, cfg.train.tf32)
         peak = s.broadcast_object(peak)
         ips = r["images_per_s"]
         world = s.world_size
@@ -69,47 +70,15 @@ def measure(
             "flops_per_image": b.trainer.flops_per_image,
             "train_flops_per_image": 3 * b.trainer.flops_per_image,
             "step_time_s": r["step_time_s"],
-            "split": {
-                "data": r["data_s"],
-                **{
-                    k: _max_or_none([d[k] for d in split_all])
-                    for k in (
-                        "forward",
-                        "backward",
-                        "comm_exposed",
-                        "comm_overlapped",
-                        "optimizer",
-                        "instrumented_step",
-                    )
-                },
-            },
-            "split_notes": [
-                "step_time_s/images_per_s: un-instrumented steps (data fetch included); "
-                "split: a separate instrumented pass on one batch with syncs between phases "
-                "(max across ranks), data from the timed steps"
-            ]
-            + split["notes"],
+            "split": _split_max(r, split, split_all),
+            "split_notes": [SPLIT_NOTE] + split["notes"],
             "comm": comm,
             "peak_memory_bytes": mem,
             "memory_source": mem_src,
             "state_bytes_per_rank": state,
             "state_bytes": max(sum(r.values()) for r in state),
-            "world_size": world,
-            "batch_size": cfg.data.batch_size,
-            "micro_batch": cfg.data.batch_size // world // cfg.train.accum_steps,
-            "steps": steps,
-            "warmup": warmup,
-            "trials": trials,
-            "synthetic": synthetic,
-            "params": b.trainer.params,
-            "config": b.cfg.to_dict(),
-            "versions": versions(),
-            "hardware": hardware_info(s.device),
-            "strategy": s.name,
-            "rank": s.rank,
+            **_run_facts(cfg, b, steps=steps, warmup=warmup, trials=trials, synthetic=synthetic),
         }
-        if "comm_total" in split:
-            out["split"]["comm_total"] = max(d["comm_total"] for d in split_all)
         if peer:
             out["peer"] = peer_rounds(
                 b, peer, steps, warmup, rounds, b.trainer.flops_per_image, peak
@@ -120,6 +89,62 @@ def measure(
         b.close()
     s.close()  # leave the process group cleanly (multi-process runs)
     return out
+
+
+def _peak_memory(s, cuda: bool, rss0: int) -> tuple[int, str]:
+    """(peak memory in bytes, the max across ranks; where it was read): CUDA's allocator peak,
+    else this process's RSS growth since `rss0`."""
+    if cuda:
+        mem, mem_src = (
+            torch.cuda.max_memory_allocated(s.device),
+            "cuda max_memory_allocated (this process)",
+        )
+    else:
+        mem, mem_src = max_rss_bytes() - rss0, "process max RSS growth (ru_maxrss), CPU"
+    return max(s.gather_objects(mem)), mem_src
+
+
+def _split_max(r: dict, split: dict, split_all: list) -> dict:
+    """The step's split: the data time from the timed steps `r`, each instrumented phase the max
+    across ranks (`split_all`), the total communication where this rank's `split` has it."""
+    out = {
+        "data": r["data_s"],
+        **{
+            k: _max_or_none([d[k] for d in split_all])
+            for k in (
+                "forward",
+                "backward",
+                "comm_exposed",
+                "comm_overlapped",
+                "optimizer",
+                "instrumented_step",
+            )
+        },
+    }
+    if "comm_total" in split:
+        out["comm_total"] = max(d["comm_total"] for d in split_all)
+    return out
+
+
+def _run_facts(cfg, b, *, steps: int, warmup: int, trials: int, synthetic: bool) -> dict:
+    """What was measured, and where: the batch, the measurement's settings, the model's size, the
+    configuration, versions, hardware and strategy (the report's tail)."""
+    s, world = b.s, b.s.world_size
+    return {
+        "world_size": world,
+        "batch_size": cfg.data.batch_size,
+        "micro_batch": cfg.data.batch_size // world // cfg.train.accum_steps,
+        "steps": steps,
+        "warmup": warmup,
+        "trials": trials,
+        "synthetic": synthetic,
+        "params": b.trainer.params,
+        "config": b.cfg.to_dict(),
+        "versions": versions(),
+        "hardware": hardware_info(s.device),
+        "strategy": s.name,
+        "rank": s.rank,
+    }
 
 
 def beside_rounds(b, overrides: list, steps: int, warmup: int, rounds: int, peak: float) -> dict:

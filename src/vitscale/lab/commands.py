@@ -347,6 +347,13 @@ examples:
 
 def search_arguments(p) -> None:
     add_recipe_arguments(p)
+    _search_study_arguments(p)
+    _search_protocol_arguments(p)
+    _search_worker_arguments(p)
+
+
+def _search_study_arguments(p) -> None:
+    """The space, the budget, the number of trials and where the study and its runs live."""
     p.add_argument(
         "--space",
         help="the space: a TOML file of ranges and choices, or the name of a shipped one "
@@ -375,6 +382,10 @@ def search_arguments(p) -> None:
         "(postgresql://, mysql://) for workers on several machines",
     )
     p.add_argument("--study", default="search", help="study name in the storage (default: search)")
+
+
+def _search_protocol_arguments(p) -> None:
+    """How trials are scored and pruned, and how the pick is confirmed (repeats, recipe, test)."""
     p.add_argument(
         "--val-fraction",
         type=float,
@@ -411,6 +422,10 @@ def search_arguments(p) -> None:
         action="store_true",
         help="no new trials: the repeats still missing, the test evaluation and the report",
     )
+
+
+def _search_worker_arguments(p) -> None:
+    """A worker's heartbeat and sampler seed (several workers share one study)."""
     p.add_argument(
         "--heartbeat-s",
         type=int,

@@ -57,11 +57,18 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
     """The cumulative rungs for this config and process count; a rung whose config does not
     validate (e.g. fused optimizer for LAMB) or named in `skip` is skipped with the reason and
     adds nothing."""
+    device_type = "cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu"
+    rungs = _all_rungs(cfg, world_size, device_type)
+    _accumulate(rungs, cfg, world_size, device_type, skip)
+    return rungs
+
+
+def _all_rungs(cfg, world_size: int, device_type: str) -> list[Rung]:
+    """Every rung in ladder order, each with its own delta (not yet accumulated or checked)."""
     per_device = cfg.data.batch_size // world_size
     half = "bf16"  # bf16 autocast: the fast path on CPUs with AVX-512 bf16 and on Ampere+ GPUs
-    device_type = "cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu"
     fp32 = "fp32 IEEE, TF32 off" if device_type == "cuda" else "fp32"
-    rungs = [
+    return [
         Rung(
             "baseline",
             f"baseline ({fp32}, class token, for-loop AdamW, explicit attention)",
@@ -108,6 +115,11 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
         ),
         Rung("sharding", "+ sharding (fsdp)", {"strategy.name": "fsdp"}, False),
     ]
+
+
+def _accumulate(rungs: list[Rung], cfg, world_size: int, device_type: str, skip: tuple) -> None:
+    """Each rung's skip reason (--skip, a CUDA feature on the CPU, one process for sharding, a
+    config that does not validate) or, when taken, its cumulative overrides."""
     acc: dict = {}
     autotuned = False
     for r in rungs:
@@ -135,7 +147,6 @@ def build_rungs(cfg, world_size: int, skip: tuple = ()) -> list[Rung]:
             acc = {**acc, **r.delta}
             autotuned = autotuned or r.key == "autotune"
         r.overrides = dict(acc)
-    return rungs
 
 
 def accuracy(cfg, steps: int) -> dict:
@@ -274,6 +285,42 @@ def ladder(
     marked "complete": false until the last one."""
     world = env_world()[1]
     rungs = build_rungs(cfg, world, skip)
+    _log_rungs(rungs)
+    # the baseline (fp32 IEEE: the slowest rung) runs a third of the steps per round as the drift
+    # reference beside the rungs after the first (rounds.measure_against_first)
+    reference_steps = max(1, steps // 3)
+    out = _result_header(
+        cfg,
+        steps=steps,
+        rounds=rounds,
+        warmup=warmup,
+        reference_steps=reference_steps,
+        train_steps=train_steps,
+        synthetic=synthetic,
+        world=world,
+    )
+    rows = LadderRows(cfg, rungs, out, train_steps, on_update)
+    t0 = time.perf_counter()
+    rows.update()
+    measure_against_first(
+        [with_overrides(cfg, r.overrides) for r in rows.live],
+        steps,
+        rounds,
+        warmup,
+        synthetic,
+        names=[r.name for r in rows.live],
+        on_result=rows.measured,
+        reference_steps=reference_steps,
+    )
+    log(
+        f"timed {len(rows.live)} rungs, each beside the baseline: {rounds} rounds x {steps} steps in "
+        f"{time.perf_counter() - t0:.0f}s"
+    )
+    return rows.finish()
+
+
+def _log_rungs(rungs: list[Rung]) -> None:
+    """One line per rung: its cumulative overrides, or why it is skipped."""
     for r in rungs:
         log(
             f"rung {r.name}: "
@@ -283,13 +330,17 @@ def ladder(
                 else " ".join(f"{k}={v}" for k, v in r.overrides.items())
             )
         )
+
+
+def _result_header(
+    cfg, *, steps, rounds, warmup, reference_steps, train_steps, synthetic, world
+) -> dict:
+    """The result before any row: the measurement's settings, hardware, versions and config,
+    marked incomplete."""
     device = torch.device(
         "cuda" if torch.cuda.is_available() and cfg.run.device != "cpu" else "cpu"
     )
-    # the baseline (fp32 IEEE: the slowest rung) runs a third of the steps per round as the drift
-    # reference beside the rungs after the first (rounds.measure_against_first)
-    reference_steps = max(1, steps // 3)
-    out = {
+    return {
         "rungs": [],
         "steps": steps,
         "rounds": rounds,
@@ -309,24 +360,6 @@ def ladder(
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "complete": False,
     }
-    rows = LadderRows(cfg, rungs, out, train_steps, on_update)
-    t0 = time.perf_counter()
-    rows.update()
-    measure_against_first(
-        [with_overrides(cfg, r.overrides) for r in rows.live],
-        steps,
-        rounds,
-        warmup,
-        synthetic,
-        names=[r.name for r in rows.live],
-        on_result=rows.measured,
-        reference_steps=reference_steps,
-    )
-    log(
-        f"timed {len(rows.live)} rungs, each beside the baseline: {rounds} rounds x {steps} steps in "
-        f"{time.perf_counter() - t0:.0f}s"
-    )
-    return rows.finish()
 
 
 def slower_than_previous(row: dict) -> bool:

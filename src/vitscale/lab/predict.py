@@ -84,34 +84,14 @@ def predict(
     gpu: str = "H100",
     mfu: float = 0.4,
 ) -> dict:
+    """`vitscale predict`'s result: the step's cost on one GPU (from a bench result, else
+    estimated from the FLOPs, a GPU's peak and an MFU) and its scaling curves over each link and
+    strategy for `gpus` GPUs."""
     info = model_info(cfg)
     if reduce_dtype is None:
-        s = cfg.strategy
-        reduce_dtype = (
-            "bf16"
-            if "bf16" in (s.grad_compression, s.reduce_dtype)
-            else "fp16"
-            if s.grad_compression == "fp16"
-            else "fp32"
-        )
+        reduce_dtype = _default_reduce_dtype(cfg.strategy)
     grad_bytes = info["params"] * DTYPE_BYTES[reduce_dtype]
-    if bench is not None:
-        cost, source = step_cost_from_bench(bench, cfg.train.accum_steps)
-    else:
-        precision = cfg.train.precision
-        if precision == "auto":  # bf16 on a GPU that has bf16 tensor cores (a bf16 peak), else fp32
-            precision = "bf16" if gpu_peak(gpu, "bf16") else "fp32"
-        dtype = compute_dtype_name(precision, cfg.train.tf32)  # a GPU: TF32 when on
-        peak = gpu_peak(gpu, dtype)
-        if not peak:
-            raise UserError(f"--gpu {gpu}: no {dtype} peak in hardware.GPU_PEAKS")
-        cost = step_cost_estimate(
-            info["train_flops_per_image"], cfg.data.batch_size, peak, mfu, cfg.train.accum_steps
-        )
-        source = (
-            f"estimated: {info['train_flops_per_image'] / 1e9:.3g} GFLOP/image x {cfg.data.batch_size} "
-            f"/ ({gpu} {dtype} peak {peak / 1e12:.3g} TFLOP/s x MFU {mfu:g}); optimizer and data time not modelled"
-        )
+    cost, source = _step_cost(cfg, info, bench, gpu, mfu)
     try:
         link_list = cm.parse_links(links or cm.DEFAULT_LINKS)
     except ValueError as e:
@@ -119,22 +99,16 @@ def predict(
     for st in strategies:
         if st not in cm.STRATEGIES:
             raise UserError(f"--strategy: unknown {st!r} (one of {', '.join(cm.STRATEGIES)})")
-    ks = sorted(set([1, *gpus]))
-    curves = []
-    for label, intra, inter in link_list:
-        for st in strategies:
-            rows = cm.scaling_table(
-                cost, st, grad_bytes, ks, intra, inter, per_node, bucket_mb * 1e6, overlap
-            )
-            curves.append(
-                {
-                    "link": label,
-                    "intra": intra.name,
-                    "inter": inter.name,
-                    "strategy": st,
-                    "rows": rows,
-                }
-            )
+    curves = _curves(
+        cost,
+        link_list,
+        strategies,
+        grad_bytes,
+        sorted(set([1, *gpus])),
+        per_node,
+        bucket_mb,
+        overlap,
+    )
     return {
         "arch": info["arch"],
         "params": info["params"],
@@ -153,6 +127,60 @@ def predict(
             for label, intra, inter in link_list
         },
     }
+
+
+def _curves(cost, link_list, strategies, grad_bytes, ks, per_node, bucket_mb, overlap) -> list:
+    """One scaling table (comm_model.scaling_table over `ks` GPUs) per link and strategy."""
+    curves = []
+    for label, intra, inter in link_list:
+        for st in strategies:
+            rows = cm.scaling_table(
+                cost, st, grad_bytes, ks, intra, inter, per_node, bucket_mb * 1e6, overlap
+            )
+            curves.append(
+                {
+                    "link": label,
+                    "intra": intra.name,
+                    "inter": inter.name,
+                    "strategy": st,
+                    "rows": rows,
+                }
+            )
+    return curves
+
+
+def _default_reduce_dtype(s) -> str:
+    """The gradients' dtype the strategy config `s` reduces in: bf16 or fp16 when it compresses
+    them, else fp32."""
+    return (
+        "bf16"
+        if "bf16" in (s.grad_compression, s.reduce_dtype)
+        else "fp16"
+        if s.grad_compression == "fp16"
+        else "fp32"
+    )
+
+
+def _step_cost(cfg, info: dict, bench: dict | None, gpu: str, mfu: float):
+    """(StepCost on one GPU, where it comes from): the bench result's split, else estimated from
+    the train FLOPs per image, `gpu`'s peak for the run's precision and `mfu`."""
+    if bench is not None:
+        return step_cost_from_bench(bench, cfg.train.accum_steps)
+    precision = cfg.train.precision
+    if precision == "auto":  # bf16 on a GPU that has bf16 tensor cores (a bf16 peak), else fp32
+        precision = "bf16" if gpu_peak(gpu, "bf16") else "fp32"
+    dtype = compute_dtype_name(precision, cfg.train.tf32)  # a GPU: TF32 when on
+    peak = gpu_peak(gpu, dtype)
+    if not peak:
+        raise UserError(f"--gpu {gpu}: no {dtype} peak in hardware.GPU_PEAKS")
+    cost = step_cost_estimate(
+        info["train_flops_per_image"], cfg.data.batch_size, peak, mfu, cfg.train.accum_steps
+    )
+    source = (
+        f"estimated: {info['train_flops_per_image'] / 1e9:.3g} GFLOP/image x {cfg.data.batch_size} "
+        f"/ ({gpu} {dtype} peak {peak / 1e12:.3g} TFLOP/s x MFU {mfu:g}); optimizer and data time not modelled"
+    )
+    return cost, source
 
 
 def markdown(result: dict) -> str:

@@ -189,11 +189,39 @@ def measure_against_first(
             ref_i,
             {"error": "out of memory"} if t is None else result_of(ref, t, steps, [1.0] * len(t)),
         )
+    ref = _pairs_with_reference(
+        ref, ref_i, results, emit, cfgs, steps, rounds, warmup, synthetic, names, reference_steps
+    )
+    emit(ref_i, {"error": "out of memory"})  # where it never completed a pair
+    if ref is not None:
+        ref.close()
+    del ref
+    free_memory()
+    return results
+
+
+def _pairs_with_reference(
+    ref,
+    ref_i: int,
+    results: list,
+    emit,
+    cfgs,
+    steps,
+    rounds,
+    warmup,
+    synthetic,
+    names,
+    reference_steps,
+):
+    """measure_against_first's pairs: every config after the reference `ref` (config `ref_i`)
+    built, timed beside it and freed, one at a time; `emit(i, result)` for each, and for the
+    reference from its first completed pair while its entry in `results` is still None. Returns
+    the reference's Bench as it stands (rebuilt where it ran out of memory; None where that
+    failed), for the caller to close."""
     fresh = True  # the reference has not run a pair since it was built
     for j in range(ref_i + 1, len(cfgs)):
-        if (
-            ref is None or ref.closed
-        ):  # it ran out of memory next to an earlier configuration: again
+        # it ran out of memory next to an earlier configuration: again
+        if ref is None or ref.closed:
             ref, _ = build_bench(cfgs[ref_i], synthetic)
             fresh = True
         full = results[ref_i] is None  # the reference's own result is still to be measured
@@ -211,12 +239,7 @@ def measure_against_first(
         if ref_r is not None and full:
             emit(ref_i, ref_r)
         emit(j, r)
-    emit(ref_i, {"error": "out of memory"})  # where it never completed a pair
-    if ref is not None:
-        ref.close()
-    del ref
-    free_memory()
-    return results
+    return ref
 
 
 def first_bench(cfgs: list, synthetic: bool, emit) -> tuple:

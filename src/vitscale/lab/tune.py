@@ -82,21 +82,7 @@ def search(
             if len(accums) < 2:
                 continue
             start = best.get("train.accum_steps", start_accum)
-            cur = {**best, "train.accum_steps": accums[0]}
-            for a in accums[1:]:
-                nxt = {**best, "train.accum_steps": a}
-                ips = group([cur, nxt])
-                if ips[1] is None or ips[0] is None:
-                    cur = nxt if ips[0] is None else cur
-                    break
-                if (gpu and ips[1] >= ips[0] * (1 - threshold)) or ips[1] > ips[0] * (
-                    1 + threshold
-                ):
-                    cur = nxt
-                else:
-                    break
-                if out_of_time():
-                    break
+            cur = _micro_walk(best, accums, group, gpu, threshold, out_of_time)
             if cur.get("train.accum_steps") != start:  # the walk's pick against the recipe's own
                 orig = dict(best)
                 best = fastest([orig, cur], group([orig, cur]))
@@ -107,6 +93,28 @@ def search(
         cands = [{**best, key: v} for v in values]
         best = fastest(cands, group(cands))
     return best, history
+
+
+def _micro_walk(best: dict, accums: list[int], group, gpu: bool, threshold: float, out_of_time):
+    """search's micro-batch walk from `best`: from the smallest micro-batch up (`accums`, smallest
+    micro-batch first), each next one timed beside the current pick (`group`) and taken while it is
+    more than `threshold` faster (on a GPU: while no more than `threshold` slower); it stops at a
+    failure (the larger micro-batch taken only where the smaller one failed), a slower one or
+    `out_of_time()`. Returns the pick: `best` with its train.accum_steps."""
+    cur = {**best, "train.accum_steps": accums[0]}
+    for a in accums[1:]:
+        nxt = {**best, "train.accum_steps": a}
+        ips = group([cur, nxt])
+        if ips[1] is None or ips[0] is None:
+            cur = nxt if ips[0] is None else cur
+            break
+        if (gpu and ips[1] >= ips[0] * (1 - threshold)) or ips[1] > ips[0] * (1 + threshold):
+            cur = nxt
+        else:
+            break
+        if out_of_time():
+            break
+    return cur
 
 
 def beats_first(paired: float | None, per_round: list | None, margin: float = MARGIN) -> bool:
