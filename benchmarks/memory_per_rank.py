@@ -136,6 +136,7 @@ def worker(config: str, sets: list[str], warmup: int) -> None:
     from vitscale.lab.machine import max_rss_bytes
     from vitscale.lab.recipes import lab_config
     from vitscale.lab.timing import Bench
+    from vitscale.loop import state_bytes
 
     cfg = lab_config(config, sets)
     rss0, rss_start = max_rss_bytes(), rss_bytes()
@@ -169,7 +170,7 @@ def worker(config: str, sets: list[str], warmup: int) -> None:
     rec = {
         "rank": s.rank,
         "params": tr.params,
-        "state": tr.state_bytes(),
+        "state": state_bytes(s, tr.task),
         "grads": grads,
         "zero3_partitions": ds_part,
         "live_after_backward": live_bwd,

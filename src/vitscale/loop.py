@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .capture import WholeStep
-from .checkpoint import RunLock, list_checkpoints, save_checkpoint
+from .checkpoint import RunLock, list_checkpoints
 from .config import Config, micro_batch
 from .errors import DataError, TrainingError, UserError
 from .fastpaths import resolve as resolve_fast_paths
@@ -24,6 +24,7 @@ from .models import count_params
 from .optim import build_scheduler, lr_table
 from .precision import tf32_active
 from .run_state import (
+    Checkpoints,
     Resume,
     RunParts,
     RunProgress,
@@ -31,7 +32,6 @@ from .run_state import (
     check_resumable,
     open_resume,
     resume_run,
-    run_state,
 )
 from .step import FiniteWatch, TrainStep, check_training_state
 from .stop import PREEMPTED, Agreement, StopRequest, announce_deadline, slurm_deadline
@@ -57,6 +57,81 @@ class Window:
             self.data_s + data_s,
         )
         self.skipped = self.skipped + skipped
+
+
+class StepLog:
+    """What a run records as its steps finish: training seconds and samples into its progress
+    counters (each process's first step left out of the steady-state throughput: compile,
+    warm-up), the window since the last train record, the record itself and the progress text."""
+
+    def __init__(self, progress: RunProgress, log):
+        self.progress, self.log = progress, log
+        self.window, self.first, self.text = Window(), True, ""
+
+    def account(self, dt: float, t_data: float, images: int, info: dict) -> Window:
+        p = self.progress
+        p.train_time += dt
+        p.images_seen += images
+        if not self.first:
+            p.steady = [p.steady[0] + dt, p.steady[1] + images]
+        self.first = False
+        self.window.add(dt, images, t_data, info["skipped"])
+        return self.window
+
+    def write(self, record: dict) -> None:
+        """The train record of a log step; a new window from here."""
+        self.log.log(record)
+        self.window = Window()
+        p = self.progress
+        self.text = f"loss {record['loss']:.4f} | {p.images_seen / p.train_time:.0f} img/s"
+
+
+def seeded_model(task, spec, seed: int, rank: int):
+    """The task's model from `seed` (the same initial weights on every rank); then a random stream
+    of each rank's own for dropout and stochastic depth."""
+    torch.manual_seed(seed)
+    model = task.build_model(spec)
+    if rank:
+        torch.manual_seed(seed + 1_000_003 * rank)
+    return model
+
+
+def plan_steps(cfg: Config, data, world_size: int) -> tuple[int, bool]:
+    """(total optimizer steps, whether the epoch's last global batch leaves some rank an empty
+    share: data.drop_last=false with fewer samples left than processes); a one-line DataError
+    where the global batch is larger than the training set or gives no full batch."""
+    if cfg.data.batch_size > data.train_size:
+        raise DataError(
+            f"data.batch_size ({cfg.data.batch_size}) is larger than the training set "
+            f"({data.train_size} images)"
+        )
+    if len(data.train) == 0:
+        raise DataError(f"data.batch_size ({cfg.data.batch_size}) gives no full batch per epoch")
+    total = math.ceil(cfg.train.epochs * len(data.train))
+    remainder = data.train_size % cfg.data.batch_size
+    empty_share = not cfg.data.drop_last and 0 < remainder < world_size
+    return min(total, cfg.run.max_steps) if cfg.run.max_steps else total, empty_share
+
+
+def open_logs(cfg: Config, run_dir: Path, step: int, total_steps: int, main: bool):
+    """The run's metrics log (metrics.jsonl, TensorBoard; records past `step` of a resumed run
+    superseded) and progress line; on the other ranks a log that writes nothing, and no line."""
+    log = (
+        MetricsLog(run_dir, tensorboard=cfg.run.tensorboard, resumed_at=step) if main else NullLog()
+    )
+    progress = cfg.run.progress if main else "off"
+    return log, Progress(total_steps, progress, start=step, every=cfg.run.log_every)
+
+
+def check_orphan(launcher: LauncherWatch, agreement: Agreement, step: int, ckpts) -> None:
+    """An orphan must not go on training (and writing) the run; one told to stop saves first (a
+    launcher that a stop signal ended: torchrun does not handle SIGUSR1)."""
+    if launcher.gone() and agreement.stop.signal is None:
+        raise TrainingError(
+            f"step {step + 1}: the launcher that started this process is gone "
+            "(killed or preempted): this rank stops; the last complete checkpoint "
+            f"is kept{ckpts.last_good()}"
+        )
 
 
 def make_run_dir(cfg: Config, s, run_dir, resume) -> tuple[Path, RunLock | None, list[Path]]:
@@ -125,10 +200,10 @@ def check_run(cfg: Config, world_size: int | None = None) -> Config:
 
 
 class Trainer:
-    """Wires a run's parts from a config (data, model, strategy, task, schedule, progress, the step
-    function); `fit()` trains, evaluates and checkpoints. `on_eval(result)`: called after every
-    evaluation (a search reports there); `signals`: stop signals end the run with a checkpoint
-    (False: the lab's trainers leave them, and SLURM_JOB_END_TIME, to their command)."""
+    """Wires a run's parts (data, model, strategy, task, schedule, progress, step function); `fit()`
+    trains, evaluates and checkpoints. `on_eval(result)`: after every evaluation (a search reports
+    there); `signals`: stop signals end the run with a checkpoint (False: the lab's trainers leave
+    them, and SLURM_JOB_END_TIME, to their command)."""
 
     step, train_time, images_seen = Progressed(), Progressed(), Progressed()
     steady, best_acc, last_eval = Progressed(), Progressed(), Progressed()
@@ -159,12 +234,11 @@ class Trainer:
         self.lr = s.lr
         self.run_dir, self.lock, made = make_run_dir(cfg, s, run_dir, resume)
         self.launcher = LauncherWatch()
-        self.last_ckpt: Path | None = None
         try:
             self.build(cfg, s)
             if resume is not None:
                 resume_run(self.parts, resume)
-                self.last_ckpt = resume.path
+                self.checkpoints.last = resume.path
                 check_cap(cfg, self.step, self.steps_per_epoch)
         except BaseException:  # a half-built run: its data workers stopped, its folder released
             self.close()
@@ -173,8 +247,7 @@ class Trainer:
             raise
 
     def close(self) -> None:
-        """After training, or when it stopped on an error (also half-built): the data's workers
-        stopped, the run folder's writer lock given back."""
+        """After training or an error (also half-built): data workers stopped, run folder freed."""
         if hasattr(self, "data"):
             self.data.close()
         if self.lock is not None:
@@ -184,28 +257,13 @@ class Trainer:
         """Data, model, engine, schedule, counters and the step function of a new run."""
         self.task = task = build_task(cfg)
         self.data = task.build_data(s)
-        if cfg.data.batch_size > self.data.train_size:
-            raise DataError(
-                f"data.batch_size ({cfg.data.batch_size}) is larger than the training set "
-                f"({self.data.train_size} images)"
-            )
+        self.total_steps, self.empty_last_share = plan_steps(cfg, self.data, s.world_size)
+        self.steps_per_epoch = len(self.data.train)
         self.spec = task.spec_for(self.data)
         self.flops_per_image = task.flops(self.spec)  # per training sample (image, or pair)
-        torch.manual_seed(cfg.run.seed)
-        model = task.build_model(self.spec)  # the same initial weights on every rank
-        if s.rank:  # a stream of its own per rank for dropout / stochastic depth
-            torch.manual_seed(cfg.run.seed + 1_000_003 * s.rank)
+        model = seeded_model(task, self.spec, cfg.run.seed, s.rank)
         self.params = count_params(model)
         s.setup(model)
-        self.steps_per_epoch = len(self.data.train)
-        remainder = self.data.train_size % cfg.data.batch_size
-        self.empty_last_share = not cfg.data.drop_last and 0 < remainder < s.world_size
-        if self.steps_per_epoch == 0:
-            raise DataError(
-                f"data.batch_size ({cfg.data.batch_size}) gives no full batch per epoch"
-            )
-        total = math.ceil(cfg.train.epochs * self.steps_per_epoch)
-        self.total_steps = min(total, cfg.run.max_steps) if cfg.run.max_steps else total
         task.setup_training(
             lr=self.lr,
             dataset_size=self.data.train_size,
@@ -224,51 +282,35 @@ class Trainer:
             budget_s=cfg.train.time_limit_s,
         )
         self.parts = RunParts(cfg, s, self.scheduler, self.progress, task, self.spec)
+        self.checkpoints = Checkpoints(self.run_dir, self.parts, cfg.run.keep_last)
         self.step_fn = TrainStep(s, task, cfg.train.accum_steps)
         self.watch = FiniteWatch()
         # train.capture=step: the whole step as one unit (built at the first step: after a resume
         # has loaded the state it captures), its batches prepared many at a time
         self.whole: WholeStep | None = None
-        self.ahead = (
-            ahead_batches(cfg, self.data.train.batch_size, self.data) if s.whole_step else 1
-        )
+        self.ahead = ahead_batches(cfg, self.data) if s.whole_step else 1
 
     # -- checks, checkpoints, evaluation ----------------------------------------------------------
     def check_state(self, state: bool = True) -> None:
         """TrainingError if a loss since the start was non-finite; with `state`, also if the
-        training state itself is (collective: one reduction per tensor, never per step). Called
-        before anything is logged, evaluated or saved: no checkpoint ever holds a NaN."""
-        self.watch.check(self.steps_per_epoch, self.last_good())
+        training state is (collective: one reduction per tensor). Before anything is logged,
+        evaluated or saved: no checkpoint ever holds a NaN."""
+        last_good = self.checkpoints.last_good()
+        self.watch.check(self.steps_per_epoch, last_good)
         if state:
-            check_training_state(self.strategy, self.step, self.last_good())
+            check_training_state(self.strategy, self.step, last_good)
 
     def save(self) -> Path:
-        """Collective (every rank's RNG goes in); the main process writes."""
+        """Collective: the state checked, then written (run_state.Checkpoints)."""
         self.check_state()
-        s = self.strategy
-        suffix = s.engine_suffix  # DeepSpeed, FSDP2 sharded: a folder every rank writes
-        if suffix:
-            s.save_engine(self.run_dir / "checkpoints" / f"step_{self.step:08d}{suffix}")
-        state = {**run_state(self.parts), "engine": suffix}
-        path = self.run_dir / "checkpoints" / f"step_{self.step:08d}.pt"
-        if s.is_main:
-            path = save_checkpoint(self.run_dir, self.step, state, self.cfg.run.keep_last)
-        self.last_ckpt = path
-        return path
-
-    def saved_now(self) -> bool:
-        return self.last_ckpt is not None and self.last_ckpt.name.endswith(f"{self.step:08d}.pt")
+        return self.checkpoints.save()
 
     def evaluate(self) -> dict:
         """The task's metrics over the whole test set (every rank gets the same numbers)."""
         self.check_state()
         self.strategy.sync_buffers()  # every rank evaluates the buffers that are saved (rank 0's)
         r = self.task.evaluate_all(self.strategy, self.data)
-        epoch = self.step / self.steps_per_epoch
-        self.last_eval = {"step": self.step, "epoch": epoch, "train_time_s": self.train_time, **r}
-        value = r.get(self.task.metric)
-        if value is not None:
-            self.best_acc = value if self.best_acc is None else max(self.best_acc, value)
+        self.progress.record_eval(r, self.task.metric, self.steps_per_epoch)
         if self.on_eval is not None:
             self.on_eval(self.last_eval)
         return self.last_eval
@@ -279,21 +321,15 @@ class Trainer:
         return self.step_fn(batch, self.step, phase)
 
     def run_step(self, batch: tuple) -> tuple[torch.Tensor, dict]:
-        """One optimizer step as training runs it (and the lab times it): `train_step`, or with
-        train.capture=step the whole step as one unit (capture.WholeStep: a graph replay on a
-        GPU); the non-finite watch sees its loss either way. Nothing here reads the device."""
+        """One step as training runs it (and the lab times it): `train_step`, or the whole step as
+        one unit (train.capture=step: capture.WholeStep, a graph replay on a GPU); the non-finite
+        watch sees its loss either way. Nothing here reads the device."""
         s = self.strategy
         if s.whole_step:
-            if self.whole is None:
+            if self.whole is None:  # the parts the captured step uses
                 table = lr_table(self.scheduler, self.total_steps, s.device)
-                self.whole = WholeStep(
-                    self.train_step,
-                    s.optimizer.param_groups,
-                    table,
-                    self.step,
-                    self.watch,
-                    captured=s.captured,
-                )
+                parts = (self.train_step, s.optimizer.param_groups, table, self.step, self.watch)
+                self.whole = WholeStep(*parts, captured=s.captured)
             return self.whole.step(batch)  # the watch is updated inside
         loss, info = self.train_step(batch)
         self.watch.see(self.step + 1, loss)
@@ -303,13 +339,10 @@ class Trainer:
         """data.drop_last=false: the epoch's last global batch is partial, and where it has fewer
         samples than processes some rank's share is empty: every rank skips that step, decided
         from the sizes alone (no collective, no host sync)."""
-        last = self.step % self.steps_per_epoch == self.steps_per_epoch - 1
-        if not (self.empty_last_share and last):
+        if not (self.empty_last_share and (self.step + 1) % self.steps_per_epoch == 0):
             return False
-        self.bar.message(
-            f"step {self.step + 1}: the epoch's last batch has fewer samples than "
-            "processes; step skipped on every rank"
-        )
+        said = "the epoch's last batch has fewer samples than processes"
+        self.bar.message(f"step {self.step + 1}: {said}; step skipped on every rank")
         self.scheduler.step()
         self.step += 1
         return True
@@ -333,22 +366,20 @@ class Trainer:
                 continue
             if n_local == 0:  # the loaders replace unreadable samples (data/): never an empty batch
                 raise DataError(f"step {self.step + 1}: the loader gave an empty batch")
-            # an orphan must not go on training (and writing) the run; one told to stop saves first
-            # (a launcher that a stop signal ended: torchrun does not handle SIGUSR1)
-            if self.launcher.gone() and self.agreement.stop.signal is None:
-                raise TrainingError(
-                    f"step {self.step + 1}: the launcher that started this process is gone "
-                    "(killed or preempted): this rank stops; the last complete checkpoint "
-                    f"is kept{self.last_good()}"
-                )
+            check_orphan(self.launcher, self.agreement, self.step, self.checkpoints)
             loss, info = self.run_step(batch)
             self.scheduler.step()
             self.step += 1
             log_now = self.step % cfg.run.log_every == 0 or self.step == self.total_steps
             if log_now:  # the GPU catches up here (and only here) before the clock is read
                 synchronizer(s.device)()
-            now = time.perf_counter()
-            self.account(now - t_last, t_data, n_local * s.world_size, loss, info, log_now)
+            # time and samples; at log steps the train record (loss, norm, skips read there)
+            n = n_local * s.world_size
+            w = self.steps_log.account(time.perf_counter() - t_last, t_data, n, info)
+            if log_now:
+                self.check_state(state=False)
+                self.steps_log.write(train_record(self, w, n, float(loss), info))
+            self.bar.update(self.step, self.steps_log.text)
             if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
                 self.save()
             # a stop request (time limit, signal, the job's end): one process reads its flags every
@@ -359,30 +390,6 @@ class Trainer:
             t_last = time.perf_counter()  # checkpoint I/O is not training time
         return "done"
 
-    def last_good(self) -> str:
-        if self.last_ckpt:
-            return f"; last good checkpoint: {self.last_ckpt}"
-        return "; no checkpoint was written before it"
-
-    def account(self, dt: float, t_data: float, images: int, loss, info: dict, log_now=True):
-        """Time and samples of a finished step (`images`: global); at log steps (`log_now`) the
-        train log record, where the loss, gradient norm and skipped steps are read from the
-        device; the progress line."""
-        self.train_time += dt
-        self.images_seen += images
-        if not self._first:  # throughput excludes each process's first step (compile, warm-up)
-            self.steady = [self.steady[0] + dt, self.steady[1] + images]
-        self._first = False
-        self.window.add(dt, images, t_data, info["skipped"])
-        if log_now:
-            self.check_state(state=False)
-            record = train_record(self, self.window, images, float(loss), info)
-            self.log.log(record)
-            self.window = Window()
-            ips = self.images_seen / self.train_time
-            self._bar_text = f"loss {record['loss']:.4f} | {ips:.0f} img/s"
-        self.bar.update(self.step, self._bar_text)
-
     def end_of_epoch(self) -> None:
         """At an epoch's end: evaluate every run.eval_every epochs; checkpoint unless
         run.checkpoint_every checkpoints by steps."""
@@ -392,10 +399,8 @@ class Trainer:
         if cfg.run.eval_every and (self.step // self.steps_per_epoch) % cfg.run.eval_every == 0:
             ev = self.evaluate()
             self.log.log({"kind": "eval", **ev}, prefix="eval")
-            self.bar.message(
-                f"epoch {ev['epoch']:.2f} step {self.step}: "
-                f"{self.task.describe_eval(ev, self.best_acc)}, {self.train_time:.0f}s training"
-            )
+            said = f"{self.task.describe_eval(ev, self.best_acc)}, {self.train_time:.0f}s training"
+            self.bar.message(f"epoch {ev['epoch']:.2f} step {self.step}: {said}")
         if not cfg.run.checkpoint_every:
             self.save()
 
@@ -403,9 +408,8 @@ class Trainer:
         """Epochs until the end or a stop request; the reason ("done", "time limit", a signal's name,
         "job end"). A request that arrives during an evaluation or a checkpoint is handled at the
         epoch's end, before another step."""
-        deadline = slurm_deadline() if self.stop_on_signals else None
-        if deadline is not None and self.strategy.is_main:  # said whatever run.progress is
-            announce_deadline(deadline)
+        deadline = slurm_deadline() if self.stop_on_signals else None  # the lab's: its command's
+        announce_deadline(deadline, self.strategy.is_main)  # said whatever run.progress is
         self.agreement = Agreement(self.strategy, stop, self.cfg.train.time_limit_s, deadline)
         stop_reason = "done"
         try:
@@ -424,38 +428,26 @@ class Trainer:
     def fit(self) -> dict:
         """Train to the end (or the time limit), evaluating and checkpointing as configured;
         returns the summary (every rank), written to summary.json by the main process."""
-        cfg, main = self.cfg, self.strategy.is_main
-        self.log = (
-            MetricsLog(self.run_dir, tensorboard=cfg.run.tensorboard, resumed_at=self.step)
-            if main
-            else NullLog()
-        )
-        progress = cfg.run.progress if main else "off"
-        self.bar = Progress(self.total_steps, progress, start=self.step, every=cfg.run.log_every)
+        main = self.strategy.is_main
+        self.log, self.bar = open_logs(self.cfg, self.run_dir, self.step, self.total_steps, main)
         self.bar.message(self.fast.line())
         self.bar.message(describe_run(self))
-        self.window, self._first, self._bar_text = Window(), True, ""
+        self.steps_log = StepLog(self.progress, self.log)
         with StopRequest(quiet=not main, signals=self.stop_on_signals) as stop:
             stop_reason = self.train_until_stopped(stop)
-        if stop_reason in PREEMPTED:  # the exact state saved at once, no evaluation: the
-            if not self.saved_now():  # scheduler waits
-                self.save()
-            self.log.close()
-            return preempted_summary(self, stop_reason)
-        if self.last_eval is None or self.last_eval["step"] != self.step:
+        # a signal or the job's end: the exact state saved at once, no evaluation (scheduler waits)
+        preempted = stop_reason in PREEMPTED
+        if not preempted and (self.last_eval is None or self.last_eval["step"] != self.step):
             self.log.log({"kind": "eval", **self.evaluate()}, prefix="eval")
-        if not self.saved_now():
+        if not self.checkpoints.saved_at(self.step):
             self.save()
         self.log.close()
+        if preempted:
+            return preempted_summary(self, stop_reason)
         summary = run_summary(self, stop_reason)
         if main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
-
-    def state_bytes(self) -> dict:
-        """Bytes this rank holds in parameters (local shards), fp32 master copies and optimizer
-        state; gradients, while they exist, take as many bytes as the parameters."""
-        return {**self.strategy.state_bytes(), "loss_state": self.task.state_bytes()}
 
 
 # train.capture=step prepares this many bytes of float32 images at a time (the whole epoch of a
@@ -463,9 +455,9 @@ class Trainer:
 AHEAD_BYTES = 512 * 2**20
 
 
-def ahead_batches(cfg: Config, local_batch: int, data) -> int:
+def ahead_batches(cfg: Config, data) -> int:
     """Batches a train loader prepares at once under train.capture=step."""
-    per_batch = 4 * local_batch * data.channels * data.image_size**2
+    per_batch = 4 * data.train.batch_size * data.channels * data.image_size**2
     return max(1, AHEAD_BYTES // max(1, per_batch))
 
 
@@ -498,9 +490,16 @@ def preempted_summary(tr: Trainer, stop_reason: str) -> dict:
         "step": tr.step,
         "total_steps": tr.total_steps,
         "epoch": tr.step / tr.steps_per_epoch,
-        "checkpoint": str(tr.last_ckpt),
+        "checkpoint": str(tr.checkpoints.last),
         "run_dir": str(tr.run_dir),
     }
+
+
+def state_bytes(strategy: Strategy, task) -> dict:
+    """Bytes this rank holds in parameters (local shards), fp32 master copies, optimizer state and
+    the loss's per-sample state; gradients, while they exist, take as many bytes as the
+    parameters."""
+    return {**strategy.state_bytes(), "loss_state": task.state_bytes()}
 
 
 def describe_run(tr: Trainer) -> str:
@@ -555,10 +554,10 @@ def run_summary(tr: Trainer, stop_reason: str) -> dict:
         "device": str(s.device),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "checkpoint": str(tr.last_ckpt),
+        "checkpoint": str(tr.checkpoints.last),
         "run_dir": str(tr.run_dir),
         "rank": s.rank,
-        "state_bytes_per_rank": s.gather_objects(tr.state_bytes()),
+        "state_bytes_per_rank": s.gather_objects(state_bytes(tr.strategy, tr.task)),
         "task": tr.task.kind,
         **tr.task.summary_extra(tr.lr),
     }

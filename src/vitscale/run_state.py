@@ -12,7 +12,7 @@ from typing import Any
 
 from torch.optim.lr_scheduler import LambdaLR
 
-from .checkpoint import newest_readable, rng_state, set_rng_state
+from .checkpoint import newest_readable, rng_state, save_checkpoint, set_rng_state
 from .config import Config, saved_config
 from .errors import ConfigError, UserError
 from .fastpaths import resolve as resolve_fast_paths
@@ -126,6 +126,17 @@ class RunProgress:
     def state_dict(self) -> dict:
         return asdict(self)
 
+    def record_eval(self, result: dict, metric: str, steps_per_epoch: int) -> dict:
+        """An evaluation's `result` at the current step kept as the last one (with its step, epoch
+        and training time), its `metric` as the best where it is."""
+        epoch = self.step / steps_per_epoch
+        self.last_eval = {"step": self.step, "epoch": epoch, "train_time_s": self.train_time}
+        self.last_eval.update(result)
+        value = result.get(metric)
+        if value is not None:
+            self.best_acc = value if self.best_acc is None else max(self.best_acc, value)
+        return self.last_eval
+
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
             setattr(self, f.name, state[f.name])
@@ -200,6 +211,38 @@ def run_state(p: RunParts) -> dict:
         "task": p.task.state_dict(),
         "preprocess": p.task.preprocess,
     }
+
+
+class Checkpoints:
+    """A run's checkpoint files: step_N.pt (and the engine's own folder beside it: DeepSpeed's
+    .ds, FSDP2's sharded .dcp) written from its parts, and the last one written or resumed from."""
+
+    def __init__(self, run_dir: Path, parts: RunParts, keep_last: int):
+        self.run_dir, self.parts, self.keep_last = run_dir, parts, keep_last
+        self.last: Path | None = None
+
+    def save(self) -> Path:
+        """Collective (every rank's RNG goes in, every rank writes its engine shard); the main
+        process writes step_N.pt (atomically; the oldest beyond run.keep_last removed)."""
+        s, step = self.parts.strategy, self.parts.progress.step
+        suffix = s.engine_suffix
+        if suffix:
+            s.save_engine(self.run_dir / "checkpoints" / f"step_{step:08d}{suffix}")
+        state = {**run_state(self.parts), "engine": suffix}
+        path = self.run_dir / "checkpoints" / f"step_{step:08d}.pt"
+        if s.is_main:
+            path = save_checkpoint(self.run_dir, step, state, self.keep_last)
+        self.last = path
+        return path
+
+    def saved_at(self, step: int) -> bool:
+        return self.last is not None and self.last.name.endswith(f"{step:08d}.pt")
+
+    def last_good(self) -> str:
+        """What an error that stops the run says of its checkpoints."""
+        if self.last:
+            return f"; last good checkpoint: {self.last}"
+        return "; no checkpoint was written before it"
 
 
 def check_resumable(r: Resume, cfg: Config) -> list[str]:

@@ -52,8 +52,11 @@ def slurm_deadline(env=None) -> float | None:
         return None
 
 
-def announce_deadline(deadline: float) -> None:
-    """The one line a run whose job has an end time prints at its start (whatever run.progress)."""
+def announce_deadline(deadline: float | None, main: bool = True) -> None:
+    """The one line a run whose job has an end time prints at its start (the main process, whatever
+    run.progress is); nothing where there is no deadline."""
+    if deadline is None or not main:
+        return
     at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(deadline))
     print(
         f"SLURM_JOB_END_TIME is set: the run stops with a checkpoint {SLURM_MARGIN_S:.0f} s "
