@@ -106,10 +106,10 @@ def drop_patches(x: torch.Tensor, prefix: int, p: float) -> torch.Tensor:
     """FLIP's patch dropout (OpenCLIP's PatchDropout): keep the `prefix` tokens (class, registers)
     and a random subset of kept_patches(N, p) of the N patch tokens per sample, drawn uniformly
     without replacement from the device's default generator (the run's seeded stream) as the top-k
-    of uniform noise. [B, prefix + N, D] -> [B, prefix + k, D]."""
+    of Gaussian noise, as OpenCLIP draws them. [B, prefix + N, D] -> [B, prefix + k, D]."""
     B, T, D = x.shape
     n = T - prefix
-    keep = torch.rand(B, n, device=x.device).topk(kept_patches(n, p), dim=-1).indices  # [B, k]
+    keep = torch.randn(B, n, device=x.device).topk(kept_patches(n, p), dim=-1).indices  # [B, k]
     kept = x[:, prefix:].gather(1, keep.unsqueeze(-1).expand(-1, -1, D))  # [B, k, D]
     return torch.cat([x[:, :prefix], kept], dim=1) if prefix else kept
 
