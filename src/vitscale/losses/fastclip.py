@@ -63,16 +63,16 @@ from .fastclip_state import ShardMap
 from .fastclip_step import (
     add_remote_surrogate,
     anchor_exponents,
-    inner_estimate,
+    inner_estimates,
     local_surrogate,
+    remote_shifts,
     reported_objective,
     reported_value,
-    weighted_z,
+    temperature_columns,
 )
-from .fastclip_temperature import GlobalTemperature, SampleTemperatures
+from .fastclip_temperature import make_temperatures
 
 VARIANTS = ("fastclip_v0", "fastclip_v1", "fastclip_v2", "fastclip_v3", "sogclr", "isogclr")
-GRAD_CLAMP = 5.0  # per-sample temperature gradient clamp
 TAU_LR_SCHEDULES = ("auto", "model", "threshold", "constant")
 
 # The reference's values per variant (README training scripts, CC3M scale; params.py defaults),
@@ -93,6 +93,30 @@ def reference_defaults(variant: str) -> dict:
     return dict(
         tau_init=tau_init, tau_lr=tau_lr, tau_lr_schedule=schedule, rho=rho, gamma_min=gamma_min
     )
+
+
+def resolved_tau_lr_schedule(variant: str, tau_lr_schedule: str) -> str:
+    """The variant and the temperature's lr schedule checked; "auto": the reference's schedule for
+    `variant`."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown FastCLIP variant {variant!r}; expected one of {VARIANTS}")
+    if tau_lr_schedule not in TAU_LR_SCHEDULES:
+        raise ValueError(f"tau_lr_schedule {tau_lr_schedule!r}: expected one of {TAU_LR_SCHEDULES}")
+    if tau_lr_schedule == "auto":
+        tau_lr_schedule = REFERENCE_DEFAULTS[variant][2]
+    return tau_lr_schedule
+
+
+def gathered_features(e1, e2, k: int, off: int, group):
+    """(E1, E2, E1m, E2m): every rank's image and text features [N, d], gathered WITHOUT autograd in
+    one all_gather, and the same with the local slice (rows off..off+b) replaced by the
+    graph-carrying local features e1, e2."""
+    b, d = e1.shape
+    feats = gather_no_grad(torch.cat([e1, e2], 1), k, group)  # [N, 2d], detached
+    E1, E2 = feats[:, :d], feats[:, d:]
+    E1m = torch.cat([E1[:off], e1, E1[off + b :]])  # local slice with grad
+    E2m = torch.cat([E2[:off], e2, E2[off + b :]])
+    return E1, E2, E1m, E2m
 
 
 class FastClipLoss(nn.Module):
@@ -124,19 +148,12 @@ class FastClipLoss(nn.Module):
         group=None,
     ):
         super().__init__()
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown FastCLIP variant {variant!r}; expected one of {VARIANTS}")
-        if tau_lr_schedule not in TAU_LR_SCHEDULES:
-            raise ValueError(
-                f"tau_lr_schedule {tau_lr_schedule!r}: expected one of {TAU_LR_SCHEDULES}"
-            )
+        tau_lr_schedule = resolved_tau_lr_schedule(variant, tau_lr_schedule)
         self.variant, self.n, self.group = variant, int(dataset_size), group
         self.individual = variant in ("fastclip_v2", "isogclr")  # tau1_i, tau2_i per sample
         self.learn_global = variant in ("fastclip_v0", "fastclip_v3")
         self.multiply_tau = variant == "fastclip_v3"
         self.rho = float(rho) if variant in ("fastclip_v2", "fastclip_v3", "isogclr") else 0.0
-        if tau_lr_schedule == "auto":
-            tau_lr_schedule = REFERENCE_DEFAULTS[variant][2]
         # the resolved temperature settings (the temperature object below keeps what it uses)
         self.tau_lr_schedule, self.tau_lr, self.eps = tau_lr_schedule, float(tau_lr), float(eps)
         self.betas, self.tau_eps = (float(tau_beta1), float(tau_beta2)), float(tau_eps)
@@ -148,27 +165,19 @@ class FastClipLoss(nn.Module):
         n, dev, dt = self.shards.size, self.device, state_dtype
         self.lu1 = torch.full((n,), -math.inf, dtype=dt, device=dev)  # log u1 (image anchors)
         self.lu2 = torch.full((n,), -math.inf, dtype=dt, device=dev)  # log u2 (text anchors)
-        if self.individual:
-            self.temperatures = SampleTemperatures(
-                tau_init,
-                shards=self.shards,
-                lr=self.tau_lr,
-                betas=self.betas,
-                eps=self.tau_eps,
-                dtype=dt,
-                device=dev,
-            )
-        else:
-            self.temperatures = GlobalTemperature(
-                tau_init,
-                lr=self.tau_lr,
-                schedule=tau_lr_schedule,
-                lr_factor=lr_factor,
-                lr_cut=float(tau_lr_cut),
-                betas=self.betas,
-                eps=self.tau_eps,
-                device=dev,
-            )
+        self.temperatures = make_temperatures(
+            self.individual,
+            tau_init,
+            shards=self.shards,
+            lr=self.tau_lr,
+            schedule=tau_lr_schedule,
+            lr_factor=lr_factor,
+            lr_cut=float(tau_lr_cut),
+            betas=self.betas,
+            eps=self.tau_eps,
+            dtype=dt,
+            device=dev,
+        )
         # the last forward's raw temperature gradient, which after_step() applies (public: set it to
         # drive the temperature steps without a forward)
         self.pending_grad = None
@@ -207,24 +216,7 @@ class FastClipLoss(nn.Module):
     def load_state_dict(self, sd: dict, strict: bool = True):
         if sd.get("variant", self.variant) != self.variant:
             raise ValueError(f"loss state is for {sd['variant']!r}, not {self.variant!r}")
-        tables = self.tables()
-        missing = [k for k in tables if k not in sd]
-        if missing:
-            raise ValueError(
-                f"loss state lacks {', '.join(missing)} (written by an older vitscale, "
-                "before the reference-parity temperatures?)"
-            )
-        for k, cur in tables.items():
-            new = sd[k]
-            if new.ndim and new.shape != (self.n,):
-                raise ValueError(
-                    f"loss state {k}: shape {tuple(new.shape)} != ({self.n},) "
-                    "(dataset size changed?)"
-                )
-            if new.ndim:  # this rank's rows of the whole table
-                self.shards.load(cur, new)
-            else:
-                cur.copy_(new.to(cur.device, cur.dtype))
+        self.shards.load_tables(self.tables(), sd)
         self.epoch, self.gamma = sd["epoch"], sd["gamma"]
         self.pending_grad = None
 
@@ -245,34 +237,30 @@ class FastClipLoss(nn.Module):
         exchange, table writes, surrogate, logs (the arithmetic: fastclip_step.py)."""
         b, d = e1.shape
         n_all, off = k * b, rank * b
-        feats = gather_no_grad(torch.cat([e1, e2], 1), k, group)  # [N, 2d], detached
-        E1, E2 = feats[:, :d], feats[:, d:]
-        E1m = torch.cat([E1[:off], e1, E1[off + b :]])  # local slice with grad
-        E2m = torch.cat([E2[:off], e2, E2[off + b :]])
+        E1, E2, E1m, E2m = gathered_features(e1, e2, k, off, group)
         rows, rows_all = self._batch_rows(index, k, off, b, group)
         # 1/tau_i (old taus: updated after the step) or logit_scale = exp(theta)
         s1, s2 = self.temperatures.scales(rows, b)
         z1, z2, diag = anchor_exponents(e1, e2, E1m, E2m, s1, s2, off)
         log_eps = math.log(self.eps) if self.eps > 0 else -math.inf
-        sides = [
-            inner_estimate(
-                z,
-                rows[f"lu{side}"],
-                rows.get(f"bound{side}"),
-                self.gamma,
-                math.log(n_all - 1),
-                log_eps,
-            )
-            for side, z in ((1, z1), (2, z2))
-        ]
+        sides = inner_estimates(z1, z2, rows, self.gamma, n_all, log_eps)
         cols = [index.double(), sides[0].lu.double(), sides[1].lu.double()]
-        packed = self._exchange(
-            cols + self._temperature_columns(z1, z2, sides, diag, n_all), k, b, d, group
+        cols += temperature_columns(
+            z1,
+            z2,
+            sides,
+            diag,
+            n_all,
+            self.rho,
+            learn_global=self.learn_global,
+            individual=self.individual,
+            multiply_tau=self.multiply_tau,
         )
+        packed = self._exchange(cols, k, b, d, group)
         idx_all = packed[:, 0].long()  # packed: [N, m] float64
         self._store(idx_all, packed)
         tau = None if self.individual else self.temperatures.tau.float()
-        taus_all = self._batch_taus(idx_all, rows_all) if self.individual else None
+        taus_all = self.temperatures.batch_taus(idx_all, rows_all) if self.individual else None
         sur = local_surrogate(z1, z2, sides)  # (a) local anchors vs all features
         if k > 1:  # (b) the other ranks' anchors vs the local features
             sur = add_remote_surrogate(
@@ -283,7 +271,7 @@ class FastClipLoss(nn.Module):
                 e2,
                 packed,
                 self.temperatures.scales(taus_all, n_all),
-                self._remote_shifts(packed, n_all, log_eps, e1.device),
+                remote_shifts(packed, n_all, log_eps, e1.device, self.individual),
                 off,
             )
         half = 0.5 * tau if self.multiply_tau else 0.5
@@ -320,21 +308,6 @@ class FastClipLoss(nn.Module):
         rows_all = {name: table[:, c].float() for c, name in enumerate(names)}
         return {name: t[off : off + b] for name, t in rows_all.items()}, rows_all
 
-    def _temperature_columns(self, z1, z2, sides, diag, n_all) -> list:
-        """The per-anchor temperature gradients exchanged with u: d(loss)/d(theta) (v0, v3: before
-        v3's tau factor), or h1, h2 and the bounds (per-sample temperatures); none for a constant tau."""
-        if not (self.learn_global or self.individual):
-            return []
-        a = [weighted_z(z, side.L, diag, n_all) for z, side in zip((z1, z2), sides)]
-        if self.learn_global:
-            q = a[0] + a[1]
-            if self.multiply_tau:
-                q = q - self.rho - (sides[0].lu + sides[1].lu) / 2
-            return [q]
-        return [
-            (side.L + self.rho - ai).clamp(-GRAD_CLAMP, GRAD_CLAMP) for side, ai in zip(sides, a)
-        ] + [side.bound for side in sides]
-
     def _exchange(self, cols: list, k, b, d, group):
         """All ranks' columns (index, lu1, lu2, the temperature columns) in one gather, counted."""
         packed = gather_no_grad(torch.stack(cols, 1).double(), k, group)  # [N, m] float64
@@ -356,20 +329,6 @@ class FastClipLoss(nn.Module):
             self.pending_grad = packed[:, 3].mean()
         elif self.individual:  # the taus change in after_step(): this step uses the old ones
             self.pending_grad = (idx_all, packed[:, 3], packed[:, 4])
-
-    def _batch_taus(self, idx_all, rows_all) -> dict:
-        """The per-sample taus of the global batch's anchors (before this step's update)."""
-        if self.shards.sharded:
-            return {"tau1": rows_all["tau1"], "tau2": rows_all["tau2"]}
-        t = self.temperatures
-        return {"tau1": t.tau1[idx_all].float(), "tau2": t.tau2[idx_all].float()}
-
-    def _remote_shifts(self, packed, n_all, log_eps, device):
-        """log eps per gathered anchor, plus its bound for per-sample temperatures (L = log(eps e^bound + u))."""
-        if self.individual:
-            return log_eps + packed[:, 5].float(), log_eps + packed[:, 6].float()
-        sh = torch.full((n_all,), log_eps, device=device)
-        return sh, sh
 
     # ---- temperatures -----------------------------------------------------------------------
     def temperature_grad(self):

@@ -72,6 +72,27 @@ class ShardMap:
             full[r::k] = part[: len(range(r, self.n, k))]
         return full
 
+    def load_tables(self, tables: dict, sd: dict) -> None:
+        """Copy a checkpoint's entries `sd` into `tables` (by key): this rank's rows of each whole
+        [n] table, 0-d entries as they are; a missing table or another dataset size is refused."""
+        missing = [k for k in tables if k not in sd]
+        if missing:
+            raise ValueError(
+                f"loss state lacks {', '.join(missing)} (written by an older vitscale, "
+                "before the reference-parity temperatures?)"
+            )
+        for k, cur in tables.items():
+            new = sd[k]
+            if new.ndim and new.shape != (self.n,):
+                raise ValueError(
+                    f"loss state {k}: shape {tuple(new.shape)} != ({self.n},) "
+                    "(dataset size changed?)"
+                )
+            if new.ndim:  # this rank's rows of the whole table
+                self.load(cur, new)
+            else:
+                cur.copy_(new.to(cur.device, cur.dtype))
+
     def load(self, cur, full) -> None:
         """Copy this rank's rows of a whole [n] table into `cur`."""
         if not self.sharded:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 U_RESET_BELOW = math.log(1e-35)  # the reference's "u < 1e-35, inf or nan" -> u = g
+GRAD_CLAMP = 5.0  # per-sample temperature gradient clamp
 
 
 class Side(NamedTuple):
@@ -67,11 +68,54 @@ def inner_estimate(z, lu_old, bound_old, gamma: float, log_nm1: float, log_eps: 
     return Side(log_g, lu_new, torch.logaddexp(lu_new, log_eps + bound), bound)
 
 
+def inner_estimates(z1, z2, rows: dict, gamma: float, n_all: int, log_eps: float) -> list[Side]:
+    """Both sides' inner estimates: image anchors (z1, rows lu1, bound1), then text anchors (z2,
+    lu2, bound2); the bounds None with a global temperature."""
+    return [
+        inner_estimate(
+            z,
+            rows[f"lu{side}"],
+            rows.get(f"bound{side}"),
+            gamma,
+            math.log(n_all - 1),
+            log_eps,
+        )
+        for side, z in ((1, z1), (2, z2))
+    ]
+
+
 def weighted_z(z, L, diag, n_all: int):
     """a_i = mean_{j != i} exp(z_ij) z_ij / (eps + u_i), detached [b] (the temperatures' gradients)."""
     zd = z.detach()
     p = torch.exp(zd - L[:, None]) / (n_all - 1)  # 0 on the diagonal
     return (p * zd.masked_fill(diag, 0.0)).sum(1)
+
+
+def temperature_columns(
+    z1, z2, sides, diag, n_all: int, rho: float, *, learn_global, individual, multiply_tau
+) -> list:
+    """The per-anchor temperature gradients exchanged with u: d(loss)/d(theta) (v0, v3: before
+    v3's tau factor), or h1, h2 and the bounds (per-sample temperatures); none for a constant tau."""
+    if not (learn_global or individual):
+        return []
+    a = [weighted_z(z, side.L, diag, n_all) for z, side in zip((z1, z2), sides)]
+    if learn_global:
+        q = a[0] + a[1]
+        if multiply_tau:
+            q = q - rho - (sides[0].lu + sides[1].lu) / 2
+        return [q]
+    return [(side.L + rho - ai).clamp(-GRAD_CLAMP, GRAD_CLAMP) for side, ai in zip(sides, a)] + [
+        side.bound for side in sides
+    ]
+
+
+def remote_shifts(packed, n_all: int, log_eps: float, device, individual: bool):
+    """log eps per gathered anchor, plus its bound for per-sample temperatures (L = log(eps e^bound
+    + u)); `packed`: the gathered columns (the bounds at 5 and 6)."""
+    if individual:
+        return log_eps + packed[:, 5].float(), log_eps + packed[:, 6].float()
+    sh = torch.full((n_all,), log_eps, device=device)
+    return sh, sh
 
 
 def local_surrogate(z1, z2, sides):

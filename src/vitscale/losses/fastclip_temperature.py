@@ -128,6 +128,13 @@ class SampleTemperatures:
         """(s1, s2) = (1/tau1_i, 1/tau2_i) of the anchors whose rows are given."""
         return 1.0 / rows["tau1"], 1.0 / rows["tau2"]
 
+    def batch_taus(self, idx_all, rows_all) -> dict:
+        """The per-sample taus of the global batch's anchors (before this step's update): the
+        fetched rows `rows_all` when sharded, else this rank's tables at the dataset indices."""
+        if self.shards.sharded:
+            return {"tau1": rows_all["tau1"], "tau2": rows_all["tau2"]}
+        return {"tau1": self.tau1[idx_all].float(), "tau2": self.tau2[idx_all].float()}
+
     def adam_step(self, idx, h1, h2, epoch: int) -> None:
         """The step of the dataset indices `idx` (the global batch's) on their gradients h1, h2; the
         owner updates its rows."""
@@ -140,3 +147,35 @@ class SampleTemperatures:
             m[idx], v[idx] = mi.to(m.dtype), vi.to(v.dtype)
             step_ = self.lr * (mi / c1) / ((vi / c2).sqrt() + self.eps)
             tau[idx] = (tau[idx].double() - step_).clamp(TAU_MIN, TAU_MAX).to(tau.dtype)
+
+
+def make_temperatures(
+    individual: bool,
+    tau_init: float,
+    *,
+    shards: ShardMap,
+    lr: float,
+    schedule: str,
+    lr_factor,
+    lr_cut: float,
+    betas: tuple[float, float],
+    eps: float,
+    dtype,
+    device,
+):
+    """FastClipLoss's temperatures: per-sample (`individual`: v2, iSogCLR; sharded like u, in
+    `dtype`) or the global one (`schedule`, `lr_factor` and `lr_cut` are its lr schedule's)."""
+    if individual:
+        return SampleTemperatures(
+            tau_init, shards=shards, lr=lr, betas=betas, eps=eps, dtype=dtype, device=device
+        )
+    return GlobalTemperature(
+        tau_init,
+        lr=lr,
+        schedule=schedule,
+        lr_factor=lr_factor,
+        lr_cut=lr_cut,
+        betas=betas,
+        eps=eps,
+        device=device,
+    )
