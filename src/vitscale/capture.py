@@ -16,6 +16,7 @@ capture logic on a CPU with a recorder that replays the recorded operations as a
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -84,7 +85,7 @@ class WholeStep:
         self.graph = None if eager else graph if graph is not None else graph_for(captured)
         self.eager = 0  # steps run eagerly so far (the warm-up)
         self.static: tuple | None = None  # the captured step's input buffers
-        self.out = None  # and its outputs
+        self.out: tuple[torch.Tensor, dict] | None = None  # and its outputs
 
     def body(self, batch: tuple):
         """The step on `batch`: lr from the table at the device step, the step function, the
@@ -116,7 +117,7 @@ class WholeStep:
             for buf, t in zip(self.static, batch):
                 buf.copy_(t, non_blocking=True)
         self.graph.replay()
-        return self.out
+        return cast(tuple[torch.Tensor, dict], self.out)  # set by the capture above
 
 
 def same_shapes(a: tuple, b: tuple) -> bool:

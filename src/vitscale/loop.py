@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar, overload
 
 import torch
 
@@ -39,6 +40,8 @@ from .strategy import Strategy, build_strategy, check_engine, check_launch
 from .strategy.devices import LauncherWatch
 from .tasks import build_task, check_config
 
+T = TypeVar("T")
+
 
 @dataclass
 class Window:
@@ -48,7 +51,7 @@ class Window:
     seconds: float = 0.0
     images: int = 0
     data_s: float = 0.0
-    skipped: object = 0
+    skipped: int | torch.Tensor = 0  # a count, or a device tensor the strategy keeps
 
     def add(self, seconds: float, images: int, data_s: float, skipped=False) -> None:
         self.seconds, self.images, self.data_s = (
@@ -173,18 +176,36 @@ def discard_unstarted(run_dir: Path, made: list[Path]) -> None:
             p.rmdir() if p == run_dir else p.unlink(missing_ok=True)
 
 
-class Progressed:
-    """A Trainer attribute kept in its progress record (`Trainer.progress`, run_state.RunProgress),
-    which saves and restores itself with the checkpoint."""
+class Progressed(Generic[T]):
+    """An attribute kept in the progress record (`progress`, run_state.RunProgress), which saves
+    and restores itself with the checkpoint."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
 
+    @overload
+    def __get__(self, tr: None, owner=None) -> Progressed[T]: ...
+    @overload
+    def __get__(self, tr: ProgressView, owner=None) -> T: ...
     def __get__(self, tr, owner=None):
         return self if tr is None else getattr(tr.progress, self.name)
 
-    def __set__(self, tr, value) -> None:
+    def __set__(self, tr: ProgressView, value: T) -> None:
         setattr(tr.progress, self.name, value)
+
+
+class ProgressView:
+    """The progress record's counters as attributes of the object that holds it (the Trainer):
+    optimizer steps taken, training seconds, samples seen, the steady-state [seconds, samples]
+    (each process's first step left out), the best evaluated metric and the last evaluation."""
+
+    progress: RunProgress
+    step: Progressed[int] = Progressed()
+    train_time: Progressed[float] = Progressed()
+    images_seen: Progressed[int] = Progressed()
+    steady: Progressed[list] = Progressed()
+    best_acc: Progressed[float | None] = Progressed()
+    last_eval: Progressed[dict | None] = Progressed()
 
 
 def check_run(cfg: Config, world_size: int | None = None) -> Config:
@@ -199,14 +220,11 @@ def check_run(cfg: Config, world_size: int | None = None) -> Config:
     return cfg
 
 
-class Trainer:
+class Trainer(ProgressView):
     """Wires a run's parts (data, model, strategy, task, schedule, progress, step function); `fit()`
     trains, evaluates and checkpoints. `on_eval(result)`: after every evaluation (a search reports
     there); `signals`: stop signals end the run with a checkpoint (False: the lab's trainers leave
     them, and SLURM_JOB_END_TIME, to their command)."""
-
-    step, train_time, images_seen = Progressed(), Progressed(), Progressed()
-    steady, best_acc, last_eval = Progressed(), Progressed(), Progressed()
 
     def __init__(
         self,
@@ -310,10 +328,10 @@ class Trainer:
         self.check_state()
         self.strategy.sync_buffers()  # every rank evaluates the buffers that are saved (rank 0's)
         r = self.task.evaluate_all(self.strategy, self.data)
-        self.progress.record_eval(r, self.task.metric, self.steps_per_epoch)
+        ev = self.progress.record_eval(r, self.task.metric, self.steps_per_epoch)
         if self.on_eval is not None:
-            self.on_eval(self.last_eval)
-        return self.last_eval
+            self.on_eval(ev)
+        return ev
 
     # -- training ---------------------------------------------------------------------------------
     def train_step(self, batch: tuple, phase=None) -> tuple[torch.Tensor, dict]:
@@ -528,7 +546,8 @@ def run_summary(tr: Trainer, stop_reason: str) -> dict:
     t, n = tr.steady if tr.steady[1] else (tr.train_time, tr.images_seen)
     images_per_s = n / t if t else 0.0
     peak, peak_src = peak_flops(s.device, cfg.train.precision, cfg.train.tf32)
-    metrics = {k: v for k, v in tr.last_eval.items() if k not in ("step", "epoch", "train_time_s")}
+    last = tr.last_eval or {}  # fit() evaluates before the summary
+    metrics = {k: v for k, v in last.items() if k not in ("step", "epoch", "train_time_s")}
     return {
         **metrics,
         f"best_{tr.task.metric}": tr.best_acc,

@@ -241,7 +241,7 @@ def test_batches_prepared_many_at_once_equal_batches_prepared_one_by_one(aug):
 
 
 def test_the_ema_update_without_host_reads_is_averaged_models_arithmetic():
-    """SingleDevice.update_ema (no read of the count per step) against torch's
+    """The strategy's EMA update (ema.Ema: no read of the count per step) against torch's
     AveragedModel.update_parameters on a copy: the same EMA weights and count, bit for bit, from
     the first update (a copy) on."""
     import copy
@@ -264,7 +264,7 @@ def test_the_ema_update_without_host_reads_is_averaged_models_arithmetic():
         ref.update_parameters(s.module)
         for a, b in zip(ref.state_dict().values(), s.ema.state_dict().values()):
             assert torch.equal(a, b)
-    assert int(s.ema.n_averaged) == s.ema_updates == 4
+    assert int(s.ema.averaged.n_averaged) == s.ema.updates == 4
 
 
 def test_evaluation_reads_the_device_a_fixed_number_of_times_whatever_its_batches(

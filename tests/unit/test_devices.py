@@ -329,7 +329,7 @@ def test_fp16_grad_scaler_path_on_cpu(monkeypatch):
     )
     m = vit("vit_pico", image_size=8, patch_size=4, in_chans=1, num_classes=4, depth=1)
     s.setup(m)
-    assert s.scaler.is_enabled()
+    assert s.amp.scaler.is_enabled()
     before = [p.detach().clone() for p in m.parameters()]
     x = torch.randn(4, 1, 8, 8)
     with s.autocast():
@@ -337,11 +337,11 @@ def test_fp16_grad_scaler_path_on_cpu(monkeypatch):
     s.backward(loss)
     info = s.step()
     assert (
-        info["skipped"] and s.scaler.get_scale() == 2.0**39
+        info["skipped"] and s.amp.scaler.get_scale() == 2.0**39
     )  # overflow: step skipped, scale halved
     assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
     # a normal step at the lower scale updates the weights, and unscaled gradients drive it
-    s.scaler.update(2.0**8)
+    s.amp.scaler.update(2.0**8)
     with s.autocast():
         loss = torch.nn.functional.cross_entropy(s.model(x).float(), torch.tensor([0, 1, 2, 3]))
     s.backward(loss)

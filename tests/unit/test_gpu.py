@@ -53,7 +53,7 @@ def test_fp16_loss_scaler_skips_overflowing_steps():
     s.backward(loss)
     info = s.step()
     assert info["skipped"]  # 2^40 * 1e6 overflows fp16 gradients: the step is skipped, scale cut
-    assert s.scaler.get_scale() < 2.0**40
+    assert s.amp.scaler.get_scale() < 2.0**40
     assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
 
 

@@ -36,6 +36,7 @@ from torch import nn
 from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups, with_lr
+from .amp import EngineOwned
 from .base import GradCheckpointing
 from .devices import backend_for, compile_kwargs, sdpa_context
 from .dist import Distributed, env_world, free_port, launched
@@ -222,8 +223,44 @@ def checked_ds_config(
     return ds
 
 
+def import_deepspeed(device_type: str, scfg: StrategyConfig):
+    """deepspeed, imported for this device (its accelerator checked), quiet unless one of its own
+    reports is asked; a one-line ConfigError where it is not installed or runs elsewhere."""
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # also on a GPU machine with run.device=cpu
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ConfigError(
+            "config: strategy.name=deepspeed needs DeepSpeed: "
+            "DS_BUILD_OPS=0 pip install 'vitscale[deepspeed]' "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    assert accelerator is not None  # get_accelerator() makes one when none is set yet
+    if accelerator.device_name() != device_type:
+        raise ConfigError(
+            f"config: DeepSpeed runs on its '{accelerator.device_name()}' accelerator but "
+            f"the run wants {device_type} (set DS_ACCELERATOR={device_type})"
+        )
+    if not (scfg.wall_clock_breakdown or scfg.comms_logger or scfg.flops_profiler):
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its config dump, timers
+    disable_shm_comm_op()
+    # DeepSpeed calls these collectives on every ZeRO step; torch 2.13 warns each time
+    warnings.filterwarnings(
+        "ignore",
+        r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+        "is deprecated",
+        FutureWarning,
+    )
+    return deepspeed
+
+
 class DeepSpeedStrategy(Distributed):
     name = "deepspeed"
+    precision_part = EngineOwned  # precision lives in the ds_config, not in autocast
     engine_suffix: str | None = ".ds"  # the loop calls save_engine(step_N.ds) before step_N.pt
     model: nn.Module  # the engine once set up, typed as base.Strategy declares it (an nn.Module)
 
@@ -242,7 +279,6 @@ class DeepSpeedStrategy(Distributed):
         # launched (torchrun / deepspeed): join that group; else one process without a launcher
         # (one GPU with offload), whose group setup() makes for the engine
         super().__init__(train, optim, scfg, device_type, join=launched(), lr=lr)
-        self.half = None  # precision lives in the ds_config, not in autocast
         self.input_dtype: torch.dtype | None = (
             None  # set by setup(): what the engine's weights hold
         )
@@ -257,42 +293,6 @@ class DeepSpeedStrategy(Distributed):
         return self.engine
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _import_deepspeed(self):
-        if self.device.type == "cpu":
-            os.environ.setdefault(
-                "DS_ACCELERATOR", "cpu"
-            )  # also on a GPU machine with run.device=cpu
-        try:
-            import deepspeed
-        except ImportError as e:
-            raise ConfigError(
-                "config: strategy.name=deepspeed needs DeepSpeed: "
-                "DS_BUILD_OPS=0 pip install 'vitscale[deepspeed]' "
-                f"({type(e).__name__}: {e})"
-            ) from None
-        from deepspeed.accelerator import get_accelerator
-
-        accelerator = get_accelerator()
-        assert accelerator is not None  # get_accelerator() makes one when none is set yet
-        if accelerator.device_name() != self.device.type:
-            raise ConfigError(
-                f"config: DeepSpeed runs on its '{accelerator.device_name()}' accelerator but "
-                f"the run wants {self.device.type} (set DS_ACCELERATOR={self.device.type})"
-            )
-        if not (
-            self.scfg.wall_clock_breakdown or self.scfg.comms_logger or self.scfg.flops_profiler
-        ):
-            logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its config dump, timers
-        disable_shm_comm_op()
-        # DeepSpeed calls these collectives on every ZeRO step; torch 2.13 warns each time
-        warnings.filterwarnings(
-            "ignore",
-            r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
-            "is deprecated",
-            FutureWarning,
-        )
-        return deepspeed
-
     def _ensure_process_group(self) -> None:
         if dist.is_initialized():
             return
@@ -305,7 +305,7 @@ class DeepSpeedStrategy(Distributed):
         )
 
     def setup(self, model: nn.Module) -> None:
-        deepspeed = self._import_deepspeed()
+        deepspeed = import_deepspeed(self.device.type, self.scfg)
         self._ensure_process_group()
         self.place(model)
         if self.cfg.activation_checkpointing:
@@ -344,11 +344,11 @@ class DeepSpeedStrategy(Distributed):
             zero3 = self.engine.optimizer
             assert zero3 is not None  # initialize() wrapped the optimizer handed to it
             # DeepSpeedZeroOptimizer_Stage3's own attribute (the engine types its optimizer loosely)
-            self.master = list(zero3.fp32_partitioned_groups_flat)  # pyright: ignore[reportAttributeAccessIssue]
+            self.amp.master = list(zero3.fp32_partitioned_groups_flat)  # pyright: ignore[reportAttributeAccessIssue]
         elif self.stage > 0 or self.input_dtype is not None:
-            self.master = [p for g in optimizer.param_groups for p in g["params"]]
+            self.amp.master = [p for g in optimizer.param_groups for p in g["params"]]
         else:
-            self.master = None
+            self.amp.master = None
         if self.cfg.compile:  # DeepSpeed's own: the wrapped module compiled, hooks kept outside
             self.engine.compile(compile_kwargs=compile_kwargs(self.cfg.compile_mode))
         self.model = self.engine  # callable: forward through the engine (ZeRO-3 gathers parameters)

@@ -23,7 +23,6 @@ import contextlib
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
 from torch import nn
@@ -41,12 +40,12 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
 
 from ..checkpoint import optim_keyed_by_name, optim_state_by_name
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
 from ..precision import DTYPES, half_dtype
+from .amp import EngineOwned
 from .base import GradCheckpointing
 from .devices import compile_kwargs
 from .dist import Distributed
@@ -100,6 +99,7 @@ def fsdp_refusal(train) -> str | None:
 class FSDPStrategy(Distributed):
     name = "fsdp"
     no_sync_defers_comm = gathers_in_forward = forward_is_collective = True
+    precision_part = EngineOwned  # precision lives in the MixedPrecisionPolicy, not in autocast
 
     def __init__(self, train, optim, scfg, device_type, lr: float | None = None):
         refusal = fsdp_refusal(train)
@@ -109,7 +109,6 @@ class FSDPStrategy(Distributed):
         # dict are collectives on CPU tensors, which NCCL cannot run (group_backend adds gloo)
         self.cpu_collectives = scfg.cpu_offload
         super().__init__(train, optim, scfg, device_type, lr=lr)
-        self.half = None  # precision lives in the MixedPrecisionPolicy, not in autocast
         # sharded checkpoints: the loop calls save_engine(step_N.dcp) before writing step_N.pt
         self.engine_suffix = ".dcp" if scfg.checkpoint_format == "sharded" else None
 
@@ -150,20 +149,6 @@ class FSDPStrategy(Distributed):
 
         return ctx()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def step(self) -> dict:
-        clip = self.optim_cfg.grad_clip
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(
-            params, clip if clip > 0 else float("inf"), foreach=True
-        )
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # sharded grads: gathered
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": norm.detach(), "skipped": False}  # read at log steps (no host sync)
-
     def eval_module(self) -> nn.Module:
         return self.module
 
@@ -171,11 +156,10 @@ class FSDPStrategy(Distributed):
         """Collective. Full format: every rank gathers, the full tensors land on the CPU. Sharded:
         only the small state (the shards went to save_engine's folder)."""
         if self.engine_suffix:
-            return {"scaler": self.scaler.state_dict(), "format": "sharded"}
+            return {"format": "sharded"}
         return {
             "model": get_model_state_dict(self.model, options=FULL),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL),
-            "scaler": self.scaler.state_dict(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -187,7 +171,6 @@ class FSDPStrategy(Distributed):
             if not optim_keyed_by_name(osd):  # single / DDP: numbered in the same optimizer order
                 osd = optim_state_by_name(osd, self.param_names())
             set_optimizer_state_dict(self.model, self.optimizer, osd, options=opts)
-        self.scaler.load_state_dict(sd["scaler"])
 
     def _sharded_state(self) -> dict:
         return {

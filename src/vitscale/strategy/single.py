@@ -1,35 +1,29 @@
-"""One device (CPU or one GPU): precision, optimizer step, EMA, compile, checkpoint state.
-
-Precision modes
-- fp32: nothing special.
-- bf16 / fp16: autocast around forward+loss; fp16 uses a dynamic GradScaler (GPU only).
-- pure_bf16 / pure_fp16: the model's weights themselves are half precision (Meta's O2/O3-like
-  modes). With `master_weights` the optimizer updates an fp32 copy that is cast back after each
-  step; without it the optimizer updates the half weights directly.
-"""
+"""One device (CPU or one GPU): optimizer step, EMA, compile, checkpoint state; precision is the
+part it is built with (amp.Autocast: autocast, half weights, the loss scaler)."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 import torch
 from torch import nn
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from ..config import OptimConfig, TrainConfig
 from ..errors import ConfigError
 from ..optim import build_optimizer, param_groups
-from ..precision import half_dtype
+from .amp import Autocast, EngineOwned
+from .base import GradCheckpointing
 from .devices import (
     CUDAGRAPH_MODES,
     apply_backend_flags,
     backend_flags,
     compile_kwargs,
     fp16_refusal,
-    sdpa_context,
     sdpa_refusal,
     warn_slow_bf16,
 )
+from .ema import Ema
 from .fp8 import convert_fp8, fp8_refusal
 
 
@@ -54,6 +48,12 @@ def device_refusal(train: TrainConfig, device: torch.device) -> str | None:
     )
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded DTensor; any other tensor as it is."""
+    local = getattr(t, "to_local", None)
+    return local() if local is not None else t
+
+
 class SingleDevice:  # implements base.Strategy
     """The strategy verbs the loop uses: setup, autocast, backward, step, state_dict."""
 
@@ -68,6 +68,10 @@ class SingleDevice:  # implements base.Strategy
     # the step as one unit (train.capture=step), and that unit as one CUDA graph: set from the
     # config and the device in __init__, the one place that decides
     whole_step = captured = False
+    # the precision part (amp.py): autocast and a loss scaler here and under DDP; the engines that
+    # keep precision themselves (FSDP2, DeepSpeed) name amp.EngineOwned
+    precision_part: type[Autocast] | type[EngineOwned] = Autocast
+    model: nn.Module  # what training calls (the engine's wrapper, compiled or not)
 
     def __init__(
         self, train: TrainConfig, optim: OptimConfig, device: torch.device, lr: float | None = None
@@ -76,18 +80,11 @@ class SingleDevice:  # implements base.Strategy
         its global batch): the optimizer's groups own it from then on."""
         self.cfg, self.optim_cfg, self.device = train, optim, device
         self.lr = optim.lr if lr is None else lr
-        self.precision = train.precision
-        self.half = half_dtype(self.precision)
         refusal = device_refusal(train, device)
         if refusal:
             raise ConfigError(refusal)
-        warn_slow_bf16(device.type, self.precision)
-        self.pure = self.precision.startswith("pure_")
-        self.scaler = torch.amp.GradScaler(
-            device.type, init_scale=train.loss_scale, enabled=self.half is torch.float16
-        )
-        self.master: list[torch.Tensor] | None = None
-        self.ema: torch.optim.swa_utils.AveragedModel | None = None
+        warn_slow_bf16(device.type, train.precision)
+        self.ema: Ema | None = None
         # TF32 and cuDNN autotuning (process-wide; nothing on a CPU)
         apply_backend_flags(backend_flags(device.type, train.tf32, train.cudnn_benchmark))
         self.cudagraphs = train.compile and train.compile_mode in CUDAGRAPH_MODES
@@ -95,53 +92,40 @@ class SingleDevice:  # implements base.Strategy
         # same function eagerly), and as one CUDA graph (that unit on a GPU)
         self.whole_step = train.capture == "step"
         self.captured = self.whole_step and device.type == "cuda"
+        self.amp = self.precision_part(train, device, self.captured)
+
+    @property
+    def master(self) -> list[torch.Tensor] | None:
+        """The fp32 copies of the weights that the optimizer updates (None: it updates them)."""
+        return self.amp.master
 
     # -- set-up ---------------------------------------------------------------------------------
     def place(self, model: nn.Module) -> None:
         """Move (and cast, for pure half) the model to this strategy's device; its conv weights
         to channels-last memory when train.channels_last."""
         model.to(self.device)
-        if self.pure:
-            model.to(self.half)
+        self.amp.place(model)
         if self.cfg.channels_last:
-            model.to(memory_format=torch.channels_last)
+            model.to(memory_format=torch.channels_last)  # pyright: ignore[reportCallIssue] (torch stubs)
 
     def setup(self, model: nn.Module) -> None:
         self.place(model)
         if self.cfg.fp8 != "none":  # the blocks' Linear layers in float8 (torchao); same parameters
             convert_fp8(model, self.cfg.fp8)
         groups = param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay)
-        if self.pure and self.cfg.master_weights:
-            # the optimizer sees fp32 copies; model params stay half and get refreshed from them
-            self.model_params = [p for g in groups for p in g["params"]]
-            self.master = [
-                p.detach().float().clone().requires_grad_(True) for p in self.model_params
-            ]
-            it = iter(self.master)
-            groups = [{**g, "params": [next(it) for _ in g["params"]]} for g in groups]
+        groups = self.amp.optimizer_groups(groups)  # pure_* with master weights: fp32 copies
         self.optimizer = build_optimizer(
             model, self.optim_cfg, params=groups, capturable=self.captured, lr=self.lr
         )
         if self.cfg.ema_decay > 0:
-            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
-            # its count on the training device (torch's default is the CPU: a copy per step)
-            self.ema = AveragedModel(
-                model,
-                device=self.device,
-                multi_avg_fn=get_ema_multi_avg_fn(self.cfg.ema_decay),
-                use_buffers=True,
-            )
-            self.ema_updates = 0  # the count as the host knows it: no device read per step
+            self.ema = Ema(model, self.cfg.ema_decay, self.device)
         if self.cfg.activation_checkpointing:
-            model.set_grad_checkpointing(True)
+            cast(GradCheckpointing, model).set_grad_checkpointing(True)
         self.module = model  # plain module: checkpoints, export, eval
         wrapped = self.wrap(model)
-        self.model = (
-            torch.compile(wrapped, **compile_kwargs(self.cfg.compile_mode))
-            if self.cfg.compile
-            else wrapped
-        )  # what training calls
+        # compiled: an OptimizedModule, an nn.Module whose forward is the compiled one
+        kw = compile_kwargs(self.cfg.compile_mode)
+        self.model = cast(nn.Module, torch.compile(wrapped, **kw)) if self.cfg.compile else wrapped
 
     def setup_eval(self, model: nn.Module) -> None:
         """Place and cast a model for evaluation only (no optimizer, no wrapper): `vitscale eval`."""
@@ -181,17 +165,7 @@ class SingleDevice:  # implements base.Strategy
         marks the start of a new step, so that the graphs' output buffers may be reused."""
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        kernel = sdpa_context(self.cfg.sdpa_backend)  # train.sdpa_backend (null for auto)
-        if self.half is None or self.pure:
-            return kernel
-        # a CUDA graph capture (train.capture=step) must not keep autocast's cached weight casts
-        cast = torch.autocast(self.device.type, dtype=self.half, cache_enabled=not self.captured)
-        if self.cfg.sdpa_backend == "auto":
-            return cast
-        stack = contextlib.ExitStack()
-        stack.enter_context(kernel)
-        stack.enter_context(cast)
-        return stack
+        return self.amp.autocast()
 
     def layout(self, x: torch.Tensor) -> torch.Tensor:
         """Images in channels-last memory when train.channels_last (other tensors unchanged)."""
@@ -202,66 +176,25 @@ class SingleDevice:  # implements base.Strategy
         )
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.layout(x)
-        return x.to(self.half) if self.pure else x
+        return self.amp.prepare(self.layout(x))
 
     def no_sync(self):
         """Context for accumulation micro-steps that must not communicate (no-op on one device)."""
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss).backward()
+        self.amp.backward(loss)
 
     def step(self) -> dict:
         """Unscale, clip, update, zero grads. Returns {'grad_norm': 0-dim tensor, 'skipped': bool
         or 0-dim bool tensor}, left on the device: the loop reads them at its log steps, so that
         the step itself never waits for the GPU (fp16 with EMA is the exception: whether to
         average the weights is decided on the host)."""
-        if self.master is not None:
-            for p, m in zip(self.model_params, self.master):
-                m.grad = None if p.grad is None else p.grad.float()
-                p.grad = None
-        params = (
-            self.master
-            if self.master is not None
-            else [p for g in self.optimizer.param_groups for p in g["params"]]
-        )
-        self.scaler.unscale_(self.optimizer)
-        clip = self.optim_cfg.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(
-            params, clip if clip > 0 else float("inf"), foreach=True
-        )
-        # the scale as a device tensor (get_scale() would read it on the host): a skipped step
-        # (non-finite gradients) is one whose update cut the scale
-        scale = getattr(self.scaler, "_scale", None) if self.scaler.is_enabled() else None
-        scale_before = scale.clone() if scale is not None else None
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        skipped = self.scaler._scale < scale_before if scale_before is not None else False
-        if self.master is not None:  # after a skipped step the masters are unchanged: same copy
-            with torch.no_grad():
-                torch._foreach_copy_(self.model_params, self.master)
+        norm, skipped = self.amp.step(self.optimizer, self.optim_cfg.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None and not bool(skipped):
-            self.update_ema()
+            self.ema.update(self.module)
         return {"grad_norm": norm.detach(), "skipped": skipped}
-
-    @torch.no_grad()
-    def update_ema(self) -> None:
-        """AveragedModel.update_parameters' arithmetic (a copy the first time, then one foreach lerp
-        per device and dtype) without its two host reads of the count per step: the host keeps the
-        count it needs (`ema_updates`), so the update can be captured and replayed."""
-        ema = self.ema
-        mine = [t.detach() for t in (*ema.module.parameters(), *ema.module.buffers())]
-        theirs = [t.detach() for t in (*self.module.parameters(), *self.module.buffers())]
-        if self.ema_updates == 0:
-            torch._foreach_copy_(mine, theirs)
-        else:
-            groups = _group_tensors_by_device_and_dtype([mine, theirs])
-            for (_device, _), ([avg, cur], _) in groups.items():
-                ema.multi_avg_fn(avg, cur, ema.n_averaged)
-        ema.n_averaged += 1
-        self.ema_updates += 1
 
     def sync_buffers(self) -> None:
         """One process: its buffers are the saved ones."""
@@ -272,12 +205,12 @@ class SingleDevice:  # implements base.Strategy
 
     @staticmethod
     def _local_bytes(t: torch.Tensor) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t  # a sharded DTensor: this rank's shard
+        t = local_part(t)
         return t.numel() * t.element_size()
 
     def local_tensors(self, p: torch.Tensor) -> list[torch.Tensor]:
         """The tensors this rank holds of parameter `p` (its shard of a sharded DTensor)."""
-        return [p.to_local() if hasattr(p, "to_local") else p]
+        return [local_part(p)]
 
     def param_bytes(self, p: torch.Tensor) -> int:
         """Bytes this rank holds of parameter `p`."""
@@ -293,7 +226,7 @@ class SingleDevice:  # implements base.Strategy
         ]
         ema = list(self.ema.module.parameters()) if self.ema is not None else []
         for t in [*(self.master or []), *state, *ema]:
-            yield t.to_local() if hasattr(t, "to_local") else t
+            yield local_part(t)
 
     def count_nonfinite(self) -> int:
         """Collective: how many tensors of the training state, over all ranks, hold a NaN or an
@@ -326,10 +259,8 @@ class SingleDevice:  # implements base.Strategy
         sd = {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
+            **self.amp.state_dict(),  # the loss scaler, the fp32 masters
         }
-        if self.master is not None:
-            sd["master"] = [m.detach().clone() for m in self.master]
         if self.ema is not None:
             sd["ema"] = self.ema.state_dict()
         return sd
@@ -341,7 +272,7 @@ class SingleDevice:  # implements base.Strategy
         """The name of each parameter the optimizer updates, in the optimizer's order."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         params = (
-            self.model_params
+            self.amp.model_params
             if self.master is not None
             else [p for g in self.optimizer.param_groups for p in g["params"]]
         )
@@ -355,8 +286,7 @@ class SingleDevice:  # implements base.Strategy
         process, optimizer state renumbered from parameter names."""
         from .resume import read_dcp
 
-        full = read_dcp(path)
-        self.load_state_dict({**full, "scaler": self.scaler.state_dict()})
+        self.load_state_dict(read_dcp(path))
 
     def load_state_dict(self, sd: dict) -> None:
         from ..checkpoint import optim_keyed_by_name, optim_state_by_index
@@ -371,15 +301,6 @@ class SingleDevice:  # implements base.Strategy
                 for st in self.optimizer.state.values():
                     if torch.is_tensor(st.get("step")):
                         st["step"] = st["step"].to(self.device)
-        self.scaler.load_state_dict(sd["scaler"])
-        if self.master is not None and "master" in sd:
-            with torch.no_grad():
-                for m, saved in zip(self.master, sd["master"]):
-                    m.copy_(saved)
-        elif self.master is not None and "model" in sd:  # another strategy's fp32 weights
-            with torch.no_grad():
-                for m, name in zip(self.master, self.param_names()):
-                    m.copy_(sd["model"][name])
+        self.amp.load_state_dict(sd, self.param_names() if self.master is not None else [])
         if self.ema is not None and "ema" in sd:
             self.ema.load_state_dict(sd["ema"])
-            self.ema_updates = int(self.ema.n_averaged)  # one read, at load
