@@ -63,6 +63,8 @@ FIXED_ON_RESUME = {
 CHANGEABLE_ON_RESUME = {
     "model.drop_path",
     "model.drop_path_mode",
+    "model.patch_dropout",
+    "model.patch_dropout_until",
     "model.dropout",
     "model.attention",
     "clip.prompt_templates",

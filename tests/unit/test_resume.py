@@ -167,7 +167,14 @@ def test_every_config_key_either_takes_effect_or_is_refused_on_resume():
             "cutmix_alpha",
             "mix_prob",
         },
-        "model": {"drop_path", "drop_path_mode", "dropout", "attention"},
+        "model": {
+            "drop_path",
+            "drop_path_mode",
+            "dropout",
+            "attention",
+            "patch_dropout",
+            "patch_dropout_until",
+        },
         "optim": {
             "impl",
             "lr",
