@@ -52,15 +52,17 @@ def check_engine(cfg: Config) -> Config:
     from .single import device_refusal
 
     device = resolve_device(cfg.run.device)
-    refusal = device_refusal(cfg.train, device)
-    if refusal is None and cfg.strategy.name == "fsdp":
+    refusal = None
+    # the engine's own refusals first, as its constructor asks them before the device's
+    if cfg.strategy.name == "fsdp":
         from .fsdp import fsdp_refusal
 
         refusal = fsdp_refusal(cfg.train)
-    if refusal is None and cfg.strategy.name == "deepspeed":
+    if cfg.strategy.name == "deepspeed":
         from .deepspeed import checked_ds_config
 
         checked_ds_config(cfg.train, cfg.optim, cfg.strategy, cfg.data.batch_size, device.type)
+    refusal = refusal or device_refusal(cfg.train, device)
     if refusal:
         raise ConfigError(refusal)
     return cfg
