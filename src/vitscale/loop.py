@@ -22,7 +22,7 @@ from .fastpaths import resolve as resolve_fast_paths
 from .launch import launch_env
 from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops, synchronizer
 from .models import count_params
-from .optim import build_scheduler, lr_table
+from .optim import build_scheduler, check_optimizer, lr_table
 from .precision import tf32_active
 from .run_state import (
     Checkpoints,
@@ -215,6 +215,7 @@ def check_run(cfg: Config, world_size: int | None = None) -> Config:
     `info` ask it; `world_size` None: this process's launch (1 outside a launcher)."""
     world = launch_env(os.environ).world_size if world_size is None else world_size
     check_engine(check_config(cfg))
+    check_optimizer(cfg.optim)
     check_launch(cfg.strategy.name, world)
     micro_batch(cfg.data.batch_size, world, cfg.train.accum_steps)
     return cfg

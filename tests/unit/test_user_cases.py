@@ -131,6 +131,10 @@ def test_a_run_refused_after_its_start_leaves_no_folder_behind(tmp_path, capsys)
         ["train.precision=fp16"],  # this CPU's refusal, whatever the engine
         ["data.batch_size=10", "train.accum_steps=3"],  # the global batch does not split
         ["strategy.name=ddp", "train.accum_steps=0"],  # the schema's own check, for comparison
+        ["optim.name=lamb", "optim.impl=fused"],  # the optimizer's
+        ["strategy.name=ddp", "strategy.backend=nccl"],  # the process group's, on a CPU
+        ["data.name=openclipart"],  # what the data cannot give this kind of model
+        ["data.name=folder", "data.val_fraction=0.1"],
     ],
 )
 def test_config_and_info_refuse_what_train_refuses_with_the_same_line(tmp_path, capsys, sets_):
@@ -144,5 +148,6 @@ def test_config_and_info_refuse_what_train_refuses_with_the_same_line(tmp_path, 
         assert rc == 2 and len(err.strip().splitlines()) == 1, err
         lines.append(err)
     assert lines[0] == lines[1] == lines[2]
-    assert any(w in lines[0] for w in ("does not support", "refused on CPU", "split", "accum"))
+    words = ("does not support", "refused on CPU", "multiple of", "accum", "LAMB", "nccl needs")
+    assert any(w in lines[0] for w in (*words, "holds image-text pairs", "data.val_fraction"))
     assert not (tmp_path / "run").exists()

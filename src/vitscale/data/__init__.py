@@ -13,6 +13,7 @@ from .build import (
     PAIRS_ONLY,
     build_data,
     build_image_text,
+    check_data,
     geometry,
     synthetic_stand_in,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "PAIRS_ONLY",
     "DataBundle",
     "build_data",
+    "check_data",
     "build_image_text",
     "geometry",
     "synthetic_stand_in",

@@ -102,20 +102,39 @@ def synthetic_pairs_stand_in(d) -> dict | None:
 
 
 # ---------------------------------------------------------------- labelled sets
-def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> DataBundle:
-    """Load `cfg.name` and build this rank's train/test loaders (see data/types.py)."""
-    device = torch.device(device)
+def check_data(cfg, pairs: bool) -> None:
+    """What the data section cannot give the kind of model (`pairs`: image-text pairs for CLIP,
+    else labelled images), in one line, before anything is read: every command that checks a
+    config asks it (tasks.check_config), and the builders below ask it again."""
+    if pairs:
+        if cfg.name not in IMAGE_TEXT and not cfg.captions:
+            raise DataError(
+                f"data.name={cfg.name} holds no image-text pairs, which a CLIP model needs: use "
+                f"data.name=openclipart|csv|webdataset, or data.captions=true to caption its labels"
+            )
+        if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
+            raise DataError(
+                "data.mixup_alpha / data.cutmix_alpha: mixing images makes no sense for "
+                "image-text pairs (CLIP); set them to 0"
+            )
+        return
     if cfg.name in PAIRS_ONLY:
         raise ConfigError(
             f"config: data.name={cfg.name} holds image-text pairs: train a CLIP model "
             f"(model.arch=clip_mini, clip_vit_b32, ...)"
         )
-    kw = dict(device=device, seed=seed, rank=rank, world_size=world_size)
     if cfg.val_fraction and cfg.name not in (*NATIVE_GEOMETRY, "synthetic"):
         raise DataError(
             f"data.val_fraction: a validation split is carved from in-memory labelled sets "
             f"({', '.join(NATIVE_GEOMETRY)}, synthetic), not from data.name = '{cfg.name}'"
         )
+
+
+def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) -> DataBundle:
+    """Load `cfg.name` and build this rank's train/test loaders (see data/types.py)."""
+    device = torch.device(device)
+    check_data(cfg, pairs=False)
+    kw = dict(device=device, seed=seed, rank=rank, world_size=world_size)
     if cfg.name == "folder":
         return _folder(cfg, **kw)
     if cfg.name == "webdataset":  # labelled shards (KEY.cls)
@@ -277,16 +296,7 @@ def build_image_text(
     cfg, *, device, seed: int, rank: int = 0, world_size: int = 1, context_length: int = 77
 ) -> DataBundle:
     """Load `cfg.name` as image-text pairs and build this rank's loaders (see data/types.py)."""
-    if cfg.name not in IMAGE_TEXT and not cfg.captions:
-        raise DataError(
-            f"data.name={cfg.name} holds no image-text pairs, which a CLIP model needs: use "
-            f"data.name=openclipart|csv|webdataset, or data.captions=true to caption its labels"
-        )
-    if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
-        raise DataError(
-            "data.mixup_alpha / data.cutmix_alpha: mixing images makes no sense for "
-            "image-text pairs (CLIP); set them to 0"
-        )
+    check_data(cfg, pairs=True)
     kw = dict(
         device=torch.device(device),
         seed=seed,

@@ -12,6 +12,7 @@ from ..config import Config
 from ..errors import ConfigError
 from ..optim import scaled_lr
 from .base import Strategy
+from .devices import backend_for
 from .single import SingleDevice, resolve_device
 
 IN_PROCESS = SingleDevice.name  # the engine of one process, no launcher
@@ -63,6 +64,8 @@ def check_engine(cfg: Config) -> Config:
 
         checked_ds_config(cfg.train, cfg.optim, cfg.strategy, cfg.data.batch_size, device.type)
     refusal = refusal or device_refusal(cfg.train, device)
+    if refusal is None and needs_processes(cfg.strategy.name):
+        backend_for(device.type, cfg.strategy.backend)  # e.g. nccl for CPU tensors
     if refusal:
         raise ConfigError(refusal)
     return cfg

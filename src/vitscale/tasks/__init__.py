@@ -4,6 +4,7 @@ evaluation, log lines, own state). See tasks/base.py for the interface."""
 from __future__ import annotations
 
 from ..config import Config
+from ..data import check_data
 from ..errors import ConfigError, UserError
 from ..models import is_clip_arch
 from .base import Task
@@ -37,6 +38,7 @@ def check_config(cfg: Config) -> Config:
     and files), after config.check's: every command runs it on its config before anything starts."""
     task = build_task(cfg)
     task.check()
+    check_data(cfg.data, task.pairs)  # what the data cannot give this kind of model
     why = task_capture_refusal(task)
     if cfg.train.capture == "step" and why:
         raise ConfigError(f"config: train.capture=step is refused for {why}")
