@@ -2,7 +2,7 @@
 
 import torch
 
-from vitscale.tasks.clip import caption_ids, recall_at_k
+from vitscale.tasks.clip_eval import caption_ids, recall_at_k
 
 
 def naive_recall(img, txt, cap, ks=(1, 5, 10)):

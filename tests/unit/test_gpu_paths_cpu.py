@@ -349,11 +349,10 @@ def test_evaluation_pads_a_short_shard_with_one_sample_forwards_not_empty_batche
     with pytest.raises(UserError, match="too small"):
         task.evaluate(model, _Loader([]), contextlib.nullcontext, batches=1)
     # CLIP's encoder does the same
-    from vitscale.tasks.clip import ClipTask
+    from vitscale.tasks.clip_eval import encode
 
     clip = _NoEmptyBatches(clip=True)
-    img, txt, toks = ClipTask._encode(
-        None,
+    img, txt, toks = encode(
         clip,
         _Loader([(x, torch.zeros(5, 7, dtype=torch.long))]),
         contextlib.nullcontext,

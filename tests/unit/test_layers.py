@@ -238,3 +238,20 @@ def test_strategy_names_no_model_class():
         if m == "vitscale.models" or m.startswith("vitscale.models.")
     ]
     assert not bad, f"strategy/ imports models/: {bad}"
+
+
+CLASS_LINES, FUNCTION_LINES = 250, 60  # README's developer section
+
+
+def test_every_class_and_function_in_src_stays_within_its_size():
+    """A class is at most 250 lines and a function at most 60, counted from its `class` / `def`
+    line to its last line (docstring included), over every module of src/vitscale."""
+    too_long = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = CLASS_LINES if isinstance(node, ast.ClassDef) else FUNCTION_LINES
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    too_long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {lines}")
+    assert not too_long, "over the size limit:\n" + "\n".join(too_long)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import nn
-
 from ..errors import ConfigError
 from ..precision import DTYPES
 from .clip import ClipLoss, gamma_at
@@ -58,7 +56,7 @@ def build_clip_loss(
     lr_factor: Callable[[int], float] | None = None,
     device,
     group=None,
-) -> nn.Module:
+) -> ClipLoss | FastClipLoss:
     """The loss named by cfg_clip.loss.  group=None: the default process group when
     torch.distributed is initialized, else a single process.  `lr` is the model's base lr and
     `lr_factor(step)` its schedule (v0's temperature follows it); the temperature optimizers use

@@ -51,6 +51,62 @@ def init_open_clip_misplaced(m) -> ConfigError:
     )
 
 
+def spec_from_init(m, image_size: int, channels: int, num_classes: int) -> tuple[ViTSpec, dict]:
+    """model.init's weights (`m`: the model config): the architecture from the weights, the
+    geometry from the data; (the spec, the weights adapted to it)."""
+    from ..interop.finetune import init_arch, init_weights
+
+    return init_weights(
+        m.init,
+        image_size=image_size,
+        in_chans=channels,
+        num_classes=num_classes,
+        heads=m.heads,
+        head_policy=m.init_head,
+        arch=init_arch(m.init, m.init_arch),
+        which=m.init_weights,
+        attention=m.attention,
+        drop_path=m.drop_path,
+        dropout=m.dropout,
+    )
+
+
+def spec_from_arch(m, image_size: int, channels: int, num_classes: int) -> ViTSpec:
+    """model.arch with the model keys over its defaults; one-line refusals of shapes that do not
+    fit (the patch grid, the conv stem's power of two, the heads)."""
+    try:
+        spec = resolve_spec(
+            m.arch,
+            image_size=image_size,
+            in_chans=channels,
+            num_classes=num_classes,
+            patch_size=m.patch_size,
+            dim=m.dim,
+            depth=m.depth,
+            heads=m.heads,
+            mlp_ratio=m.mlp_ratio,
+            head=m.head,
+            attention=m.attention,
+            stem=m.stem,
+            drop_path=m.drop_path,
+            dropout=m.dropout,
+        )
+    except KeyError as e:
+        raise ConfigError(f"config: model.arch: {e.args[0]}") from None
+    if spec.image_size % spec.patch_size:
+        raise ConfigError(
+            f"config: image size {spec.image_size} is not divisible by patch size "
+            f"{spec.patch_size} (set data.image_size or model.patch_size)"
+        )
+    if spec.stem == "conv" and (spec.patch_size & (spec.patch_size - 1) or spec.patch_size < 2):
+        raise ConfigError(
+            f"config: model.stem=conv needs a power-of-two patch size >= 2, got {spec.patch_size}"
+        )
+    if spec.dim % spec.heads:
+        raise ConfigError(f"config: model dim {spec.dim} is not divisible by heads {spec.heads}")
+    return spec
+
+
 class ClassificationTask(Task):
     kind, metric, sample, samples = "vit", "test_accuracy", "img", "images"
     exports = {"timm": "ViT classifiers"}
@@ -115,57 +171,13 @@ class ClassificationTask(Task):
         return data_geometry(self.cfg.data, self.cfg.model.num_classes)
 
     def build_spec(self, image_size: int, channels: int, num_classes: int) -> ViTSpec:
+        """The run's ViT: from model.init's weights (kept for build_model), or from model.arch
+        and the model keys; the geometry from the run's data."""
         m = self.cfg.model
-        if m.init:  # the architecture from the weights, the geometry from the data
-            from ..interop.finetune import init_arch, init_weights
-
-            spec, self.init_state = init_weights(
-                m.init,
-                image_size=image_size,
-                in_chans=channels,
-                num_classes=num_classes,
-                heads=m.heads,
-                head_policy=m.init_head,
-                arch=init_arch(m.init, m.init_arch),
-                which=m.init_weights,
-                attention=m.attention,
-                drop_path=m.drop_path,
-                dropout=m.dropout,
-            )
+        if m.init:
+            spec, self.init_state = spec_from_init(m, image_size, channels, num_classes)
             return spec
-        try:
-            spec = resolve_spec(
-                m.arch,
-                image_size=image_size,
-                in_chans=channels,
-                num_classes=num_classes,
-                patch_size=m.patch_size,
-                dim=m.dim,
-                depth=m.depth,
-                heads=m.heads,
-                mlp_ratio=m.mlp_ratio,
-                head=m.head,
-                attention=m.attention,
-                stem=m.stem,
-                drop_path=m.drop_path,
-                dropout=m.dropout,
-            )
-        except KeyError as e:
-            raise ConfigError(f"config: model.arch: {e.args[0]}") from None
-        if spec.image_size % spec.patch_size:
-            raise ConfigError(
-                f"config: image size {spec.image_size} is not divisible by patch size "
-                f"{spec.patch_size} (set data.image_size or model.patch_size)"
-            )
-        if spec.stem == "conv" and (spec.patch_size & (spec.patch_size - 1) or spec.patch_size < 2):
-            raise ConfigError(
-                f"config: model.stem=conv needs a power-of-two patch size >= 2, got {spec.patch_size}"
-            )
-        if spec.dim % spec.heads:
-            raise ConfigError(
-                f"config: model dim {spec.dim} is not divisible by heads {spec.heads}"
-            )
-        return spec
+        return spec_from_arch(m, image_size, channels, num_classes)
 
     def spec_from_dict(self, d: dict) -> ViTSpec:
         return ViTSpec(**d)

@@ -1,12 +1,6 @@
 """The CLIP task: contrastive loss on (image, caption, index) batches; retrieval and zero-shot
-evaluation. It knows nothing about engines: it gets the model to call and the strategy's verbs.
-
-Evaluation
-- Retrieval on the held-out pairs: image->text and text->image recall@1/5/10. Captions with
-  identical tokens are indistinguishable, so any of them counts as a hit (with unique captions
-  this is the usual index match; with captions built from class names it is class retrieval).
-- Zero-shot classification: each class's text embedding is the normalized mean of its prompts'
-  normalized embeddings (CLIP's recipe); top-1 / top-5 accuracy over the set's images.
+evaluation (clip_eval.py). It knows nothing about engines: it gets the model to call and the
+strategy's verbs.
 """
 
 from __future__ import annotations
@@ -14,13 +8,12 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 import torch
-import torch.nn.functional as F
 
 from ..data import build_image_text
 from ..data.build import eval_preprocess, synthetic_pairs_stand_in
-from ..data.tokenizer import get_tokenizer, tokenize
+from ..data.tokenizer import get_tokenizer
 from ..errors import ConfigError, UserError
-from ..losses import build_clip_loss, resolve_clip
+from ..losses import ClipLoss, FastClipLoss, build_clip_loss, resolve_clip
 from ..models import (
     CLIP,
     ClipSpec,
@@ -32,37 +25,9 @@ from ..models import (
     set_drop_path_mode,
 )
 from ..optim import schedule
-from .base import Task, padding_forwards
+from .base import Task
+from .clip_eval import evaluate_clip
 from .patch_dropout import PatchDropout
-
-RECALL_K = (1, 5, 10)
-
-
-def recall_at_k(
-    img: torch.Tensor, txt: torch.Tensor, caption_ids: torch.Tensor, ks=RECALL_K, chunk: int = 1024
-) -> dict:
-    """img, txt: [N, E] normalized features of N pairs; caption_ids [N]: equal ids = same caption.
-    Returns {'i2t_r1': ..., 't2i_r1': ..., ...} as fractions. Queries go in chunks of `chunk` rows,
-    so memory stays O(chunk * N) for large held-out sets."""
-    img, txt = img.float(), txt.float()
-    out = {}
-    for name, queries, keys in (("i2t", img, txt), ("t2i", txt, img)):
-        ranks = []
-        for lo in range(0, len(queries), chunk):
-            s = queries[lo : lo + chunk] @ keys.T  # [c, N]
-            pos = caption_ids[lo : lo + chunk, None] == caption_ids[None, :]  # [c, N] positives
-            # rank of the best positive = the number of items scoring strictly higher than it
-            best = s.masked_fill(~pos, float("-inf")).max(dim=1, keepdim=True).values
-            ranks.append((s > best).sum(dim=1))
-        rank = torch.cat(ranks)
-        for k in ks:
-            out[f"{name}_r{k}"] = (rank < k).double().mean().item()
-    return out
-
-
-def caption_ids(tokens: torch.Tensor) -> torch.Tensor:
-    """[N, L] token rows -> [N] ids, equal exactly where the rows are equal."""
-    return torch.unique(tokens, dim=0, return_inverse=True)[1]
 
 
 def check_init_options(m) -> None:
@@ -84,6 +49,77 @@ def check_init_options(m) -> None:
         raise ConfigError(f"config: {e}") from None
 
 
+def spec_from_init(cfg, image_size: int, channels: int) -> tuple[ClipSpec, dict]:
+    """An OpenCLIP ViT CLIP file (model.init): the architecture from the weights and their OpenCLIP
+    configuration (model.init_open_clip, or the open_clip_config.json beside them), the geometry
+    from the run; (the spec, the weights adapted to it)."""
+    from ..data.tokenizer import VOCAB_SIZE
+    from ..interop.open_clip import init_weights
+
+    m = cfg.model
+    spec, state = init_weights(
+        m.init,
+        image_size=image_size,
+        in_chans=channels,
+        context_length=m.context_length,
+        vocab_size=VOCAB_SIZE,
+        vision_heads=m.heads,
+        text_heads=m.text_heads,
+        attention=m.attention,
+        drop_path=m.drop_path,
+        dropout=m.dropout,
+        open_clip=m.init_open_clip,
+        quick_gelu=None if m.init_act == "auto" else m.init_act == "quick_gelu",
+    )
+    # logit_scale itself comes from the file
+    return replace(spec, init_tau=cfg.clip.tau_init or 0.07), state
+
+
+def spec_from_arch(cfg, image_size: int, channels: int) -> ClipSpec:
+    """model.arch with the model keys over its defaults; one-line refusals of shapes that do not
+    divide."""
+    m = cfg.model
+    try:
+        spec = resolve_clip_spec(
+            m.arch,
+            embed_dim=m.embed_dim,
+            vision=dict(
+                image_size=image_size,
+                in_chans=channels,
+                patch_size=m.patch_size,
+                dim=m.dim,
+                depth=m.depth,
+                heads=m.heads,
+                mlp_ratio=m.mlp_ratio,
+                attention=m.attention,
+                stem=m.stem,
+                drop_path=m.drop_path,
+                dropout=m.dropout,
+            ),
+            text=dict(
+                dim=m.text_dim,
+                depth=m.text_depth,
+                heads=m.text_heads,
+                attention=m.attention,
+                context_length=m.context_length,
+            ),
+        )
+    except KeyError as e:
+        raise ConfigError(f"config: model.arch: {e.args[0]}") from None
+    # OpenCLIP's logit_scale starts at 1 / init_tau (unused by FastCLIP)
+    spec = replace(spec, init_tau=cfg.clip.tau_init or 0.07)
+    v, t = spec.vision, spec.text
+    if v.image_size % v.patch_size:
+        raise ConfigError(
+            f"config: image size {v.image_size} is not divisible by patch size {v.patch_size} "
+            f"(set data.image_size or model.patch_size)"
+        )
+    for what, d, h in (("model", v.dim, v.heads), ("model text", t.dim, t.heads)):
+        if d % h:
+            raise ConfigError(f"config: {what} dim {d} is not divisible by heads {h}")
+    return spec
+
+
 class ClipTask(Task):
     kind, sample, samples, pairs = "clip", "pair", "pairs", True
     exports = {"open_clip": "CLIP models"}
@@ -95,7 +131,7 @@ class ClipTask(Task):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.loss_module = None  # built by setup_training; evaluation needs none
+        self.loss_module: ClipLoss | FastClipLoss | None = None  # setup_training's (eval: none)
         self.context_length = cfg.model.context_length
         self.prompt_templates = cfg.clip.prompt_templates
         self.last_logs: dict = {}
@@ -145,71 +181,12 @@ class ClipTask(Task):
     )
 
     def build_spec(self, image_size: int, channels: int, num_classes: int = 0) -> ClipSpec:
-        cfg, m = self.cfg, self.cfg.model
-        if (
-            m.init
-        ):  # an OpenCLIP ViT CLIP file: the architecture from the weights and their OpenCLIP
-            # configuration (model.init_open_clip, or the open_clip_config.json beside them), the geometry from the run
-            from ..data.tokenizer import VOCAB_SIZE
-            from ..interop.open_clip import init_weights
-
-            spec, self.init_state = init_weights(
-                m.init,
-                image_size=image_size,
-                in_chans=channels,
-                context_length=m.context_length,
-                vocab_size=VOCAB_SIZE,
-                vision_heads=m.heads,
-                text_heads=m.text_heads,
-                attention=m.attention,
-                drop_path=m.drop_path,
-                dropout=m.dropout,
-                open_clip=m.init_open_clip,
-                quick_gelu=None if m.init_act == "auto" else m.init_act == "quick_gelu",
-            )
-            return replace(
-                spec, init_tau=cfg.clip.tau_init or 0.07
-            )  # logit_scale itself comes from the file
-        try:
-            spec = resolve_clip_spec(
-                m.arch,
-                embed_dim=m.embed_dim,
-                vision=dict(
-                    image_size=image_size,
-                    in_chans=channels,
-                    patch_size=m.patch_size,
-                    dim=m.dim,
-                    depth=m.depth,
-                    heads=m.heads,
-                    mlp_ratio=m.mlp_ratio,
-                    attention=m.attention,
-                    stem=m.stem,
-                    drop_path=m.drop_path,
-                    dropout=m.dropout,
-                ),
-                text=dict(
-                    dim=m.text_dim,
-                    depth=m.text_depth,
-                    heads=m.text_heads,
-                    attention=m.attention,
-                    context_length=m.context_length,
-                ),
-            )
-        except KeyError as e:
-            raise ConfigError(f"config: model.arch: {e.args[0]}") from None
-        spec = replace(
-            spec, init_tau=cfg.clip.tau_init or 0.07
-        )  # openclip's logit_scale (unused by FastCLIP)
-        v, t = spec.vision, spec.text
-        if v.image_size % v.patch_size:
-            raise ConfigError(
-                f"config: image size {v.image_size} is not divisible by patch size {v.patch_size} "
-                f"(set data.image_size or model.patch_size)"
-            )
-        for what, d, h in (("model", v.dim, v.heads), ("model text", t.dim, t.heads)):
-            if d % h:
-                raise ConfigError(f"config: {what} dim {d} is not divisible by heads {h}")
-        return spec
+        """The run's CLIP: from model.init's OpenCLIP weights (kept for build_model), or from
+        model.arch and the model keys; the geometry from the run's data."""
+        if self.cfg.model.init:
+            spec, self.init_state = spec_from_init(self.cfg, image_size, channels)
+            return spec
+        return spec_from_arch(self.cfg, image_size, channels)
 
     def spec_from_dict(self, d: dict) -> ClipSpec:
         """Checkpoints from before the OpenCLIP options (ln_pre, ...) lack them: the defaults."""
@@ -311,20 +288,27 @@ class ClipTask(Task):
         return "; ".join(parts) or "no held-out data"
 
     # -- training ---------------------------------------------------------------------------------
+    @property
+    def contrastive(self) -> ClipLoss | FastClipLoss:
+        """The loss setup_training built (an error before it: evaluation builds none)."""
+        if self.loss_module is None:
+            raise RuntimeError("clip task: setup_training() builds the loss; not called yet")
+        return self.loss_module
+
     def forward_loss(self, model, batch, prepare) -> torch.Tensor:
         images, tokens, index = batch
         img, txt, logit_scale = model(prepare(images), tokens)
-        loss, self.last_logs = self.loss_module(img, txt, logit_scale, index)
+        loss, self.last_logs = self.contrastive(img, txt, logit_scale, index)
         # the global losses keep their own temperature and leave logit_scale unused; a zero
         # gradient keeps every parameter in the graph (DDP and ZeRO expect one for each)
         return loss + 0.0 * logit_scale.sum()
 
     def set_epoch(self, epoch: int) -> None:
-        self.loss_module.set_epoch(epoch)
+        self.contrastive.set_epoch(epoch)
         self.patch_dropout.set_epoch(epoch)
 
     def after_step(self, step: int | None = None) -> None:
-        self.loss_module.after_step(step)
+        self.contrastive.after_step(step)
 
     def logs(self) -> dict:
         """The last step's loss logs, and the loss's own collectives per step since the last call
@@ -339,85 +323,15 @@ class ClipTask(Task):
         return out
 
     def state_dict(self) -> dict:
-        return self.loss_module.state_dict()
+        return self.contrastive.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
-        self.loss_module.load_state_dict(sd)
+        self.contrastive.load_state_dict(sd)
 
     def state_bytes(self) -> int:
-        return self.loss_module.state_bytes()
+        return self.contrastive.state_bytes()
 
-    # -- evaluation -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _encode(self, model, loader, autocast, prepare, batches: int, pairs: bool):
-        """This rank's shard: (image features, text features or None, tokens or labels).
-        `batches`: run at least this many forwards (sharded engines need every rank in every
-        forward): past the end of the shard, forwards of one sample whose outputs are dropped
-        (never an empty batch: flash attention on older torch refuses a batch of 0)."""
-
-        def encode(b):
-            with autocast():
-                return model(prepare(b[0]), b[1] if pairs else None)
-
-        img, txt, second, first, n = [], [], [], None, 0
-        for n, b in enumerate(loader.iterate(), 1):  # noqa: B007 - n is read after the loop
-            first = first or b
-            i, t, _ = encode(b)
-            img.append(i.float().cpu())
-            if pairs:
-                txt.append(t.float().cpu())
-            second.append(b[1].cpu())
-        padding_forwards(loader, first, batches - n, encode)
-        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
-        return cat(img), cat(txt), cat(second)
-
-    @torch.no_grad()
+    # -- evaluation (clip_eval.py) ---------------------------------------------------------------
     def evaluate_all(self, s, data) -> dict:
         """Metrics over the whole held-out set and every zero-shot set (all ranks get them)."""
-        model = s.eval_module()
-        was_training = model.training
-        model.eval()
-        out = {}
-        batches = max(s.gather_objects(len(data.test)))
-        if batches:
-            pad = batches if s.forward_is_collective else 0
-            parts = s.gather_objects(
-                self._encode(model, data.test, s.autocast, s.prepare, pad, True)
-            )
-            parts = [p for p in parts if len(p[0])]
-            img, txt = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            width = max(p[2].shape[1] for p in parts)
-            toks = torch.cat([F.pad(p[2], (0, width - p[2].shape[1])) for p in parts])
-            r = recall_at_k(img, txt, caption_ids(toks))
-            out["retrieval_r1"] = (r["i2t_r1"] + r["t2i_r1"]) / 2
-            out.update({f"test_{k}": v for k, v in r.items()})
-            out["test_pairs"] = len(img)
-        for name, zs in getattr(data, "zeroshot", {}).items():
-            out.update(self.zeroshot(s, model, name, zs))
-        model.train(was_training)
-        return out
-
-    def zeroshot(self, s, model, name: str, zs) -> dict:
-        templates = zs.templates if self.prompt_templates == "default" else ["a photo of a {}."]
-        prompts = [t.format(c) for c in zs.class_names for t in templates]
-        tokens = tokenize(prompts, self.context_length).to(s.device)
-        with s.autocast():
-            _, txt, _ = model(None, tokens)
-        classes = F.normalize(
-            txt.float().view(len(zs.class_names), len(templates), -1).mean(1), dim=-1
-        )
-        batches = max(s.gather_objects(len(zs.loader))) if s.forward_is_collective else 0
-        img, _, labels = self._encode(model, zs.loader, s.autocast, s.prepare, batches, False)
-        k = min(5, len(zs.class_names))
-        hits = [0, 0]
-        if len(labels):  # (a rank whose shard is empty ran no forward)
-            top = (img @ classes.cpu().T).topk(k, dim=1).indices  # [n, k]
-            hit = top == labels[:, None]
-            hits = [hit[:, 0].sum().item(), hit.any(1).sum().item()]
-        counts = torch.tensor([*hits, len(labels)], dtype=torch.float64, device=s.device)
-        c1, c5, n = s.all_reduce_sum(counts).tolist()
-        return {
-            f"zeroshot_{name}_top1": c1 / max(1, n),
-            f"zeroshot_{name}_top5": c5 / max(1, n),
-            f"zeroshot_{name}_count": int(n),
-        }
+        return evaluate_clip(s, data, self.prompt_templates, self.context_length)
