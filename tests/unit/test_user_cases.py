@@ -4,7 +4,7 @@ or is refused in one line."""
 import json
 
 import pytest
-from helpers import TINY, run
+from helpers import CLIP, TINY, run
 from helpers import sets as set_list
 
 from vitscale import checkpoint as ckpt
@@ -135,6 +135,8 @@ def test_a_run_refused_after_its_start_leaves_no_folder_behind(tmp_path, capsys)
         ["strategy.name=ddp", "strategy.backend=nccl"],  # the process group's, on a CPU
         ["data.name=openclipart"],  # what the data cannot give this kind of model
         ["data.name=folder", "data.val_fraction=0.1"],
+        ["clip", "train.accum_steps=2", "data.batch_size=16"],  # CLIP's: a whole batch per step
+        ["clip", "clip.tau_init=0.005"],  # the [clip] keys' own
     ],
 )
 def test_config_and_info_refuse_what_train_refuses_with_the_same_line(tmp_path, capsys, sets_):
@@ -142,12 +144,18 @@ def test_config_and_info_refuse_what_train_refuses_with_the_same_line(tmp_path, 
     and `vitscale info` give the line `vitscale train` gives."""
     if "strategy.name=deepspeed" in sets_:
         pytest.importorskip("deepspeed")
+    config, sets_ = (CLIP, sets_[1:]) if sets_[0] == "clip" else (TINY, sets_)
     lines = []
-    for argv in (["config", TINY], ["info", TINY], ["train", TINY, "--out", tmp_path / "run"]):
+    for argv in (
+        ["config", config],
+        ["info", config],
+        ["train", config, "--out", tmp_path / "run"],
+    ):
         rc, _, err = run(capsys, *argv, *set_list(sets_))
         assert rc == 2 and len(err.strip().splitlines()) == 1, err
         lines.append(err)
     assert lines[0] == lines[1] == lines[2]
     words = ("does not support", "refused on CPU", "multiple of", "accum", "LAMB", "nccl needs")
-    assert any(w in lines[0] for w in (*words, "holds image-text pairs", "data.val_fraction"))
+    more = ("holds image-text pairs", "data.val_fraction", "clip.tau_init")
+    assert any(w in lines[0] for w in (*words, *more))
     assert not (tmp_path / "run").exists()

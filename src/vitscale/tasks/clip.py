@@ -141,15 +141,19 @@ class ClipTask(Task):
 
     # -- building ---------------------------------------------------------------------------------
     def check(self) -> None:
-        check_init_options(self.cfg.model)
-
-    def build_data(self, s):
+        """model.init's options and file; a whole batch per step; the [clip] keys' own refusals
+        (resolve_clip: e.g. clip.tau_init below the temperature clamp)."""
         cfg = self.cfg
+        check_init_options(cfg.model)
         if cfg.train.accum_steps > 1:
             raise ConfigError(
                 "config: train.accum_steps > 1 is not supported for CLIP: contrastive losses "
                 "need the whole batch at once (lower data.batch_size or add processes)"
             )
+        resolve_clip(cfg.clip, lr=cfg.optim.lr, epochs=cfg.train.epochs)
+
+    def build_data(self, s):
+        cfg = self.cfg
         get_tokenizer()  # the vocabulary, read here: a missing file is one line before anything starts
         data = build_image_text(
             cfg.data,
