@@ -26,7 +26,6 @@ from vitscale.models import (
     vit_forward_flops,
 )
 from vitscale.models.vit import drop_patches
-from vitscale.run_state import CHANGEABLE_ON_RESUME
 from vitscale.tasks import build_task
 from vitscale.tasks.patch_dropout import first_unmasked_epoch, masked_epoch
 
@@ -300,12 +299,6 @@ def test_every_loss_trains_with_patch_dropout_and_its_tail(tmp_path, loss, capsy
     assert s["steps"] == 8 and 0 <= s["retrieval_r1"] <= 1
 
 
-@pytest.mark.xfail(
-    "model.patch_dropout" not in CHANGEABLE_ON_RESUME,
-    reason="run_state.CHANGEABLE_ON_RESUME must list model.patch_dropout and "
-    "model.patch_dropout_until (run_state.py is outside this change)",
-    strict=True,
-)
 def test_a_resume_that_turns_patch_dropout_off_is_the_run_with_that_tail(tmp_path):
     """Stopped after epoch 0 of a masked run and resumed with model.patch_dropout=0: bit-equal to
     one run whose tail starts at epoch 1 (the same draws in epoch 0, none after)."""
