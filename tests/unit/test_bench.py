@@ -589,6 +589,19 @@ def test_bench_beside_times_the_recipe_and_a_candidate_override_in_paired_rounds
     assert b["candidate"]["kernel_s_per_step"] is None
 
 
+def test_bench_beside_gives_each_side_the_mfu_of_its_own_flops(capsys):
+    """A candidate that changes the model's FLOPs (a narrower MLP) is rated by its own: MFU
+    over images/s is each side's FLOPs per image over the same peak."""
+    argv = ["bench", TINY, "--synthetic", "--steps", "1", "--warmup", "1", "--trials", "1"]
+    rc = main([*argv, "--rounds", "1", "--beside", "model.mlp_ratio=1.0", "--json"])
+    assert rc == 0
+    b = json.loads(capsys.readouterr().out)["beside"]
+    recipe, cand = b["recipe"], b["candidate"]
+    assert cand["flops_per_image"] < recipe["flops_per_image"]
+    per_flop = [s["mfu"] / (s["images_per_s"] * s["flops_per_image"]) for s in (recipe, cand)]
+    assert per_flop[0] == pytest.approx(per_flop[1], rel=1e-9)
+
+
 def test_bench_beside_refuses_a_candidate_that_does_not_validate_in_one_line(capsys):
     rc = main(
         [

@@ -155,6 +155,8 @@ def beside_rounds(b, overrides: list, steps: int, warmup: int, rounds: int, peak
     over = dict(parse_override(o) for o in overrides)
     # the recipe as the Bench was given it (a synthetic Bench swaps the dataset itself)
     other = Bench(with_overrides(b.given, over), b.fixed is not None)
+    # each side's own FLOPs per image (a candidate may change them: model.patch_dropout, sizes)
+    fpis = (b.trainer.flops_per_image, other.trainer.flops_per_image)
     try:
         times = side_by_side([b, other], steps, rounds, warmup)
         if any(t is None for t in times):
@@ -166,15 +168,19 @@ def beside_rounds(b, overrides: list, steps: int, warmup: int, rounds: int, peak
         1
     ]  # the candidate's speed over the recipe's
     sides = [rate(t, steps, b.global_batch) for t in times]
-    fpi = b.trainer.flops_per_image
     return {
         "overrides": over,
         "rounds": rounds,
         "steps": steps,
         "warmup": warmup,
         **{
-            name: {**side, "mfu": mfu(fpi, side["images_per_s"], peak, 1), "kernel_s_per_step": k}
-            for name, side, k in zip(("recipe", "candidate"), sides, kernels)
+            name: {
+                **side,
+                "flops_per_image": fpi,
+                "mfu": mfu(fpi, side["images_per_s"], peak, 1),
+                "kernel_s_per_step": k,
+            }
+            for name, side, k, fpi in zip(("recipe", "candidate"), sides, kernels, fpis)
         },
         "speedup": statistics.median(speedups),
         "speedup_rounds": speedups,
