@@ -22,6 +22,14 @@ from ..precision import half_dtype
 from .devices import sdpa_context
 
 
+def clip_norm(params: list[torch.Tensor] | torch.optim.Optimizer, clip: float) -> torch.Tensor:
+    """The gradients' total norm, clipped to `clip` (0: no clipping, the norm still measured);
+    `params`: the tensors, or an optimizer's parameters."""
+    if isinstance(params, torch.optim.Optimizer):
+        params = [p for g in params.param_groups for p in g["params"]]
+    return torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
+
+
 class Autocast:
     """train.precision by autocast, half weights and a loss scaler (one device, DDP)."""
 
@@ -80,15 +88,8 @@ class Autocast:
             for p, m in zip(self.model_params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
-        params = (
-            self.master
-            if self.master is not None
-            else [p for g in optimizer.param_groups for p in g["params"]]
-        )
         self.scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(
-            params, clip if clip > 0 else float("inf"), foreach=True
-        )
+        norm = clip_norm(self.master if self.master is not None else optimizer, clip)
         # the scale as a device tensor (get_scale() would read it on the host): a skipped step
         # (non-finite gradients) is one whose update cut the scale
         scale = getattr(self.scaler, "_scale", None) if self.scaler.is_enabled() else None
@@ -156,10 +157,7 @@ class EngineOwned:
         """Clip to `clip` (0: no clipping, the norm still measured), update: (the gradient norm,
         False: no step is skipped without a scaler). FSDP2's sharded gradients give a sharded
         norm, gathered here (a collective on every rank)."""
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(
-            params, clip if clip > 0 else float("inf"), foreach=True
-        )
+        norm = clip_norm(optimizer, clip)
         full = getattr(norm, "full_tensor", None)  # a DTensor: the norm over every rank's shards
         norm = full() if full is not None else norm
         optimizer.step()
