@@ -189,6 +189,15 @@ def cmd_train(args) -> int:
         return exit_status(summary["stop_reason"])
     if summary["rank"] != 0:
         return 0
+    if summary["stop_reason"] == "finished":  # resumed at its end: nothing trained or written
+        done = json.loads((Path(summary["run_dir"]) / "summary.json").read_text())
+        more = "run.max_steps=M" if summary["capped"] else "train.epochs=N"
+        print(
+            f"vitscale: {summary['run_dir']} is finished at step {summary['step']} of "
+            f"{summary['total_steps']}: {describe_result(done)}; nothing to train (for more "
+            f"steps: --resume {summary['run_dir']} --set {more})"
+        )
+        return 0
     print(
         f"{describe_result(summary)} after {summary['epochs']:.2f} epochs, {summary['train_time_s']:.0f}s "
         f"training, {summary['images_per_s']:.0f} img/s, MFU {100 * summary['mfu']:.1f}%; run folder "

@@ -258,7 +258,7 @@ class Trainer(ProgressView):
             if resume is not None:
                 resume_run(self.parts, resume)
                 self.checkpoints.last = resume.path
-                check_cap(cfg, self.step, self.steps_per_epoch)
+                check_cap(cfg, self.step, self.steps_per_epoch, resume.changes)
         except BaseException:  # a half-built run: its data workers stopped, its folder released
             self.close()
             if resume is None and s.is_main:
@@ -444,28 +444,53 @@ class Trainer(ProgressView):
             self.bar.close()
         return stop_reason
 
+    def finished(self) -> bool:
+        """Whether every step and the final evaluation are done (a resumed run at its end)."""
+        return self.step >= self.total_steps and (self.last_eval or {}).get("step") == self.step
+
+    def finish(self, stop_reason: str) -> str:
+        """After the last step (or the time limit): the final evaluation where the last step has
+        none yet, then the exact state saved where it is not (again where the evaluation came after
+        its checkpoint, so that the checkpoint carries it); the stop signals stay handled throughout,
+        and one that arrived meanwhile is the reason returned (collective)."""
+        evaluated = self.last_eval is None or self.last_eval["step"] != self.step
+        if evaluated:
+            self.log.log({"kind": "eval", **self.evaluate()}, prefix="eval")
+        if evaluated or not self.checkpoints.saved_at(self.step):
+            self.save()
+        late = self.agreement.reason(self.train_time, collective=True)
+        return late if late in PREEMPTED else stop_reason
+
     def fit(self) -> dict:
         """Train to the end (or the time limit), evaluating and checkpointing as configured;
-        returns the summary (every rank), written to summary.json by the main process."""
-        main = self.strategy.is_main
-        self.log, self.bar = open_logs(self.cfg, self.run_dir, self.step, self.total_steps, main)
+        returns the summary (every rank), written to summary.json by the main process. A resumed
+        run that is finished (its steps, final evaluation and summary.json) trains and writes
+        nothing: its summary's stop_reason is "finished"."""
+        s = self.strategy
+        summary_file = self.run_dir / "summary.json"
+        if self.finished() and s.broadcast_object(s.is_main and summary_file.is_file()):
+            return end_summary(self, "finished")
+        self.log, self.bar = open_logs(
+            self.cfg, self.run_dir, self.step, self.total_steps, s.is_main
+        )
         self.bar.message(self.fast.line())
         self.bar.message(describe_run(self))
         self.steps_log = StepLog(self.progress, self.log)
-        with StopRequest(quiet=not main, signals=self.stop_on_signals) as stop:
+        # the signals stay handled through the final evaluation and checkpoint: a stop there saves
+        # the state of the last step and ends with the stop's line (the resume writes the summary)
+        with StopRequest(quiet=not s.is_main, signals=self.stop_on_signals) as stop:
             stop_reason = self.train_until_stopped(stop)
-        # a signal or the job's end: the exact state saved at once, no evaluation (scheduler waits)
-        preempted = stop_reason in PREEMPTED
-        if not preempted and (self.last_eval is None or self.last_eval["step"] != self.step):
-            self.log.log({"kind": "eval", **self.evaluate()}, prefix="eval")
-        if not self.checkpoints.saved_at(self.step):
-            self.save()
+            if stop_reason in PREEMPTED:  # the exact state saved at once, no evaluation
+                if not self.checkpoints.saved_at(self.step):
+                    self.save()
+            else:
+                stop_reason = self.finish(stop_reason)
         self.log.close()
-        if preempted:
-            return preempted_summary(self, stop_reason)
+        if stop_reason in PREEMPTED:
+            return end_summary(self, stop_reason)
         summary = run_summary(self, stop_reason)
-        if main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if s.is_main:
+            summary_file.write_text(json.dumps(summary, indent=2))
         return summary
 
 
@@ -501,8 +526,9 @@ def train_record(tr: Trainer, w: Window, images: int, loss: float, info: dict) -
     }
 
 
-def preempted_summary(tr: Trainer, stop_reason: str) -> dict:
-    """What `fit()` returns for a run stopped by a signal or the job's end (no summary.json)."""
+def end_summary(tr: Trainer, stop_reason: str) -> dict:
+    """What `fit()` returns for a run stopped by a signal or the job's end, or resumed when it was
+    already finished ("finished"): where it is, no summary.json written."""
     return {
         "rank": tr.strategy.rank,
         "stop_reason": stop_reason,
@@ -511,6 +537,7 @@ def preempted_summary(tr: Trainer, stop_reason: str) -> dict:
         "epoch": tr.step / tr.steps_per_epoch,
         "checkpoint": str(tr.checkpoints.last),
         "run_dir": str(tr.run_dir),
+        "capped": bool(tr.cfg.run.max_steps) and tr.total_steps == tr.cfg.run.max_steps,
     }
 
 

@@ -288,12 +288,20 @@ def restore_run(p: RunParts, state: dict, hyper: list[dict]) -> None:
         raise UserError(f"checkpoint: {e}") from None
 
 
-def check_cap(cfg: Config, step: int, steps_per_epoch: int) -> None:
-    """A resumed run that run.max_steps stops where it already is, short of its epochs (a cap
-    saved with the run, and more epochs asked for now): refused in one line naming the cap,
-    rather than a run that trains nothing and reports the old result."""
+LENGTH_KEYS = ("train.epochs", "run.max_steps")  # what asks a resumed run for more steps
+
+
+def check_cap(
+    cfg: Config, step: int, steps_per_epoch: int, changes: list[str] | None = None
+) -> None:
+    """A resumed run asked for more steps (`changes`, check_changes' "key old -> new", name
+    train.epochs or run.max_steps) that run.max_steps stops where it already is, short of its
+    epochs: refused in one line naming the cap, rather than a run that trains nothing and reports
+    the old result. Resumed as it was saved, a capped run at its cap is at its end: `fit` finishes
+    it (its final evaluation and summary where they are missing) or says it is finished."""
     cap, epochs = cfg.run.max_steps, math.ceil(cfg.train.epochs * steps_per_epoch)
-    if cap and step >= cap and epochs > cap:
+    asked = any(c.split(" ", 1)[0] in LENGTH_KEYS for c in changes or ())
+    if asked and cap and step >= cap and epochs > cap:
         raise UserError(
             f"resume: run.max_steps = {cap} caps this run at step {cap}, where it already is, "
             f"short of its {cfg.train.epochs:g} epochs ({epochs} steps): add --set "

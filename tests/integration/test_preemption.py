@@ -11,11 +11,14 @@ orphans). The signal
 handling itself (each signal, a second Ctrl-C, a signal during a checkpoint write or an evaluation,
 the scheduler's end time) is tests/unit/test_stop.py, in one process."""
 
+import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,7 @@ from helpers import (
     TINY,
     default_signals,
     engine_case,
+    free_port,
     launch,
     sets,
     torchrun,
@@ -108,3 +112,71 @@ def test_a_stop_signal_saves_the_step_every_rank_stopped_at_and_the_resume_is_bi
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = weights(reference), weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_to_the_launcher_in_the_final_evaluation_saves_and_the_resumes_finish(tmp_path):
+    """issue 52 at 2 ranks: SIGTERM to torchrun while both ranks evaluate after the last step
+    (run.max_steps=6 of 8 steps: no checkpoint of step 6 before it). Every rank completes the evaluation,
+    the state of step 6 is saved with it, the main process prints the stop line; the resume
+    writes the summary and the result line and trains nothing; a resume of the finished run says
+    so in one line, exit 0."""
+    out, hold = tmp_path / "run", tmp_path / "hold"
+    hold.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(Path(__file__).with_name("hold_final_eval.py")),
+        "train",
+        TINY,
+        "--out",
+        str(out),
+        *sets(BASE + ["strategy.name=ddp", "run.max_steps=6"]),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HOLD_DIR": str(hold)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=default_signals,
+    )
+    try:
+        deadline = time.time() + 180
+        while len(list(hold.iterdir())) < 2:
+            assert time.time() < deadline and proc.poll() is None, "no rank reached the evaluation"
+            time.sleep(0.1)
+        # epoch 1's checkpoint (step 4) only: the final step is not saved before its evaluation
+        assert [c.name for c in ckpt.list_checkpoints(out)] == ["step_00000004.pt"]
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    stopped = [x for x in err.splitlines() if x.startswith("vitscale: stopped by")]
+    assert stopped == [
+        f"vitscale: stopped by SIGTERM at step 6 of 6 (epoch 1.50); checkpoint "
+        f"{out / 'checkpoints' / 'step_00000006.pt'}; continue with: vitscale train --resume {out}"
+    ], err[-3000:]
+    saved = ckpt.load_checkpoint(out)
+    assert saved["step"] == 6 and saved["last_eval"]["step"] == 6
+    assert not (out / "summary.json").exists()
+    p = torchrun(None, [], nproc=2, resume=out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = [x for x in p.stdout.splitlines() if x.startswith("test accuracy")]
+    assert len(results) == 1 and json.loads((out / "summary.json").read_text())["steps"] == 6
+    assert not any('"step": 7' in x for x in (out / "metrics.jsonl").open())
+    p = torchrun(None, [], nproc=2, resume=out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [x for x in p.stdout.splitlines() if x.startswith("vitscale:")] == [
+        f"vitscale: {out} is finished at step 6 of 6: {results[0].split(' after ')[0]}; nothing "
+        f"to train (for more steps: --resume {out} --set run.max_steps=M)"
+    ]

@@ -272,3 +272,113 @@ def test_several_ranks_agree_at_collective_steps_only_on_any_ranks_reason():
     )
     late = Agreement(FakeRanks([0.0] * 5), stop, 0.0, deadline=10.0, clock=lambda: 10.0)
     assert late.reason(0.0, collective=True) == "job end"
+
+
+# issue 52: a stop in the final evaluation. run.max_steps=22 ends the run inside epoch 6, so its
+# final evaluation is fit()'s, after the last step and before its checkpoint (run.checkpoint_every=5
+# saved step 20)
+CAPPED = ["run.max_steps=22"]
+
+
+@pytest.fixture(scope="module")
+def capped_uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stop") / "capped"
+    assert train(out, *CAPPED) == 0
+    return out
+
+
+def files_of(out) -> dict:
+    """Every file of a run folder and its bytes (the lock file aside: each command takes it)."""
+    return {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_during_the_final_evaluation_saves_the_last_step_and_the_resume_finishes_it(
+    tmp_path, capsys, monkeypatch, capped_uninterrupted, sig
+):
+    out = tmp_path / "run"
+    signal_at(monkeypatch, 22, sig, where="evaluate")
+    name = signal.Signals(sig).name
+    assert train(out, *CAPPED) == exit_status(name)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == (
+        f"vitscale: stopped by {name} at step 22 of 22 (epoch 5.50); checkpoint "
+        f"{out / 'checkpoints' / 'step_00000022.pt'}; continue with: vitscale train --resume {out}"
+    )
+    saved = ckpt.load_checkpoint(out)
+    assert saved["step"] == 22 and saved["last_eval"]["step"] == 22  # the evaluation completed
+    assert not (out / "summary.json").exists()
+    monkeypatch.undo()
+    # the resume trains nothing: it writes the summary and the closing line from what was saved
+    assert train(out, resume=True) == 0
+    text = capsys.readouterr().out.strip().splitlines()
+    assert len(text) == 1 and text[0].startswith("test accuracy ") and str(out) in text[0]
+    whole = json.loads((capped_uninterrupted / "summary.json").read_text())
+    resumed = json.loads((out / "summary.json").read_text())
+    assert (resumed["steps"], resumed["test_accuracy"]) == (22, whole["test_accuracy"])
+    assert [p.name for p in ckpt.list_checkpoints(out)][-1] == "step_00000022.pt"
+    a, b = weights(capped_uninterrupted), weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # a finished run: one line, exit 0, nothing written
+    before = files_of(out)
+    assert train(out, resume=True) == 0
+    out_text, err = capsys.readouterr()
+    assert out_text.strip().splitlines() == [
+        f"vitscale: {out} is finished at step 22 of 22: test accuracy "
+        f"{100 * whole['test_accuracy']:.2f}% (best {100 * whole['best_test_accuracy']:.2f}%) on "
+        f"32 images (loss {whole['test_loss']:.4f}); nothing to train (for more steps: --resume "
+        f"{out} --set run.max_steps=M)"
+    ]
+    assert err == "" and files_of(out) == before
+
+
+def test_a_kill_in_the_final_evaluation_after_the_last_checkpoint_is_finished_by_the_resume(
+    tmp_path, capsys, monkeypatch, capped_uninterrupted
+):
+    """run.checkpoint_every=11 saves step 22 before the final evaluation; a kill there (a second
+    Ctrl-C here) leaves it without an evaluation: the resume runs it, saves it into the checkpoint
+    of that step and writes the summary."""
+    out = tmp_path / "run"
+    real = loop.Trainer.evaluate
+
+    def killed(self):
+        if self.step == 22:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(loop.Trainer, "evaluate", killed)
+    assert train(out, *CAPPED, "run.checkpoint_every=11") == 130
+    assert ckpt.load_checkpoint(out)["step"] == 22 and not (out / "summary.json").exists()
+    assert ckpt.load_checkpoint(out)["last_eval"]["step"] == 20  # epoch 5's
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert train(out, resume=True) == 0
+    evals = [
+        json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in x
+    ]
+    assert [e["step"] for e in evals][-1] == 22  # the resume's evaluation, no step trained
+    assert not any('"train"' in x and '"step": 23' in x for x in (out / "metrics.jsonl").open())
+    assert ckpt.load_checkpoint(out)["last_eval"]["step"] == 22
+    whole = json.loads((capped_uninterrupted / "summary.json").read_text())
+    assert json.loads((out / "summary.json").read_text())["test_accuracy"] == whole["test_accuracy"]
+    assert train(out, resume=True) == 0
+    assert " is finished at step 22 of 22: " in capsys.readouterr().out
+
+
+def test_a_signal_during_the_last_epochs_evaluation_of_an_uncapped_run_stops_with_its_line(
+    tmp_path, capsys, monkeypatch
+):
+    """Without a cap, the final evaluation is the last epoch's (step 24), before its checkpoint."""
+    out = tmp_path / "run"
+    signal_at(monkeypatch, 24, signal.SIGUSR1, where="evaluate")
+    assert train(out) == exit_status("SIGUSR1")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith("vitscale: stopped by SIGUSR1 at step 24 of 24 (epoch 6.00); checkpoint ")
+    )
+    assert ckpt.load_checkpoint(out)["step"] == 24 and not (out / "summary.json").exists()
+    monkeypatch.undo()
+    assert train(out, resume=True) == 0
+    assert json.loads((out / "summary.json").read_text())["steps"] == 24
