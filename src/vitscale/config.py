@@ -496,8 +496,27 @@ class StrategyConfig:
         "single",
         "ddp",
         "fsdp",
+        "hsdp",
         "deepspeed",
-        doc="ddp/fsdp/deepspeed: launch with torchrun --nproc-per-node N",
+        doc="ddp/fsdp/hsdp/deepspeed: launch with torchrun --nproc-per-node N; "
+        "ddp = replicas, fsdp = shards, hsdp = replicas of shard groups (strategy/mesh.py)",
+    )
+    dp_replicate: int = num(
+        0,
+        min=-1,
+        doc="mesh: data-parallel replicas (0 = strategy.name's default, -1 = fill the processes)",
+    )
+    dp_shard: int = num(
+        0,
+        min=-1,
+        doc="mesh: FSDP2 shard group size (0 = strategy.name's default: all processes for fsdp, "
+        "one node for hsdp; -1 = fill)",
+    )
+    tp: int = num(
+        1,
+        min=-1,
+        doc="mesh: tensor-parallel size (Megatron split of each block's attention and MLP; "
+        "fsdp, hsdp or ddp; -1 = fill)",
     )
     backend: str = choice("auto", "auto", "nccl", "gloo", doc="auto = nccl on GPUs, gloo on CPUs")
     timeout_s: float = num(600.0, min=1.0, doc="collective timeout: a dead rank stops the others")

@@ -17,11 +17,12 @@ import torch
 from .capture import WholeStep
 from .checkpoint import RunLock, list_checkpoints
 from .config import Config, micro_batch
-from .errors import DataError, TrainingError, UserError
+from .errors import ConfigError, DataError, TrainingError, UserError
 from .fastpaths import resolve as resolve_fast_paths
 from .launch import launch_env
 from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops, synchronizer
 from .models import count_params
+from .models.layers import tp_widths
 from .optim import build_scheduler, check_optimizer, lr_table
 from .precision import tf32_active
 from .run_state import (
@@ -38,6 +39,7 @@ from .step import FiniteWatch, TrainStep, check_training_state
 from .stop import PREEMPTED, Agreement, StopRequest, announce_deadline, slurm_deadline
 from .strategy import Strategy, build_strategy, check_engine, check_launch
 from .strategy.devices import LauncherWatch
+from .strategy.mesh import mesh_shape, tp_refusal
 from .tasks import build_task, check_config
 
 T = TypeVar("T")
@@ -91,7 +93,8 @@ class StepLog:
 
 def seeded_model(task, spec, seed: int, rank: int):
     """The task's model from `seed` (the same initial weights on every rank); then a random stream
-    of each rank's own for dropout and stochastic depth."""
+    of each data-parallel rank's own for dropout and stochastic depth (`rank`: its index; the
+    ranks of a tensor-parallel group draw the same)."""
     torch.manual_seed(seed)
     model = task.build_model(spec)
     if rank:
@@ -214,10 +217,15 @@ def check_run(cfg: Config, world_size: int | None = None) -> Config:
     that the global batch splits over processes x micro-batches. `vitscale train`, `config` and
     `info` ask it; `world_size` None: this process's launch (1 outside a launcher)."""
     world = launch_env(os.environ).world_size if world_size is None else world_size
-    check_engine(check_config(cfg))
+    check_launch(check_config(cfg).strategy.name, world)
+    check_engine(cfg, world)
     check_optimizer(cfg.optim)
-    check_launch(cfg.strategy.name, world)
-    micro_batch(cfg.data.batch_size, world, cfg.train.accum_steps)
+    shape = mesh_shape(cfg.strategy, world)
+    if shape.tp > 1:  # what tensor parallelism splits: the model's heads and widths
+        refusal = tp_refusal(shape, tp_widths(build_task(cfg).meta_model()[1]))
+        if refusal:
+            raise ConfigError(refusal)
+    micro_batch(cfg.data.batch_size, shape.dp, cfg.train.accum_steps)
     return cfg
 
 
@@ -276,11 +284,11 @@ class Trainer(ProgressView):
         """Data, model, engine, schedule, counters and the step function of a new run."""
         self.task = task = build_task(cfg)
         self.data = task.build_data(s)
-        self.total_steps, self.empty_last_share = plan_steps(cfg, self.data, s.world_size)
+        self.total_steps, self.empty_last_share = plan_steps(cfg, self.data, s.dp_size)
         self.steps_per_epoch = len(self.data.train)
         self.spec = task.spec_for(self.data)
         self.flops_per_image = task.flops(self.spec)  # per training sample (image, or pair)
-        model = seeded_model(task, self.spec, cfg.run.seed, s.rank)
+        model = seeded_model(task, self.spec, cfg.run.seed, s.dp_rank)
         self.params = count_params(model)
         s.setup(model)
         task.setup_training(
@@ -289,6 +297,7 @@ class Trainer(ProgressView):
             total_steps=self.total_steps,
             steps_per_epoch=self.steps_per_epoch,
             device=s.device,
+            group=s.dp_group,
         )
         self.progress = RunProgress()  # step, training time, samples, best metric, last eval
         # optim.schedule_clock=time: the decay follows self.train_time to train.time_limit_s
@@ -393,7 +402,7 @@ class Trainer(ProgressView):
             if log_now:  # the GPU catches up here (and only here) before the clock is read
                 synchronizer(s.device)()
             # time and samples; at log steps the train record (loss, norm, skips read there)
-            n = n_local * s.world_size
+            n = n_local * s.dp_size  # a tensor-parallel group shares its batch
             w = self.steps_log.account(time.perf_counter() - t_last, t_data, n, info)
             if log_now:
                 self.check_state(state=False)
@@ -548,6 +557,12 @@ def state_bytes(strategy: Strategy, task) -> dict:
     return {**strategy.state_bytes(), "loss_state": task.state_bytes()}
 
 
+def dp_text(s: Strategy) -> str:
+    """What the data-parallel count is: processes, or the mesh's points under tensor parallelism."""
+    tp = s.world_size // s.dp_size
+    return "processes" if tp == 1 else f"data-parallel groups of {tp} tensor-parallel processes"
+
+
 def describe_run(tr: Trainer) -> str:
     """The run in one line: model, data, batch split, lr, steps, device and precision."""
     cfg, s = tr.cfg, tr.strategy
@@ -560,9 +575,9 @@ def describe_run(tr: Trainer) -> str:
         f"run {tr.run_dir}: {tr.task.describe(tr.spec)}, {tr.params / 1e6:.2f}M params, "
         f"{tr.flops_per_image / 1e6:.1f} MFLOPs/{tr.task.sample} fwd; "
         f"{tr.data.train_size} train / {tr.data.test_size} {tr.data.eval_split} {tr.task.samples}; "
-        f"global batch {cfg.data.batch_size} = {s.world_size} processes x "
+        f"global batch {cfg.data.batch_size} = {s.dp_size} {dp_text(s)} x "
         f"{cfg.train.accum_steps} micro-batches x "
-        f"{cfg.data.batch_size // s.world_size // cfg.train.accum_steps}; lr {tr.lr:.3g}{scaling}"
+        f"{cfg.data.batch_size // s.dp_size // cfg.train.accum_steps}; lr {tr.lr:.3g}{scaling}"
         f"; {tr.total_steps} steps on {s.device} in {cfg.train.precision}"
     )
 

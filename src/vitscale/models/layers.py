@@ -173,7 +173,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
-        qkv = self.qkv(x).reshape(B, T, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        # heads -1: under tensor parallelism this rank's heads (strategy/parallel.py splits them)
+        qkv = self.qkv(x).reshape(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each [B, h, T, hd]
         p = self.dropout if self.training else 0.0
         if self.fused:
@@ -187,7 +188,7 @@ class Attention(nn.Module):
             if p:
                 attn = F.dropout(attn, p)
             x = attn @ v  # [B, h, T, hd]
-        return self.proj(x.transpose(1, 2).reshape(B, T, D))
+        return self.proj(x.transpose(1, 2).reshape(B, T, -1))
 
 
 class QuickGELU(nn.Module):
@@ -314,6 +315,17 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), dropout=dropout, act=act)
         self.drop_path = drop_path
 
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor parallelism's plan of the block (strategy/parallel.py): Megatron's split, q, k
+        and v column-wise by heads (one fused weight: `colwise_qkv`), the projection row-wise, the
+        MLP's first layer column-wise and its second row-wise: one all-reduce per branch."""
+        return {
+            "attn.qkv": "colwise_qkv",
+            "attn.proj": "rowwise",
+            "mlp.fc1": "colwise",
+            "mlp.fc2": "rowwise",
+        }
+
     def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.attn(self.norm1(x))
 
@@ -323,3 +335,25 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = residual(x, self.attn_branch, self.drop_path, self.training, self.drop_path_mode)
         return residual(x, self.mlp_branch, self.drop_path, self.training, self.drop_path_mode)
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan: each transformer block's (Block.tp_plan), by the full name
+    of the layer (both towers of a CLIP); every other parameter is replicated."""
+    return {
+        f"{name}.{layer}" if name else layer: style
+        for name, m in model.named_modules()
+        if isinstance(m, Block)
+        for layer, style in m.tp_plan().items()
+    }
+
+
+def tp_widths(model: nn.Module) -> dict[str, int]:
+    """What tensor parallelism splits, by name: the attention heads and MLP widths of every block
+    (strategy.tp must divide each)."""
+    widths: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, Block):
+            widths[f"heads of a {m.attn.qkv.in_features}-wide block"] = m.attn.heads
+            widths[f"MLP width of a {m.attn.qkv.in_features}-wide block"] = m.mlp.fc1.out_features
+    return widths

@@ -6,13 +6,16 @@ decides by an engine's name: the loop, `vitscale eval` and the lab ask the funct
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from ..config import Config
 from ..errors import ConfigError
+from ..launch import launch_env
 from ..optim import scaled_lr
 from .base import Strategy
 from .devices import backend_for
+from .mesh import mesh_shape
 from .single import SingleDevice, resolve_device
 
 IN_PROCESS = SingleDevice.name  # the engine of one process, no launcher
@@ -42,23 +45,30 @@ def check_launch(name: str, world_size: int) -> None:
         raise ConfigError(
             f"config: strategy.name={name} under a launcher that started {world_size} "
             "processes: each would train alone into the same run folder; use "
-            "strategy.name=ddp, fsdp or deepspeed (or launch one process)"
+            "strategy.name=ddp, fsdp, hsdp or deepspeed (or launch one process)"
         )
 
 
-def check_engine(cfg: Config) -> Config:
-    """The refusals the engine and this machine's device make when a run starts, asked before any
-    process group or device is set up: `vitscale config` and `vitscale info` refuse what `vitscale
-    train` refuses, with the same line (the engines' constructors ask the same functions)."""
+def on_mesh(cfg: Config, world: int = 1) -> bool:
+    """Whether the run is FSDP2's mesh engine (fsdp.py): shards, replicas of shards, or tensor
+    parallelism under any data-parallel form; else DDP, DeepSpeed or one device."""
+    shape = mesh_shape(cfg.strategy, world)
+    return cfg.strategy.name in ("fsdp", "hsdp") or shape.tp > 1
+
+
+def check_engine(cfg: Config, world: int = 1) -> Config:
+    """The refusals the mesh, the engine and this machine's device make when a run starts, asked
+    before any process group or device is set up: `vitscale config` and `vitscale info` refuse
+    what `vitscale train` refuses, with the same line (`world`: the processes launched)."""
     from .single import device_refusal
 
     device = resolve_device(cfg.run.device)
     refusal = None
-    # the engine's own refusals first, as its constructor asks them before the device's
-    if cfg.strategy.name == "fsdp":
+    # the mesh's refusals (strategy/mesh.py), then the engine's own, then the device's
+    if on_mesh(cfg, world):
         from .fsdp import fsdp_refusal
 
-        refusal = fsdp_refusal(cfg.train)
+        refusal = fsdp_refusal(cfg.train, cfg.strategy.name)
     if cfg.strategy.name == "deepspeed":
         from .deepspeed import checked_ds_config
 
@@ -78,14 +88,14 @@ def build_strategy(cfg: Config):
     lr = scaled_lr(cfg.optim, cfg.data.batch_size)
     if cfg.strategy.name == "single":
         return SingleDevice(cfg.train, cfg.optim, device, lr=lr)
+    if on_mesh(cfg, launch_env(os.environ).world_size):
+        from .fsdp import FSDPStrategy
+
+        return FSDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type, lr=lr)
     if cfg.strategy.name == "ddp":
         from .ddp import DDPStrategy
 
         return DDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type, lr=lr)
-    if cfg.strategy.name == "fsdp":
-        from .fsdp import FSDPStrategy
-
-        return FSDPStrategy(cfg.train, cfg.optim, cfg.strategy, device.type, lr=lr)
     if cfg.strategy.name == "deepspeed":
         from .deepspeed import DeepSpeedStrategy
 

@@ -34,6 +34,19 @@ class Strategy(Protocol):
     rank: int
     world_size: int
     is_main: bool
+    # the data-parallel index, count and process group (None: the world): the mesh's replicate x
+    # shard points; the ranks of one tensor-parallel group share them and see the same batches
+    dp_rank: int
+    dp_size: int
+    dp_group: object
+
+    def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks, in place (each tensor-parallel group once)."""
+        ...
+
+    def gather_dp(self, obj) -> list:
+        """Every data-parallel rank's picklable `obj`, in order, on every rank."""
+        ...
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (bookkeeping: not counted as the engine's communication)."""

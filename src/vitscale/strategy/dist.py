@@ -172,6 +172,7 @@ class Distributed(SingleDevice):
         else:
             self.rank, self.world_size, local = 0, 1, 0
         self.is_main = self.rank == 0
+        self.dp_rank, self.dp_size = self.rank, self.world_size  # a mesh engine narrows them
         self.scfg = scfg
         device = local_device(device_type, local)
         super().__init__(train, optim, device, lr=lr)
@@ -179,8 +180,19 @@ class Distributed(SingleDevice):
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(t)
 
+    def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dp_group is None:
+            return all_reduce_sum(t)
+        with COUNTER.paused():
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return t
+
     def gather_objects(self, obj) -> list:
         return gather_objects(obj)
+
+    def gather_dp(self, obj) -> list:
+        tp = self.world_size // self.dp_size  # tp innermost: a group's first rank speaks for it
+        return gather_objects(obj)[::tp]
 
     def broadcast_object(self, obj):
         return broadcast_object(obj)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch.distributed.checkpoint.state_dict_loader as dcp_loader
 import torch.distributed.checkpoint.state_dict_saver as dcp_saver
@@ -38,17 +38,17 @@ from torch.distributed.fsdp import (
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
-    fully_shard,
 )
 
 from ..checkpoint import optim_keyed_by_name, optim_state_by_name
 from ..errors import ConfigError, UserError
+from ..models.layers import tp_plan
 from ..optim import build_optimizer, param_groups
 from ..precision import DTYPES, half_dtype
 from .amp import EngineOwned
-from .base import GradCheckpointing
-from .devices import compile_kwargs
 from .dist import Distributed
+from .mesh import build_mesh, dp_group, mesh_shape
+from .parallel import apply_ac, apply_compile, apply_fsdp, apply_tp, tp_context
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -73,12 +73,12 @@ def mp_policy(precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
     )
 
 
-def fsdp_refusal(train) -> str | None:
-    """What FSDP2 does not support of the train section, in one line, or None (strategy.check_engine:
-    every command that checks a config asks it)."""
+def fsdp_refusal(train, name: str = "fsdp") -> str | None:
+    """What FSDP2's mesh engine does not support of the train section, in one line, or None
+    (strategy.check_engine: every command that checks a config asks it)."""
     unsupported = [
-        name
-        for name, on in (
+        key
+        for key, on in (
             ("train.ema_decay", train.ema_decay > 0),
             ("train.precision=fp16", train.precision == "fp16"),
             (f"train.precision={train.precision}", train.precision.startswith("pure_")),
@@ -88,8 +88,8 @@ def fsdp_refusal(train) -> str | None:
     ]
     return (
         (
-            f"config: strategy.name=fsdp does not support {', '.join(unsupported)} yet "
-            "(use strategy.name=ddp or single)"
+            f"config: strategy.name={name} on FSDP2's mesh does not support "
+            f"{', '.join(unsupported)} yet (use strategy.name=ddp with strategy.tp=1, or single)"
         )
         if unsupported
         else None
@@ -97,25 +97,42 @@ def fsdp_refusal(train) -> str | None:
 
 
 class FSDPStrategy(Distributed):
+    """FSDP2 on a device mesh (strategy/mesh.py): shards, replicas of shard groups (HSDP) and
+    tensor parallelism, built by the parallelize pipeline (strategy/parallel.py)."""
+
     name = "fsdp"
     no_sync_defers_comm = gathers_in_forward = forward_is_collective = True
     precision_part = EngineOwned  # precision lives in the MixedPrecisionPolicy, not in autocast
 
     def __init__(self, train, optim, scfg, device_type, lr: float | None = None):
-        refusal = fsdp_refusal(train)
-        if refusal:
-            raise ConfigError(refusal)
         # offloaded shards are CPU DTensors: the gradient norm's full_tensor() and the full state
         # dict are collectives on CPU tensors, which NCCL cannot run (group_backend adds gloo)
         self.cpu_collectives = scfg.cpu_offload
         super().__init__(train, optim, scfg, device_type, lr=lr)
+        self.name = scfg.name if scfg.name in ("fsdp", "hsdp") else self.name
+        self.shape = shape = mesh_shape(scfg, self.world_size)
+        self.mesh = build_mesh(shape, self.device.type)
+        self.dp_group = dp_group(shape)
+        self.dp_rank, self.dp_size = shape.dp_rank(self.rank), shape.dp
+        self.tp = shape.tp > 1
         # sharded checkpoints: the loop calls save_engine(step_N.dcp) before writing step_N.pt
         self.engine_suffix = ".dcp" if scfg.checkpoint_format == "sharded" else None
 
+    @property
+    def dp_mesh(self):
+        """FSDP2's mesh: the shard dimension, or replicate x shard (HSDP) where there are replicas."""
+        names = ("dp_replicate", "dp_shard") if self.shape.dp_replicate > 1 else ("dp_shard",)
+        return self.mesh[names]
+
     def setup(self, model: nn.Module) -> None:
+        """The parallelize pipeline, in its order: activation checkpointing, the tensor-parallel
+        plan, compile, FSDP2; then the optimizer over the sharded parameters."""
         self.place(model)
-        if self.cfg.activation_checkpointing:
-            cast(GradCheckpointing, model).set_grad_checkpointing(True)
+        units = shard_units(model)  # the model names them (both towers of a CLIP)
+        apply_ac(model, self.cfg.activation_checkpointing)
+        if self.tp:
+            apply_tp(model, self.mesh["tp"], tp_plan(model))
+        apply_compile(units, self.cfg.compile, self.cfg.compile_mode)
         mp = mp_policy(self.cfg.precision, self.scfg.reduce_dtype)
         offload = CPUOffloadPolicy() if self.scfg.cpu_offload else OffloadPolicy()
         kw: dict[str, Any] = dict(
@@ -123,11 +140,7 @@ class FSDPStrategy(Distributed):
             offload_policy=offload,
             reshard_after_forward=self.scfg.reshard_after_forward,
         )
-        for block in shard_units(model):  # the model names them (both towers of a CLIP)
-            if self.cfg.compile:  # each block's forward compiled in place (names unchanged)
-                block.compile(**compile_kwargs(self.cfg.compile_mode))
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
+        apply_fsdp(model, units, self.dp_mesh, **kw)
         self.module = self.model = model
         self.optimizer = build_optimizer(
             model,
@@ -135,6 +148,21 @@ class FSDPStrategy(Distributed):
             lr=self.lr,
             params=param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay),
         )
+
+    # tensor parallelism: forward, backward and the step mix plain tensors with replicated DTensors
+    def autocast(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().autocast())
+        stack.enter_context(tp_context(self.tp))
+        return stack
+
+    def backward(self, loss) -> None:
+        with tp_context(self.tp):
+            super().backward(loss)
+
+    def step(self) -> dict:
+        with tp_context(self.tp):
+            return super().step()
 
     def no_sync(self):
         @contextlib.contextmanager

@@ -138,9 +138,21 @@ class SingleDevice:  # implements base.Strategy
 
     # -- the process group (one process here) ---------------------------------------------------
     rank, world_size, is_main = 0, 1, True
+    # the data-parallel index and count (the mesh's replicate x shard points: the ranks of one
+    # tensor-parallel group share them and see the same batches) and their process group (None:
+    # the world)
+    dp_rank, dp_size, dp_group = 0, 1, None
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (each tensor-parallel group counted once)."""
+        return t
+
+    def gather_dp(self, obj) -> list:
+        """Every data-parallel rank's `obj`, in order (one per tensor-parallel group)."""
+        return [obj]
 
     def gather_objects(self, obj) -> list:
         return [obj]

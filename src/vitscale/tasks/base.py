@@ -174,8 +174,10 @@ class Task:
         total_steps: int,
         steps_per_epoch: int,
         device: torch.device,
+        group=None,
     ) -> None:
-        """Build what training needs beyond the model (losses with their own state)."""
+        """Build what training needs beyond the model (losses with their own state); `group`: the
+        data-parallel ranks' process group (None: the world)."""
 
     # -- the training step ------------------------------------------------------------------------
     def forward_loss(self, model, batch, prepare) -> torch.Tensor:

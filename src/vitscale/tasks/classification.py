@@ -145,7 +145,7 @@ class ClassificationTask(Task):
         cfg = self.cfg
         dcfg = self.data_config()
         data = build_data(
-            dcfg, device=s.device, seed=cfg.run.seed, rank=s.rank, world_size=s.world_size
+            dcfg, device=s.device, seed=cfg.run.seed, rank=s.dp_rank, world_size=s.dp_size
         )
         self.preprocess = eval_preprocess(dcfg, data.mean, data.std, data.image_size)
         if cfg.model.num_classes and cfg.model.num_classes != data.num_classes:
@@ -282,7 +282,7 @@ class ClassificationTask(Task):
         the same number of forwards where forwards are collective); the counts are summed exactly."""
         batches = max(s.gather_objects(len(data.test))) if s.forward_is_collective else 0
         r = self.evaluate(s.eval_module(), data.test, s.autocast, s.prepare, batches)
-        correct, count, loss_sum = s.all_reduce_sum(
+        correct, count, loss_sum = s.all_reduce_dp(
             torch.tensor(
                 [r["correct"], r["count"], r["loss_sum"]], dtype=torch.float64, device=s.device
             )

@@ -159,8 +159,8 @@ class ClipTask(Task):
             cfg.data,
             device=s.device,
             seed=cfg.run.seed,
-            rank=s.rank,
-            world_size=s.world_size,
+            rank=s.dp_rank,
+            world_size=s.dp_size,
             context_length=cfg.model.context_length,
         )
         self.preprocess = eval_preprocess(cfg.data, data.mean, data.std, data.image_size)
@@ -252,7 +252,9 @@ class ClipTask(Task):
             f"{g(info['flops_per_image'])}FLOPs per (image, caption) forward"
         )
 
-    def setup_training(self, *, lr, dataset_size, total_steps, steps_per_epoch, device) -> None:
+    def setup_training(
+        self, *, lr, dataset_size, total_steps, steps_per_epoch, device, group=None
+    ) -> None:
         cfg = self.cfg
         self.loss_module = build_clip_loss(
             cfg.clip,
@@ -262,6 +264,7 @@ class ClipTask(Task):
             epochs=cfg.train.epochs,
             device=device,
             lr_factor=schedule(cfg.optim, total_steps, steps_per_epoch),
+            group=group,  # the data-parallel ranks (a mesh dimension under tensor parallelism)
         )
 
     def summary_extra(self, lr: float) -> dict:

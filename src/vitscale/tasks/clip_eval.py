@@ -78,7 +78,7 @@ def evaluate_clip(s, data, prompt_templates: str, context_length: int) -> dict:
     batches = max(s.gather_objects(len(data.test)))
     if batches:
         pad = batches if s.forward_is_collective else 0
-        parts = s.gather_objects(encode(model, data.test, s.autocast, s.prepare, pad, True))
+        parts = s.gather_dp(encode(model, data.test, s.autocast, s.prepare, pad, True))
         parts = [p for p in parts if len(p[0])]
         img, txt = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         width = max(p[2].shape[1] for p in parts)
@@ -110,7 +110,7 @@ def zeroshot(s, model, name: str, zs, prompt_templates: str, context_length: int
         hit = top == labels[:, None]
         hits = [hit[:, 0].sum().item(), hit.any(1).sum().item()]
     counts = torch.tensor([*hits, len(labels)], dtype=torch.float64, device=s.device)
-    c1, c5, n = s.all_reduce_sum(counts).tolist()
+    c1, c5, n = s.all_reduce_dp(counts).tolist()
     return {
         f"zeroshot_{name}_top1": c1 / max(1, n),
         f"zeroshot_{name}_top5": c5 / max(1, n),

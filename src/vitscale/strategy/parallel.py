@@ -1,0 +1,148 @@
+"""The parallelize pipeline (issue 49), applied from outside to a plain model placed on its device,
+in one fixed order, as torchtitan's parallelize_* functions: activation checkpointing, the tensor-
+parallel plan, compile, then FSDP2 over the data-parallel mesh (the shard dimension, or replicate x
+shard for HSDP). Each step is a function of the model and the mesh; the engine (fsdp.py) calls them.
+
+Tensor parallelism follows the model's plan (models/layers.tp_plan): q, k and v column-wise by heads
+(one fused weight, each rank's rows [q_r; k_r; v_r]: a strided shard), the attention projection
+row-wise, the MLP's first layer column-wise and its second row-wise (Megatron's split: one
+all-reduce per branch in forward, one in backward). Every other parameter (embeddings, norms, the
+head) is replicated over the tp dimension as a DTensor, so that FSDP2, the gradient norm and the
+optimizer see one kind of parameter; the replicated activations between the split layers are plain
+tensors, mixed with those parameters under DTensor's implicit replication (`tp_context`)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from .base import GradCheckpointing
+from .devices import compile_kwargs
+
+
+def apply_ac(model: nn.Module, on: bool) -> None:
+    """1. Activation checkpointing: the model recomputes its blocks in backward."""
+    if on:
+        cast(GradCheckpointing, model).set_grad_checkpointing(True)
+
+
+def styles() -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    class FusedQKV(ColwiseParallel):
+        """Column-wise over a fused [q; k; v] weight: rank r holds the rows of its heads in each
+        of the three ([q_r; k_r; v_r]), a strided shard of the whole (split_factor 3), and its
+        output stays that shard (not redistributed to a contiguous one)."""
+
+        def __init__(self):
+            super().__init__(output_layouts=_StridedShard(-1, split_factor=3))
+
+        def _partition_linear_fn(self, name, module, device_mesh):
+            for pname, param in module.named_parameters():
+                # the bias replicated: the linear slices it to the output's shard, and FSDP2 then
+                # shards it plainly over the data-parallel ranks
+                placement = _StridedShard(0, split_factor=3) if pname == "weight" else Replicate()
+                dist_param = nn.Parameter(
+                    distribute_tensor(param, device_mesh, [placement]),
+                    requires_grad=param.requires_grad,
+                )
+                module.register_parameter(pname, dist_param)
+
+    # column-wise outputs stay local shards (heads, hidden units: plain tensors for the attention
+    # and the activation); row-wise outputs stay replicated DTensors, as the residual stream is
+    return {
+        "colwise": ColwiseParallel,
+        "rowwise": lambda: RowwiseParallel(use_local_output=False),
+        "colwise_qkv": FusedQKV,
+    }
+
+
+def replicate_rest(model: nn.Module, tp_mesh) -> None:
+    """Every parameter the plan left whole becomes a DTensor replicated over the tp dimension."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                d = distribute_tensor(p.data, tp_mesh, [Replicate()])
+                module.register_parameter(name, nn.Parameter(d, requires_grad=p.requires_grad))
+
+
+def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str]) -> None:
+    """2. The tensor-parallel plan over the tp dimension of the mesh."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    kinds = styles()
+    parallelize_module(model, tp_mesh, {name: kinds[kind]() for name, kind in plan.items()})
+    replicate_rest(model, tp_mesh)
+    # the model's inputs as replicated DTensors (the patch embedding's convolution takes no plain
+    # tensor in backward); its output (logits, features) as plain tensors for the loss
+    model.register_forward_pre_hook(lambda m, args: replicated(args, tp_mesh))
+    model.register_forward_hook(lambda m, args, out: to_local(out))
+
+
+def replicated(args: tuple, mesh) -> tuple:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return tuple(
+        DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+        else a
+        for a in args
+    )
+
+
+def to_local(out):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(out, DTensor):
+        return out.full_tensor()
+    if isinstance(out, tuple):
+        return tuple(to_local(o) for o in out)
+    if isinstance(out, dict):
+        return {k: to_local(v) for k, v in out.items()}
+    return out
+
+
+def tp_context(on: bool):
+    """Forward and backward of a tensor-parallel model: plain tensors (the activations between the
+    split layers, the inputs) mix with the replicated DTensor parameters as replicated."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    return implicit_replication()
+
+
+def apply_compile(units: list[nn.Module], on: bool, mode: str) -> None:
+    """3. Each block's forward compiled in place (parameter names unchanged)."""
+    if on:
+        for block in units:
+            block.compile(**compile_kwargs(mode))
+
+
+def apply_fsdp(model: nn.Module, units: list[nn.Module], dp_mesh, **kw) -> None:
+    """4. FSDP2: each block, then the root, over `dp_mesh` (1-D: shard; 2-D: HSDP, replicate x
+    shard)."""
+    from torch.distributed.fsdp import fully_shard
+
+    kw["shard_placement_fn"] = shard_placement
+    for block in units:
+        fully_shard(block, mesh=dp_mesh, **kw)
+    fully_shard(model, mesh=dp_mesh, **kw)
+
+
+def shard_placement(p: nn.Parameter):
+    """FSDP2's split of a parameter over the data-parallel ranks: dim 0 (its default), but dim 1
+    for the fused q, k, v weight, whose dim 0 tensor parallelism splits by a stride (FSDP2 would
+    nest a second strided split in the first, which its gather and DCP do not undo)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = isinstance(p, DTensor) and any(isinstance(x, _StridedShard) for x in p.placements)
+    return Shard(1) if strided else None
