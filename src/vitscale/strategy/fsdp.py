@@ -96,6 +96,22 @@ def fsdp_refusal(train, name: str = "fsdp") -> str | None:
     )
 
 
+def dcp_layout(tree):
+    """`tree` with every DTensor that has a strided shard (_StridedShard) replicated on that mesh
+    dimension: a layout DCP can store (chunks at offsets) and reshard on load."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(tree, dict):
+        return {k: dcp_layout(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [dcp_layout(v) for v in tree]
+    if isinstance(tree, DTensor) and any(isinstance(p, _StridedShard) for p in tree.placements):
+        placements = [Replicate() if isinstance(p, _StridedShard) else p for p in tree.placements]
+        return tree.redistribute(placements=placements)
+    return tree
+
+
 class FSDPStrategy(Distributed):
     """FSDP2 on a device mesh (strategy/mesh.py): shards, replicas of shard groups (HSDP) and
     tensor parallelism, built by the parallelize pipeline (strategy/parallel.py)."""
@@ -201,10 +217,15 @@ class FSDPStrategy(Distributed):
             set_optimizer_state_dict(self.model, self.optimizer, osd, options=opts)
 
     def _sharded_state(self) -> dict:
-        return {
-            "model": get_model_state_dict(self.model),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
-        }
+        """The sharded model and optimizer state as DCP writes and reads it: a tensor-parallel
+        strided shard (the fused q, k, v weight and its moments) replicated over the tp dimension,
+        since DCP stores contiguous chunks only (loading copies it back into the strided shard)."""
+        return dcp_layout(
+            {
+                "model": get_model_state_dict(self.model),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            }
+        )
 
     def save_engine(self, path: str | Path) -> Path:
         """Collective: every rank writes its shards (torch.distributed.checkpoint) into the folder

@@ -14,6 +14,7 @@ tensors, mixed with those parameters under DTensor's implicit replication (`tp_c
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, cast
 
 import torch
@@ -78,6 +79,9 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str]) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     kinds = styles()
+    # gathering a tp x dp parameter for a full checkpoint takes two all-gathers, which DTensor
+    # warns about on every rank at every checkpoint: a cost of the checkpoint, not of the step
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     parallelize_module(model, tp_mesh, {name: kinds[kind]() for name, kind in plan.items()})
     replicate_rest(model, tp_mesh)
     # the model's inputs as replicated DTensors (the patch embedding's convolution takes no plain
@@ -100,8 +104,8 @@ def replicated(args: tuple, mesh) -> tuple:
 def to_local(out):
     from torch.distributed.tensor import DTensor
 
-    if isinstance(out, DTensor):
-        return out.full_tensor()
+    if isinstance(out, DTensor):  # replicated: this rank's copy (a new tensor, not a view of
+        return out.full_tensor().clone()  # it, which FSDP2's backward hook warns about)
     if isinstance(out, tuple):
         return tuple(to_local(o) for o in out)
     if isinstance(out, dict):
