@@ -381,7 +381,10 @@ ENGINES = {
     "ddp": ["strategy.name=ddp"],
     "fsdp": ["strategy.name=fsdp"],
     "zero2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
+    "tp": ["strategy.name=fsdp", "strategy.tp=2"],  # tensor parallel alone, 2 processes
+    "hsdp": ["strategy.name=hsdp", "strategy.dp_shard=2"],  # 2 replicas of 2 shards
 }
+NPROC = {"single": 1, "hsdp": 4}  # processes of an engine's case (2 where not named)
 
 
 def alive(pid: int) -> bool:
@@ -397,7 +400,7 @@ def engine_case(uninterrupted, engine: str) -> tuple[int, list, Path]:
     compare with); skipped where DeepSpeed is not installed."""
     if engine == "zero2":
         pytest.importorskip("deepspeed")
-    nproc = 1 if engine == "single" else 2
+    nproc = NPROC.get(engine, 2)
     return nproc, ENGINES[engine] + KILL_RUN, uninterrupted(engine, nproc)
 
 

@@ -11,6 +11,12 @@ failure mode in the fast tier whatever their time; tests/unit/test_suite_layout.
 them is slow and that every SLOW entry names a test that exists."""
 
 SLOW: dict[str, float] = {
+    # measured 2026-11-28 on 2 cores of an AVX-512 EPYC, not emulated: issue 49's meshes
+    "tests/integration/test_mesh_dist.py::test_a_checkpoint_moves_between_meshes": 29.3,
+    "tests/integration/test_mesh_dist.py::test_clip_under_fsdp_x_tp_trains_the_one_process_run": 17.7,
+    "tests/integration/test_mesh_dist.py::test_a_mesh_trains_the_one_process_run[fsdp2xtp2]": 14.3,
+    "tests/integration/test_mesh_dist.py::test_a_mesh_trains_the_one_process_run[ddp2xtp2]": 14.2,
+    "tests/integration/test_mesh_dist.py::test_a_mesh_trains_the_one_process_run[hsdp2x2]": 11.7,
     # measured 2026-11-28 on 2 cores of an AVX-512 EPYC, not emulated: issue 52's torchrun case
     "tests/integration/test_preemption.py::test_sigterm_to_the_launcher_in_the_final_evaluation_saves_and_the_resumes_finish": 14.5,
     "tests/integration/test_gpu_session.py::test_the_default_part_on_the_image": 97.7,
@@ -95,6 +101,7 @@ KEEP_FAST: dict[str, str] = {
     "webdataset": "tests/integration/test_data_stream_dist.py::test_two_ranks_stream_disjoint_shards_under_ddp",
     "timm zoo": "tests/unit/test_zoo_timm.py::test_every_timm_vit_is_exact_or_refused_with_its_cause[quick]",
     "open_clip zoo": "tests/unit/test_zoo_open_clip.py::test_every_open_clip_configuration_is_exact_or_refused[quick]",
+    "tensor parallel": "tests/integration/test_mesh_dist.py::test_a_mesh_trains_the_one_process_run[tp2]",
     "gpu_session": "tests/integration/test_gpu_session.py::test_dry_run_on_the_image_records_versions_and_stops_at_the_gpu_check",
 }
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 
@@ -229,7 +229,110 @@ def check_run(cfg: Config, world_size: int | None = None) -> Config:
     return cfg
 
 
-class Trainer(ProgressView):
+class Epochs(ProgressView):
+    """The steps of a run's epochs, as the Trainer (below) wires them: the step function, the whole
+    step as one unit, the epoch's loop with its logging, checkpoints and stop requests."""
+
+    cfg: Config
+    strategy: Strategy
+    task: Any
+    data: Any
+    scheduler: Any
+    steps_per_epoch: int
+    total_steps: int
+    empty_last_share: bool
+    ahead: int
+    step_fn: TrainStep
+    watch: FiniteWatch
+    whole: WholeStep | None
+    checkpoints: Checkpoints
+    launcher: LauncherWatch
+    agreement: Agreement
+    steps_log: StepLog
+    bar: Any
+
+    def check_state(self, state: bool = True) -> None:
+        raise NotImplementedError
+
+    def save(self) -> Path:
+        raise NotImplementedError
+
+    def train_step(self, batch: tuple, phase=None) -> tuple[torch.Tensor, dict]:
+        """The step function (step.TrainStep) at this run's step: (loss, info) on the device."""
+        return self.step_fn(batch, self.step, phase)
+
+    def run_step(self, batch: tuple) -> tuple[torch.Tensor, dict]:
+        """One step as training runs it (and the lab times it): `train_step`, or the whole step as
+        one unit (train.capture=step: capture.WholeStep, a graph replay on a GPU); the non-finite
+        watch sees its loss either way. Nothing here reads the device."""
+        s = self.strategy
+        if s.whole_step:
+            if self.whole is None:  # the parts the captured step uses
+                table = lr_table(self.scheduler, self.total_steps, s.device)
+                parts = (self.train_step, s.optimizer.param_groups, table, self.step, self.watch)
+                self.whole = WholeStep(*parts, captured=s.captured)
+            return self.whole.step(batch)  # the watch is updated inside
+        loss, info = self.train_step(batch)
+        self.watch.see(self.step + 1, loss)
+        return loss, info
+
+    def skip_empty_share(self) -> bool:
+        """data.drop_last=false: the epoch's last global batch is partial, and where it has fewer
+        samples than processes some rank's share is empty: every rank skips that step, decided
+        from the sizes alone (no collective, no host sync)."""
+        if not (self.empty_last_share and (self.step + 1) % self.steps_per_epoch == 0):
+            return False
+        said = "the epoch's last batch has fewer samples than processes"
+        self.bar.message(f"step {self.step + 1}: {said}; step skipped on every rank")
+        self.scheduler.step()
+        self.step += 1
+        return True
+
+    def train_epoch(self) -> str:
+        """Steps from the current one to the end of its epoch (or of training); returns the stop
+        reason: "done", or "time limit"."""
+        cfg, s = self.cfg, self.strategy
+        epoch, start = divmod(self.step, self.steps_per_epoch)
+        self.task.set_epoch(epoch)
+        batches = self.data.train.iterate(epoch, start_batch=start, ahead=self.ahead)
+        t_last = time.perf_counter()
+        while self.step < self.total_steps:
+            batch = next(batches, None)
+            if batch is None:
+                break
+            n_local = batch[0].shape[0]
+            t_data = time.perf_counter() - t_last
+            if self.skip_empty_share():
+                t_last = time.perf_counter()
+                continue
+            if n_local == 0:  # the loaders replace unreadable samples (data/): never an empty batch
+                raise DataError(f"step {self.step + 1}: the loader gave an empty batch")
+            check_orphan(self.launcher, self.agreement, self.step, self.checkpoints)
+            loss, info = self.run_step(batch)
+            self.scheduler.step()
+            self.step += 1
+            log_now = self.step % cfg.run.log_every == 0 or self.step == self.total_steps
+            if log_now:  # the GPU catches up here (and only here) before the clock is read
+                synchronizer(s.device)()
+            # time and samples; at log steps the train record (loss, norm, skips read there)
+            n = n_local * s.dp_size  # a tensor-parallel group shares its batch
+            w = self.steps_log.account(time.perf_counter() - t_last, t_data, n, info)
+            if log_now:
+                self.check_state(state=False)
+                self.steps_log.write(train_record(self, w, n, float(loss), info))
+            self.bar.update(self.step, self.steps_log.text)
+            if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
+                self.save()
+            # a stop request (time limit, signal, the job's end): one process reads its flags every
+            # step; several agree through a collective (a host sync) at log steps only
+            reason = self.agreement.reason(self.train_time, collective=log_now)
+            if reason:
+                return reason
+            t_last = time.perf_counter()  # checkpoint I/O is not training time
+        return "done"
+
+
+class Trainer(Epochs):
     """Wires a run's parts (data, model, strategy, task, schedule, progress, step function); `fit()`
     trains, evaluates and checkpoints. `on_eval(result)`: after every evaluation (a search reports
     there); `signals`: stop signals end the run with a checkpoint (False: the lab's trainers leave
@@ -343,81 +446,6 @@ class Trainer(ProgressView):
             self.on_eval(ev)
         return ev
 
-    # -- training ---------------------------------------------------------------------------------
-    def train_step(self, batch: tuple, phase=None) -> tuple[torch.Tensor, dict]:
-        """The step function (step.TrainStep) at this run's step: (loss, info) on the device."""
-        return self.step_fn(batch, self.step, phase)
-
-    def run_step(self, batch: tuple) -> tuple[torch.Tensor, dict]:
-        """One step as training runs it (and the lab times it): `train_step`, or the whole step as
-        one unit (train.capture=step: capture.WholeStep, a graph replay on a GPU); the non-finite
-        watch sees its loss either way. Nothing here reads the device."""
-        s = self.strategy
-        if s.whole_step:
-            if self.whole is None:  # the parts the captured step uses
-                table = lr_table(self.scheduler, self.total_steps, s.device)
-                parts = (self.train_step, s.optimizer.param_groups, table, self.step, self.watch)
-                self.whole = WholeStep(*parts, captured=s.captured)
-            return self.whole.step(batch)  # the watch is updated inside
-        loss, info = self.train_step(batch)
-        self.watch.see(self.step + 1, loss)
-        return loss, info
-
-    def skip_empty_share(self) -> bool:
-        """data.drop_last=false: the epoch's last global batch is partial, and where it has fewer
-        samples than processes some rank's share is empty: every rank skips that step, decided
-        from the sizes alone (no collective, no host sync)."""
-        if not (self.empty_last_share and (self.step + 1) % self.steps_per_epoch == 0):
-            return False
-        said = "the epoch's last batch has fewer samples than processes"
-        self.bar.message(f"step {self.step + 1}: {said}; step skipped on every rank")
-        self.scheduler.step()
-        self.step += 1
-        return True
-
-    def train_epoch(self) -> str:
-        """Steps from the current one to the end of its epoch (or of training); returns the stop
-        reason: "done", or "time limit"."""
-        cfg, s = self.cfg, self.strategy
-        epoch, start = divmod(self.step, self.steps_per_epoch)
-        self.task.set_epoch(epoch)
-        batches = self.data.train.iterate(epoch, start_batch=start, ahead=self.ahead)
-        t_last = time.perf_counter()
-        while self.step < self.total_steps:
-            batch = next(batches, None)
-            if batch is None:
-                break
-            n_local = batch[0].shape[0]
-            t_data = time.perf_counter() - t_last
-            if self.skip_empty_share():
-                t_last = time.perf_counter()
-                continue
-            if n_local == 0:  # the loaders replace unreadable samples (data/): never an empty batch
-                raise DataError(f"step {self.step + 1}: the loader gave an empty batch")
-            check_orphan(self.launcher, self.agreement, self.step, self.checkpoints)
-            loss, info = self.run_step(batch)
-            self.scheduler.step()
-            self.step += 1
-            log_now = self.step % cfg.run.log_every == 0 or self.step == self.total_steps
-            if log_now:  # the GPU catches up here (and only here) before the clock is read
-                synchronizer(s.device)()
-            # time and samples; at log steps the train record (loss, norm, skips read there)
-            n = n_local * s.dp_size  # a tensor-parallel group shares its batch
-            w = self.steps_log.account(time.perf_counter() - t_last, t_data, n, info)
-            if log_now:
-                self.check_state(state=False)
-                self.steps_log.write(train_record(self, w, n, float(loss), info))
-            self.bar.update(self.step, self.steps_log.text)
-            if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
-                self.save()
-            # a stop request (time limit, signal, the job's end): one process reads its flags every
-            # step; several agree through a collective (a host sync) at log steps only
-            reason = self.agreement.reason(self.train_time, collective=log_now)
-            if reason:
-                return reason
-            t_last = time.perf_counter()  # checkpoint I/O is not training time
-        return "done"
-
     def end_of_epoch(self) -> None:
         """At an epoch's end: evaluate every run.eval_every epochs; checkpoint unless
         run.checkpoint_every checkpoints by steps."""
@@ -514,7 +542,7 @@ def ahead_batches(cfg: Config, data) -> int:
     return max(1, AHEAD_BYTES // max(1, per_batch))
 
 
-def train_record(tr: Trainer, w: Window, images: int, loss: float, info: dict) -> dict:
+def train_record(tr: Epochs, w: Window, images: int, loss: float, info: dict) -> dict:
     """The train log record of a log step (`w`: the window since the last one; `images`: the last
     step's global samples): loss, lr, throughput, gradient norm, skipped steps, the task's and the
     engine's own numbers. Reads the device (the gradient norm, the skipped count)."""

@@ -174,6 +174,8 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
         ("ddp", "ranks"),
         ("fsdp", "ranks"),
         ("zero2", "ranks"),
+        ("tp", "ranks"),
+        ("hsdp", "launcher"),
     ],
 )
 def test_kill_9_then_resume_is_bit_equal(tmp_path, uninterrupted, engine, kill):

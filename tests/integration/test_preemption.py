@@ -44,6 +44,8 @@ CASES = [
     ("ddp", "SIGTERM", "launcher"),
     ("fsdp", "SIGINT", "launcher"),
     ("zero2", "SIGUSR1", "all"),
+    ("tp", "SIGTERM", "launcher"),
+    ("hsdp", "SIGUSR1", "all"),
 ]
 
 

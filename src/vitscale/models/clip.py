@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import PatchEmbed, activation
+from .layers import PatchEmbed, activation, tp_plan
 from .text import TextSpec, TextTransformer, text_forward_macs
 from .vit import VisionTransformer, ViTSpec, did_you_mean
 
@@ -161,6 +161,10 @@ class CLIP(nn.Module):
     def shard_units(self) -> list[nn.Module]:
         """The modules a sharding engine wraps one by one: both towers' transformer blocks."""
         return [*self.visual.shard_units(), *self.text.shard_units()]
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor parallelism's plan: every block's split layers by full name (layers.tp_plan)."""
+        return tp_plan(self)
 
     def no_weight_decay(self) -> set[str]:
         return (

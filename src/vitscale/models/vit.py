@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import Block, ConvStem, PatchEmbed
+from .layers import Block, ConvStem, PatchEmbed, tp_plan
 
 
 @dataclass(frozen=True)
@@ -231,6 +231,10 @@ class VisionTransformer(nn.Module):
         """The modules a sharding engine wraps one by one (FSDP2 shards each unit, then the root):
         the transformer blocks (torchtitan's convention: the model names them)."""
         return list(self.blocks)
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor parallelism's plan: every block's split layers by full name (layers.tp_plan)."""
+        return tp_plan(self)
 
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token"} | ({"reg_token"} if self.reg_token is not None else set())

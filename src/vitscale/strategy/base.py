@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ class Strategy(Protocol):
     # shard points; the ranks of one tensor-parallel group share them and see the same batches
     dp_rank: int
     dp_size: int
-    dp_group: object
+    dp_group: Any
 
     def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks, in place (each tensor-parallel group once)."""

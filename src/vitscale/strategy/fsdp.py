@@ -42,7 +42,6 @@ from torch.distributed.fsdp import (
 
 from ..checkpoint import optim_keyed_by_name, optim_state_by_name
 from ..errors import ConfigError, UserError
-from ..models.layers import tp_plan
 from ..optim import build_optimizer, param_groups
 from ..precision import DTYPES, half_dtype
 from .amp import EngineOwned
@@ -53,16 +52,20 @@ from .parallel import apply_ac, apply_compile, apply_fsdp, apply_tp, tp_context
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
+def named(model: nn.Module, method: str, what: str):
+    """The model's own `method` (shard_units, tp_plan); a model without it is refused in one line."""
+    found = getattr(model, method, None)
+    if found is None:
+        raise ConfigError(
+            f"{what}: {type(model).__name__} has no {method}() method naming its parts"
+        )
+    return found
+
+
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules the model names as its shard units (`model.shard_units()`: its transformer
     blocks); a model without them is refused in one line (FSDP2 would shard it as one unit)."""
-    units = getattr(model, "shard_units", None)
-    if units is None:
-        raise ConfigError(
-            f"strategy.name=fsdp: {type(model).__name__} names no shard units "
-            "(a shard_units() method listing its blocks)"
-        )
-    return units()
+    return named(model, "shard_units", "strategy.name=fsdp")()
 
 
 def mp_policy(precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
@@ -146,8 +149,8 @@ class FSDPStrategy(Distributed):
         self.place(model)
         units = shard_units(model)  # the model names them (both towers of a CLIP)
         apply_ac(model, self.cfg.activation_checkpointing)
-        if self.tp:
-            apply_tp(model, self.mesh["tp"], tp_plan(model))
+        if self.tp:  # the model names its plan (models/layers.py: Block.tp_plan)
+            apply_tp(model, self.mesh["tp"], named(model, "tp_plan", "strategy.tp > 1")())
         apply_compile(units, self.cfg.compile, self.cfg.compile_mode)
         mp = mp_policy(self.cfg.precision, self.scfg.reduce_dtype)
         offload = CPUOffloadPolicy() if self.scfg.cpu_offload else OffloadPolicy()
@@ -220,12 +223,11 @@ class FSDPStrategy(Distributed):
         """The sharded model and optimizer state as DCP writes and reads it: a tensor-parallel
         strided shard (the fused q, k, v weight and its moments) replicated over the tp dimension,
         since DCP stores contiguous chunks only (loading copies it back into the strided shard)."""
-        return dcp_layout(
-            {
-                "model": get_model_state_dict(self.model),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
-            }
-        )
+        state = {
+            "model": get_model_state_dict(self.model),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+        }
+        return {k: dcp_layout(v) for k, v in state.items()}
 
     def save_engine(self, path: str | Path) -> Path:
         """Collective: every rank writes its shards (torch.distributed.checkpoint) into the folder

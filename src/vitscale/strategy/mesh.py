@@ -101,7 +101,8 @@ def mesh_shape(scfg, world: int, local: int | None = None) -> MeshShape:
             )
     sizes = [asked[d] or DEFAULTS[name][i] for i, d in enumerate(DIMS)]
     if sizes[1] == 0:  # hsdp's default shard group: one node
-        sizes[1] = local_processes(world) if asked["dp_replicate"] in (0, -1) else -1
+        node = local or local_processes(world)
+        sizes[1] = node if asked["dp_replicate"] in (0, -1) else -1
     fill = [i for i, v in enumerate(sizes) if v == -1]
     if len(fill) > 1:  # the name's own fill gives way to the one asked
         keep = [i for i in fill if asked[DIMS[i]] == -1] or fill[:1]

@@ -54,7 +54,45 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return local() if local is not None else t
 
 
-class SingleDevice:  # implements base.Strategy
+class OneProcess:
+    """The process-group verbs of one process (rank 0 of 1); Distributed (dist.py) has the group's."""
+
+    rank, world_size, is_main = 0, 1, True
+    # the data-parallel index and count (the mesh's replicate x shard points: the ranks of one
+    # tensor-parallel group share them and see the same batches) and their process group (None:
+    # the world)
+    dp_rank, dp_size, dp_group = 0, 1, None
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (each tensor-parallel group counted once)."""
+        return t
+
+    def gather_dp(self, obj) -> list:
+        """Every data-parallel rank's `obj`, in order (one per tensor-parallel group)."""
+        return [obj]
+
+    def gather_objects(self, obj) -> list:
+        return [obj]
+
+    def broadcast_object(self, obj):
+        return obj
+
+    def comm_window(self):
+        """Context around a training step: its collectives are counted (none on one device)."""
+        return contextlib.nullcontext()
+
+    def comm_stats(self, steps: int) -> dict:
+        """Communication counted since the last call, per optimizer step (none on one device)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the strategy holds (the process group, for multi-process strategies)."""
+
+
+class SingleDevice(OneProcess):  # implements base.Strategy
     """The strategy verbs the loop uses: setup, autocast, backward, step, state_dict."""
 
     name = "single"
@@ -135,41 +173,6 @@ class SingleDevice:  # implements base.Strategy
     def wrap(self, model: nn.Module) -> nn.Module:
         """The engine's wrapper around the plain model (none on one device)."""
         return model
-
-    # -- the process group (one process here) ---------------------------------------------------
-    rank, world_size, is_main = 0, 1, True
-    # the data-parallel index and count (the mesh's replicate x shard points: the ranks of one
-    # tensor-parallel group share them and see the same batches) and their process group (None:
-    # the world)
-    dp_rank, dp_size, dp_group = 0, 1, None
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel ranks (each tensor-parallel group counted once)."""
-        return t
-
-    def gather_dp(self, obj) -> list:
-        """Every data-parallel rank's `obj`, in order (one per tensor-parallel group)."""
-        return [obj]
-
-    def gather_objects(self, obj) -> list:
-        return [obj]
-
-    def broadcast_object(self, obj):
-        return obj
-
-    def comm_window(self):
-        """Context around a training step: its collectives are counted (none on one device)."""
-        return contextlib.nullcontext()
-
-    def comm_stats(self, steps: int) -> dict:
-        """Communication counted since the last call, per optimizer step (none on one device)."""
-        return {}
-
-    def close(self) -> None:
-        """Release what the strategy holds (the process group, for multi-process strategies)."""
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):

@@ -1,0 +1,126 @@
+"""Parallelism as parts on one device mesh (issue 49), on CPU with gloo processes: tensor parallel
+(2 processes), FSDP x TP, HSDP and DDP x TP (2 x 2 on 4 processes) train the one-process run, and a
+checkpoint moves between meshes.
+
+Tolerances, from the arithmetic: every run computes in fp32 (eps = 2^-24 relative per operation),
+and a mesh changes only the order of the sums: a tensor-parallel all-reduce adds 2 partial
+products where one process adds them in its matmul, a data-parallel reduction adds 2 or 4
+per-rank gradients. Each such sum moves by at most a few eps relative; AdamW at lr 3e-3 over 8
+steps turns gradient round-off into weight round-off of the same relative size for every
+gradient above its epsilon (1e-8), so the relative weight difference stays orders below 1e-5;
+the loss, a mean of 16 logs of softmaxes, moves by as little: 1e-5 relative. Both bounds are the
+ones test_distributed.py states for DDP and FSDP2."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import CLIP, last_state, rel_diff, sets, torchrun, weights
+
+from vitscale.cli import main
+
+MESHES = {
+    "tp2": (2, ["strategy.name=fsdp", "strategy.tp=2"]),
+    "fsdp2xtp2": (4, ["strategy.name=fsdp", "strategy.tp=2"]),
+    "hsdp2x2": (4, ["strategy.name=hsdp", "strategy.dp_shard=2"]),
+    "ddp2xtp2": (4, ["strategy.name=ddp", "strategy.tp=2"]),
+}
+RTOL = 1e-5
+
+
+def losses(run) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_a_mesh_trains_the_one_process_run(tmp_path, single, mesh):
+    nproc, extra = MESHES[mesh]
+    out = tmp_path / mesh
+    p = torchrun(out, extra, nproc=nproc)
+    assert p.returncode == 0, p.stderr[-3000:]
+    mine, one = losses(out), losses(single)
+    assert mine.keys() == one.keys() and 8 in mine
+    for step in one:  # the loss curve, step 8 included
+        assert abs(mine[step] - one[step]) <= RTOL * abs(one[step]), (step, mine[step], one[step])
+    d = rel_diff(weights(out), weights(single))
+    print(f"{mesh}: relative weight difference vs one process {d:.2e}")
+    assert d <= RTOL, d
+    summary = json.loads((out / "summary.json").read_text())
+    s1 = json.loads((single / "summary.json").read_text())
+    assert summary["world_size"] == nproc and summary["images_seen"] == s1["images_seen"]
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # every test image evaluated once: a tensor-parallel group counts its shard once
+    assert all(e["test_count"] == 32 for e in evals if e["kind"] == "eval")
+    assert summary["test_accuracy"] == pytest.approx(s1["test_accuracy"], abs=1 / 32)
+
+
+# The per-sample state's bound: test_clip_train_dist.py's (log u moves by float32 round-off of
+# the features, z = (s_ij - s_ii) / tau, at most eps (2 / tau_min + 1), 4x for the sums' own)
+STATE_ATOL = 4 * torch.finfo(torch.float32).eps * (2 / 0.01 + 1)
+
+
+@pytest.mark.parametrize("loss", ["openclip", "fastclip_v3"])
+def test_clip_under_fsdp_x_tp_trains_the_one_process_run(tmp_path, loss):
+    """Both towers split by the plan; FastCLIP's features gathered and its gradient reduced over
+    the data-parallel group (2 of the 4 processes), its per-sample state indexed by it."""
+    base = ["run.threads=1", "optim.grad_clip=1.0", "optim.name=sgd", "optim.lr=0.05"]
+    base.append(f"clip.loss={loss}")
+    one = tmp_path / "one"
+    assert main(["train", CLIP, "--out", str(one), *sets(base)]) == 0
+    out = tmp_path / "mesh"
+    p = torchrun(out, MESHES["fsdp2xtp2"][1], nproc=4, config=CLIP, base=base)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = rel_diff(weights(out), weights(one))
+    print(f"CLIP {loss} under FSDP x TP 2x2: relative weight difference vs one process {d:.2e}")
+    assert d <= RTOL, d
+    mine, single = last_state(out)["task"], last_state(one)["task"]
+    for k, v in single.items():
+        if torch.is_tensor(v) and v.is_floating_point():
+            atol = STATE_ATOL if k.startswith(("lu", "bound")) else 1e-6
+            torch.testing.assert_close(mine[k], v, rtol=1e-4, atol=atol, msg=k)
+    a = json.loads((out / "summary.json").read_text())
+    b = json.loads((one / "summary.json").read_text())
+    assert a["test_pairs"] == b["test_pairs"] == 32  # every held-out pair once
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_checkpoint_moves_between_meshes(tmp_path, single, fmt):
+    """Saved at step 4 under FSDP x TP 2x2, resumed under DDP on 2 processes and in one process;
+    saved in one process, resumed under FSDP x TP 2x2: each ends on the one-process run."""
+    keep = ["run.checkpoint_every=4", "run.keep_last=10", f"strategy.checkpoint_format={fmt}"]
+    mesh = tmp_path / "mesh"
+    p = torchrun(mesh, MESHES["fsdp2xtp2"][1] + keep, nproc=4)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for name, nproc, engine in [("ddp", 2, "ddp"), ("one", 1, "single")]:
+        out = tmp_path / name  # a copy of the mesh's run, continued from its step 4
+        shutil.copytree(mesh, out)
+        step4 = out / "checkpoints" / "step_00000004.pt"
+        if nproc == 1:
+            assert (
+                main(
+                    [
+                        "train",
+                        "--resume",
+                        str(step4),
+                        *sets([f"strategy.name={engine}", "strategy.tp=1"]),
+                    ]
+                )
+                == 0
+            )
+        else:
+            p = torchrun(
+                None, [f"strategy.name={engine}", "strategy.tp=1"], nproc=nproc, resume=step4
+            )
+            assert p.returncode == 0, p.stderr[-3000:]
+        d = rel_diff(weights(out), weights(single))
+        print(f"{fmt}: FSDP x TP step 4 resumed under {name}: {d:.2e}")
+        assert d <= RTOL, (name, d)
+    if fmt == "full":  # and back: one process's step 4 under FSDP x TP
+        back = tmp_path / "back"
+        shutil.copytree(single, back)
+        step4 = back / "checkpoints" / "step_00000004.pt"
+        p = torchrun(None, ["strategy.name=fsdp", "strategy.tp=2"], nproc=4, resume=step4)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert rel_diff(weights(back), weights(single)) <= RTOL
