@@ -394,16 +394,9 @@ class Trainer(Epochs):
         model = seeded_model(task, self.spec, cfg.run.seed, s.dp_rank)
         self.params = count_params(model)
         s.setup(model)
-        task.setup_training(
-            lr=self.lr,
-            dataset_size=self.data.train_size,
-            total_steps=self.total_steps,
-            steps_per_epoch=self.steps_per_epoch,
-            device=s.device,
-            group=s.dp_group,
-        )
         self.progress = RunProgress()  # step, training time, samples, best metric, last eval
-        # optim.schedule_clock=time: the decay follows self.train_time to train.time_limit_s
+        # the run's one schedule (optim.schedule_clock=time: its decay follows self.train_time to
+        # train.time_limit_s); what else follows the lr (FastCLIP v0's temperature) reads its factor
         self.scheduler = build_scheduler(
             s.optimizer,
             cfg.optim,
@@ -411,6 +404,15 @@ class Trainer(Epochs):
             self.steps_per_epoch,
             clock=lambda: self.train_time,
             budget_s=cfg.train.time_limit_s,
+        )
+        task.setup_training(
+            lr=self.lr,
+            dataset_size=self.data.train_size,
+            total_steps=self.total_steps,
+            steps_per_epoch=self.steps_per_epoch,
+            device=s.device,
+            group=s.dp_group,
+            lr_factor=self.scheduler.lr_lambdas[0],
         )
         self.parts = RunParts(cfg, s, self.scheduler, self.progress, task, self.spec)
         self.checkpoints = Checkpoints(self.run_dir, self.parts, cfg.run.keep_last)

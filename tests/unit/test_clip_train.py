@@ -115,3 +115,30 @@ def test_eval_command_reproduces_the_run(tmp_path, capsys):
         assert ev[k] == pytest.approx(s[k]), k
     assert main(["eval", str(tmp_path / "r")]) == 0
     assert "image->text R@1" in capsys.readouterr().out
+
+
+def test_the_v0_temperature_follows_the_lr_on_the_time_clock(tmp_path):
+    """issue 49: one schedule. FastCLIP v0's temperature lr is tau_lr times the model's schedule
+    factor; under optim.schedule_clock=time that factor is the LambdaLR's (training seconds over
+    train.time_limit_s), not a step count's. Half-way through the time budget, at step 1 of 8."""
+    from vitscale.config import load_config
+    from vitscale.loop import Trainer
+
+    cfg = load_config(
+        CLIP,
+        [
+            "clip.loss=fastclip_v0",
+            "optim.schedule_clock=time",
+            "train.time_limit_s=100",
+            "optim.warmup_steps=0",
+        ],
+    )
+    tr = Trainer(cfg, tmp_path / "run")
+    try:
+        tr.progress.train_time = 50.0
+        temperature = tr.task.loss_module.temperatures
+        model_factor = tr.scheduler.lr_lambdas[0](1)
+        assert model_factor == pytest.approx(0.5 * (1 + cfg.optim.min_lr_ratio), rel=1e-6)
+        assert float(temperature.lr_at(1)) == pytest.approx(temperature.lr * model_factor)
+    finally:
+        tr.close()

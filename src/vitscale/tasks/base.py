@@ -175,9 +175,11 @@ class Task:
         steps_per_epoch: int,
         device: torch.device,
         group=None,
+        lr_factor=None,
     ) -> None:
         """Build what training needs beyond the model (losses with their own state); `group`: the
-        data-parallel ranks' process group (None: the world)."""
+        data-parallel ranks' process group (None: the world); `lr_factor(step)`: the run's
+        schedule factor (its LambdaLR's, on its clock), which any other schedule follows."""
 
     # -- the training step ------------------------------------------------------------------------
     def forward_loss(self, model, batch, prepare) -> torch.Tensor:

@@ -253,7 +253,7 @@ class ClipTask(Task):
         )
 
     def setup_training(
-        self, *, lr, dataset_size, total_steps, steps_per_epoch, device, group=None
+        self, *, lr, dataset_size, total_steps, steps_per_epoch, device, group=None, lr_factor=None
     ) -> None:
         cfg = self.cfg
         self.loss_module = build_clip_loss(
@@ -263,7 +263,8 @@ class ClipTask(Task):
             dataset_size=dataset_size,
             epochs=cfg.train.epochs,
             device=device,
-            lr_factor=schedule(cfg.optim, total_steps, steps_per_epoch),
+            # v0's temperature on the run's own schedule (its clock), else the recipe's steps
+            lr_factor=lr_factor or schedule(cfg.optim, total_steps, steps_per_epoch),
             group=group,  # the data-parallel ranks (a mesh dimension under tensor parallelism)
         )
 
