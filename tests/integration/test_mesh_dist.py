@@ -54,6 +54,37 @@ def test_a_mesh_trains_the_one_process_run(tmp_path, single, mesh):
     # every test image evaluated once: a tensor-parallel group counts its shard once
     assert all(e["test_count"] == 32 for e in evals if e["kind"] == "eval")
     assert summary["test_accuracy"] == pytest.approx(s1["test_accuracy"], abs=1 / 32)
+    check_comm_per_dimension(mesh, nproc, [e for e in evals if e["kind"] == "train"], s1["params"])
+
+
+def check_comm_per_dimension(mesh: str, nproc: int, train: list[dict], params: int) -> None:
+    """The collectives per step, per mesh dimension (strategy/comm.py), against what the mesh
+    implies for tiny.toml (depth 2, width 32, 5 tokens, a global batch of 16 in fp32).
+
+    Tensor parallelism: per block one all-reduce of the branch's output in forward for attention
+    and one for the MLP, and one of each branch's input gradient in backward: 4 per block, each of
+    the data-parallel rank's activations [16 / dp, 5, 32] in fp32; a few scalars beyond (the
+    gradient norm's). HSDP: FSDP2 reduce-scatters the gradients in its shard group (the padded
+    parameters, once per step) and all-reduces each shard across the replicas (1 / shard of them)."""
+    tp = 2 if "tp" in mesh else 1
+    dp = nproc // tp
+    for row in train:
+        if tp > 1:
+            per_call = (16 // dp) * 5 * 32 * 4
+            assert row["comm_tp_allreduce_calls_per_step"] >= 4 * 2
+            assert (
+                4 * 2 * per_call
+                <= row["comm_tp_allreduce_bytes_per_step"]
+                <= 4 * 2 * per_call + 1024
+            )
+        else:
+            assert not any(k.startswith("comm_tp_") for k in row)
+        if mesh.startswith("hsdp"):
+            assert row["comm_dp_shard_reducescatter_bytes_per_step"] == pytest.approx(
+                4 * params, rel=0.05
+            )
+            replicas = row["comm_dp_replicate_allreduce_bytes_per_step"]
+            assert 4 * params / 2 <= replicas <= 1.05 * 4 * params / 2 + 1024
 
 
 # The per-sample state's bound: test_clip_train_dist.py's (log u moves by float32 round-off of

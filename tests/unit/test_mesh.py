@@ -78,8 +78,12 @@ def test_tp_must_divide_the_heads_and_the_widths():
         (2, ["strategy.name=fsdp", "strategy.tp=2", "model.heads=1"], "does not divide the model"),
         (4, ["strategy.name=fsdp", "strategy.tp=3"], "does not divide 4 processes"),
         (2, ["strategy.name=deepspeed", "strategy.tp=2"], "strategy.name=deepspeed"),
-        # the batch splits over the data-parallel groups (2), not the processes (4)
-        (4, ["strategy.name=fsdp", "strategy.tp=2", "data.batch_size=6"], "processes (2)"),
+        (4, ["strategy.name=fsdp", "data.batch_size=6"], "multiple of processes (4)"),
+        (
+            4,
+            ["strategy.name=fsdp", "strategy.tp=2", "data.batch_size=3"],
+            "multiple of processes (2)",
+        ),
         (1, ["strategy.name=hsdp"], "hsdp on one process"),
     ],
 )
@@ -95,3 +99,12 @@ def test_vitscale_config_refuses_what_train_refuses_under_the_launch(
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and says in lines[0], (command, err)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_the_batch_splits_over_the_data_parallel_groups_not_the_processes():
+    """Under tensor parallelism the processes of a group share their batch: 6 images split over
+    2 data-parallel groups of 2 (refused over 4 plain FSDP2 processes, above)."""
+    from vitscale.loop import check_run
+
+    cfg = load_config(TINY, ["strategy.name=fsdp", "strategy.tp=2", "data.batch_size=6"])
+    assert check_run(cfg, world_size=4) is cfg

@@ -210,3 +210,47 @@ def test_measure_gloo_runs_two_processes():
 
     m = measure_gloo(2, sizes=(2**12, 2**18), iters=2)
     assert [b for b, _ in m["rows"]] == [2**12, 2**18] and all(t > 0 for _, t in m["rows"])
+
+
+def test_hsdp_volumes_are_fsdp_in_the_node_and_an_all_reduce_of_the_shard_across():
+    intra, inter = cm.Link("i", 100e9, 0.0), cm.Link("e", 10e9, 0.0)
+    b = 80e6  # K = 16 GPUs, 8 per node: 2 nodes
+    t = cm.comm_times("hsdp", b, 16, intra, inter, 8, 25e6)
+    node = 7 / 8 * b / 100e9  # an all-gather or a reduce-scatter inside the node (c = 1)
+    across = 2 * 1 / 2 * (b / 8) / 10e9  # the 1/8 shard all-reduced over 2 nodes
+    assert t["forward"] == pytest.approx(node)
+    assert t["backward"] == pytest.approx(2 * node + across) and t["after"] == 0.0
+    # inside one node HSDP is FSDP2: zero3's volumes
+    assert sum(cm.comm_times("hsdp", b, 8, intra, inter, 8, 25e6).values()) == pytest.approx(
+        sum(cm.comm_times("zero3", b, 8, intra, inter, 8, 25e6).values())
+    )
+
+
+def test_tensor_parallel_adds_four_all_reduces_per_block_and_splits_the_compute():
+    link = cm.Link("free", 10e9, 0.0)
+    tp = cm.TensorParallel(tp=2, depth=3, act_bytes=1000.0)
+    # micro-batch 4: payload 4000 bytes; all-reduce over 2: 2 x 1/2 x 4000 / 10e9 = 0.4 us
+    assert tp.comm_s(4, 1, link) == pytest.approx(4 * 3 * 0.4e-6)
+    assert tp.comm_s(2, 2, link) == pytest.approx(2 * 4 * 3 * 0.2e-6)  # 2 micro-batches of 2
+    cost = cm.StepCost(batch=4, forward=0.3, backward=0.6, optimizer=0.1)
+    one_group = cm.mesh_step_time(cost, "ddp", 1e6, 2, link, link, tp)
+    assert one_group["compute_s"] == pytest.approx(0.45)  # half the forward and backward each
+    assert one_group["optimizer_s"] == pytest.approx(0.05)
+    assert one_group["step_s"] == pytest.approx(0.45 + 0.05 + tp.comm_s(4, 1, link))
+    rows = cm.scaling_table(cost, "ddp", 1e6, [1, 2, 3, 4], link, link, tp=tp)
+    assert [r["gpus"] for r in rows] == [1, 2, 4]  # 3 GPUs make no group of 2
+
+
+def test_predict_tp_is_refused_in_one_line_where_it_does_not_fit(capsys):
+    rc = main(["predict", "configs/tests/tiny.toml", "--tp", "4", "--gpus", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [
+        "vitscale: error: --tp 4 does not divide the model's heads (2) or width"
+    ]
+    rc = main(["predict", "configs/tests/clip_tiny.toml", "--tp", "2", "--gpus", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [
+        "vitscale: error: --tp: modelled for ViT classifiers, not clip models yet"
+    ]
+    assert main(["predict", "configs/tests/tiny.toml", "--tp", "2", "--gpus", "2,4"]) == 0
+    assert "x tensor parallel 2" in capsys.readouterr().out

@@ -111,7 +111,7 @@ def scaled(cost: StepCost, batch: float) -> StepCost:
     )
 
 
-STRATEGIES = ("ddp", "zero12", "zero3")
+STRATEGIES = ("ddp", "zero12", "zero3", "hsdp")
 
 
 def comm_times(
@@ -130,7 +130,16 @@ def comm_times(
             parameter shards after the step (c = 1): the all-reduce's volume, 2 (K-1)/K x B.
     zero3:  (FSDP2) all-gather of parameters in forward and again in backward + reduce-scatter of
             gradients: 3 (K-1)/K x B per micro-batch's gathers and the step's reduce-scatter.
+    hsdp:   FSDP2 over the G GPUs of a node (zero3's gathers and reduce-scatter, intra-node only),
+            then an all-reduce of each GPU's 1/G gradient shard across the N nodes (c = 2 over the
+            inter-node link, in backward): the two levels.
     """
+    if strategy == "hsdp":
+        g = min(k, max(1, per_node))
+        node = collective_time(1, grad_bytes, g, intra, intra, g, bucket_bytes)
+        nodes = math.ceil(k / g)
+        across = collective_time(2, grad_bytes / g, nodes, inter, inter, 1, bucket_bytes)
+        return {"forward": node, "backward": 2 * node + across, "after": 0.0}
     t1 = collective_time(1, grad_bytes, k, intra, inter, per_node, bucket_bytes)
     if strategy == "ddp":
         return {
@@ -169,7 +178,7 @@ def step_time(
     comm = comm_times(strategy, grad_bytes, k, intra, inter, per_node, bucket_bytes)
     a = max(1, cost.accum)
     fwd1, bwd1 = cost.forward / a, cost.backward / a
-    if strategy == "zero3":
+    if strategy in ("zero3", "hsdp"):
         exposed = a * (
             max(0.0, comm["forward"] - overlap * fwd1) + max(0.0, comm["backward"] - overlap * bwd1)
         )
@@ -177,7 +186,8 @@ def step_time(
     else:
         exposed = max(0.0, comm["backward"] - overlap * bwd1) + comm["after"]
         total_comm = comm["backward"] + comm["after"]
-    opt = cost.optimizer if strategy == "ddp" or k <= 1 else cost.optimizer / k
+    shards = min(k, max(1, per_node)) if strategy == "hsdp" else k
+    opt = cost.optimizer if strategy == "ddp" or k <= 1 else cost.optimizer / shards
     if k <= 1:
         exposed = total_comm = 0.0
     total = cost.data + cost.forward + cost.backward + opt + exposed
@@ -200,39 +210,108 @@ def scaling_table(
     per_node: int = 8,
     bucket_bytes: float = 25e6,
     overlap: float = 0.7,
+    tp: TensorParallel | None = None,
 ) -> list[dict]:
-    """Rows for strong and weak scaling at each K in `gpus`, relative to K = 1 at cost.batch.
+    """Rows for strong and weak scaling at each K in `gpus`, relative to K = 1 at cost.batch; with
+    tensor parallelism (`tp`), K GPUs are K / tp data-parallel groups (K not a multiple of tp is
+    left out).
 
-    strong: global batch fixed at cost.batch, per-device batch cost.batch / K;
+    strong: global batch fixed at cost.batch, per-group batch cost.batch / (K / tp);
             speedup = T(1) / T(K), efficiency = speedup / K.
-    weak:   per-device batch fixed at cost.batch, global batch cost.batch x K;
-            efficiency = T(1) / T(K), speedup (throughput) = K x efficiency.
+    weak:   per-group batch fixed at cost.batch, global batch cost.batch x K / tp;
+            efficiency = T(1) / T(K) x (K / tp) / K ... = throughput per GPU relative to one GPU,
+            speedup (throughput) = K x efficiency.
     images/s = global batch / T(K).
     """
+    t = tp.tp if tp is not None else 1
     t1 = step_time(cost, strategy, grad_bytes, 1, intra, inter, per_node, bucket_bytes, overlap)[
         "step_s"
     ]
     rows = []
     for k in gpus:
-        args = (strategy, grad_bytes, k, intra, inter, per_node, bucket_bytes, overlap)
-        s = step_time(
-            scaled(cost, cost.batch / k) if k > 1 else cost, *args
-        )  # fractional below 1 image
-        w = step_time(cost, *args)
+        if k > 1 and k % t:
+            continue
+        groups = max(1, k // t)  # K = 1: one GPU, no split (the baseline)
+        args = (strategy, grad_bytes, k, intra, inter, tp, per_node, bucket_bytes, overlap)
+        if k == 1:
+            s = w = step_time(cost, *args[:5], per_node, bucket_bytes, overlap)
+        else:  # fractional below 1 image
+            s = mesh_step_time(scaled(cost, cost.batch / groups), *args)
+            w = mesh_step_time(cost, *args)
+        weak_speedup = groups * t1 / w["step_s"]
         rows.append(
             {
                 "gpus": k,
+                "tp": t,
                 "strong_step_s": s["step_s"],
                 "strong_images_per_s": cost.batch / s["step_s"],
                 "strong_speedup": t1 / s["step_s"],
                 "strong_efficiency": t1 / s["step_s"] / k,
                 "strong_comm_share": s["exposed_s"] / s["step_s"],
                 "weak_step_s": w["step_s"],
-                "weak_images_per_s": cost.batch * k / w["step_s"],
-                "weak_speedup": k * t1 / w["step_s"],
-                "weak_efficiency": t1 / w["step_s"],
+                "weak_images_per_s": cost.batch * groups / w["step_s"],
+                "weak_speedup": weak_speedup,
+                "weak_efficiency": weak_speedup / k,
                 "weak_comm_share": w["exposed_s"] / w["step_s"],
                 "comm_s": w["comm_s"],
+                "tp_comm_s": w.get("tp_comm_s", 0.0),
             }
         )
     return rows
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Tensor parallelism of size `tp` inside a node (strategy.tp): each block's attention and MLP
+    split Megatron's way. Per micro-batch and block, one all-reduce of the branch output in forward
+    for each of the two branches and one of each branch's input gradient in backward: 4 all-reduces
+    (c = 2) of the micro-batch's activations [b, tokens, width] over the tp GPUs on the intra-node
+    link. Sequence parallelism replaces each by a reduce-scatter and an all-gather (c = 1 + 1): the
+    same volume, the norms on 1/tp of the tokens. They are on the critical path: not overlapped.
+    The per-GPU compute, optimizer step and gradients are 1/tp of the unsplit ones (the blocks'
+    weights dominate), and the data-parallel size is K / tp."""
+
+    tp: int
+    depth: int
+    act_bytes: float  # one sample's activations between blocks: tokens x width x bytes
+
+    def comm_s(self, micro_batch: float, accum: int, intra: Link) -> float:
+        payload = micro_batch * self.act_bytes
+        per = collective_time(2, payload, self.tp, intra, intra, self.tp, float("inf"))
+        return 4 * self.depth * per * max(1, accum)
+
+
+def mesh_step_time(
+    cost: StepCost,
+    strategy: str,
+    grad_bytes: float,
+    k: int,
+    intra: Link,
+    inter: Link,
+    tp: TensorParallel | None = None,
+    per_node: int = 8,
+    bucket_bytes: float = 25e6,
+    overlap: float = 0.7,
+) -> dict:
+    """step_time on K GPUs as K / tp data-parallel groups of tp tensor-parallel GPUs (`tp` None or
+    of size 1: step_time itself); `cost` is one GPU's work for the group's batch."""
+    if tp is None or tp.tp <= 1:
+        return step_time(
+            cost, strategy, grad_bytes, k, intra, inter, per_node, bucket_bytes, overlap
+        )
+    t = tp.tp
+    split = replace(
+        cost, forward=cost.forward / t, backward=cost.backward / t, optimizer=cost.optimizer / t
+    )
+    dp_nodes_per = max(1, per_node // t)  # data-parallel groups per node
+    s = step_time(
+        split, strategy, grad_bytes / t, k // t, intra, inter, dp_nodes_per, bucket_bytes, overlap
+    )
+    tp_s = tp.comm_s(cost.batch / max(1, cost.accum), cost.accum, intra)
+    return {
+        **s,
+        "step_s": s["step_s"] + tp_s,
+        "comm_s": s["comm_s"] + tp_s,
+        "exposed_s": s["exposed_s"] + tp_s,
+        "tp_comm_s": tp_s,
+    }

@@ -300,7 +300,14 @@ def predict_arguments(p) -> None:
         "--overlap", type=float, default=0.7, help="share of backward time that hides communication"
     )
     p.add_argument(
-        "--strategy", default="ddp", metavar="LIST", help="comma list of ddp, zero12, zero3"
+        "--strategy", default="ddp", metavar="LIST", help="comma list of ddp, zero12, zero3, hsdp"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size inside a node (strategy.tp): each block's 4 all-reduces of "
+        "activations per micro-batch on the intra-node link, the data-parallel size K / tp",
     )
     p.add_argument(
         "--reduce-dtype",

@@ -18,7 +18,12 @@ from .linkbench import measure_gloo
 from .report import plot_predicted_speedup
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-STRATEGY_NAMES = {"ddp": "DDP", "zero12": "ZeRO-1/2", "zero3": "ZeRO-3 / FSDP2"}
+STRATEGY_NAMES = {
+    "ddp": "DDP",
+    "zero12": "ZeRO-1/2",
+    "zero3": "ZeRO-3 / FSDP2",
+    "hsdp": "HSDP (FSDP2 in a node, replicas across)",
+}
 
 
 def _ints(text: str) -> list[int]:
@@ -83,6 +88,7 @@ def predict(
     reduce_dtype: str | None = None,
     gpu: str = "H100",
     mfu: float = 0.4,
+    tp: int = 1,
 ) -> dict:
     """`vitscale predict`'s result: the step's cost on one GPU (from a bench result, else
     estimated from the FLOPs, a GPU's peak and an MFU) and its scaling curves over each link and
@@ -99,6 +105,7 @@ def predict(
     for st in strategies:
         if st not in cm.STRATEGIES:
             raise UserError(f"--strategy: unknown {st!r} (one of {', '.join(cm.STRATEGIES)})")
+    split = tensor_parallel(cfg, info, tp)
     curves = _curves(
         cost,
         link_list,
@@ -108,6 +115,7 @@ def predict(
         per_node,
         bucket_mb,
         overlap,
+        split,
     )
     return {
         "arch": info["arch"],
@@ -119,6 +127,7 @@ def predict(
         "cost": cost.__dict__,
         "source": source,
         "per_node": per_node,
+        "tp": tp,
         "bucket_mb": bucket_mb,
         "overlap": overlap,
         "curves": curves,
@@ -129,13 +138,29 @@ def predict(
     }
 
 
-def _curves(cost, link_list, strategies, grad_bytes, ks, per_node, bucket_mb, overlap) -> list:
+def tensor_parallel(cfg, info: dict, tp: int) -> cm.TensorParallel | None:
+    """What tensor parallelism of size `tp` splits in the recipe's ViT (its depth and the bytes of
+    one sample's activations between blocks, in the compute dtype); None for tp = 1. Refused in
+    one line where tp does not fit: a CLIP (two towers, not modelled yet), heads or widths tp
+    does not divide."""
+    if tp <= 1:
+        return None
+    if "depth" not in info or "tokens" not in info:
+        raise UserError(f"--tp: modelled for ViT classifiers, not {info['kind']} models yet")
+    if info["heads"] % tp or info["dim"] % tp:
+        raise UserError(f"--tp {tp} does not divide the model's heads ({info['heads']}) or width")
+    tokens = info["tokens"]
+    width = 2 if cfg.train.precision in ("bf16", "fp16", "pure_bf16", "pure_fp16", "auto") else 4
+    return cm.TensorParallel(tp, info["depth"], tokens * info["dim"] * width)
+
+
+def _curves(cost, link_list, strategies, grad_bytes, ks, per_node, bucket_mb, overlap, tp) -> list:
     """One scaling table (comm_model.scaling_table over `ks` GPUs) per link and strategy."""
     curves = []
     for label, intra, inter in link_list:
         for st in strategies:
             rows = cm.scaling_table(
-                cost, st, grad_bytes, ks, intra, inter, per_node, bucket_mb * 1e6, overlap
+                cost, st, grad_bytes, ks, intra, inter, per_node, bucket_mb * 1e6, overlap, tp
             )
             curves.append(
                 {
@@ -192,17 +217,19 @@ def markdown(result: dict) -> str:
         "",
     ]
     for c in r["curves"]:
+        tp = f" x tensor parallel {r['tp']}" if r.get("tp", 1) > 1 else ""
         lines += [
-            f"### {STRATEGY_NAMES[c['strategy']]} over {c['link']} ({c['intra']} / {c['inter']})",
+            f"### {STRATEGY_NAMES[c['strategy']]}{tp} over {c['link']} ({c['intra']} / {c['inter']})",
             "",
-            "| GPUs | strong speedup | strong eff. | weak eff. | weak img/s | comm/step ms | exposed share (weak) |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
+            "| GPUs | strong speedup | strong eff. | weak eff. | weak img/s | comm/step ms | TP comm/step ms | exposed share (weak) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in c["rows"]:
             lines.append(
                 f"| {row['gpus']} | {row['strong_speedup']:.2f} | {100 * row['strong_efficiency']:.1f}% | "
                 f"{100 * row['weak_efficiency']:.1f}% | {row['weak_images_per_s']:.0f} | "
-                f"{1e3 * row['comm_s']:.2f} | {100 * row['weak_comm_share']:.1f}% |"
+                f"{1e3 * row['comm_s']:.2f} | {1e3 * row.get('tp_comm_s', 0.0):.2f} | "
+                f"{100 * row['weak_comm_share']:.1f}% |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -242,6 +269,7 @@ def run(args) -> int:
         reduce_dtype=args.reduce_dtype,
         gpu=args.gpu,
         mfu=args.mfu,
+        tp=args.tp,
     )
     if measured:
         result["loopback_measurement"] = measured

@@ -9,6 +9,11 @@ functions once per process (before an engine captures a reference to them); a wr
 counted only inside `window()`, the training step, so evaluation, checkpoint gathers and vitscale's
 own scalar reductions (`paused()`) stay out of the numbers.
 
+On a device mesh (strategy/mesh.py) every count is also kept per mesh dimension, by the process
+group the collective runs on (`name_groups`): comm_<dim>_<kind>_{bytes,calls,s}_per_step, e.g.
+comm_tp_allreduce_bytes_per_step (tensor parallelism's per-block all-reduces), comm_dp_shard_*
+(FSDP2's gathers and reduce-scatters), comm_dp_replicate_allreduce_* (HSDP's level across replicas).
+
 Per collective kind (allreduce, allgather, reducescatter, broadcast, reduce, alltoall):
 - bytes: the payload, i.e. the full buffer the collective is about: the reduced tensor for
   all-reduce/reduce/broadcast, the gathered output for all-gather, the input that is reduced and
@@ -35,6 +40,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 KINDS = ("allreduce", "allgather", "reducescatter", "broadcast", "reduce", "alltoall")
 
@@ -108,29 +114,65 @@ class Counter:
         self.lock = threading.Lock()
         self.active = 0  # > 0 inside window() (global: autograd may run on other threads)
         self.local = threading.local()  # .depth: nested torch.distributed calls count once
-        self.pending: list[tuple[str, EventTimer]] = []  # CUDA timings not read yet
+        self.pending: list[tuple[str, EventTimer, str | None]] = []  # CUDA timings not read yet
         self.reset()
 
+    # process-group name -> the mesh dimension it is (name_groups): per-dimension counts
+    dims: dict[str, str] = {}
+
+    def name_groups(self, groups: dict[str, object]) -> None:
+        """Count the collectives on each of `groups` (dimension name -> ProcessGroup) under that
+        name as well."""
+        self.dims = {
+            **self.dims,
+            **{getattr(g, "group_name", ""): dim for dim, g in groups.items() if g is not None},
+        }
+
+    def dim_of(self, args, kwargs) -> str | None:
+        """The mesh dimension of a collective's process group (a ProcessGroup, a group name, a
+        DeviceMesh or a (mesh, dim) pair among its arguments), or None."""
+        if not self.dims:
+            return None
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], DeviceMesh):
+                x = x[0].get_group(x[1])
+            elif isinstance(x, DeviceMesh):  # one dimension's
+                x = x.get_group()
+            name = x if isinstance(x, str) else getattr(x, "group_name", None)
+            if isinstance(name, str) and name in self.dims:
+                return self.dims[name]
+        return None
+
     def reset(self) -> dict:
-        """Start counting afresh; returns what was counted (bytes, calls, seconds per kind)."""
+        """Start counting afresh; returns what was counted (bytes, calls, seconds per kind, and
+        per (dimension, kind) on a mesh)."""
         with self.lock:
-            stats, self.stats = getattr(self, "stats", {}), {k: [0, 0, 0.0] for k in KINDS}
+            fresh: dict[str | tuple[str, str], list] = {k: [0, 0, 0.0] for k in KINDS}
+            stats, self.stats = getattr(self, "stats", {}), fresh
         return stats
 
-    def add(self, kind: str, nbytes: int = 0, calls: int = 0, seconds: float = 0.0) -> None:
+    def add(
+        self,
+        kind: str,
+        nbytes: int = 0,
+        calls: int = 0,
+        seconds: float = 0.0,
+        dim: str | None = None,
+    ) -> None:
         with self.lock:
-            s = self.stats[kind]
-            s[0] += nbytes
-            s[1] += calls
-            s[2] += seconds
+            for key in (kind, (dim, kind)) if dim else (kind,):
+                s = self.stats.setdefault(key, [0, 0, 0.0])
+                s[0] += nbytes
+                s[1] += calls
+                s[2] += seconds
 
     def settle(self) -> None:
         """Add the seconds of every CUDA-event timing whose end has been recorded."""
         with self.lock:
-            done = [(k, t) for k, t in self.pending if t.end is not None]
-            self.pending = [(k, t) for k, t in self.pending if t.end is None]
-        for kind, timer in done:
-            self.add(kind, seconds=timer.seconds())
+            done = [p for p in self.pending if p[1].end is not None]
+            self.pending = [p for p in self.pending if p[1].end is None]
+        for kind, timer, dim in done:
+            self.add(kind, seconds=timer.seconds(), dim=dim)
 
     def take(self, steps: int) -> dict:
         """Per optimizer step: comm_<kind>_{bytes,calls,s}_per_step for each kind seen, and the
@@ -140,28 +182,30 @@ class Counter:
         stats = self.reset()
         n = max(1, steps)
         out = {}
-        for kind, (b, c, s) in stats.items():
+        for key, (b, c, s) in stats.items():
             if c:
+                label = key if isinstance(key, str) else f"{key[0]}_{key[1]}"
                 out.update(
                     {
-                        f"comm_{kind}_bytes_per_step": b / n,
-                        f"comm_{kind}_calls_per_step": c / n,
-                        f"comm_{kind}_s_per_step": s / n,
+                        f"comm_{label}_bytes_per_step": b / n,
+                        f"comm_{label}_calls_per_step": c / n,
+                        f"comm_{label}_s_per_step": s / n,
                     }
                 )
+        kinds = [v for k, v in stats.items() if isinstance(k, str)]
         if out:
             out.update(
                 {
-                    "comm_bytes_per_step": sum(v[0] for v in stats.values()) / n,
-                    "comm_calls_per_step": sum(v[1] for v in stats.values()) / n,
-                    "comm_s_per_step": sum(v[2] for v in stats.values()) / n,
+                    "comm_bytes_per_step": sum(v[0] for v in kinds) / n,
+                    "comm_calls_per_step": sum(v[1] for v in kinds) / n,
+                    "comm_s_per_step": sum(v[2] for v in kinds) / n,
                 }
             )
         return out
 
-    def track(self, kind: str, timer: EventTimer) -> None:
+    def track(self, kind: str, timer: EventTimer, dim: str | None = None) -> None:
         with self.lock:
-            self.pending.append((kind, timer))
+            self.pending.append((kind, timer, dim))
 
     @contextlib.contextmanager
     def window(self):
@@ -193,30 +237,33 @@ class Counter:
                 return fn(*args, **kwargs)
             local.depth = 1
             payload = _arg(args, kwargs, pos, name)
+            dim = counter.dim_of(args, kwargs)
             timer = EventTimer() if on_cuda(payload) else None  # start event before the launch
             t0 = time.perf_counter()
             try:
                 out = fn(*args, **kwargs)
             finally:
                 local.depth = 0
-            counter.add(kind, nbytes(payload), 1)
+            counter.add(kind, nbytes(payload), 1, dim=dim)
             if timer is not None and not completes:  # queued, not finished: no honest time
                 return out
             if completes and isinstance(out, dist.Work):
                 try:  # async: time to completion, reported by the backend's future
                     fut = out.get_future()
                     if timer is None:
-                        fut.then(lambda _f: counter.add(kind, seconds=time.perf_counter() - t0))
+                        fut.then(
+                            lambda _f: counter.add(kind, seconds=time.perf_counter() - t0, dim=dim)
+                        )
                     else:
-                        counter.track(kind, timer)
+                        counter.track(kind, timer, dim)
                         fut.then(lambda _f: timer.stop())  # runs on a stream after the kernel
                     return out
                 except RuntimeError:  # a Work without a future (e.g. inside coalescing)
                     pass
             if timer is None:
-                counter.add(kind, seconds=time.perf_counter() - t0)
+                counter.add(kind, seconds=time.perf_counter() - t0, dim=dim)
             else:  # synchronous: the current stream now waits for the collective
-                counter.track(kind, timer)
+                counter.track(kind, timer, dim)
                 timer.stop()
             return out
 

@@ -45,8 +45,9 @@ from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
 from ..precision import DTYPES, half_dtype
 from .amp import EngineOwned
+from .comm import COUNTER
 from .dist import Distributed
-from .mesh import build_mesh, dp_group, mesh_shape
+from .mesh import DIMS, build_mesh, dp_group, mesh_shape
 from .parallel import apply_ac, apply_compile, apply_fsdp, apply_tp, tp_context
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -131,6 +132,10 @@ class FSDPStrategy(Distributed):
         self.name = scfg.name if scfg.name in ("fsdp", "hsdp") else self.name
         self.shape = shape = mesh_shape(scfg, self.world_size)
         self.mesh = build_mesh(shape, self.device.type)
+        # the collectives counted per mesh dimension too (comm.py): tp, dp_shard, dp_replicate
+        COUNTER.name_groups(
+            {d: self.mesh[d].get_group() for d, n in zip(DIMS, shape.sizes) if n > 1}
+        )
         self.dp_group = dp_group(shape)
         self.dp_rank, self.dp_size = shape.dp_rank(self.rank), shape.dp
         self.tp = shape.tp > 1
