@@ -14,7 +14,7 @@ from pathlib import Path
 from .config import add_overrides, add_recipe_arguments
 from .errors import UserError
 from .lab import commands as lab_commands
-from .launch import is_main_process, this_process
+from .launch import this_process
 
 EPILOG = """examples:
   vitscale train                                   # default recipe: ViT on Fashion-MNIST
@@ -146,39 +146,16 @@ def _add_lab_commands(sub) -> None:
 
 
 def cmd_train(args) -> int:
-    from .checkpoint import list_checkpoints
-    from .config import load_config
     from .loop import train
-    from .run_state import resume_request
+    from .run_state import train_request
     from .stop import PREEMPTED, exit_status
     from .tasks import describe_result
 
-    resume = args.resume
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if not resume and args.out and restarts and list_checkpoints(args.out):
-        resume = (
-            args.out
-        )  # torchrun --max-restarts brought us back: continue from the last checkpoint
-        if is_main_process():
-            print(
-                f"vitscale: restart {restarts}: resuming {args.out} from its last complete checkpoint",
-                file=sys.stderr,
-            )
-    elif resume and args.config:
-        raise UserError(
-            "train: give either a CONFIG or --resume DIR (the run's own config is used)"
-        )
-    if resume:  # the checkpoint read and checked once; the Trainer runs the config's checks
-        cfg, run_dir, resume = resume_request(resume, args.overrides, args.out)
-    else:
-        cfg, run_dir = (
-            load_config(args.config, args.overrides),
-            Path(args.out) if args.out else None,
-        )
+    # a new run, a --resume, or torchrun --max-restarts bringing a run back (run_state decides)
+    cfg, run_dir, resume = train_request(args.config, args.resume, args.overrides, args.out)
     summary = train(cfg, run_dir, resume=resume)
-    if (
-        summary["stop_reason"] in PREEMPTED
-    ):  # saved where it stopped: a status the scheduler acts on
+    # saved where it stopped: a status the scheduler acts on
+    if summary["stop_reason"] in PREEMPTED:
         if summary["rank"] == 0:
             print(
                 f"vitscale: stopped by {summary['stop_reason']} at step {summary['step']} of "
@@ -246,9 +223,8 @@ def cmd_export(args) -> int:
 
         print(f"wrote {path.parent / CONFIG_FILE}")
         print(load_call(path))
-    if (
-        args.format == "timm"
-    ):  # the call that builds the trained function, with its preprocessing config
+    # the call that builds the trained function, with its preprocessing config
+    if args.format == "timm":
         from .interop.timm_vit import hub_config_path, read_hub_config, timm_load_call
 
         print(f"wrote {hub_config_path(path)}")

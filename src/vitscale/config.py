@@ -846,11 +846,8 @@ def check(cfg: Config) -> None:
     if cfg.train.capture == "step":
         check_capture(cfg)
     if cfg.train.fp8 != "none":
-        if cfg.train.precision not in (
-            "bf16",
-            "pure_bf16",
-            "auto",
-        ):  # auto: checked where it is resolved
+        # auto: checked where it is resolved
+        if cfg.train.precision not in ("bf16", "pure_bf16", "auto"):
             raise ConfigError(
                 f"config: train.fp8={cfg.train.fp8} runs float8 matmuls inside bf16 training: set "
                 f"train.precision=bf16 or pure_bf16 (not {cfg.train.precision})"

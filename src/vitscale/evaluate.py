@@ -59,9 +59,8 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     """The run's own metrics for a checkpoint (the task's: accuracy for a ViT; held-out retrieval
     and zero-shot accuracy for a CLIP model), in this one process whatever trained it."""
     state, cfg, path = _load(checkpoint, overrides)
-    strategy = build_strategy(
-        resolve_fast_paths(in_this_process(cfg)).cfg
-    )  # an auto asked here: this machine's
+    # an auto asked here: this machine's
+    strategy = build_strategy(resolve_fast_paths(in_this_process(cfg)).cfg)
     task = build_task(cfg, kind_of(state))
     data = task.build_data(strategy)
     model = _rebuild(
@@ -102,9 +101,8 @@ def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vi
             "step": str(state["step"]),
         }
         return export_safetensors(weights, out, meta)
-    task = build_task(
-        cfg, kind
-    )  # another library's layout: rebuild the model, let the task convert it
+    # another library's layout: rebuild the model, let the task convert it
+    task = build_task(cfg, kind)
     if fmt not in task.exports:
         raise ConfigError(
             f"export --format {fmt}: {path} holds a {kind} model; {fmt}'s layout is for "

@@ -91,9 +91,8 @@ class FastPaths:
 
     cfg: Config
     machine: Machine | None = None  # None: not asked (nothing was auto), `line` asks
-    chosen: dict[str, tuple[str, str]] = field(
-        default_factory=dict
-    )  # key -> (value, why): auto keys only
+    # key -> (value, why): auto keys only
+    chosen: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def record(self) -> dict:
         """summary.json's "auto": {key: {"value", "why"}} of the keys resolved from auto."""

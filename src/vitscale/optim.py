@@ -44,9 +44,8 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0
         no_wd = p.ndim <= 1 or name in skip or name.split(".")[-1] in skip
         layer = layer_id(name, depth) if layer_decay < 1 else 0
         groups.setdefault((layer, no_wd), []).append(p)
-    if (
-        layer_decay >= 1
-    ):  # the two groups as always (also when one is empty: checkpoints expect two)
+    # the two groups as always (also when one is empty: checkpoints expect two)
+    if layer_decay >= 1:
         return [
             {"params": groups.get((0, False), []), "weight_decay": weight_decay},
             {"params": groups.get((0, True), []), "weight_decay": 0.0},

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from torch.optim.lr_scheduler import LambdaLR
 
-from .checkpoint import newest_readable, rng_state, save_checkpoint, set_rng_state
-from .config import Config, saved_config
+from .checkpoint import list_checkpoints, newest_readable, rng_state, save_checkpoint, set_rng_state
+from .config import Config, load_config, saved_config
 from .errors import ConfigError, UserError
 from .fastpaths import resolve as resolve_fast_paths
+from .launch import this_process
 from .optim import continue_schedule
 from .strategy.base import Strategy
 from .strategy.resume import check_resume, engine_folder
@@ -180,6 +183,30 @@ def resume_request(resume, overrides=(), out=None) -> tuple[Config, Path, Resume
     ).cfg  # an auto asked on resume: this machine's answer
     r.changes = check_resumable(r, cfg)
     return cfg, Path(out) if out else r.run_dir, r
+
+
+def train_request(
+    config, resume, overrides=(), out=None
+) -> tuple[Config, Path | None, Resume | None]:
+    """What `vitscale train` runs: (config, run folder or None for a new timestamped one, the
+    checkpoint to continue or None). A run restarted by torchrun --max-restarts (its
+    TORCHELASTIC_RESTART_COUNT) into a --out folder with checkpoints continues from the last
+    complete one, said in one line by the main process."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not resume and out and restarts and list_checkpoints(out):
+        resume = out
+        if this_process().rank == 0:
+            print(
+                f"vitscale: restart {restarts}: resuming {out} from its last complete checkpoint",
+                file=sys.stderr,
+            )
+    elif resume and config:
+        raise UserError(
+            "train: give either a CONFIG or --resume DIR (the run's own config is used)"
+        )
+    if resume:  # the checkpoint read and checked once; the Trainer runs the config's checks
+        return resume_request(resume, overrides, out)
+    return load_config(config, overrides), Path(out) if out else None, None
 
 
 @dataclass

@@ -26,10 +26,8 @@ import torch
 
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 SLURM_MARGIN_S = 120.0  # stop this long before SLURM_JOB_END_TIME: the checkpoint write, the exit
-PREEMPTED = (
-    *SIGNALS,
-    "job end",
-)  # the reasons after which the run saves and exits at once, unevaluated
+# the reasons after which the run saves and exits at once, unevaluated
+PREEMPTED = (*SIGNALS, "job end")
 REASONS = ("time limit", *PREEMPTED)  # the order of Agreement's flags
 
 

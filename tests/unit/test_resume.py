@@ -214,6 +214,9 @@ def test_every_config_key_either_takes_effect_or_is_refused_on_resume():
         },
         "strategy": {
             "name",
+            "dp_replicate",  # the mesh: a checkpoint moves between meshes (test_mesh_dist.py)
+            "dp_shard",
+            "tp",
             "backend",
             "timeout_s",
             "bucket_mb",

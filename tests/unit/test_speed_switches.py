@@ -144,14 +144,17 @@ def test_fp8_config_refusals_in_one_line():
 
 def test_fp8_is_refused_by_the_sharding_engines_in_one_line():
     """FSDP2 and DeepSpeed do not convert their sharded or partitioned weights: each refuses it
-    (their own list of what they do not support), before a process group is joined."""
+    (their own list of what they do not support), before a process group is joined: FSDP2's mesh
+    at config time (strategy.check_engine, issue 49: its constructor does not ask again),
+    DeepSpeed also in its constructor."""
     from vitscale.config import OptimConfig, StrategyConfig, TrainConfig
+    from vitscale.strategy import check_engine
     from vitscale.strategy.deepspeed import DeepSpeedStrategy
-    from vitscale.strategy.fsdp import FSDPStrategy
 
     train = TrainConfig(precision="bf16", fp8="rowwise")
+    cfg = load_config(TINY, ["strategy.name=fsdp", "train.fp8=rowwise", "train.precision=bf16"])
     with pytest.raises(ConfigError, match="fsdp does not support train.fp8=rowwise"):
-        FSDPStrategy(train, OptimConfig(), StrategyConfig(name="fsdp"), "cpu")
+        check_engine(cfg, 2)
     with pytest.raises(ConfigError, match="deepspeed does not support train.fp8=rowwise"):
         DeepSpeedStrategy(
             train, OptimConfig(), StrategyConfig(name="deepspeed"), batch_size=16, device_type="cpu"

@@ -188,9 +188,8 @@ def decode_simplejpeg(src, size: int, sample_seed: int, hflip: bool) -> torch.Te
 
     data = read_bytes(src)
     wh = jpeg_size(data)
-    fallback = (
-        src if isinstance(src, (str, os.PathLike)) else io.BytesIO(data)
-    )  # PIL's errors name a path
+    # PIL's errors name a path
+    fallback = src if isinstance(src, (str, os.PathLike)) else io.BytesIO(data)
     if wh is None:
         return decode_pil(fallback, size, sample_seed, hflip)
     w, h = wh
@@ -213,9 +212,8 @@ def decode_simplejpeg(src, size: int, sample_seed: int, hflip: bool) -> torch.Te
             min_height=-(-h * m // 8),
             min_width=-(-w * m // 8),
         )
-    except (
-        ValueError
-    ):  # strict mode: truncated or corrupt data, or a libjpeg warning Pillow tolerates
+    # strict mode: truncated or corrupt data, or a libjpeg warning Pillow tolerates
+    except ValueError:
         return decode_pil(fallback, size, sample_seed, hflip)
     if a.shape[:2] != (-(-h * m // 8), -(-w * m // 8)):
         raise RuntimeError(
@@ -236,9 +234,8 @@ def crop_resize(a: np.ndarray, box, size: int) -> torch.Tensor:
     x0, y0 = min(round(box[0]), w - 1), min(round(box[1]), h - 1)
     x1, y1 = max(min(round(box[2]), w), x0 + 1), max(min(round(box[3]), h), y0 + 1)
     t = torch.from_numpy(a)[y0:y1, x0:x1].permute(2, 0, 1).unsqueeze(0)  # a channels-last view
-    t = t.contiguous(
-        memory_format=torch.channels_last
-    )  # the crop copied: the kernel's fast path (-15%)
+    # the crop copied: the kernel's fast path (-15%)
+    t = t.contiguous(memory_format=torch.channels_last)
     return torch.nn.functional.interpolate(
         t, size=(size, size), mode="bilinear", antialias=True, align_corners=False
     )[0].contiguous()

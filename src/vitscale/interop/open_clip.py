@@ -146,11 +146,8 @@ def _layout_problem(spec: ClipSpec) -> str:
     return ""
 
 
-RESHAPED = (
-    "visual.class_embedding",
-    "visual.positional_embedding",
-    "logit_scale",
-)  # [W] / [N+1, W] / []
+# [W] / [N+1, W] / []
+RESHAPED = ("visual.class_embedding", "visual.positional_embedding", "logit_scale")
 
 
 def from_open_clip(
@@ -422,12 +419,13 @@ def _refuse_tokenizer(mc: dict, where: str) -> None:
             )
 
 
+# an OpenCLIP hub folder's, in OpenCLIP's order of preference
 OPEN_CLIP_WEIGHTS = (
     "open_clip_model.safetensors",
     "open_clip_pytorch_model.bin",
     "model.safetensors",
     "pytorch_model.bin",
-)  # an OpenCLIP hub folder's, in OpenCLIP's order of preference
+)
 
 
 def weights_path(path) -> Path:
@@ -635,12 +633,5 @@ def export_run(model: CLIP, out, metadata: dict, run_dir, preprocess: dict) -> P
     )
 
 
-PREPROCESS_KEYS = (
-    "size",
-    "mode",
-    "mean",
-    "std",
-    "interpolation",
-    "resize_mode",
-    "fill_color",
-)  # OpenCLIP's
+# OpenCLIP's
+PREPROCESS_KEYS = ("size", "mode", "mean", "std", "interpolation", "resize_mode", "fill_color")

@@ -274,9 +274,8 @@ def _wide_head_refusal(what: str, width: int, heads_key: str) -> None:
             odd.setdefault(heads, []).append(name)
     if odd:
         heads, names = next(iter(odd.items()))
-        names.sort(
-            key=lambda n: (not n.startswith("ViT-"), len(n), n)
-        )  # the plain configurations first
+        # the plain configurations first
+        names.sort(key=lambda n: (not n.startswith("ViT-"), len(n), n))
         raise UserError(
             f"OpenCLIP: the weights' {what} tower is {width} wide; OpenCLIP's configurations of that "
             f"width ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}) have {heads} heads "

@@ -140,12 +140,8 @@ EXPORT_ARGS = CORE_ARGS + (
     "final_norm",
     "act_layer",
 )
-HF_WEIGHTS = (
-    "model.safetensors",
-    "pytorch_model.bin",
-    "pytorch_model.pth",
-    "model.pth",
-)  # timm's preferred names
+# timm's preferred names
+HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
 
 
 # -- what travels with the weights -----------------------------------------------------------------
@@ -274,9 +270,8 @@ def norm_eps(value) -> float | None:
     name, kw = _layer(value)
     if name and _short(name).lower() != "layernorm":
         return None
-    default = (
-        1e-5 if name.startswith("torch.") else 1e-6
-    )  # torch's nn.LayerNorm; timm's LayerNorm, "layernorm"
+    # torch's nn.LayerNorm; timm's LayerNorm, "layernorm"
+    default = 1e-5 if name.startswith("torch.") else 1e-6
     return float(kw.get("eps", default))
 
 
@@ -633,9 +628,8 @@ def from_timm(
         model = VisionTransformer(spec)
         model.load_state_dict(theirs, strict=False)
         return model
-    with torch.device(
-        "meta"
-    ):  # every parameter comes from the file: no initialization to overwrite
+    # every parameter comes from the file: no initialization to overwrite
+    with torch.device("meta"):
         model = VisionTransformer(spec)
     model.load_state_dict(theirs, strict=True, assign=True)
     return model

@@ -225,10 +225,8 @@ class LadderRows:
         self.live = [r for r in rungs if r.skip is None]
         self.index = {id(r): i for i, r in enumerate(rungs)}
         self.rows: dict = {}  # rung index -> row, filled as rungs are measured
-        self.prev, self.prev_rounds = (
-            None,
-            None,
-        )  # the last measured rung's speedups over the baseline
+        # the last measured rung's speedups over the baseline
+        self.prev, self.prev_rounds = None, None
         self.skipped_after(-1)  # the skipped ones before the first measured rung
 
     def update(self) -> None:

@@ -42,10 +42,8 @@ def machine_line(device: torch.device) -> str:
 
 def versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__}
-    for pkg in (
-        "vitscale",
-        "deepspeed",
-    ):  # metadata, not an import: deepspeed takes seconds to import
+    # metadata, not an import: deepspeed takes seconds to import
+    for pkg in ("vitscale", "deepspeed"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

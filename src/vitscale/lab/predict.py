@@ -52,9 +52,8 @@ def step_cost_from_bench(bench: dict, accum: int = 1):
         ), "bench median step (no split: fwd:bwd 1:2)"
     opt, data = split.get("optimizer") or 0.0, split.get("data") or 0.0
     total = fwd + bwd + opt + data
-    if (
-        total > step
-    ):  # the instrumented pass (syncs between phases) ran slower: scale it to the median step
+    # the instrumented pass (syncs between phases) ran slower: scale it to the median step
+    if total > step:
         k = step / total
         return (
             StepCost(int(bench["batch_size"]), fwd * k, bwd * k, opt * k, data * k, accum),
@@ -94,8 +93,7 @@ def predict(
     estimated from the FLOPs, a GPU's peak and an MFU) and its scaling curves over each link and
     strategy for `gpus` GPUs."""
     info = model_info(cfg)
-    if reduce_dtype is None:
-        reduce_dtype = _default_reduce_dtype(cfg.strategy)
+    reduce_dtype = reduce_dtype or _default_reduce_dtype(cfg.strategy)
     grad_bytes = info["params"] * DTYPE_BYTES[reduce_dtype]
     cost, source = _step_cost(cfg, info, bench, gpu, mfu)
     try:

@@ -244,9 +244,8 @@ def run_sweep(
 
 
 def run(args) -> int:
-    cfg = check_config(
-        load_config(args.config, args.overrides)
-    )  # validates the base config once, up front
+    # validates the base config once, up front
+    cfg = check_config(load_config(args.config, args.overrides))
     grids = [parse_grid(g) for g in args.grid]
     try:
         nprocs = [int(n) for n in (args.nproc or "1").split(",") if n.strip()]

@@ -86,9 +86,8 @@ class Bench:
 
     def _attach(self, trainer) -> None:
         self.trainer, self.s = trainer, trainer.strategy
-        self.sync = synchronizer(
-            self.s.device
-        )  # the GPU's clock is read only after its queue drains
+        # the GPU's clock is read only after its queue drains
+        self.sync = synchronizer(self.s.device)
         self._epoch, self._it = 0, iter(())
         # the process-wide settings this configuration's strategy applied when it was built (TF32,
         # cuDNN autotuning: {} on a CPU) and its thread count; a Bench built later overwrites them,

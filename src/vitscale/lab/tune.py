@@ -201,17 +201,15 @@ def search_space(cfg, args) -> dict:
     if gpu:  # GPU-only switches (a candidate that does not validate is measured as None)
         # the attention kernel (issue 32: cuDNN vs flash on Hopper), where attention is fused
         choices.insert(2, first("train.sdpa_backend", ["auto", "flash", "cudnn", "efficient"]))
-        if (
-            not args.no_compile
-        ):  # inductor's autotuned templates: bias + GELU in the matmul's epilogue
+        # inductor's autotuned templates: bias + GELU in the matmul's epilogue
+        if not args.no_compile:
             choices.append(first("train.compile_mode", ["default", "max-autotune-no-cudagraphs"]))
         choices.append(first("train.capture", ["none", "step"]))  # the whole step as one CUDA graph
         # float8 matmuls in the blocks (torchao): refused where measured slower, so measured as None there
         choices.append(first("train.fp8", ["none", "rowwise", "tensorwise"]))
     accums = accum_choices(per_device, cfg.train.accum_steps)
-    bn = batch_norm_layers(
-        synthetic_data(cfg) if args.synthetic else cfg
-    )  # --synthetic: no dataset read
+    # --synthetic: no dataset read
+    bn = batch_norm_layers(synthetic_data(cfg) if args.synthetic else cfg)
     micro_note = ""
     if bn and not args.allow_bn_micro_batch:
         accums = [cfg.train.accum_steps]  # the recipe's micro-batch only: no walk
@@ -308,10 +306,8 @@ def final_comparison(
         # the search's winner lost to the recipe side by side (noise picked it): keep the recipe
         log(f"  {describe(chosen)} did not beat the recipe side by side: keeping the recipe")
         rejected, chosen, gain, tuned = chosen, {}, 1.0, measure.last[0]
-    base_ips, tuned_ips = (
-        measure.last[0].get("images_per_s"),
-        tuned["images_per_s"],
-    )  # their median rounds
+    # their median rounds
+    base_ips, tuned_ips = measure.last[0].get("images_per_s"), tuned["images_per_s"]
     vs = f"{base_ips:.1f} img/s" if base_ips else f"failed ({measure.last[0].get('error', '?')})"
     ratio = f"{gain:.2f}x round by round" if gain else "the recipe itself did not run"
     device = tuned["device"]

@@ -173,8 +173,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
-        # heads -1: under tensor parallelism this rank's heads (strategy/parallel.py splits them)
-        qkv = self.qkv(x).reshape(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x)
+        # this rank's heads: all of them, or under tensor parallelism its share (strategy/parallel.py)
+        h = qkv.shape[-1] // (3 * self.head_dim)
+        qkv = qkv.reshape(B, T, 3, h, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each [B, h, T, hd]
         p = self.dropout if self.training else 0.0
         if self.fused:
@@ -188,7 +190,7 @@ class Attention(nn.Module):
             if p:
                 attn = F.dropout(attn, p)
             x = attn @ v  # [B, h, T, hd]
-        return self.proj(x.transpose(1, 2).reshape(B, T, -1))
+        return self.proj(x.transpose(1, 2).reshape(B, T, h * self.head_dim))
 
 
 class QuickGELU(nn.Module):

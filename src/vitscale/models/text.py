@@ -98,9 +98,8 @@ class TextTransformer(nn.Module):
             else:
                 x = blk(x)
         x = self.ln_final(x)
-        return self.proj(
-            x[torch.arange(x.shape[0], device=x.device), self.pooled_position(tokens)]
-        )  # [B, E]
+        # [B, E]
+        return self.proj(x[torch.arange(x.shape[0], device=x.device), self.pooled_position(tokens)])
 
     def pooled_position(self, tokens: torch.Tensor) -> torch.Tensor:
         """[B] the position whose feature is the caption's (OpenCLIP's text_global_pool)."""

@@ -406,9 +406,8 @@ class DeepSpeedStrategy(Distributed):
         }
 
     def eval_module(self) -> nn.Module:
-        return (
-            self.module
-        )  # ZeRO-3: its hooks gather the parameters in forward (every rank runs it)
+        # ZeRO-3: its hooks gather the parameters in forward (every rank runs it)
+        return self.module
 
     def local_tensors(self, p: torch.Tensor) -> list[torch.Tensor]:
         # ZeRO-3: `p` is an empty placeholder while released; the rank's slice is `p.ds_tensor`

@@ -92,8 +92,8 @@ def fsdp_refusal(train, name: str = "fsdp") -> str | None:
     ]
     return (
         (
-            f"config: strategy.name={name} on FSDP2's mesh does not support "
-            f"{', '.join(unsupported)} yet (use strategy.name=ddp with strategy.tp=1, or single)"
+            f"config: strategy.name={name} does not support {', '.join(unsupported)} yet "
+            f"(use strategy.name=ddp{' with strategy.tp=1' if name == 'ddp' else ''} or single)"
         )
         if unsupported
         else None

@@ -48,9 +48,8 @@ class FolderPairs:
                 yield inner.norm(x), self.class_tokens[y], idx
             return
         for x, (y, idx), params in inner.decoded(epoch, start_batch):
-            x, _ = inner.augment(
-                x, y, params
-            )  # idx: each sample's own index (a substitute's is its own)
+            # idx: each sample's own index (a substitute's is its own)
+            x, _ = inner.augment(x, y, params)
             yield x, self.class_tokens[y], idx
 
 

@@ -65,9 +65,8 @@ def run(args) -> int:
         f"of the training set (the test set is not read by trials)"
     )
     if args.report_only:
-        fail_dead_trials(
-            optuna, study, 3 * args.heartbeat_s
-        )  # a killed worker's trial is not "running"
+        # a killed worker's trial is not "running"
+        fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
     else:
         run_trials(optuna, study, base, space, args, out)
     final = finalize(study, base, args, out) if args.repeat_top else None

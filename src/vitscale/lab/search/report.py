@@ -236,9 +236,8 @@ def zoom_panel(ax, rows: list[dict], budget_s: float, final: dict) -> None:
                 f"the recipe as written, mean of {len(final['recipe']['values'])} seeds",
             )
         )
-    for (c, label), style in zip(
-        lines, itertools.cycle(("--", ":", "-.", (0, (1, 3))))
-    ):  # every mean drawn
+    # every mean drawn
+    for (c, label), style in zip(lines, itertools.cycle(("--", ":", "-.", (0, (1, 3))))):
         ax.axhline(
             c["mean"],
             color="k" if c.get("trial") != "recipe" else "tab:red",

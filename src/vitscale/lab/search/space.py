@@ -161,9 +161,8 @@ def key_type(key: str, source: str) -> type:
     section = getattr(Config(), sec, None) if sec in SECTIONS else None
     if section is None or name not in {f.name for f in fields(section)}:
         try:
-            set_value(
-                Config(), key, None
-            )  # the schema's own message: unknown section/key, did you mean
+            # the schema's own message: unknown section/key, did you mean
+            set_value(Config(), key, None)
         except ConfigError as e:
             raise ConfigError(str(e).replace("config:", f"{source}:", 1)) from None
     return get_type_hints(type(section))[name]

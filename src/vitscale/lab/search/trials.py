@@ -135,9 +135,8 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
     """This worker's --trials trials (0: until stopped); Ctrl-C stops between or inside one."""
 
     def train_trial(trial):
-        study._storage.record_heartbeat(
-            trial._trial_id
-        )  # now, not when the heartbeat thread gets to it
+        # now, not when the heartbeat thread gets to it
+        study._storage.record_heartbeat(trial._trial_id)
         free_memory()  # what an earlier trial's error left referenced (its traceback) is gone now
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         params = {d.key: d.suggest(trial) for d in space}
@@ -175,8 +174,9 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
             n_trials=args.trials or None,
             catch=(TrialFailed,),
             callbacks=[progress_line],
+            # (and timing.free_memory: a failed trial's traceback is gone by then)
             gc_after_trial=True,
-        )  # (and timing.free_memory: a failed trial's traceback is gone by then)
+        )
     except KeyboardInterrupt:
         log("search: stopped; the unfinished trial is marked failed")
     fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
@@ -377,9 +377,8 @@ def repeat(base, params: dict, seed: int, run_dir: Path, what: str) -> dict:
     summary = run_dir / "summary.json"
     if summary.is_file():
         r = json.loads(summary.read_text())
-        r["accuracy"] = r.get(
-            "test_accuracy"
-        )  # the run's evaluation split: validation (data.val_fraction)
+        # the run's evaluation split: validation (data.val_fraction)
+        r["accuracy"] = r.get("test_accuracy")
     else:
         try:
             r = train_run(with_overrides(base, {**params, "run.seed": seed}), run_dir)
@@ -402,9 +401,8 @@ def test_once(pick: dict, out: Path) -> dict | None:
     every earlier pick's, so the report can say how often this folder's search looked at the test set."""
     path = out / "test.json"
     history = json.loads(path.read_text()) if path.is_file() else []
-    picks = sum(
-        h["trial"] != "recipe" for h in history
-    )  # the recipe's evaluation is the comparison's
+    # the recipe's evaluation is the comparison's
+    picks = sum(h["trial"] != "recipe" for h in history)
     for h in history:
         if h["trial"] == pick["trial"]:
             return {**h, "evaluations": picks}
