@@ -21,6 +21,7 @@ SLOW: dict[str, float] = {
     "tests/integration/test_mesh_dist.py::test_a_mesh_trains_the_one_process_run[fsdp2xtp2]": 14.3,
     "tests/integration/test_mesh_dist.py::test_a_mesh_trains_the_one_process_run[ddp2xtp2]": 14.2,
     "tests/integration/test_mesh_dist.py::test_a_mesh_trains_the_one_process_run[hsdp2x2]": 11.7,
+    "tests/integration/test_mesh_dist.py::test_a_mesh_trains_the_one_process_run[tp2sp]": 10.1,
     # measured 2026-11-28 on 2 cores of an AVX-512 EPYC, not emulated: issue 52's torchrun case
     "tests/integration/test_preemption.py::test_sigterm_to_the_launcher_in_the_final_evaluation_saves_and_the_resumes_finish": 14.5,
     "tests/integration/test_gpu_session.py::test_the_default_part_on_the_image": 97.7,

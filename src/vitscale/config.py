@@ -518,6 +518,7 @@ class StrategyConfig:
         doc="mesh: tensor-parallel size (Megatron split of each block's attention and MLP; "
         "fsdp, hsdp or ddp; -1 = fill)",
     )
+    sequence_parallel: bool = False  # tp > 1: the norms and residuals on 1/tp of the tokens
     backend: str = choice("auto", "auto", "nccl", "gloo", doc="auto = nccl on GPUs, gloo on CPUs")
     timeout_s: float = num(600.0, min=1.0, doc="collective timeout: a dead rank stops the others")
     bucket_mb: float = num(25.0, min=0.0, doc="DDP gradient bucket size")

@@ -25,6 +25,8 @@ MESHES = {
     "fsdp2xtp2": (4, ["strategy.name=fsdp", "strategy.tp=2"]),
     "hsdp2x2": (4, ["strategy.name=hsdp", "strategy.dp_shard=2"]),
     "ddp2xtp2": (4, ["strategy.name=ddp", "strategy.tp=2"]),
+    # sequence parallel: the norms on their tokens (5 tokens over 2 ranks: an uneven split)
+    "tp2sp": (2, ["strategy.name=fsdp", "strategy.tp=2", "strategy.sequence_parallel=true"]),
 }
 RTOL = 1e-5
 
@@ -69,7 +71,12 @@ def check_comm_per_dimension(mesh: str, nproc: int, train: list[dict], params: i
     tp = 2 if "tp" in mesh else 1
     dp = nproc // tp
     for row in train:
-        if tp > 1:
+        if mesh.endswith("sp"):  # each all-reduce a reduce-scatter of the tokens padded to 6
+            per_call = (16 // dp) * 6 * 32 * 4
+            assert row["comm_tp_reducescatter_calls_per_step"] == 4 * 2
+            assert row["comm_tp_reducescatter_bytes_per_step"] == 4 * 2 * per_call
+            assert row["comm_tp_allgather_calls_per_step"] >= 4 * 2
+        elif tp > 1:
             per_call = (16 // dp) * 5 * 32 * 4
             assert row["comm_tp_allreduce_calls_per_step"] >= 4 * 2
             assert (
@@ -92,8 +99,10 @@ def check_comm_per_dimension(mesh: str, nproc: int, train: list[dict], params: i
 STATE_ATOL = 4 * torch.finfo(torch.float32).eps * (2 / 0.01 + 1)
 
 
-@pytest.mark.parametrize("loss", ["openclip", "fastclip_v3"])
-def test_clip_under_fsdp_x_tp_trains_the_one_process_run(tmp_path, loss):
+@pytest.mark.parametrize(
+    "loss,mesh", [("openclip", "fsdp2xtp2"), ("fastclip_v3", "fsdp2xtp2"), ("fastclip_v3", "tp2sp")]
+)
+def test_clip_under_fsdp_x_tp_trains_the_one_process_run(tmp_path, loss, mesh):
     """Both towers split by the plan; FastCLIP's features gathered and its gradient reduced over
     the data-parallel group (2 of the 4 processes), its per-sample state indexed by it."""
     base = ["run.threads=1", "optim.grad_clip=1.0", "optim.name=sgd", "optim.lr=0.05"]
@@ -101,10 +110,10 @@ def test_clip_under_fsdp_x_tp_trains_the_one_process_run(tmp_path, loss):
     one = tmp_path / "one"
     assert main(["train", CLIP, "--out", str(one), *sets(base)]) == 0
     out = tmp_path / "mesh"
-    p = torchrun(out, MESHES["fsdp2xtp2"][1], nproc=4, config=CLIP, base=base)
+    p = torchrun(out, MESHES[mesh][1], nproc=MESHES[mesh][0], config=CLIP, base=base)
     assert p.returncode == 0, p.stderr[-3000:]
     d = rel_diff(weights(out), weights(one))
-    print(f"CLIP {loss} under FSDP x TP 2x2: relative weight difference vs one process {d:.2e}")
+    print(f"CLIP {loss} under {mesh}: relative weight difference vs one process {d:.2e}")
     assert d <= RTOL, d
     mine, single = last_state(out)["task"], last_state(one)["task"]
     for k, v in single.items():

@@ -57,6 +57,7 @@ def test_data_parallel_and_tensor_parallel_indices_put_tp_innermost():
         (1, {"name": "hsdp"}, "strategy.name=hsdp on one process"),
         (2, {"name": "deepspeed", "tp": 2}, "strategy.tp=2 with strategy.name=deepspeed"),
         (2, {"name": "ddp", "dp_shard": 2}, "use strategy.name=fsdp or hsdp"),
+        (2, {"name": "fsdp", "sequence_parallel": "true"}, "it needs strategy.tp > 1"),
     ],
 )
 def test_a_mesh_that_cannot_be_built_is_refused_in_one_line(world, keys, says):

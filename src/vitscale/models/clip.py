@@ -162,9 +162,9 @@ class CLIP(nn.Module):
         """The modules a sharding engine wraps one by one: both towers' transformer blocks."""
         return [*self.visual.shard_units(), *self.text.shard_units()]
 
-    def tp_plan(self) -> dict[str, str]:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         """Tensor parallelism's plan: every block's split layers by full name (layers.tp_plan)."""
-        return tp_plan(self)
+        return tp_plan(self, sequence_parallel)
 
     def no_weight_decay(self) -> set[str]:
         return (

@@ -317,16 +317,19 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), dropout=dropout, act=act)
         self.drop_path = drop_path
 
-    def tp_plan(self) -> dict[str, str]:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         """Tensor parallelism's plan of the block (strategy/parallel.py): Megatron's split, q, k
         and v column-wise by heads (one fused weight: `colwise_qkv`), the projection row-wise, the
-        MLP's first layer column-wise and its second row-wise: one all-reduce per branch."""
-        return {
+        MLP's first layer column-wise and its second row-wise: one all-reduce per branch. With
+        `sequence_parallel` the norms run on this rank's share of the tokens (`sequence`), and each
+        all-reduce becomes a reduce-scatter and an all-gather."""
+        plan = {
             "attn.qkv": "colwise_qkv",
             "attn.proj": "rowwise",
             "mlp.fc1": "colwise",
             "mlp.fc2": "rowwise",
         }
+        return {**plan, "norm1": "sequence", "norm2": "sequence"} if sequence_parallel else plan
 
     def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.attn(self.norm1(x))
@@ -339,15 +342,24 @@ class Block(nn.Module):
         return residual(x, self.mlp_branch, self.drop_path, self.training, self.drop_path_mode)
 
 
-def tp_plan(model: nn.Module) -> dict[str, str]:
+def tp_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str, str]:
     """The model's tensor-parallel plan: each transformer block's (Block.tp_plan), by the full name
-    of the layer (both towers of a CLIP); every other parameter is replicated."""
-    return {
-        f"{name}.{layer}" if name else layer: style
-        for name, m in model.named_modules()
-        if isinstance(m, Block)
-        for layer, style in m.tp_plan().items()
-    }
+    of the layer (both towers of a CLIP); every other parameter is replicated. With
+    `sequence_parallel`, each tower's first block takes the tokens split over the ranks
+    (`sequence_in`) and its last gives them back whole (`sequence_out`)."""
+    plan: dict[str, str] = {}
+    for name, m in model.named_modules():
+        if not (isinstance(m, nn.ModuleList) and len(m) and all(isinstance(b, Block) for b in m)):
+            continue
+        for i, block in enumerate(m):
+            assert isinstance(block, Block)
+            plan.update({f"{name}.{i}.{k}": v for k, v in block.tp_plan(sequence_parallel).items()})
+        if sequence_parallel:
+            first, last = f"{name}.0", f"{name}.{len(m) - 1}"
+            plan.update({first: "sequence_in", last: "sequence_out"})
+            if first == last:
+                plan[first] = "sequence_in_out"
+    return plan
 
 
 def tp_widths(model: nn.Module) -> dict[str, int]:

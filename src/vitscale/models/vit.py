@@ -232,9 +232,9 @@ class VisionTransformer(nn.Module):
         the transformer blocks (torchtitan's convention: the model names them)."""
         return list(self.blocks)
 
-    def tp_plan(self) -> dict[str, str]:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         """Tensor parallelism's plan: every block's split layers by full name (layers.tp_plan)."""
-        return tp_plan(self)
+        return tp_plan(self, sequence_parallel)
 
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token"} | ({"reg_token"} if self.reg_token is not None else set())

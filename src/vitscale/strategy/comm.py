@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,14 @@ SPECS = {
     "reduce": ("reduce", 0, "tensor"),
     "all_to_all_single": ("alltoall", 1, "input"),
 }
-FUNCTIONAL = {"all_reduce": ("allreduce", 0, "self")}
+# the functional collectives DTensor calls (tensor parallelism: the all-reduces, and under sequence
+# parallelism the all-gathers and reduce-scatters of activations); a functional all-gather's
+# payload is its input, counted as the gathered output (x the group's size) where the group is known
+FUNCTIONAL = {
+    "all_reduce": ("allreduce", 0, "self"),
+    "all_gather_single": ("allgather", 0, "self"),
+    "reduce_scatter_single": ("reducescatter", 0, "self"),
+}
 
 
 def nbytes(x) -> int:
@@ -119,18 +127,28 @@ class Counter:
 
     # process-group name -> the mesh dimension it is (name_groups): per-dimension counts
     dims: dict[str, str] = {}
+    sizes: dict[str, int] = {}  # process-group name -> its processes
 
-    def name_groups(self, groups: dict[str, object]) -> None:
+    def name_groups(self, groups: dict[str, Any]) -> None:
         """Count the collectives on each of `groups` (dimension name -> ProcessGroup) under that
         name as well."""
-        self.dims = {
-            **self.dims,
-            **{getattr(g, "group_name", ""): dim for dim, g in groups.items() if g is not None},
-        }
+        named = {getattr(g, "group_name", ""): (dim, g) for dim, g in groups.items() if g}
+        self.dims = {**self.dims, **{n: d for n, (d, _) in named.items()}}
+        self.sizes = {**self.sizes, **{n: dist.get_world_size(g) for n, (_, g) in named.items()}}
+
+    def group_size(self, args, kwargs) -> int:
+        """Processes of a named group among the arguments (1 where none is known)."""
+        name = self.group_name(args, kwargs)
+        return self.sizes.get(name, 1) if name else 1
 
     def dim_of(self, args, kwargs) -> str | None:
-        """The mesh dimension of a collective's process group (a ProcessGroup, a group name, a
-        DeviceMesh or a (mesh, dim) pair among its arguments), or None."""
+        """The mesh dimension of a collective's process group, or None."""
+        name = self.group_name(args, kwargs)
+        return self.dims.get(name) if name else None
+
+    def group_name(self, args, kwargs) -> str | None:
+        """The name of a collective's process group among its arguments (a ProcessGroup, a group
+        name, a DeviceMesh or a (mesh, dim) pair) where it is one of the named groups, or None."""
         if not self.dims:
             return None
         for x in (*args, *kwargs.values()):
@@ -140,7 +158,7 @@ class Counter:
                 x = x.get_group()
             name = x if isinstance(x, str) else getattr(x, "group_name", None)
             if isinstance(name, str) and name in self.dims:
-                return self.dims[name]
+                return name
         return None
 
     def reset(self) -> dict:
@@ -230,6 +248,8 @@ class Counter:
 
     def wrap(self, fn, kind: str, pos: int, name: str, completes: bool = True):
         counter = self
+        # a functional all-gather's payload argument is its input: the output is the group's
+        gathers = not completes and kind == "allgather"
 
         def counted(*args, **kwargs):
             local = counter.local
@@ -238,13 +258,14 @@ class Counter:
             local.depth = 1
             payload = _arg(args, kwargs, pos, name)
             dim = counter.dim_of(args, kwargs)
+            size = nbytes(payload) * (counter.group_size(args, kwargs) if gathers else 1)
             timer = EventTimer() if on_cuda(payload) else None  # start event before the launch
             t0 = time.perf_counter()
             try:
                 out = fn(*args, **kwargs)
             finally:
                 local.depth = 0
-            counter.add(kind, nbytes(payload), 1, dim=dim)
+            counter.add(kind, size, 1, dim=dim)
             if timer is not None and not completes:  # queued, not finished: no honest time
                 return out
             if completes and isinstance(out, dist.Work):

@@ -155,7 +155,9 @@ class FSDPStrategy(Distributed):
         units = shard_units(model)  # the model names them (both towers of a CLIP)
         apply_ac(model, self.cfg.activation_checkpointing)
         if self.tp:  # the model names its plan (models/layers.py: Block.tp_plan)
-            apply_tp(model, self.mesh["tp"], named(model, "tp_plan", "strategy.tp > 1")())
+            sp = self.scfg.sequence_parallel
+            plan = named(model, "tp_plan", "strategy.tp > 1")(sp)
+            apply_tp(model, self.mesh["tp"], plan, sp)
         apply_compile(units, self.cfg.compile, self.cfg.compile_mode)
         mp = mp_policy(self.cfg.precision, self.scfg.reduce_dtype)
         offload = CPUOffloadPolicy() if self.scfg.cpu_offload else OffloadPolicy()

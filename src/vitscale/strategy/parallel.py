@@ -30,10 +30,24 @@ def apply_ac(model: nn.Module, on: bool) -> None:
         cast(GradCheckpointing, model).set_grad_checkpointing(True)
 
 
-def styles() -> dict[str, Any]:
-    from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def styles(sequence_parallel: bool = False) -> dict[str, Any]:
+    """The plan's style names -> torch.distributed.tensor.parallel styles. Column-wise outputs stay
+    local shards (heads, hidden units: plain tensors for the attention and the activation);
+    row-wise outputs stay DTensors, as the residual stream is: replicated, or with
+    `sequence_parallel` split by tokens (Shard(1)): the row-wise all-reduce becomes a
+    reduce-scatter, the column-wise input an all-gather, the norms run on their tokens."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
     from torch.distributed.tensor.placement_types import _StridedShard
+
+    stream = Shard(1) if sequence_parallel else Replicate()
 
     class FusedQKV(ColwiseParallel):
         """Column-wise over a fused [q; k; v] weight: rank r holds the rows of its heads in each
@@ -41,7 +55,7 @@ def styles() -> dict[str, Any]:
         output stays that shard (not redistributed to a contiguous one)."""
 
         def __init__(self):
-            super().__init__(output_layouts=_StridedShard(-1, split_factor=3))
+            super().__init__(input_layouts=stream, output_layouts=_StridedShard(-1, split_factor=3))
 
         def _partition_linear_fn(self, name, module, device_mesh):
             for pname, param in module.named_parameters():
@@ -54,12 +68,18 @@ def styles() -> dict[str, Any]:
                 )
                 module.register_parameter(pname, dist_param)
 
-    # column-wise outputs stay local shards (heads, hidden units: plain tensors for the attention
-    # and the activation); row-wise outputs stay replicated DTensors, as the residual stream is
+    whole = dict(output_layouts=Shard(1), desired_output_layouts=Replicate())
+    split = dict(input_layouts=Replicate(), desired_input_layouts=Shard(1))
     return {
-        "colwise": ColwiseParallel,
-        "rowwise": lambda: RowwiseParallel(use_local_output=False),
+        "colwise": lambda: ColwiseParallel(input_layouts=stream),
+        "rowwise": lambda: RowwiseParallel(output_layouts=stream, use_local_output=False),
         "colwise_qkv": FusedQKV,
+        "sequence": lambda: SequenceParallel(use_local_output=False),
+        "sequence_in": lambda: PrepareModuleInput(**split, use_local_output=False),
+        "sequence_out": lambda: PrepareModuleOutput(**whole, use_local_output=False),
+        "sequence_in_out": lambda: PrepareModuleInputOutput(
+            **split, use_local_input=False, **whole, use_local_output=False
+        ),
     }
 
 
@@ -74,11 +94,11 @@ def replicate_rest(model: nn.Module, tp_mesh) -> None:
                 module.register_parameter(name, nn.Parameter(d, requires_grad=p.requires_grad))
 
 
-def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str]) -> None:
+def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str], sequence_parallel: bool) -> None:
     """2. The tensor-parallel plan over the tp dimension of the mesh."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    kinds = styles()
+    kinds = styles(sequence_parallel)
     # gathering a tp x dp parameter for a full checkpoint takes two all-gathers, which DTensor
     # warns about on every rank at every checkpoint: a cost of the checkpoint, not of the step
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
