@@ -267,3 +267,25 @@ def test_mfu_uses_the_best_peak_of_the_sweep():
     ]
     # the point whose peak was measured at half the machine's best: 50% of 200 = 25% of 400
     assert common_mfu(recs) == [pytest.approx(0.30), pytest.approx(0.25), pytest.approx(0.20), None]
+
+
+def test_the_mesh_study_lists_every_mesh_of_the_processes_with_its_short_form():
+    from vitscale.config import load_config
+    from vitscale.strategy.mesh import mesh_shape
+
+    points = sweep.study_points("mesh", 16, [4], [])
+    shapes = [
+        (o["strategy.dp_replicate"], o["strategy.dp_shard"], o["strategy.tp"])
+        for o in (p["overrides"] for p in points)
+    ]
+    # every factorization of 4 into replicate x shard x tp, once
+    assert sorted(shapes) == sorted(
+        [(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)]
+    )
+    assert all(p["nproc"] == 4 for p in points)
+    for p in points:  # each point's keys are a mesh the config accepts, of that shape
+        o = p["overrides"]
+        cfg = load_config("configs/tests/tiny.toml", [f"{k}={v}" for k, v in o.items()])
+        got = mesh_shape(cfg.strategy, 4).sizes
+        assert got == (o["strategy.dp_replicate"], o["strategy.dp_shard"], o["strategy.tp"])
+    assert sweep.mesh_points(1) == [{"strategy.name": "single"}]

@@ -28,7 +28,7 @@ LADDER_RUNGS = (
     "batch",
     "sharding",
 )
-SWEEP_STUDIES = ("strong", "weak", "batch", "accum", "memory")
+SWEEP_STUDIES = ("strong", "weak", "batch", "accum", "memory", "mesh")
 REDUCE_DTYPES = ("bf16", "fp16", "fp32")  # predict --reduce-dtype (predict.DTYPE_BYTES's keys)
 
 
@@ -94,9 +94,7 @@ def bench_arguments(p) -> None:
 
 
 # -- sweep ----------------------------------------------------------------------------------------
-SWEEP_HELP = (
-    "benchmark a grid of configs / process counts (strong, weak, batch, accum, memory studies)"
-)
+SWEEP_HELP = "benchmark a grid of configs / process counts (strong, weak, batch, accum, memory, mesh studies)"
 SWEEP_DESCRIPTION = """Run `vitscale bench` over a grid of config overrides and process counts; tables and plots.
 
 Each point is a subprocess `vitscale bench CONFIG --json` (through torchrun when nproc > 1, with
@@ -110,6 +108,7 @@ studies (presets; --grid/--nproc refine them):
   batch   data.batch_size in b/4, b/2, b, 2b                          images/s vs batch
   accum   train.accum_steps in 1, 2, 4, 8 at the same global batch   gradient bytes sent per sample
   memory  nproc 2: ddp, deepspeed ZeRO 0/1/2/3, fsdp                   peak memory and images/s
+  mesh    nproc 4: every dp_replicate x dp_shard x tp that makes it      images/s, memory, comm per dim
 
 examples:
   vitscale sweep configs/tests/tiny.toml --grid data.batch_size=16,32 --steps 5

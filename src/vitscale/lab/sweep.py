@@ -85,7 +85,37 @@ def study_points(study: str, batch: int, nprocs: list[int], grids: list) -> list
                 for m in MEMORY_POINTS
             ]
         return points
+    if study == "mesh":
+        points = []
+        for base in expand(grids, nprocs if nprocs != [1] else [4]):
+            points += [
+                {"nproc": base["nproc"], "overrides": {**base["overrides"], **m}}
+                for m in mesh_points(base["nproc"])
+            ]
+        return points
     raise UserError(f"unknown study {study!r}")
+
+
+def mesh_points(n: int) -> list[dict]:
+    """Every device mesh of `n` processes (strategy/mesh.py): each dp_replicate x dp_shard x tp
+    whose product is n, with the strategy.name that is its short form (a point whose tp the model
+    refuses is recorded with the refusal's line, as any failing point)."""
+    if n == 1:
+        return [{"strategy.name": "single"}]
+    points = []
+    for tp in (d for d in range(1, n + 1) if n % d == 0):
+        for shard in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0):
+            replicate = n // tp // shard
+            name = "hsdp" if replicate > 1 and shard > 1 else "ddp" if replicate > 1 else "fsdp"
+            points.append(
+                {
+                    "strategy.name": name,
+                    "strategy.dp_replicate": replicate,
+                    "strategy.dp_shard": shard,
+                    "strategy.tp": tp,
+                }
+            )
+    return points
 
 
 def point_key(point: dict) -> str:
