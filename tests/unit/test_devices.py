@@ -304,7 +304,13 @@ def test_ds_config_for_cuda_precisions_and_offload():
 
 
 def test_fsdp_mixed_precision_policy():
-    from vitscale.strategy.fsdp import mp_policy
+    """The mesh engine's precision part gives FSDP2 its MixedPrecisionPolicy (issue 49)."""
+    from vitscale.config import TrainConfig
+    from vitscale.strategy.amp import MeshPrecision
+
+    def mp_policy(precision, reduce_dtype):
+        part = MeshPrecision(TrainConfig(precision=precision), torch.device("cpu"), False)
+        return part.policy(reduce_dtype)
 
     p = mp_policy("bf16", "fp32")
     assert p.param_dtype is torch.bfloat16 and p.reduce_dtype is torch.float32

@@ -168,3 +168,43 @@ class EngineOwned:
 
     def load_state_dict(self, sd: dict, names: list[str]) -> None:
         pass
+
+
+class MeshPrecision(EngineOwned):
+    """FSDP2's mesh (fsdp.py): precision is the MixedPrecisionPolicy this part gives FSDP2
+    (`policy`: parameters gathered and computed in bf16 for train.precision=bf16, gradients
+    reduced in strategy.reduce_dtype); under tensor parallelism (`tp`) forward, backward and the
+    step mix plain tensors with the replicated DTensor parameters (parallel.tp_context)."""
+
+    def __init__(self, train: TrainConfig, device: torch.device, captured: bool, tp: bool = False):
+        super().__init__(train, device, captured)
+        self.precision, self.tp = train.precision, tp
+
+    def policy(self, reduce_dtype: str):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from ..precision import DTYPES, half_dtype
+
+        return MixedPrecisionPolicy(
+            param_dtype=half_dtype(self.precision), reduce_dtype=DTYPES[reduce_dtype]
+        )
+
+    def autocast(self):
+        from .parallel import tp_context
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().autocast())
+        stack.enter_context(tp_context(self.tp))
+        return stack
+
+    def backward(self, loss: torch.Tensor) -> None:
+        from .parallel import tp_context
+
+        with tp_context(self.tp):
+            super().backward(loss)
+
+    def step(self, optimizer: torch.optim.Optimizer, clip: float):
+        from .parallel import tp_context
+
+        with tp_context(self.tp):
+            return super().step(optimizer, clip)

@@ -36,19 +36,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
-    MixedPrecisionPolicy,
     OffloadPolicy,
 )
 
 from ..checkpoint import optim_keyed_by_name, optim_state_by_name
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups
-from ..precision import DTYPES, half_dtype
-from .amp import EngineOwned
+from .amp import MeshPrecision
 from .comm import COUNTER
 from .dist import Distributed
 from .mesh import DIMS, build_mesh, dp_group, mesh_shape
-from .parallel import apply_ac, apply_compile, apply_fsdp, apply_tp, tp_context
+from .parallel import apply_ac, apply_compile, apply_fsdp, apply_tp
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -67,14 +65,6 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules the model names as its shard units (`model.shard_units()`: its transformer
     blocks); a model without them is refused in one line (FSDP2 would shard it as one unit)."""
     return named(model, "shard_units", "strategy.name=fsdp")()
-
-
-def mp_policy(precision: str, reduce_dtype: str) -> MixedPrecisionPolicy:
-    """FSDP2's precision for train.precision: parameters all-gathered and computed in bf16 (None:
-    fp32), gradients reduce-scattered in strategy.reduce_dtype (fp32 by default)."""
-    return MixedPrecisionPolicy(
-        param_dtype=half_dtype(precision), reduce_dtype=DTYPES[reduce_dtype]
-    )
 
 
 def fsdp_refusal(train, name: str = "fsdp") -> str | None:
@@ -122,7 +112,8 @@ class FSDPStrategy(Distributed):
 
     name = "fsdp"
     no_sync_defers_comm = gathers_in_forward = forward_is_collective = True
-    precision_part = EngineOwned  # precision lives in the MixedPrecisionPolicy, not in autocast
+    precision_part = MeshPrecision  # FSDP2's MixedPrecisionPolicy, not autocast
+    amp: MeshPrecision
 
     def __init__(self, train, optim, scfg, device_type, lr: float | None = None):
         # offloaded shards are CPU DTensors: the gradient norm's full_tensor() and the full state
@@ -139,6 +130,8 @@ class FSDPStrategy(Distributed):
         self.dp_group = dp_group(shape)
         self.dp_rank, self.dp_size = shape.dp_rank(self.rank), shape.dp
         self.tp = shape.tp > 1
+        # the precision part for this mesh: FSDP2's policy, and the tensor-parallel context
+        self.amp = MeshPrecision(train, self.device, self.captured, tp=self.tp)
         # sharded checkpoints: the loop calls save_engine(step_N.dcp) before writing step_N.pt
         self.engine_suffix = ".dcp" if scfg.checkpoint_format == "sharded" else None
 
@@ -159,7 +152,7 @@ class FSDPStrategy(Distributed):
             plan = named(model, "tp_plan", "strategy.tp > 1")(sp)
             apply_tp(model, self.mesh["tp"], plan, sp)
         apply_compile(units, self.cfg.compile, self.cfg.compile_mode)
-        mp = mp_policy(self.cfg.precision, self.scfg.reduce_dtype)
+        mp = self.amp.policy(self.scfg.reduce_dtype)
         offload = CPUOffloadPolicy() if self.scfg.cpu_offload else OffloadPolicy()
         kw: dict[str, Any] = dict(
             mp_policy=mp,
@@ -174,21 +167,6 @@ class FSDPStrategy(Distributed):
             lr=self.lr,
             params=param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay),
         )
-
-    # tensor parallelism: forward, backward and the step mix plain tensors with replicated DTensors
-    def autocast(self):
-        stack = contextlib.ExitStack()
-        stack.enter_context(super().autocast())
-        stack.enter_context(tp_context(self.tp))
-        return stack
-
-    def backward(self, loss) -> None:
-        with tp_context(self.tp):
-            super().backward(loss)
-
-    def step(self) -> dict:
-        with tp_context(self.tp):
-            return super().step()
 
     def no_sync(self):
         @contextlib.contextmanager
