@@ -13,6 +13,7 @@ A strategy names its part (`SingleDevice.precision_part`) instead of inheriting 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -208,3 +209,44 @@ class MeshPrecision(EngineOwned):
 
         with tp_context(self.tp):
             return super().step(optimizer, clip)
+
+
+class DeepSpeedPrecision(EngineOwned):
+    """DeepSpeed's precision (deepspeed.py): the ds_config's bf16 / fp16 keys for train.precision
+    (`ds_keys`), the dtype the engine's weights hold and that the inputs are cast to (`prepare`; the
+    caller casts them under DeepSpeed's bf16), and the fp32 masters ZeRO keeps (`adopt`)."""
+
+    input_dtype: torch.dtype | None = None
+
+    @staticmethod
+    def ds_keys(train: TrainConfig) -> dict:
+        """The ds_config's precision keys: bf16 or fp16 enabled, fp16 with dynamic loss scaling
+        from train.loss_scale (initial_scale_power = log2 of it)."""
+        keys: dict = {
+            "bf16": {"enabled": train.precision == "bf16"},
+            "fp16": {"enabled": train.precision == "fp16"},
+        }
+        if train.precision == "fp16":
+            power = int(round(math.log2(train.loss_scale)))
+            keys["fp16"].update(loss_scale=0, initial_scale_power=power)
+        return keys
+
+    def adopt(self, engine, optimizer: torch.optim.Optimizer, stage: int) -> None:
+        """What the built engine keeps: its weights' dtype, and this rank's fp32 master shards that
+        the optimizer updates (None: it updates the weights themselves)."""
+        if engine.bfloat16_enabled():
+            self.input_dtype = torch.bfloat16
+        elif engine.fp16_enabled():
+            self.input_dtype = torch.float16
+        if (
+            stage == 3
+        ):  # ZeRO-3 fills the optimizer's groups only while it steps: its own flat shards
+            self.master = list(engine.optimizer.fp32_partitioned_groups_flat)
+        elif stage > 0 or self.input_dtype is not None:
+            self.master = [p for g in optimizer.param_groups for p in g["params"]]
+        else:
+            self.master = None
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        half = self.input_dtype is not None and x.is_floating_point()
+        return x.to(self.input_dtype) if half else x

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import warnings
 from pathlib import Path
@@ -36,9 +35,9 @@ from torch import nn
 from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups, with_lr
-from .amp import EngineOwned
+from .amp import DeepSpeedPrecision
 from .base import GradCheckpointing
-from .devices import backend_for, compile_kwargs, sdpa_context
+from .devices import backend_for, compile_kwargs
 from .dist import Distributed, env_world, free_port, launched
 
 if TYPE_CHECKING:  # DeepSpeed is optional: imported when setup() builds the engine
@@ -92,8 +91,7 @@ def build_ds_config(
         "gradient_accumulation_steps": A,
         "gradient_clipping": optim.grad_clip,  # DeepSpeed's default is 1.0: always explicit
         "zero_optimization": zero,
-        "bf16": {"enabled": train.precision == "bf16"},
-        "fp16": {"enabled": train.precision == "fp16"},
+        **DeepSpeedPrecision.ds_keys(train),  # bf16 / fp16 and the loss scale: the precision part's
         "zero_allow_untested_optimizer": True,  # SGD: elementwise, exact on flat shards
         "zero_force_ds_cpu_optimizer": False,  # offload may step a torch optimizer
         "steps_per_print": 2**31 - 1,  # vitscale logs its own metrics
@@ -101,10 +99,6 @@ def build_ds_config(
         "comms_logger": {"enabled": scfg.comms_logger, "verbose": False, "prof_all": True},
         "flops_profiler": {"enabled": scfg.flops_profiler, "profile_step": 2, "detailed": False},
     }
-    if train.precision == "fp16":
-        cfg["fp16"].update(
-            loss_scale=0, initial_scale_power=int(round(math.log2(train.loss_scale)))
-        )
     if scfg.wall_clock_breakdown:
         cfg["steps_per_print"] = 50
     if scfg.ds_config:
@@ -260,7 +254,8 @@ def import_deepspeed(device_type: str, scfg: StrategyConfig):
 
 class DeepSpeedStrategy(Distributed):
     name = "deepspeed"
-    precision_part = EngineOwned  # precision lives in the ds_config, not in autocast
+    precision_part = DeepSpeedPrecision  # the ds_config's precision keys and the input dtype
+    amp: DeepSpeedPrecision
     engine_suffix: str | None = ".ds"  # the loop calls save_engine(step_N.ds) before step_N.pt
     model: nn.Module  # the engine once set up, typed as base.Strategy declares it (an nn.Module)
 
@@ -279,9 +274,6 @@ class DeepSpeedStrategy(Distributed):
         # launched (torchrun / deepspeed): join that group; else one process without a launcher
         # (one GPU with offload), whose group setup() makes for the engine
         super().__init__(train, optim, scfg, device_type, join=launched(), lr=lr)
-        self.input_dtype: torch.dtype | None = (
-            None  # set by setup(): what the engine's weights hold
-        )
         self.engine: DeepSpeedEngine | None = None  # built by setup()
         self._micro = 0
 
@@ -332,23 +324,11 @@ class DeepSpeedStrategy(Distributed):
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config, dist_init_required=False
         )
-        if self.engine.bfloat16_enabled():
-            self.input_dtype = torch.bfloat16
-        elif self.engine.fp16_enabled():
-            self.input_dtype = torch.float16
         self.optimizer = (
             optimizer  # the torch optimizer ZeRO steps: the loop's LambdaLR drives its lr
         )
-        # this rank's fp32 master shards that the optimizer updates (None: it updates the weights)
-        if self.stage == 3:  # ZeRO-3 fills the optimizer's groups only while it steps
-            zero3 = self.engine.optimizer
-            assert zero3 is not None  # initialize() wrapped the optimizer handed to it
-            # DeepSpeedZeroOptimizer_Stage3's own attribute (the engine types its optimizer loosely)
-            self.amp.master = list(zero3.fp32_partitioned_groups_flat)  # pyright: ignore[reportAttributeAccessIssue]
-        elif self.stage > 0 or self.input_dtype is not None:
-            self.amp.master = [p for g in optimizer.param_groups for p in g["params"]]
-        else:
-            self.amp.master = None
+        # the precision part takes what the engine keeps: its weights' dtype and the fp32 masters
+        self.amp.adopt(self.engine, optimizer, self.stage)
         if self.cfg.compile:  # DeepSpeed's own: the wrapped module compiled, hooks kept outside
             self.engine.compile(compile_kwargs=compile_kwargs(self.cfg.compile_mode))
         self.model = self.engine  # callable: forward through the engine (ZeRO-3 gathers parameters)
@@ -357,15 +337,6 @@ class DeepSpeedStrategy(Distributed):
         self.module = module
 
     # -- the step -------------------------------------------------------------------------------
-    def autocast(self):
-        return sdpa_context(self.cfg.sdpa_backend)  # precision lives in the ds_config
-
-    def prepare(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.layout(x)
-        return (
-            x.to(self.input_dtype) if self.input_dtype is not None and x.is_floating_point() else x
-        )
-
     def no_sync(self):
         # the boundary is set per micro-batch in backward(); DeepSpeed's own no_sync refuses ZeRO 2/3
         return contextlib.nullcontext()
@@ -385,7 +356,7 @@ class DeepSpeedStrategy(Distributed):
                 f"train.accum_steps={self.cfg.accum_steps}"
             )
         norm = None
-        if self.stage == 0 and self.input_dtype is None:
+        if self.stage == 0 and self.amp.input_dtype is None:
             # plain fp32 data parallel: the engine clips without keeping the norm; measure it here
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             norm = (
