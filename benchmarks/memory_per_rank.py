@@ -14,6 +14,10 @@ more step taken apart so that it can look between backward and the optimizer ste
   tensors at the step's two high points, activations freed or not yet made
 - `peak_rss_growth`: peak RSS growth of the process over set-up and steps (`ru_maxrss`), what
   `vitscale bench` reports on CPUs (activations, allocator and library overheads included)
+- `saved_activations`: bytes of the tensors the measured step's forward saves for backward
+  (`torch.autograd.graph.saved_tensors_hooks`, local shards of DTensors, each storage once) that
+  carry the micro-batch in their first dimension, parameters left out: the activation memory, which
+  tensor parallelism (`--engines fsdp_tp2`) splits and data parallelism does not
 
   flock /tmp/vitscale-bench.lock .venv/bin/python benchmarks/memory_per_rank.py --out runs/memory-per-rank
   python benchmarks/memory_per_rank.py --models default --engines ddp,fsdp --steps 2   # quick look
@@ -67,6 +71,8 @@ ENGINES = {
     "z2": ["strategy.name=deepspeed", "strategy.zero_stage=2"],
     "z3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
     "fsdp": ["strategy.name=fsdp"],
+    "fsdp_tp2": ["strategy.name=fsdp", "strategy.tp=2"],  # tensor parallel over 2 (issue 49)
+    "fsdp_tp2_sp": ["strategy.name=fsdp", "strategy.tp=2", "strategy.sequence_parallel=true"],
 }
 # formula (docs/distributed.md): bytes per parameter per rank at N processes, fp32 weights + grads + AdamW
 FORMULA = {
@@ -76,6 +82,9 @@ FORMULA = {
     "z2": lambda n: 4 + 12 / n,
     "z3": lambda n: 16 / n,
     "fsdp": lambda n: 16 / n,
+    # the blocks' weights split over tp (embeddings, norms and the head replicated: a little more)
+    "fsdp_tp2": lambda n: 16 / n,
+    "fsdp_tp2_sp": lambda n: 16 / n,
 }
 # the same without the gradients (what state_bytes counts)
 FORMULA_NO_GRAD = {
@@ -85,7 +94,32 @@ FORMULA_NO_GRAD = {
     "z2": lambda n: 4 + 8 / n,
     "z3": lambda n: 12 / n,
     "fsdp": lambda n: 12 / n,
+    "fsdp_tp2": lambda n: 12 / n,
+    "fsdp_tp2_sp": lambda n: 12 / n,
 }
+
+
+def saved_activation_bytes(step, batch: int, params) -> int:
+    """Run `step()` (a forward and backward) and return the bytes of the tensors its forward saves
+    for backward that carry `batch` in their first dimension (activations), each local storage once,
+    the parameters' own storages left out."""
+    import torch
+
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    skip = {local(p).untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        x = local(t)
+        if x.dim() and x.shape[0] == batch:
+            ptr = x.untyped_storage().data_ptr()
+            if ptr not in skip:
+                seen[ptr] = x.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(seen.values())
 
 
 def live_tensor_bytes(top: int = 0):
@@ -136,7 +170,7 @@ def worker(config: str, sets: list[str], warmup: int) -> None:
     from vitscale.lab.machine import max_rss_bytes
     from vitscale.lab.recipes import lab_config
     from vitscale.lab.timing import Bench
-    from vitscale.loop import state_bytes
+    from vitscale.run_report import state_bytes
 
     cfg = lab_config(config, sets)
     rss0, rss_start = max_rss_bytes(), rss_bytes()
@@ -145,8 +179,9 @@ def worker(config: str, sets: list[str], warmup: int) -> None:
     if warmup:
         b.steps(warmup)
     # one step taken apart (the step function's own parts): backward, look, optimizer step, look
-    loss = tr.step_fn.forward_backward(b.fixed)
-    del loss
+    micro = b.fixed[0].shape[0] // cfg.train.accum_steps
+    params = list(s.module.parameters())
+    acts = saved_activation_bytes(lambda: tr.step_fn.forward_backward(b.fixed), micro, params)
     gc.collect()
 
     def local(t):
@@ -172,6 +207,7 @@ def worker(config: str, sets: list[str], warmup: int) -> None:
         "params": tr.params,
         "state": state_bytes(s, tr.task),
         "grads": grads,
+        "saved_activations": acts,
         "zero3_partitions": ds_part,
         "live_after_backward": live_bwd,
         "live_after_step": live_step,
@@ -230,12 +266,12 @@ def table(records: list[dict]) -> str:
     head = (
         "| model | params P | engine | precision | state_bytes_per_rank MiB (params + master + optimizer) "
         "| ZeRO-3 partitions not in it MiB | tensors held after backward MiB (bytes/P) | formula MiB "
-        "(bytes/P) | RSS after backward MiB | peak RSS growth MiB |"
+        "(bytes/P) | activations saved for backward MiB | RSS after backward MiB | peak RSS growth MiB |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         if not r.get("ok"):
-            lines.append(f"| {r['model']} | | {r['engine']} | | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['model']} | | {r['engine']} | | failed: {r['error']} | | | | | | |")
             continue
         x, n = r["ranks"][0], r["nproc"]
         P, st, f = x["params"], x["state"], FORMULA[r["engine"]](n)
@@ -246,6 +282,7 @@ def table(records: list[dict]) -> str:
             f"({mib(st['params'])} + {mib(st['master_params'])} + {mib(st['optimizer_state'])}) | "
             f"{mib(x.get('zero3_partitions', 0)) if x.get('zero3_partitions') else '-'} | "
             f"{mib(held)} ({held / P:.1f}) | {mib(f * P)} ({f:g}) | "
+            f"{mib(x['saved_activations']) if 'saved_activations' in x else '-'} | "
             f"{mib(x['rss_after_backward'] - x['rss_before_setup']) if 'rss_after_backward' in x else '-'} | "
             f"{mib(x['peak_rss_growth'])} |"
         )
