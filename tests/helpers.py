@@ -413,7 +413,10 @@ def default_signals() -> None:
         signal.signal(s, signal.SIG_DFL)
 
 
-def launch(out, extra, nproc):
+def launch(out, extra, nproc, entry=("-m", "vitscale"), env=None):
+    """torchrun of `vitscale train TINY --out OUT` in the background, its stderr piped, in a
+    session of its own (`entry`: another script that takes vitscale's arguments; `env`: more
+    variables)."""
     cmd = [
         sys.executable,
         "-m",
@@ -424,8 +427,7 @@ def launch(out, extra, nproc):
         "127.0.0.1",
         "--master-port",
         str(free_port()),
-        "-m",
-        "vitscale",
+        *entry,
         "train",
         TINY,
         "--out",
@@ -434,7 +436,7 @@ def launch(out, extra, nproc):
     ]
     return subprocess.Popen(
         cmd,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -8,6 +8,7 @@ parameter name (FSDP2's `torch.distributed.checkpoint.state_dict`); the helpers 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -18,11 +19,14 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from .config import Config
 from .errors import UserError
 from .launch import is_main_process
 
@@ -205,6 +209,52 @@ def _holder(raw: bytes) -> str:
         return f"process {h['pid']} on {h['host']}, started {h['started']}: {h['command']}"
     except (ValueError, KeyError, TypeError):
         return ""
+
+
+def make_run_dir(
+    cfg: Config,
+    is_main: bool,
+    broadcast_object: Callable[[Any], Any],
+    run_dir: str | Path | None,
+    resume: object | None,
+) -> tuple[Path, RunLock | None, list[Path]]:
+    """The main process names the run folder, checks it is free and takes its writer lock (one
+    live run per folder); every rank gets the folder, the main process also what it made there
+    that was not there before (the folder itself last). `is_main`, `broadcast_object`: the
+    strategy's; `resume`: the checkpoint a run continues from, None for a new run."""
+    problem, lock, made = None, None, []
+    if is_main:
+        run_dir = (
+            Path(run_dir)
+            if run_dir
+            else Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        made = [p for p in (run_dir / "config.toml", run_dir / ".lock", run_dir) if not p.exists()]
+        if resume is None and list_checkpoints(run_dir):
+            problem = (
+                f"{run_dir} already holds a run's checkpoints: continue it with "
+                f"`vitscale train --resume {run_dir}` or choose another --out"
+            )
+        else:
+            lock = RunLock(run_dir)
+            problem = lock.acquire()
+            if problem is None:  # what runs: a resumed run's config with its changes
+                (run_dir / "config.toml").write_text(cfg.to_toml())
+    folder, problem = broadcast_object((str(run_dir), problem))
+    if problem:
+        raise UserError(problem)
+    return Path(folder), lock, made
+
+
+def discard_unstarted(run_dir: Path, made: list[Path]) -> None:
+    """A new run refused before its first checkpoint (a missing data root, a model.init file): what
+    its start made (config.toml, the lock file, the folder) is removed, so that the folder is as
+    before the command; files that were there before are left alone."""
+    if list_checkpoints(run_dir):
+        return
+    for p in made:
+        with contextlib.suppress(OSError):  # a folder with something else in it stays
+            p.rmdir() if p == run_dir else p.unlink(missing_ok=True)
 
 
 def export_safetensors(state_dict: dict, path: Path, metadata: dict[str, str]) -> Path:

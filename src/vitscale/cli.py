@@ -196,8 +196,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_info(args) -> int:
+    from .checks import check_run
     from .config import load_config
-    from .loop import check_run
     from .tasks import model_info, task_class
 
     info = model_info(check_run(load_config(args.config, args.overrides)))
@@ -206,8 +206,8 @@ def cmd_info(args) -> int:
 
 
 def cmd_config(args) -> int:
+    from .checks import check_run
     from .config import load_config
-    from .loop import check_run
 
     print(check_run(load_config(args.config, args.overrides)).to_toml(), end="")
     return 0

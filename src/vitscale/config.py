@@ -761,7 +761,7 @@ def config_from_dict(data: dict) -> Config:
 
 
 def saved_config(saved: dict, overrides=(), source: str = "checkpoint") -> Config:
-    """The config a checkpoint saved (`state["config"]`), with `--set` overrides, checked."""
+    """The config a checkpoint saved (state.SavedRun.config), with `--set` overrides, checked."""
     cfg = apply_dict(Config(), saved, source=f"{source} (saved config)")
     for text in overrides:
         set_value(cfg, *parse_override(text))

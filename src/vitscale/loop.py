@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar, overload
 
 import torch
 
 from .capture import WholeStep
-from .checkpoint import RunLock, list_checkpoints
-from .config import Config, micro_batch
-from .errors import ConfigError, DataError, TrainingError, UserError
+from .checkpoint import discard_unstarted, make_run_dir
+from .checks import check_run
+from .config import Config
+from .errors import DataError, TrainingError
 from .fastpaths import resolve as resolve_fast_paths
-from .launch import launch_env
-from .metrics import MetricsLog, NullLog, Progress, mfu, peak_flops, synchronizer
+from .metrics import MetricsLog, NullLog, Progress, synchronizer
 from .models import count_params
-from .models.layers import tp_widths
-from .optim import build_scheduler, check_optimizer, lr_table
-from .precision import tf32_active
+from .optim import build_scheduler, lr_table
+from .run_report import RunFacts, Window, describe_run, end_summary, run_summary, train_record
 from .run_state import (
     Checkpoints,
     Resume,
@@ -37,31 +33,11 @@ from .run_state import (
 )
 from .step import FiniteWatch, TrainStep, check_training_state
 from .stop import PREEMPTED, Agreement, StopRequest, announce_deadline, slurm_deadline
-from .strategy import Strategy, build_strategy, check_engine, check_launch
+from .strategy import Strategy, build_strategy
 from .strategy.devices import LauncherWatch
-from .strategy.mesh import mesh_shape, tp_refusal
-from .tasks import build_task, check_config
+from .tasks import build_task
 
 T = TypeVar("T")
-
-
-@dataclass
-class Window:
-    """Time, global samples, data-wait time and skipped steps (a device tensor where the strategy
-    keeps it there) since the last train log record."""
-
-    seconds: float = 0.0
-    images: int = 0
-    data_s: float = 0.0
-    skipped: int | torch.Tensor = 0  # a count, or a device tensor the strategy keeps
-
-    def add(self, seconds: float, images: int, data_s: float, skipped=False) -> None:
-        self.seconds, self.images, self.data_s = (
-            self.seconds + seconds,
-            self.images + images,
-            self.data_s + data_s,
-        )
-        self.skipped = self.skipped + skipped
 
 
 class StepLog:
@@ -140,45 +116,6 @@ def check_orphan(launcher: LauncherWatch, agreement: Agreement, step: int, ckpts
         )
 
 
-def make_run_dir(cfg: Config, s, run_dir, resume) -> tuple[Path, RunLock | None, list[Path]]:
-    """The main process names the run folder, checks it is free and takes its writer lock (one
-    live run per folder); every rank gets the folder, the main process also what it made there
-    that was not there before (the folder itself last)."""
-    problem, lock, made = None, None, []
-    if s.is_main:
-        run_dir = (
-            Path(run_dir)
-            if run_dir
-            else Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        )
-        made = [p for p in (run_dir / "config.toml", run_dir / ".lock", run_dir) if not p.exists()]
-        if resume is None and list_checkpoints(run_dir):
-            problem = (
-                f"{run_dir} already holds a run's checkpoints: continue it with "
-                f"`vitscale train --resume {run_dir}` or choose another --out"
-            )
-        else:
-            lock = RunLock(run_dir)
-            problem = lock.acquire()
-            if problem is None:  # what runs: a resumed run's config with its changes
-                (run_dir / "config.toml").write_text(cfg.to_toml())
-    run_dir, problem = s.broadcast_object((str(run_dir), problem))
-    if problem:
-        raise UserError(problem)
-    return Path(run_dir), lock, made
-
-
-def discard_unstarted(run_dir: Path, made: list[Path]) -> None:
-    """A new run refused before its first checkpoint (a missing data root, a model.init file): what
-    its start made (config.toml, the lock file, the folder) is removed, so that the folder is as
-    before the command; files that were there before are left alone."""
-    if list_checkpoints(run_dir):
-        return
-    for p in made:
-        with contextlib.suppress(OSError):  # a folder with something else in it stays
-            p.rmdir() if p == run_dir else p.unlink(missing_ok=True)
-
-
 class Progressed(Generic[T]):
     """An attribute kept in the progress record (`progress`, run_state.RunProgress), which saves
     and restores itself with the checkpoint."""
@@ -211,24 +148,6 @@ class ProgressView:
     last_eval: Progressed[dict | None] = Progressed()
 
 
-def check_run(cfg: Config, world_size: int | None = None) -> Config:
-    """Every refusal that needs no data and no engine, in one place: the task's checks (model.init
-    files), the engine's (strategy.check_engine), the launch (N copies into one run folder) and
-    that the global batch splits over processes x micro-batches. `vitscale train`, `config` and
-    `info` ask it; `world_size` None: this process's launch (1 outside a launcher)."""
-    world = launch_env(os.environ).world_size if world_size is None else world_size
-    check_launch(check_config(cfg).strategy.name, world)
-    check_engine(cfg, world)
-    check_optimizer(cfg.optim)
-    shape = mesh_shape(cfg.strategy, world)
-    if shape.tp > 1:  # what tensor parallelism splits: the model's heads and widths
-        refusal = tp_refusal(shape, tp_widths(build_task(cfg).meta_model()[1]))
-        if refusal:
-            raise ConfigError(refusal)
-    micro_batch(cfg.data.batch_size, shape.dp, cfg.train.accum_steps)
-    return cfg
-
-
 class Epochs(ProgressView):
     """The steps of a run's epochs, as the Trainer (below) wires them: the step function, the whole
     step as one unit, the epoch's loop with its logging, checkpoints and stop requests."""
@@ -250,6 +169,7 @@ class Epochs(ProgressView):
     agreement: Agreement
     steps_log: StepLog
     bar: Any
+    facts: RunFacts
 
     def check_state(self, state: bool = True) -> None:
         raise NotImplementedError
@@ -319,7 +239,10 @@ class Epochs(ProgressView):
             w = self.steps_log.account(time.perf_counter() - t_last, t_data, n, info)
             if log_now:
                 self.check_state(state=False)
-                self.steps_log.write(train_record(self, w, n, float(loss), info))
+                lr = self.scheduler.get_last_lr()[0]
+                self.steps_log.write(
+                    train_record(self.facts, self.step, lr, w, n, float(loss), info)
+                )
             self.bar.update(self.step, self.steps_log.text)
             if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
                 self.save()
@@ -362,10 +285,13 @@ class Trainer(Epochs):
         # config keeps what the user wrote (lr, lr_scaling, lr_ref_batch) and is never rewritten
         self.strategy = s = build_strategy(cfg)
         self.lr = s.lr
-        self.run_dir, self.lock, made = make_run_dir(cfg, s, run_dir, resume)
+        self.run_dir, self.lock, made = make_run_dir(
+            cfg, s.is_main, s.broadcast_object, run_dir, resume
+        )
         self.launcher = LauncherWatch()
         try:
             self.build(cfg, s)
+            self.facts = self.run_facts()
             if resume is not None:
                 resume_run(self.parts, resume)
                 self.checkpoints.last = resume.path
@@ -382,6 +308,25 @@ class Trainer(Epochs):
             self.data.close()
         if self.lock is not None:
             self.lock.release()
+
+    def run_facts(self) -> RunFacts:
+        """What the run is once built, for its report (run_report): fixed from here on."""
+        return RunFacts(
+            cfg=self.cfg,
+            fast=self.fast,
+            strategy=self.strategy,
+            task=self.task,
+            spec=self.spec,
+            run_dir=self.run_dir,
+            train_size=self.data.train_size,
+            test_size=self.data.test_size,
+            eval_split=self.data.eval_split,
+            params=self.params,
+            flops_per_image=self.flops_per_image,
+            lr=self.lr,
+            total_steps=self.total_steps,
+            steps_per_epoch=self.steps_per_epoch,
+        )
 
     def build(self, cfg: Config, s: Strategy) -> None:
         """Data, model, engine, schedule, counters and the step function of a new run."""
@@ -508,12 +453,12 @@ class Trainer(Epochs):
         s = self.strategy
         summary_file = self.run_dir / "summary.json"
         if self.finished() and s.broadcast_object(s.is_main and summary_file.is_file()):
-            return end_summary(self, "finished")
+            return end_summary(self.facts, self.progress, self.checkpoints.last, "finished")
         self.log, self.bar = open_logs(
             self.cfg, self.run_dir, self.step, self.total_steps, s.is_main
         )
         self.bar.message(self.fast.line())
-        self.bar.message(describe_run(self))
+        self.bar.message(describe_run(self.facts))
         self.steps_log = StepLog(self.progress, self.log)
         # the signals stay handled through the final evaluation and checkpoint: a stop there saves
         # the state of the last step and ends with the stop's line (the resume writes the summary)
@@ -526,8 +471,8 @@ class Trainer(Epochs):
                 stop_reason = self.finish(stop_reason)
         self.log.close()
         if stop_reason in PREEMPTED:
-            return end_summary(self, stop_reason)
-        summary = run_summary(self, stop_reason)
+            return end_summary(self.facts, self.progress, self.checkpoints.last, stop_reason)
+        summary = run_summary(self.facts, self.progress, self.checkpoints.last, stop_reason)
         if s.is_main:
             summary_file.write_text(json.dumps(summary, indent=2))
         return summary
@@ -542,117 +487,6 @@ def ahead_batches(cfg: Config, data) -> int:
     """Batches a train loader prepares at once under train.capture=step."""
     per_batch = 4 * data.train.batch_size * data.channels * data.image_size**2
     return max(1, AHEAD_BYTES // max(1, per_batch))
-
-
-def train_record(tr: Epochs, w: Window, images: int, loss: float, info: dict) -> dict:
-    """The train log record of a log step (`w`: the window since the last one; `images`: the last
-    step's global samples): loss, lr, throughput, gradient norm, skipped steps, the task's and the
-    engine's own numbers. Reads the device (the gradient norm, the skipped count)."""
-    steps = w.images / images
-    return {
-        "kind": "train",
-        "step": tr.step,
-        "epoch": tr.step / tr.steps_per_epoch,
-        "loss": loss,
-        "lr": tr.scheduler.get_last_lr()[0],
-        "images_per_s": w.images / w.seconds,
-        "step_time_s": w.seconds / max(1, steps),
-        "data_time_s": w.data_s / max(1, steps),
-        "grad_norm": float(info["grad_norm"]),
-        "skipped": int(w.skipped),
-        **tr.task.logs(),
-        **tr.strategy.comm_stats(round(steps)),
-    }
-
-
-def end_summary(tr: Trainer, stop_reason: str) -> dict:
-    """What `fit()` returns for a run stopped by a signal or the job's end, or resumed when it was
-    already finished ("finished"): where it is, no summary.json written."""
-    return {
-        "rank": tr.strategy.rank,
-        "stop_reason": stop_reason,
-        "step": tr.step,
-        "total_steps": tr.total_steps,
-        "epoch": tr.step / tr.steps_per_epoch,
-        "checkpoint": str(tr.checkpoints.last),
-        "run_dir": str(tr.run_dir),
-        "capped": bool(tr.cfg.run.max_steps) and tr.total_steps == tr.cfg.run.max_steps,
-    }
-
-
-def state_bytes(strategy: Strategy, task) -> dict:
-    """Bytes this rank holds in parameters (local shards), fp32 master copies, optimizer state and
-    the loss's per-sample state; gradients, while they exist, take as many bytes as the
-    parameters."""
-    return {**strategy.state_bytes(), "loss_state": task.state_bytes()}
-
-
-def dp_text(s: Strategy) -> str:
-    """What the data-parallel count is: processes, or the mesh's points under tensor parallelism."""
-    tp = s.world_size // s.dp_size
-    return "processes" if tp == 1 else f"data-parallel groups of {tp} tensor-parallel processes"
-
-
-def describe_run(tr: Trainer) -> str:
-    """The run in one line: model, data, batch split, lr, steps, device and precision."""
-    cfg, s = tr.cfg, tr.strategy
-    scaling = (
-        ""
-        if cfg.optim.lr_scaling == "none"
-        else f" ({cfg.optim.lr_scaling} scaling from {cfg.optim.lr:g} at batch {cfg.optim.lr_ref_batch})"
-    )
-    return (
-        f"run {tr.run_dir}: {tr.task.describe(tr.spec)}, {tr.params / 1e6:.2f}M params, "
-        f"{tr.flops_per_image / 1e6:.1f} MFLOPs/{tr.task.sample} fwd; "
-        f"{tr.data.train_size} train / {tr.data.test_size} {tr.data.eval_split} {tr.task.samples}; "
-        f"global batch {cfg.data.batch_size} = {s.dp_size} {dp_text(s)} x "
-        f"{cfg.train.accum_steps} micro-batches x "
-        f"{cfg.data.batch_size // s.dp_size // cfg.train.accum_steps}; lr {tr.lr:.3g}{scaling}"
-        f"; {tr.total_steps} steps on {s.device} in {cfg.train.precision}"
-    )
-
-
-def run_summary(tr: Trainer, stop_reason: str) -> dict:
-    """summary.json: the last evaluation, throughput (each process's first step left out:
-    torch.compile, allocator warm-up), MFU, and what the run was."""
-    s, cfg = tr.strategy, tr.cfg
-    t, n = tr.steady if tr.steady[1] else (tr.train_time, tr.images_seen)
-    images_per_s = n / t if t else 0.0
-    peak, peak_src = peak_flops(s.device, cfg.train.precision, cfg.train.tf32)
-    last = tr.last_eval or {}  # fit() evaluates before the summary
-    metrics = {k: v for k, v in last.items() if k not in ("step", "epoch", "train_time_s")}
-    return {
-        **metrics,
-        f"best_{tr.task.metric}": tr.best_acc,
-        "train_time_s": tr.train_time,
-        "images_per_s": images_per_s,
-        "params": tr.params,
-        "flops_per_image": tr.flops_per_image,
-        "train_flops_per_image": 3 * tr.flops_per_image,
-        "mfu": mfu(tr.flops_per_image, images_per_s, peak, s.world_size),
-        "peak_flops": peak,
-        "peak_source": peak_src,
-        "world_size": s.world_size,
-        "steps": tr.step,
-        "epochs": tr.step / tr.steps_per_epoch,
-        "eval_split": tr.data.eval_split,
-        "images_seen": tr.images_seen,
-        "stop_reason": stop_reason,
-        "precision": cfg.train.precision,
-        "capture": cfg.train.capture,
-        "auto": tr.fast.record(),
-        "tf32": tf32_active(s.device.type, cfg.train.precision, cfg.train.tf32),
-        "lr": tr.lr,
-        "device": str(s.device),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "checkpoint": str(tr.checkpoints.last),
-        "run_dir": str(tr.run_dir),
-        "rank": s.rank,
-        "state_bytes_per_rank": s.gather_objects(state_bytes(tr.strategy, tr.task)),
-        "task": tr.task.kind,
-        **tr.task.summary_extra(tr.lr),
-    }
 
 
 def train(

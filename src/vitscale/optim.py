@@ -102,7 +102,7 @@ def with_lr(groups: list[dict], lr: float) -> list[dict]:
 
 
 def check_optimizer(cfg: OptimConfig) -> None:
-    """What the optimizer section asks that no optimizer here has, in one line (loop.check_run
+    """What the optimizer section asks that no optimizer here has, in one line (checks.check_run
     asks it before anything starts; build_optimizer again)."""
     if cfg.name == "lamb" and cfg.impl not in ("auto", "forloop"):
         raise ConfigError(

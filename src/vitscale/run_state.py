@@ -1,6 +1,7 @@
 """A training run's checkpoint: what it holds of a run's parts (`RunParts`: strategy, schedule,
 progress, task) and the parts put back from one (`vitscale train --resume`). The files themselves (atomic writes, keep-last-N, RNG
-states) are checkpoint.py's; whether an engine can resume another's is strategy/resume.py's."""
+states) are checkpoint.py's; the names of a checkpoint's entries and the one reader of them
+(`SavedRun`) are state.py's; whether an engine can resume another's is strategy/resume.py's."""
 
 from __future__ import annotations
 
@@ -14,14 +15,30 @@ from typing import Any
 
 from torch.optim.lr_scheduler import LambdaLR
 
-from .checkpoint import list_checkpoints, newest_readable, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import list_checkpoints, rng_state, save_checkpoint, set_rng_state
 from .config import Config, load_config, saved_config
 from .errors import ConfigError, UserError
 from .fastpaths import resolve as resolve_fast_paths
 from .launch import this_process
 from .optim import continue_schedule
+from .state import (
+    CONFIG,
+    ENGINE,
+    FORMAT_VERSION,
+    KIND,
+    PREPROCESS,
+    PROGRESS,
+    RNG,
+    SCHEDULER,
+    SPEC,
+    STRATEGY,
+    TASK,
+    VERSION,
+    WORLD_SIZE,
+    SavedRun,
+)
 from .strategy.base import Strategy
-from .strategy.resume import check_resume, engine_folder
+from .strategy.resume import check_resume
 from .tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -116,10 +133,10 @@ def check_changes(saved: dict, cfg: Config, path) -> list[str]:
 
 @dataclass
 class RunProgress:
-    """A Trainer's progress counters, saved in every checkpoint (as top-level keys) and restored
-    from one: optimizer steps taken, training seconds (evaluation and checkpoints not counted),
-    samples seen, the steady-state time and samples (each process's first step left out), the best
-    evaluated metric and the last evaluation."""
+    """A Trainer's progress counters, saved in every checkpoint (as top-level keys, one per field:
+    state.PROGRESS names them) and restored from one: optimizer steps taken, training seconds
+    (evaluation and checkpoints not counted), samples seen, the steady-state time and samples (each
+    process's first step left out), the best evaluated metric and the last evaluation."""
 
     step: int = 0
     train_time: float = 0.0
@@ -147,28 +164,18 @@ class RunProgress:
             setattr(self, f.name, state[f.name])
 
 
-@dataclass
-class Resume:
-    """A checkpoint to continue from, read once: the file and what it holds; `changes`: the keys
-    this run changes on resume ("key old -> new"), once they are checked (None before)."""
+class Resume(SavedRun):
+    """A checkpoint to continue from, read once (state.SavedRun: the file and what it holds);
+    `changes`: the keys this run changes on resume ("key old -> new"), once they are checked (None
+    before)."""
 
-    path: Path
-    state: dict
     changes: list[str] | None = None
-
-    @property
-    def run_dir(self) -> Path:
-        return self.path.parent.parent
-
-    def config(self, overrides=()) -> Config:
-        """The run's saved config with `overrides` (--set)."""
-        return saved_config(self.state["config"], overrides, source=str(self.path))
 
 
 def open_resume(resume) -> Resume:
     """The checkpoint to resume: a file, or a run folder's newest readable checkpoint
     (checkpoint.newest_readable)."""
-    return Resume(*newest_readable(resume, "resuming from", "vitscale train --resume"))
+    return Resume.open(resume, "resuming from", "vitscale train --resume")
 
 
 def resume_request(resume, overrides=(), out=None) -> tuple[Config, Path, Resume]:
@@ -226,19 +233,19 @@ class RunParts:
 
 def run_state(p: RunParts) -> dict:
     """The checkpoint of a run at its current step (collective: every rank's RNG goes in)."""
-    s = p.strategy
+    s, progress = p.strategy, p.progress.state_dict()
     return {
-        "version": 1,
-        "config": p.cfg.to_dict(),
-        "strategy": s.state_dict(),
-        "scheduler": p.scheduler.state_dict(),
-        "rng": s.gather_objects(rng_state()),
-        "world_size": s.world_size,
-        **p.progress.state_dict(),
-        "spec": asdict(p.spec),
-        "kind": p.task.kind,
-        "task": p.task.state_dict(),
-        "preprocess": p.task.preprocess,
+        VERSION: FORMAT_VERSION,
+        CONFIG: p.cfg.to_dict(),
+        STRATEGY: s.state_dict(),
+        SCHEDULER: p.scheduler.state_dict(),
+        RNG: s.gather_objects(rng_state()),
+        WORLD_SIZE: s.world_size,
+        **{k: progress[k] for k in PROGRESS},
+        SPEC: asdict(p.spec),
+        KIND: p.task.kind,
+        TASK: p.task.state_dict(),
+        PREPROCESS: p.task.preprocess,
     }
 
 
@@ -257,7 +264,7 @@ class Checkpoints:
         suffix = s.engine_suffix
         if suffix:
             s.save_engine(self.run_dir / "checkpoints" / f"step_{step:08d}{suffix}")
-        state = {**run_state(self.parts), "engine": suffix}
+        state = {**run_state(self.parts), ENGINE: suffix}
         path = self.run_dir / "checkpoints" / f"step_{step:08d}.pt"
         if s.is_main:
             path = save_checkpoint(self.run_dir, step, state, self.keep_last)
@@ -277,8 +284,8 @@ class Checkpoints:
 def check_resumable(r: Resume, cfg: Config) -> list[str]:
     """Before an engine starts: one line where this config cannot continue the checkpoint (another
     engine's, a key that cannot change); else the changes that take effect."""
-    check_resume(r.state, r.path, cfg.strategy.name)  # where the engines cannot resume each other
-    return check_changes(r.state["config"], cfg, r.path)
+    check_resume(r.strategy_name, r.path, cfg.strategy.name)  # where engines cannot resume others
+    return check_changes(r.config_dict, cfg, r.path)
 
 
 def resume_run(p: RunParts, r: Resume) -> None:
@@ -290,27 +297,30 @@ def resume_run(p: RunParts, r: Resume) -> None:
     # what the optimizer was built with from this config (lr, weight decay, betas...): loading its
     # state puts the checkpoint's values back, and a key changed on resume must take effect
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in s.optimizer.param_groups]
-    folder = engine_folder(r.path, r.state)  # the engine's own folder next to it (.ds, .dcp)
+    folder = r.engine_folder  # the engine's own folder next to it (.ds, .dcp)
     if folder is not None:
         s.load_engine(folder)
-    restore_run(p, r.state, hyper)
+    restore_run(p, r, hyper)
     if r.changes and s.is_main:
         step = p.progress.step
         log.warning("resume: %s from step %d with %s", r.run_dir, step, ", ".join(r.changes))
 
 
-def restore_run(p: RunParts, state: dict, hyper: list[dict]) -> None:
+def restore_run(p: RunParts, saved: SavedRun, hyper: list[dict]) -> None:
+    """The parts put back from the checkpoint `saved` (the engine's folder already loaded), the
+    optimizer's hyperparameters `hyper` over the checkpoint's."""
     s = p.strategy
-    s.load_state_dict(state["strategy"])
+    s.load_state_dict(saved.strategy_state)
     for group, h in zip(s.optimizer.param_groups, hyper):
         group.update(h)
-    p.progress.load_state_dict(state)  # before the schedule: a time-clock schedule reads it
+    p.progress.load_state_dict(
+        saved.progress
+    )  # before the schedule: a time-clock schedule reads it
     # this config's base lrs and schedule (a new lr, more epochs) at the restored step
-    continue_schedule(p.scheduler, state["scheduler"], [h["initial_lr"] for h in hyper])
-    rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
-    set_rng_state(rngs[s.rank] if len(rngs) == s.world_size else rngs[0])
+    continue_schedule(p.scheduler, saved.scheduler_state, [h["initial_lr"] for h in hyper])
+    set_rng_state(saved.rng_for(s.rank, s.world_size))
     try:
-        p.task.load_state_dict(state.get("task", {}))
+        p.task.load_state_dict(saved.task_state)
     except (ValueError, KeyError) as e:  # e.g. a loss state from another version or dataset
         raise UserError(f"checkpoint: {e}") from None
 

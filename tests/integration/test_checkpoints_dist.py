@@ -10,6 +10,7 @@ from helpers import BASE, TINY, check_eval_and_export, rel_diff, sets, torchrun
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
 from vitscale.errors import UserError
+from vitscale.state import SavedRun
 from vitscale.strategy.resume import check_resume, read_dcp
 
 # 3 epochs of 4 steps, a checkpoint every 3 steps: interrupted after step 6, resumed to step 12
@@ -20,9 +21,9 @@ NO_LAUNCHER = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 
 def final_weights(run_dir):
     """The last checkpoint's model, consolidated (a sharded run's from its step_N.dcp folder)."""
-    from vitscale.evaluate import _load
+    from vitscale.state import SavedRun
 
-    return _load(run_dir)[0]["strategy"]["model"]
+    return SavedRun.open(run_dir, "evaluating", "vitscale eval").model_weights()
 
 
 def interrupted_copy(run_dir, dest, step=6):
@@ -202,7 +203,7 @@ def test_deepspeed_and_other_engines_refuse_each_other(
         match=r"under strategy.name=fsdp: it was written by "
         r"strategy.name=deepspeed.*ds_to_universal.*vitscale export",
     ):
-        check_resume(state, path, "fsdp")
+        check_resume(SavedRun(path, state).strategy_name, path, "fsdp")
     del state["strategy"]["optimizer"]  # as DeepSpeed writes it: the optimizer is in step_N.ds
     torch.save(state, path)
     assert main(["train", "--resume", str(part), "--set", "strategy.name=single"]) == 2

@@ -28,7 +28,6 @@ from helpers import (
     TINY,
     default_signals,
     engine_case,
-    free_port,
     launch,
     sets,
     torchrun,
@@ -124,32 +123,9 @@ def test_sigterm_to_the_launcher_in_the_final_evaluation_saves_and_the_resumes_f
     so in one line, exit 0."""
     out, hold = tmp_path / "run", tmp_path / "hold"
     hold.mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(Path(__file__).with_name("hold_final_eval.py")),
-        "train",
-        TINY,
-        "--out",
-        str(out),
-        *sets(BASE + ["strategy.name=ddp", "run.max_steps=6"]),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HOLD_DIR": str(hold)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=default_signals,
-    )
+    entry = [str(Path(__file__).with_name("hold_final_eval.py"))]
+    env = {"HOLD_DIR": str(hold)}
+    proc = launch(out, ["strategy.name=ddp", "run.max_steps=6"], 2, entry=entry, env=env)
     try:
         deadline = time.time() + 180
         while len(list(hold.iterdir())) < 2:

@@ -315,9 +315,9 @@ def test_export_a_run_in_timms_layout(tmp_path, capsys, head):
     timm's global_pool='avg', fc_norm=False."""
 
     from vitscale.cli import main
-    from vitscale.evaluate import _load, _weights
     from vitscale.interop import read_hub_config
     from vitscale.interop.finetune import init_weights, weights_normalization
+    from vitscale.state import SavedRun
     from vitscale.tasks import build_task
 
     run = tmp_path / "run"
@@ -338,7 +338,7 @@ def test_export_a_run_in_timms_layout(tmp_path, capsys, head):
         )
         == 0
     )
-    state, cfg, _ = _load(run)
+    saved = SavedRun.open(run, "exporting", "vitscale export")
     if (
         head == "pool_fc_norm"
     ):  # vitscale's recipes have no fc_norm switch: the spec's option, saved
@@ -350,7 +350,7 @@ def test_export_a_run_in_timms_layout(tmp_path, capsys, head):
         sd = st["strategy"]["model"]
         sd["fc_norm.weight"], sd["fc_norm.bias"] = sd.pop("norm.weight"), sd.pop("norm.bias")
         torch.save(st, ckpt)
-        state, cfg, _ = _load(run)
+        saved = SavedRun.open(run, "exporting", "vitscale export")
     capsys.readouterr()
     assert main(["export", str(run), "--format", "timm"]) == 0
     printed = capsys.readouterr().out
@@ -359,10 +359,10 @@ def test_export_a_run_in_timms_layout(tmp_path, capsys, head):
     call = printed.split("load it: ", 1)[1].strip()
     assert call == f"timm.create_model('local-dir:{run / 'timm'}', pretrained=True)"
     hub = read_hub_config(out)
-    task = build_task(cfg, "vit")
-    ours = task.build_model(task.spec_from_dict(state["spec"])).eval()
-    ours.load_state_dict(_weights(state, False))
-    mean, std = state["preprocess"]["mean"], state["preprocess"]["std"]
+    task = build_task(saved.config(), "vit")
+    ours = task.build_model(task.spec_from_dict(saved.spec)).eval()
+    ours.load_state_dict(saved.weights(False))
+    mean, std = saved.preprocess["mean"], saved.preprocess["std"]
     assert hub["pretrained_cfg"]["input_size"] == [1, 8, 8]
     assert (hub["pretrained_cfg"]["mean"], hub["pretrained_cfg"]["std"]) == (mean, std)
     assert hub["architecture"] == "vit_base_patch16_224" and hub["model_args"] == {

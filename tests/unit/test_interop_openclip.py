@@ -577,7 +577,7 @@ def test_export_writes_open_clip_config_beside_the_weights(tmp_path, caplog):
     ):
         c = load_config("configs/tests/clip_tiny.toml", [f"data.name={name}", "data.channels=3"])
         task = build_task(c)
-        p = task.run_preprocess({"spec": asdict(task.build_spec(64, 3))})
+        p = task.run_preprocess(asdict(task.build_spec(64, 3)))
         assert (p["size"], p["resize_mode"], p["interpolation"]) == (64, mode, interp)
         assert p["mean"] == [0.48145466, 0.4578275, 0.40821073]
 
@@ -866,7 +866,8 @@ def test_an_exported_run_loads_in_open_clip_as_the_trained_function(tmp_path, ca
 
     from vitscale.cli import main
     from vitscale.data.tokenizer import tokenize
-    from vitscale.evaluate import _load, _rebuild, _weights
+    from vitscale.evaluate import _rebuild
+    from vitscale.state import SavedRun
     from vitscale.tasks import build_task
 
     sd, _ = fixture()
@@ -911,9 +912,10 @@ def test_an_exported_run_loads_in_open_clip_as_the_trained_function(tmp_path, ca
     scope = {"open_clip": open_clip}
     exec(printed[2][len(prefix) :], scope)  # the call, literally
     model, preprocess, tokenizer = scope["model"].eval(), scope["preprocess"], scope["tokenizer"]
-    state, cfg, _ = _load(out)
+    saved = SavedRun.open(out, "exporting", "vitscale export")
+    cfg = saved.config()
     ours = _rebuild(
-        build_task(cfg, "clip"), state, {k: v.float() for k, v in _weights(state, True).items()}
+        build_task(cfg, "clip"), saved.spec, {k: v.float() for k, v in saved.weights(True).items()}
     ).eval()
     captions = ["a photo of class 1.", "hello world", ""]
     tokens = tokenizer(captions)

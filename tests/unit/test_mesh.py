@@ -105,7 +105,7 @@ def test_vitscale_config_refuses_what_train_refuses_under_the_launch(
 def test_the_batch_splits_over_the_data_parallel_groups_not_the_processes():
     """Under tensor parallelism the processes of a group share their batch: 6 images split over
     2 data-parallel groups of 2 (refused over 4 plain FSDP2 processes, above)."""
-    from vitscale.loop import check_run
+    from vitscale.checks import check_run
 
     cfg = load_config(TINY, ["strategy.name=fsdp", "strategy.tp=2", "data.batch_size=6"])
     assert check_run(cfg, world_size=4) is cfg

@@ -217,6 +217,7 @@ def test_every_config_key_either_takes_effect_or_is_refused_on_resume():
             "dp_replicate",  # the mesh: a checkpoint moves between meshes (test_mesh_dist.py)
             "dp_shard",
             "tp",
+            "sequence_parallel",
             "backend",
             "timeout_s",
             "bucket_mb",
@@ -306,6 +307,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tmp_path, capsy
 def test_train_resume_reads_and_checks_the_checkpoint_once(tmp_path, capsys, monkeypatch):
     """Issue 34: `vitscale train --resume RUN --set ...` reads the checkpoint once, checks what may
     change on resume once and runs the config's checks once; the progress record comes back whole."""
+    import vitscale.checks
     import vitscale.loop
     import vitscale.run_state
     import vitscale.tasks
@@ -345,7 +347,7 @@ def test_train_resume_reads_and_checks_the_checkpoint_once(tmp_path, capsys, mon
     )
     checks = counting("config", vitscale.tasks.check_config)  # the CLI's import and the Trainer's
     monkeypatch.setattr(vitscale.tasks, "check_config", checks)
-    monkeypatch.setattr(vitscale.loop, "check_config", checks)
+    monkeypatch.setattr(vitscale.checks, "check_config", checks)
     seen = {}
     real_fit = vitscale.loop.Trainer.fit
 

@@ -13,9 +13,9 @@ import torch
 
 from ..config import parse_override
 from ..errors import UserError
-from ..loop import state_bytes
 from ..metrics import mfu, peak_flops
 from ..precision import tf32_active
+from ..run_report import state_bytes
 from ..strategy.comm import KINDS
 from .machine import hardware_info, max_rss_bytes, versions
 from .peer import describe_peer, import_timm, peer_rounds

@@ -1,7 +1,8 @@
-"""What each engine can resume from: the engine folder next to a checkpoint (DeepSpeed's
-step_N.ds, FSDP2's sharded step_N.dcp), which engines resume which checkpoints, and reading a
-sharded DCP folder in one process. The engine rules live here, inside strategy/, so that the
-trainer, the CLI and `vitscale eval` ask without naming an engine."""
+"""What each engine can resume from: which engines resume which checkpoints, the engine folder of
+a checkpoint written before checkpoints named theirs, and reading a sharded DCP folder (FSDP2's
+step_N.dcp) in one process. The engine rules live here, inside strategy/, so that the trainer, the
+CLI and `vitscale eval` ask without naming an engine; what a checkpoint holds, and its engine folder
+next to it, is read through state.SavedRun."""
 
 from __future__ import annotations
 
@@ -10,16 +11,10 @@ from pathlib import Path
 from ..errors import UserError
 
 
-def engine_folder(path: Path, state: dict) -> Path | None:
-    """The engine folder written next to the checkpoint `path`, or None when the .pt holds it all."""
-    suffix = state.get("engine")
-    if suffix is None and saved_strategy(state) == "deepspeed":
-        suffix = ".ds"  # written before checkpoints named their engine folder
-    return Path(path).with_suffix(suffix) if suffix else None
-
-
-def saved_strategy(state: dict) -> str:
-    return state.get("config", {}).get("strategy", {}).get("name", "single")
+def unnamed_engine_suffix(strategy: str) -> str | None:
+    """The engine folder's suffix of a checkpoint that `strategy` wrote before checkpoints named
+    their engine folder: DeepSpeed's step_N.ds; None where the .pt held it all."""
+    return ".ds" if strategy == "deepspeed" else None
 
 
 def read_dcp(path: Path, keys: set[str] | None = None) -> dict:
@@ -47,10 +42,10 @@ def read_dcp(path: Path, keys: set[str] | None = None) -> dict:
     return sd
 
 
-def check_resume(state: dict, path: Path, strategy: str) -> None:
-    """One-line UserError when the engine that wrote `state` cannot be resumed by `strategy`:
-    DeepSpeed's engine checkpoint resumes only under DeepSpeed, and DeepSpeed resumes only from it."""
-    saved = saved_strategy(state)
+def check_resume(saved: str, path: Path, strategy: str) -> None:
+    """One-line UserError when the checkpoint `path` that engine `saved` wrote (its strategy.name)
+    cannot be resumed by `strategy`: DeepSpeed's engine checkpoint resumes only under DeepSpeed, and
+    DeepSpeed resumes only from it."""
     if (saved == "deepspeed") == (strategy == "deepspeed"):
         return
     if saved == "deepspeed":

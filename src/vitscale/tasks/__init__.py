@@ -51,11 +51,6 @@ def task_capture_refusal(task: Task) -> str | None:
     return f"{task.kind} models: {task.uncapturable}" if task.uncapturable else None
 
 
-def kind_of(state: dict) -> str:
-    """The task kind a checkpoint names (checkpoints from before CLIP name none: a classifier's)."""
-    return state.get("kind", ClassificationTask.kind)
-
-
 def export_use(fmt: str) -> str:
     """The models an export format's layout is for (the task that declares it)."""
     return next((t.exports[fmt] for t in TASKS.values() if fmt in t.exports), "")
@@ -80,7 +75,6 @@ __all__ = [
     "task_capture_refusal",
     "task_class",
     "task_kind",
-    "kind_of",
     "export_use",
     "model_info",
     "describe_result",

@@ -68,21 +68,25 @@ class Task:
         """The data config the task builds its data from."""
         return self.cfg.data
 
-    def run_preprocess(self, state: dict) -> dict:
-        """How the test images of the run behind checkpoint `state` reached its model (mean/std,
-        size, resize, interpolation, crop): as the run recorded it, else (checkpoints from before
-        the record; classification runs kept their mean and std under task.normalization) derived
-        from its config as build_data did (data/build.py)."""
-        if state.get("preprocess"):
-            return state["preprocess"]
+    def run_preprocess(
+        self, spec: dict, recorded: dict | None = None, task_state: dict | None = None
+    ) -> dict:
+        """How the test images of a checkpoint's run reached its model (mean/std, size, resize,
+        interpolation, crop), from what the checkpoint holds (state.SavedRun: its `spec`, its
+        preprocessing record, its task state): the run's own record, `recorded`, where there is
+        one; else (checkpoints from before the record; classification runs kept their mean and
+        std in their task state, under normalization) derived from its config as build_data did
+        (data/build.py), for a model of `spec`."""
+        if recorded:
+            return recorded
         d = self.data_config()
-        old = (state.get("task") or {}).get("normalization")
+        old = (task_state or {}).get("normalization")
         mean, std = (
             (old["mean"], old["std"])
             if old
             else dataset_normalization(d, self.cfg.run.seed, self.pairs)
         )
-        return eval_preprocess(d, mean, std, self.image_size(self.spec_from_dict(state["spec"])))
+        return eval_preprocess(d, mean, std, self.image_size(self.spec_from_dict(spec)))
 
     def export(self, fmt: str, model, preprocess: dict, out, meta: dict, run_dir):
         """`vitscale export --format fmt` (one of `exports`) of a rebuilt model: the written path."""
