@@ -37,17 +37,26 @@ def allreduce_hook(dtype: torch.dtype | None = None):
     return hook
 
 
+def ddp_wrap(model: nn.Module, device: torch.device, scfg) -> nn.Module:
+    """DistributedDataParallel around the plain model, its buckets all-reduced by allreduce_hook
+    (in strategy.grad_compression's dtype where it compresses)."""
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(
+        model, device_ids=ids, bucket_cap_mb=scfg.bucket_mb, gradient_as_bucket_view=True
+    )
+    ddp.register_comm_hook(None, allreduce_hook(DTYPES.get(scfg.grad_compression)))
+    return ddp
+
+
 class DDPStrategy(Distributed):
+    """Replicas: the one set-up (single.py) with DDP as the wrapper the training step calls."""
+
     name = "ddp"
     no_sync_defers_comm = True
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DistributedDataParallel(
-            model, device_ids=ids, bucket_cap_mb=self.scfg.bucket_mb, gradient_as_bucket_view=True
-        )
-        ddp.register_comm_hook(None, allreduce_hook(DTYPES.get(self.scfg.grad_compression)))
-        return ddp
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.wrapper = lambda model: ddp_wrap(model, self.device, self.scfg)
 
     def no_sync(self):
         ddp = getattr(self.model, "_orig_mod", self.model)  # compiled DDP keeps it inside

@@ -41,12 +41,11 @@ from torch.distributed.fsdp import (
 
 from ..checkpoint import optim_keyed_by_name, optim_state_by_name
 from ..errors import ConfigError, UserError
-from ..optim import build_optimizer, param_groups
 from .amp import MeshPrecision
 from .comm import COUNTER
 from .dist import Distributed
 from .mesh import DIMS, build_mesh, dp_group, mesh_shape
-from .parallel import apply_ac, apply_compile, apply_fsdp, apply_tp
+from .parallel import apply_compile, apply_fsdp, apply_tp
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -134,39 +133,36 @@ class FSDPStrategy(Distributed):
         self.amp = MeshPrecision(train, self.device, self.captured, tp=self.tp)
         # sharded checkpoints: the loop calls save_engine(step_N.dcp) before writing step_N.pt
         self.engine_suffix = ".dcp" if scfg.checkpoint_format == "sharded" else None
+        # the engine as data: after activation checkpointing (single.py's set-up), the tensor-
+        # parallel plan, each block compiled, then FSDP2; the optimizer is built over the shards
+        self.steps = [self.tp_step, self.compile_step, self.shard_step]
+        self.compile_whole = False
+
+    def tp_step(self, model: nn.Module) -> None:
+        """The model's tensor-parallel plan (models/layers.py: Block.tp_plan) over tp."""
+        if self.tp:
+            sp = self.scfg.sequence_parallel
+            plan = named(model, "tp_plan", "strategy.tp > 1")(sp)
+            apply_tp(model, self.mesh["tp"], plan, sp)
+
+    def compile_step(self, model: nn.Module) -> None:
+        apply_compile(shard_units(model), self.cfg.compile, self.cfg.compile_mode)
+
+    def shard_step(self, model: nn.Module) -> None:
+        """FSDP2 over the data-parallel mesh, with the precision part's policy."""
+        offload = CPUOffloadPolicy() if self.scfg.cpu_offload else OffloadPolicy()
+        kw: dict[str, Any] = dict(
+            mp_policy=self.amp.policy(self.scfg.reduce_dtype),
+            offload_policy=offload,
+            reshard_after_forward=self.scfg.reshard_after_forward,
+        )
+        apply_fsdp(model, shard_units(model), self.dp_mesh, **kw)
 
     @property
     def dp_mesh(self):
         """FSDP2's mesh: the shard dimension, or replicate x shard (HSDP) where there are replicas."""
         names = ("dp_replicate", "dp_shard") if self.shape.dp_replicate > 1 else ("dp_shard",)
         return self.mesh[names]
-
-    def setup(self, model: nn.Module) -> None:
-        """The parallelize pipeline, in its order: activation checkpointing, the tensor-parallel
-        plan, compile, FSDP2; then the optimizer over the sharded parameters."""
-        self.place(model)
-        units = shard_units(model)  # the model names them (both towers of a CLIP)
-        apply_ac(model, self.cfg.activation_checkpointing)
-        if self.tp:  # the model names its plan (models/layers.py: Block.tp_plan)
-            sp = self.scfg.sequence_parallel
-            plan = named(model, "tp_plan", "strategy.tp > 1")(sp)
-            apply_tp(model, self.mesh["tp"], plan, sp)
-        apply_compile(units, self.cfg.compile, self.cfg.compile_mode)
-        mp = self.amp.policy(self.scfg.reduce_dtype)
-        offload = CPUOffloadPolicy() if self.scfg.cpu_offload else OffloadPolicy()
-        kw: dict[str, Any] = dict(
-            mp_policy=mp,
-            offload_policy=offload,
-            reshard_after_forward=self.scfg.reshard_after_forward,
-        )
-        apply_fsdp(model, units, self.dp_mesh, **kw)
-        self.module = self.model = model
-        self.optimizer = build_optimizer(
-            model,
-            self.optim_cfg,
-            lr=self.lr,
-            params=param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay),
-        )
 
     def no_sync(self):
         @contextlib.contextmanager

@@ -4,6 +4,7 @@ part it is built with (amp.Autocast: autocast, half weights, the loss scaler).""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -13,7 +14,6 @@ from ..config import OptimConfig, TrainConfig
 from ..errors import ConfigError
 from ..optim import build_optimizer, param_groups
 from .amp import Autocast, EngineOwned
-from .base import GradCheckpointing
 from .devices import (
     CUDAGRAPH_MODES,
     apply_backend_flags,
@@ -25,6 +25,7 @@ from .devices import (
 )
 from .ema import Ema
 from .fp8 import convert_fp8, fp8_refusal
+from .parallel import apply_ac
 
 
 def resolve_device(name: str) -> torch.device:
@@ -131,6 +132,11 @@ class SingleDevice(OneProcess):  # implements base.Strategy
         self.whole_step = train.capture == "step"
         self.captured = self.whole_step and device.type == "cuda"
         self.amp = self.precision_part(train, device, self.captured)
+        # the engine as data (issue 49): its parallelize steps, in order, on the placed model;
+        # the wrapper the training step calls; whether the whole (wrapped) model is compiled
+        self.steps: list[Callable[[nn.Module], None]] = []
+        self.wrapper: Callable[[nn.Module], nn.Module] = lambda m: m
+        self.compile_whole = True
 
     @property
     def master(self) -> list[torch.Tensor] | None:
@@ -147,32 +153,35 @@ class SingleDevice(OneProcess):  # implements base.Strategy
             model.to(memory_format=torch.channels_last)  # pyright: ignore[reportCallIssue] (torch stubs)
 
     def setup(self, model: nn.Module) -> None:
+        """The one set-up every engine but DeepSpeed (its own adapter) runs: place and cast, the
+        EMA copy, activation checkpointing, then the engine's parallelize steps in their order
+        (`steps`: parallel.py's, none here), the optimizer over the parameters they leave, and the
+        wrapper the training step calls (`wrapper`: DDP's, none here), compiled whole unless the
+        steps compiled the blocks."""
         self.place(model)
         if self.cfg.fp8 != "none":  # the blocks' Linear layers in float8 (torchao); same parameters
             convert_fp8(model, self.cfg.fp8)
+        if self.cfg.ema_decay > 0:
+            self.ema = Ema(model, self.cfg.ema_decay, self.device)
+        apply_ac(model, self.cfg.activation_checkpointing)
+        for step in self.steps:
+            step(model)
         groups = param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay)
         groups = self.amp.optimizer_groups(groups)  # pure_* with master weights: fp32 copies
         self.optimizer = build_optimizer(
             model, self.optim_cfg, params=groups, capturable=self.captured, lr=self.lr
         )
-        if self.cfg.ema_decay > 0:
-            self.ema = Ema(model, self.cfg.ema_decay, self.device)
-        if self.cfg.activation_checkpointing:
-            cast(GradCheckpointing, model).set_grad_checkpointing(True)
         self.module = model  # plain module: checkpoints, export, eval
-        wrapped = self.wrap(model)
+        wrapped = self.wrapper(model)
         # compiled: an OptimizedModule, an nn.Module whose forward is the compiled one
         kw = compile_kwargs(self.cfg.compile_mode)
-        self.model = cast(nn.Module, torch.compile(wrapped, **kw)) if self.cfg.compile else wrapped
+        compiled = self.cfg.compile and self.compile_whole
+        self.model = cast(nn.Module, torch.compile(wrapped, **kw)) if compiled else wrapped
 
     def setup_eval(self, model: nn.Module) -> None:
         """Place and cast a model for evaluation only (no optimizer, no wrapper): `vitscale eval`."""
         self.place(model)
         self.module = self.model = model
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The engine's wrapper around the plain model (none on one device)."""
-        return model
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):
