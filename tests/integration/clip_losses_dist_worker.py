@@ -5,6 +5,7 @@ process group exists).  Writes {variant: {"max_rel": ..., "comm": ..., ...}} to 
 
 import json
 import math
+import os
 import sys
 
 import torch
@@ -181,6 +182,12 @@ def worker(rank, k, path, store):
             )
     dist.barrier()
     dist.destroy_process_group()
+    # leave without the interpreter's teardown, as the CLI does after a multi-process run: gloo's
+    # threads can abort it ("terminate called without an active exception", SIGABRT) after all
+    # results are written (seen once under a loaded 2-core machine, 2026-11-28)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
