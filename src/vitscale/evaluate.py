@@ -12,7 +12,7 @@ from .config import Config
 from .errors import ConfigError
 from .fastpaths import resolve as resolve_fast_paths
 from .state import SavedRun
-from .strategy import build_strategy, in_this_process
+from .strategy import build_strategy, check_engine, in_this_process
 from .tasks import build_task, check_config, export_use
 
 
@@ -37,8 +37,9 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     saved, cfg = _open(checkpoint, overrides)
     # read before anything is built (a sharded run's from its .dcp folder), non-finite ones refused
     weights = saved.weights(cfg.train.ema_decay > 0 and cfg.train.ema_eval)
-    # an auto asked here: this machine's
-    strategy = build_strategy(resolve_fast_paths(in_this_process(cfg)).cfg)
+    # an auto asked here: this machine's; what this machine refuses of it, in one line
+    here = check_engine(resolve_fast_paths(in_this_process(cfg)).cfg)
+    strategy = build_strategy(here)
     task = build_task(cfg, saved.kind)
     data = task.build_data(strategy)
     model = _rebuild(task, saved.spec, weights)
@@ -52,10 +53,8 @@ def evaluate_checkpoint(checkpoint, overrides=()) -> dict:
     return {**result, "step": saved.step, "checkpoint": str(saved.path), "task": task.kind}
 
 
-DEFAULT_OUT = {
-    "vitscale": "model.safetensors",
-    "timm": "timm/model.safetensors",
-}  # under the run folder
+# under the run folder
+DEFAULT_OUT = {"vitscale": "model.safetensors", "timm": "timm/model.safetensors"}
 
 
 def export_checkpoint(checkpoint, out=None, use_ema: bool = True, fmt: str = "vitscale") -> Path:

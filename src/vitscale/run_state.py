@@ -313,9 +313,8 @@ def restore_run(p: RunParts, saved: SavedRun, hyper: list[dict]) -> None:
     s.load_state_dict(saved.strategy_state)
     for group, h in zip(s.optimizer.param_groups, hyper):
         group.update(h)
-    p.progress.load_state_dict(
-        saved.progress
-    )  # before the schedule: a time-clock schedule reads it
+    # before the schedule: a time-clock schedule reads it
+    p.progress.load_state_dict(saved.progress)
     # this config's base lrs and schedule (a new lr, more epochs) at the restored step
     continue_schedule(p.scheduler, saved.scheduler_state, [h["initial_lr"] for h in hyper])
     set_rng_state(saved.rng_for(s.rank, s.world_size))

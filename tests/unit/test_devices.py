@@ -323,12 +323,14 @@ def test_fsdp_mixed_precision_policy():
 # -- fp16 with loss scaling, on a CPU --------------------------------------------------------------
 def test_fp16_grad_scaler_path_on_cpu(monkeypatch):
     """The fp16 branch of SingleDevice (GradScaler: scale, unscale, skip on overflow, cut the scale)
-    run on a CPU by lifting the CPU refusal, which exists for speed, not correctness."""
+    run on a CPU: the refusal (at config time, strategy.check_engine) exists for speed, not
+    correctness, and the strategy does not ask it again."""
+    from vitscale.config import Config, RunConfig
+    from vitscale.strategy import check_engine
+
+    cfg = Config(run=RunConfig(device="cpu"), train=TrainConfig(precision="fp16"))
     with pytest.raises(ConfigError, match="refused on CPU"):
-        SingleDevice(TrainConfig(precision="fp16"), OptimConfig(), torch.device("cpu"))
-    monkeypatch.setattr(
-        "vitscale.strategy.single.fp16_refusal", lambda device_type, precision: None
-    )
+        check_engine(cfg)
     torch.manual_seed(0)
     s = SingleDevice(
         TrainConfig(precision="fp16", loss_scale=2.0**40), OptimConfig(), torch.device("cpu")

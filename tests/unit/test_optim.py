@@ -138,8 +138,13 @@ def test_pure_bf16_with_master_weights_tracks_fp32():
 
 
 def test_fp16_refused_on_cpu():
+    """Asked once, at config time (strategy.check_engine), not by the strategy's constructor."""
+    from vitscale.config import Config, RunConfig
+    from vitscale.strategy import check_engine
+
+    cfg = Config(run=RunConfig(device="cpu"), train=TrainConfig(precision="fp16"))
     with pytest.raises(ConfigError, match="refused on CPU"):
-        SingleDevice(TrainConfig(precision="fp16"), OptimConfig(), torch.device("cpu"))
+        check_engine(cfg)
 
 
 def test_ema_follows_formula():

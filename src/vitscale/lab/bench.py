@@ -164,9 +164,8 @@ def beside_rounds(b, overrides: list, steps: int, warmup: int, rounds: int, peak
         kernels = [kernel_seconds(x, steps) for x in (b, other)]
     finally:
         other.close()
-    speedups = paired_rounds(times, [b.global_batch] * 2)[
-        1
-    ]  # the candidate's speed over the recipe's
+    # the candidate's speed over the recipe's
+    speedups = paired_rounds(times, [b.global_batch] * 2)[1]
     sides = [rate(t, steps, b.global_batch) for t in times]
     return {
         "overrides": over,

@@ -34,8 +34,9 @@ BASELINE = {
     "model.attention": "explicit",
     "train.compile": False,
     "train.compile_mode": "default",
+    # the capture is a rung of its own (train.capture=auto takes it on a GPU)
     "train.capture": "none",
-}  # the capture is a rung of its own (train.capture=auto takes it on a GPU)
+}
 
 
 @dataclass

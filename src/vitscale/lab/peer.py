@@ -191,9 +191,8 @@ def peer_rounds(
         p.close()
     if any(t is None for t in times):
         raise UserError("bench --peer: a side ran out of memory; lower data.batch_size")
-    ratios = paired_rounds(times, [b.global_batch] * 2)[
-        1
-    ]  # peer's speed over vitscale's, per round
+    # peer's speed over vitscale's, per round
+    ratios = paired_rounds(times, [b.global_batch] * 2)[1]
     ours, theirs = (rate(t, steps, b.global_batch) for t in times)
     speedups = [1 / r for r in ratios]
     return {

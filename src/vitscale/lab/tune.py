@@ -296,9 +296,8 @@ def final_comparison(
     gain = ips[-1] / ips[0] if ips[0] and ips[-1] else None  # round by round (see Measurer)
     tuned = measure.last[len(ips) - 1]
     rejected = {}
-    if not ips[
-        -1
-    ]:  # nothing ran (the recipe alone, or the recipe and the tuned settings both failed)
+    # nothing ran (the recipe alone, or the recipe and the tuned settings both failed)
+    if not ips[-1]:
         raise UserError(
             f"tune: the final comparison failed: {tuned.get('error', 'no measurement')}"
         )

@@ -168,9 +168,8 @@ class VisionTransformer(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, spec.pos_tokens, D))
         # a LayerNorm before the blocks: timm's pre_norm, and CLIP's image tower (ln_pre)
         self.norm_pre = nn.LayerNorm(D, eps=spec.norm_eps) if spec.pre_norm else nn.Identity()
-        dpr = [
-            spec.drop_path * i / max(1, spec.depth - 1) for i in range(spec.depth)
-        ]  # rises with depth
+        # rises with depth
+        dpr = [spec.drop_path * i / max(1, spec.depth - 1) for i in range(spec.depth)]
         block = LayerScaleBlock if spec.layer_scale else Block
         self.blocks = nn.ModuleList(
             block(

@@ -238,9 +238,8 @@ class DeepSpeedPrecision(EngineOwned):
             self.input_dtype = torch.bfloat16
         elif engine.fp16_enabled():
             self.input_dtype = torch.float16
-        if (
-            stage == 3
-        ):  # ZeRO-3 fills the optimizer's groups only while it steps: its own flat shards
+        # ZeRO-3 fills the optimizer's groups only while it steps: its own flat shards
+        if stage == 3:
             self.master = list(engine.optimizer.fp32_partitioned_groups_flat)
         elif stage > 0 or self.input_dtype is not None:
             self.master = [p for g in optimizer.param_groups for p in g["params"]]

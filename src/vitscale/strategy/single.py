@@ -119,9 +119,8 @@ class SingleDevice(OneProcess):  # implements base.Strategy
         its global batch): the optimizer's groups own it from then on."""
         self.cfg, self.optim_cfg, self.device = train, optim, device
         self.lr = optim.lr if lr is None else lr
-        refusal = device_refusal(train, device)
-        if refusal:
-            raise ConfigError(refusal)
+        # what the device refuses (fp16 on a CPU, fp8 below its capability) was asked at config
+        # time (strategy.check_engine: train, config, info and eval ask it): not again here
         warn_slow_bf16(device.type, train.precision)
         self.ema: Ema | None = None
         # TF32 and cuDNN autotuning (process-wide; nothing on a CPU)
