@@ -452,3 +452,24 @@ def wait_for_checkpoint(out, procs, limit=90):
             "no checkpoint appeared"
         )
         time.sleep(0.2)
+
+
+def assert_loss_state_close(run, reference) -> None:
+    """The per-sample loss state (FastCLIP's) of `run`'s last checkpoint against `reference`'s.
+
+    The state log u (lu1, lu2) is the log of a moving average of means of exp(z), and the bounds
+    are z themselves, z = (s_ij - s_ii) / tau with similarities |s| <= 1 and tau >= TAU_MIN (the
+    losses' clamp): float32 round-off of the features, computed on several ranks in other
+    groupings, moves z by eps (2 / tau + 1), and log u by no more (a log-sum-exp moves by at most its
+    largest term's move; the moving average keeps that); 4x for the sums' own rounding. An absolute
+    bound: log u crosses 0. (A 1e-6 failed on an AVX2 CPU: lu1 2.0e-6 apart where it is near 0.)"""
+    import torch
+
+    from vitscale.losses.fastclip_temperature import TAU_MIN
+
+    state_atol = 4 * torch.finfo(torch.float32).eps * (2 / TAU_MIN + 1)  # 9.6e-5
+    mine, single = last_state(run)["task"], last_state(reference)["task"]
+    for k, v in single.items():
+        if torch.is_tensor(v) and v.is_floating_point():
+            atol = state_atol if k.startswith(("lu", "bound")) else 1e-6
+            torch.testing.assert_close(mine[k], v, rtol=1e-4, atol=atol, msg=k)

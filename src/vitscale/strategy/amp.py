@@ -21,6 +21,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..precision import half_dtype
 from .devices import sdpa_context
+from .parallel import tp_context
 
 
 def clip_norm(params: list[torch.Tensor] | torch.optim.Optimizer, clip: float) -> torch.Tensor:
@@ -191,22 +192,18 @@ class MeshPrecision(EngineOwned):
         )
 
     def autocast(self):
-        from .parallel import tp_context
-
+        if not self.tp:
+            return super().autocast()
         stack = contextlib.ExitStack()
         stack.enter_context(super().autocast())
-        stack.enter_context(tp_context(self.tp))
+        stack.enter_context(tp_context(True))
         return stack
 
     def backward(self, loss: torch.Tensor) -> None:
-        from .parallel import tp_context
-
         with tp_context(self.tp):
             super().backward(loss)
 
     def step(self, optimizer: torch.optim.Optimizer, clip: float):
-        from .parallel import tp_context
-
         with tp_context(self.tp):
             return super().step(optimizer, clip)
 

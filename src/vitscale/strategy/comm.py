@@ -136,16 +136,6 @@ class Counter:
         self.dims = {**self.dims, **{n: d for n, (d, _) in named.items()}}
         self.sizes = {**self.sizes, **{n: dist.get_world_size(g) for n, (_, g) in named.items()}}
 
-    def group_size(self, args, kwargs) -> int:
-        """Processes of a named group among the arguments (1 where none is known)."""
-        name = self.group_name(args, kwargs)
-        return self.sizes.get(name, 1) if name else 1
-
-    def dim_of(self, args, kwargs) -> str | None:
-        """The mesh dimension of a collective's process group, or None."""
-        name = self.group_name(args, kwargs)
-        return self.dims.get(name) if name else None
-
     def group_name(self, args, kwargs) -> str | None:
         """The name of a collective's process group among its arguments (a ProcessGroup, a group
         name, a DeviceMesh or a (mesh, dim) pair) where it is one of the named groups, or None."""
@@ -257,8 +247,9 @@ class Counter:
                 return fn(*args, **kwargs)
             local.depth = 1
             payload = _arg(args, kwargs, pos, name)
-            dim = counter.dim_of(args, kwargs)
-            size = nbytes(payload) * (counter.group_size(args, kwargs) if gathers else 1)
+            group = counter.group_name(args, kwargs)  # a named mesh dimension's, or None
+            dim = counter.dims.get(group) if group else None
+            size = nbytes(payload) * (counter.sizes.get(group, 1) if gathers and group else 1)
             timer = EventTimer() if on_cuda(payload) else None  # start event before the launch
             t0 = time.perf_counter()
             try:

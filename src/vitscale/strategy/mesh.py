@@ -124,7 +124,7 @@ def mesh_shape(scfg, world: int, local: int | None = None) -> MeshShape:
             f"config: the mesh {mesh_text(sizes)} has {shape.world} processes, the launch "
             f"{world}: strategy.dp_replicate x dp_shard x tp must be the world size (one may be -1)"
         )
-    if getattr(scfg, "sequence_parallel", False) and shape.tp == 1:
+    if scfg.sequence_parallel and shape.tp == 1:
         raise ConfigError(
             "config: strategy.sequence_parallel splits the tokens over the tensor-parallel "
             "ranks: it needs strategy.tp > 1"
