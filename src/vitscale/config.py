@@ -356,7 +356,15 @@ class ClipConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = choice("adamw", "adamw", "sgd", "lamb")
+    name: str = choice(
+        "adamw",
+        "adamw",
+        "sgd",
+        "lamb",
+        "muon",
+        doc="muon = torch's Muon on the transformer blocks' 2-D weights (the optim.muon_* keys), "
+        "AdamW (lr, weight_decay, betas, eps, impl) on the rest",
+    )
     impl: str = choice("auto", "auto", "forloop", "foreach", "fused")
     lr: float = num(1e-3, min=0.0)
     weight_decay: float = num(0.05, min=0.0)
@@ -393,6 +401,32 @@ class OptimConfig:
         max=1.0,
         doc="layer-wise lr decay (BEiT/timm): block i of L gets "
         "lr x decay^(L + 1 - (i + 1)), the embeddings decay^(L + 1), the head lr; 1 = off",
+    )
+    muon_lr: float = num(
+        0.0,
+        min=0.0,
+        doc="lr of Muon's group (0 = optim.lr; scaled with the batch as optim.lr is)",
+    )
+    muon_weight_decay: float = num(
+        -1.0, min=-1.0, doc="decoupled weight decay of Muon's group (-1 = optim.weight_decay)"
+    )
+    muon_momentum: float = num(0.95, min=0.0, max=1.0)
+    muon_nesterov: bool = True
+    muon_ns_steps: int = num(5, min=1, max=99, doc="Newton-Schulz iterations per update")
+    muon_adjust_lr: str = choice(
+        "match_rms_adamw",
+        "match_rms_adamw",
+        "original",
+        doc="the lr scale per matrix: match_rms_adamw = 0.2 sqrt(max(A, B)) (Moonshot: AdamW's lr "
+        "and weight decay carry over), original = sqrt(max(1, A / B)) (Keller Jordan's; lr ~0.02)",
+    )
+    muon_ns_dtype: str = choice(
+        "auto",
+        "auto",
+        "bf16",
+        "fp32",
+        doc="the Newton-Schulz iteration's dtype: bf16 as torch.optim.Muon; auto = bf16 where the "
+        "device computes bf16 in hardware, fp32 elsewhere (announced, like train.precision)",
     )
 
 
@@ -863,6 +897,12 @@ def check(cfg: Config) -> None:
             "config: train.precision=pure_fp16 with train.master_weights=false is refused: "
             "torch's loss scaler cannot unscale fp16 gradients, and fp16 optimizer state "
             "underflows AdamW's eps (1e-8 is 0 in fp16); keep master_weights=true or use pure_bf16"
+        )
+    if cfg.optim.name == "muon" and cfg.strategy.name == "deepspeed":
+        raise ConfigError(
+            "config: optim.name=muon under strategy.name=deepspeed is refused: ZeRO flattens and "
+            "partitions the parameters, and Muon orthogonalises whole matrices; use fsdp or hsdp "
+            "(Muon gathers each sharded matrix there)"
         )
     if cfg.optim.schedule_clock == "time" and not cfg.train.time_limit_s:
         raise ConfigError(

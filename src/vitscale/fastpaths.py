@@ -3,6 +3,8 @@
 - train.precision=auto: bf16 where the device computes bf16 in hardware (a CUDA GPU of compute
   capability 8.0+, a CPU with avx512_bf16 or amx_bf16 in its flags), fp32 elsewhere
   (`strategy.devices.auto_precision`).
+- optim.muon_ns_dtype=auto (optim.name=muon): Muon's Newton-Schulz iteration in bf16 where
+  train.precision=auto would take bf16, in fp32 elsewhere.
 - train.capture=auto: the whole step captured as one CUDA graph (`step`) on one CUDA device in one
   process for a recipe the capture takes (config.capture_refusal, the task's `uncapturable`);
   `none` otherwise, with the reason.
@@ -24,6 +26,7 @@ import torch
 
 from .config import Config, capture_refusal, check
 from .launch import launch_env
+from .muon import auto_ns_dtype
 from .strategy import needs_processes, resolve_device
 from .strategy.devices import auto_precision, cpu_has_bf16, device_for
 from .tasks import build_task, task_capture_refusal
@@ -110,9 +113,12 @@ class FastPaths:
 
         compile_ = f"compile {t.compile_mode}" if t.compile else "compile off"
         machine = self.machine or this_machine(self.cfg)
+        muon = ""
+        if self.cfg.optim.name == "muon":
+            muon = f"; {say('optim.muon_ns_dtype', self.cfg.optim.muon_ns_dtype)}"
         return (
             f"fast paths on {machine.describe()}: {say('train.precision', t.precision)}; "
-            f"{say('train.capture', t.capture)}; {compile_}"
+            f"{say('train.capture', t.capture)}; {compile_}{muon}"
         )
 
 
@@ -120,7 +126,8 @@ def resolve(cfg: Config, machine: Machine | None = None) -> FastPaths:
     """`cfg` with train.precision=auto and train.capture=auto answered for `machine` (this one by
     default), checked again (config.check: a resolved key meets the others' rules)."""
     t = cfg.train
-    if "auto" not in (t.precision, t.capture):  # nothing to answer: the machine is not asked
+    muon_auto = cfg.optim.name == "muon" and cfg.optim.muon_ns_dtype == "auto"
+    if "auto" not in (t.precision, t.capture) and not muon_auto:  # the machine is not asked
         return FastPaths(cfg, machine)
     machine = machine or this_machine(cfg)
     chosen = {}
@@ -132,5 +139,10 @@ def resolve(cfg: Config, machine: Machine | None = None) -> FastPaths:
     if t.capture == "auto":
         chosen["train.capture"] = auto_capture(cfg, machine)
         cfg = replace(cfg, train=replace(cfg.train, capture=chosen["train.capture"][0]))
+    if muon_auto:
+        chosen["optim.muon_ns_dtype"] = auto_ns_dtype(
+            machine.device_type, machine.capability, machine.cpu_bf16
+        )
+        cfg = replace(cfg, optim=replace(cfg.optim, muon_ns_dtype=chosen["optim.muon_ns_dtype"][0]))
     check(cfg)
     return FastPaths(cfg, machine, chosen)

@@ -10,6 +10,7 @@ from torch import nn
 
 from .config import OptimConfig
 from .errors import ConfigError
+from .muon import MuonAdamW, is_muon_param, muon_settings
 
 
 def block_index(name: str) -> int | None:
@@ -32,12 +33,35 @@ def layer_id(name: str, depth: int) -> int:
     return depth + 1
 
 
-def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0) -> list[dict]:
+def optimizer_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """The parameter groups of the optim section: `param_groups`, and with optim.name=muon a third
+    group (`muon`: True) of the blocks' 2-D weights that Muon updates, with its weight decay."""
+    if cfg.name != "muon":
+        return param_groups(model, cfg.weight_decay, cfg.layer_decay)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    hidden = [p for n, p in named if is_muon_param(n, p)]
+    if not hidden:
+        raise ConfigError(
+            "config: optim.name=muon found no 2-D weights inside transformer blocks to update "
+            "(all frozen, or a model without blocks): use adamw"
+        )
+    wd = cfg.weight_decay if cfg.muon_weight_decay < 0 else cfg.muon_weight_decay
+    keep = {id(p) for p in hidden}
+    rest = param_groups(model, cfg.weight_decay, cfg.layer_decay, exclude=keep)
+    return [*rest, {"params": hidden, "weight_decay": wd, "muon": True}]
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, layer_decay: float = 1.0, exclude: set[int] = set()
+) -> list[dict]:
     """No weight decay on norms, biases, position embeddings and the class token. With
     `layer_decay` < 1, one pair of groups per layer, each with `lr_scale` = layer_decay ** (depth + 1
-    - layer) (build_optimizer multiplies the lr by it). Frozen parameters are left out."""
+    - layer) (build_optimizer multiplies the lr by it). Frozen parameters are left out, and those
+    whose id is in `exclude` (Muon's)."""
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = [
+        (n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in exclude
+    ]
     depth = 1 + max((b for n, _ in named if (b := block_index(n)) is not None), default=-1)
     groups: dict = {}
     for name, p in named:
@@ -96,9 +120,28 @@ class Lamb(torch.optim.Optimizer):
         return loss
 
 
-def with_lr(groups: list[dict], lr: float) -> list[dict]:
-    """Groups with an `lr_scale` (layer-wise decay) get their own lr: lr x scale."""
-    return [{**g, "lr": lr * g["lr_scale"]} if "lr_scale" in g else g for g in groups]
+def with_lr(groups: list[dict], lr: float, muon_lr: float | None = None) -> list[dict]:
+    """Groups with an `lr_scale` (layer-wise decay) get their own lr: lr x scale; Muon's group
+    `muon_lr` where given."""
+    out = []
+    for g in groups:
+        if "lr_scale" in g:
+            g = {**g, "lr": lr * g["lr_scale"]}
+        elif g.get("muon") and muon_lr is not None:
+            g = {**g, "lr": muon_lr}
+        out.append(g)
+    return out
+
+
+def muon_lr(cfg: OptimConfig, lr: float) -> float:
+    """Muon's group lr for a base lr `lr` (optim.lr as scaled to the batch): optim.muon_lr scaled
+    alike, or `lr` itself where muon_lr is 0."""
+    if not cfg.muon_lr:
+        return lr
+    return cfg.muon_lr * (lr / cfg.lr) if cfg.lr else cfg.muon_lr
+
+
+MUON_KEYS = tuple(k for k in OptimConfig.__dataclass_fields__ if k.startswith("muon_"))
 
 
 def check_optimizer(cfg: OptimConfig) -> None:
@@ -107,6 +150,19 @@ def check_optimizer(cfg: OptimConfig) -> None:
     if cfg.name == "lamb" and cfg.impl not in ("auto", "forloop"):
         raise ConfigError(
             f"config: optim.impl={cfg.impl} is not available for LAMB (use auto or forloop)"
+        )
+    if cfg.name != "muon":
+        default = OptimConfig()
+        changed = [k for k in MUON_KEYS if getattr(cfg, k) != getattr(default, k)]
+        if changed:
+            raise ConfigError(
+                f"config: optim.{changed[0]} is a key of optim.name=muon, unused by {cfg.name}: "
+                "drop it or set optim.name=muon"
+            )
+    elif cfg.layer_decay < 1:
+        raise ConfigError(
+            "config: optim.name=muon with optim.layer_decay < 1 is refused: layer-wise lr decay "
+            "groups AdamW's parameters by layer, Muon's group has one lr; use adamw or layer_decay=1"
         )
 
 
@@ -123,7 +179,7 @@ def build_optimizer(
     (default optim.lr; a run passes it scaled to its global batch, `scaled_lr`)."""
     lr = cfg.lr if lr is None else lr
     groups = with_lr(
-        params if params is not None else param_groups(model, cfg.weight_decay, cfg.layer_decay), lr
+        params if params is not None else optimizer_groups(model, cfg), lr, muon_lr(cfg, lr)
     )
     impl = {
         "forloop": dict(foreach=False),
@@ -135,6 +191,17 @@ def build_optimizer(
         extra = {"capturable": True} if capturable else {}
         return torch.optim.AdamW(
             groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl, **extra
+        )
+    if cfg.name == "muon":
+        check_optimizer(cfg)
+        device = next(p.device for g in groups for p in g["params"])
+        return MuonAdamW(
+            groups,
+            lr=lr,
+            muon=muon_settings(cfg, device),
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            **impl,
         )
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl)

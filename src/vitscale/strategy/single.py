@@ -12,7 +12,7 @@ from torch import nn
 
 from ..config import OptimConfig, TrainConfig
 from ..errors import ConfigError
-from ..optim import build_optimizer, param_groups
+from ..optim import build_optimizer, optimizer_groups
 from .amp import Autocast, EngineOwned
 from .devices import (
     CUDAGRAPH_MODES,
@@ -165,7 +165,7 @@ class SingleDevice(OneProcess):  # implements base.Strategy
         apply_ac(model, self.cfg.activation_checkpointing)
         for step in self.steps:
             step(model)
-        groups = param_groups(model, self.optim_cfg.weight_decay, self.optim_cfg.layer_decay)
+        groups = optimizer_groups(model, self.optim_cfg)
         groups = self.amp.optimizer_groups(groups)  # pure_* with master weights: fp32 copies
         self.optimizer = build_optimizer(
             model, self.optim_cfg, params=groups, capturable=self.captured, lr=self.lr
