@@ -200,8 +200,12 @@ def cmd_info(args) -> int:
     from .config import load_config
     from .tasks import model_info, task_class
 
+    from .optim import split_line
+
     info = model_info(check_run(load_config(args.config, args.overrides)))
     print(json.dumps(info) if args.json else task_class(info["kind"]).info_line(info))
+    if "optimizer_split" in info and not args.json:
+        print(split_line(info["optimizer_split"]))
     return 0
 
 

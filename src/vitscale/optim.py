@@ -51,6 +51,30 @@ def optimizer_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return [*rest, {"params": hidden, "weight_decay": wd, "muon": True}]
 
 
+def optimizer_split(model: nn.Module, cfg: OptimConfig) -> dict:
+    """`vitscale info`'s record of which optimizer updates what (optim.name=muon only): tensors and
+    parameters of Muon's group and of AdamW's."""
+    if cfg.name != "muon":
+        return {}
+    groups = optimizer_groups(model, cfg)
+    split: dict = {"muon": {"tensors": 0, "params": 0}, "adamw": {"tensors": 0, "params": 0}}
+    for g in groups:
+        part = split["muon" if g.get("muon") else "adamw"]
+        part["tensors"] += len(g["params"])
+        part["params"] += sum(p.numel() for p in g["params"])
+    return {"optimizer_split": split}
+
+
+def split_line(split: dict) -> str:
+    """The split in one line."""
+    m, a = split["muon"], split["adamw"]
+    return (
+        f"optimizer: Muon on {m['tensors']} matrices ({m['params']:,} params: the blocks' attention "
+        f"and MLP weights), AdamW on {a['tensors']} tensors ({a['params']:,} params: embeddings, "
+        "stem, norms, biases, head)"
+    )
+
+
 def param_groups(
     model: nn.Module, weight_decay: float, layer_decay: float = 1.0, exclude: set[int] = set()
 ) -> list[dict]:

@@ -18,6 +18,7 @@ from ..config import Config
 from ..data.build import dataset_normalization, eval_preprocess
 from ..errors import DataError
 from ..models import count_params
+from ..optim import optimizer_split
 
 
 @torch.no_grad()
@@ -155,6 +156,7 @@ class Task:
             "flops_per_image": flops,
             "train_flops_per_image": 3 * flops,
             **self.info_extra(spec, model),
+            **optimizer_split(model, self.cfg.optim),
         }
 
     def info_extra(self, spec, model) -> dict:
