@@ -1,4 +1,5 @@
-"""ImageNet-style folder datasets: odd image modes, broken files, worker-count independence."""
+"""ImageNet-style folder datasets: odd image modes, broken files, worker-count independence, grey
+folders (data.channels = 1)."""
 
 import logging
 
@@ -10,7 +11,8 @@ from PIL import Image
 
 from vitscale.config import DataConfig
 from vitscale.data import build_data
-from vitscale.data.jpeg import to_rgb
+from vitscale.data.build import dataset_normalization, geometry
+from vitscale.data.jpeg import decode, grey, to_rgb
 from vitscale.data.loaders.worker_datasets import collate
 from vitscale.errors import DataError
 
@@ -182,3 +184,82 @@ def test_collate_drops_failures_even_a_whole_batch():
         and len(y) == len(i) == 0
         and len(fails) == 1
     )
+
+
+def grey_tree(root):
+    """train/{dark,light}: grey PNGs (one a transparent RGBA, one RGB), test/ one flat image each."""
+    rng = np.random.default_rng(0)
+    for d in ("train/dark", "train/light", "test/dark", "test/light"):
+        (root / d).mkdir(parents=True)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 100, (20, 24), dtype=np.uint8), "L").save(
+            root / f"train/dark/{i}.png"
+        )
+        Image.fromarray(rng.integers(150, 256, (24, 20), dtype=np.uint8), "L").save(
+            root / f"train/light/{i}.png"
+        )
+    Image.new("RGB", (18, 18), (200, 180, 160)).save(root / "train/light/rgb.png")
+    Image.new("RGBA", (18, 18), (10, 20, 30, 0)).save(root / "train/dark/rgba.png")
+    Image.new("L", (20, 20), 40).save(root / "test/dark/flat.png")
+    Image.new("L", (20, 20), 220).save(root / "test/light/flat.png")
+    return root
+
+
+def test_grey_is_pillows_luma():
+    rgb = np.random.default_rng(0).integers(0, 256, (9, 11, 3), dtype=np.uint8)
+    x = torch.from_numpy(rgb).permute(2, 0, 1)
+    expect = np.asarray(Image.fromarray(rgb).convert("L"))
+    assert grey(x).shape == (1, 9, 11) and np.array_equal(grey(x)[0].numpy(), expect)
+    same = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).expand(3, 16, 16)
+    assert torch.equal(grey(same), same[:1])  # a grey image read as RGB comes back unchanged
+
+
+def test_grey_folder(tmp_path):
+    """data.channels=1: one channel in training and evaluation, the model's geometry says so, and
+    the normalization is the training images' own (not ImageNet's, not Fashion-MNIST's)."""
+    grey_tree(tmp_path)
+    c = cfg(tmp_path, channels=1, batch_size=4)
+    b = build_data(c, device="cpu", seed=0)
+    assert b.channels == 1 and b.class_names == ["dark", "light"] and b.train_size == 8
+    for x, y in b.train.iterate(0):
+        assert x.shape == (4, 1, 16, 16) and x.dtype == torch.float32 and len(y) == 4
+    # the statistics: the training images' eval view (jpeg.py), every pixel counted
+    views = [grey(decode(p, 16, -1, False, "pil")).double() / 255 for p in b.train.dataset.paths]
+    pix = torch.stack(views)
+    assert b.mean == (round(pix.mean().item(), 4),) and b.std == (round(pix.std(False).item(), 4),)
+    assert 0.3 < b.mean[0] < 0.7 and b.std[0] > 0.2
+    assert dataset_normalization(c, 0, pairs=False) == (b.mean, b.std)  # rebuilt from the config
+    xs, ys = zip(*b.test.iterate())
+    x = torch.cat(xs) * b.std[0] + b.mean[0]
+    assert x.shape == (2, 1, 16, 16) and torch.cat(ys).tolist() == [0, 1]
+    assert torch.allclose(x.mean((1, 2, 3)) * 255, torch.tensor([40.0, 220.0]), atol=0.01)
+    assert geometry(c) == (16, 1, 2) and geometry(cfg(tmp_path)) == (16, 3, 2)
+    # the same batches with a decoding worker (the collate knows the channels)
+    w = build_data(cfg(tmp_path, channels=1, batch_size=4, num_workers=1), device="cpu", seed=0)
+    assert all(torch.equal(p[0], q[0]) for p, q in zip(b.train.iterate(1), w.train.iterate(1)))
+    w.close()
+    # named constants: ImageNet's averaged over the channels; RGB folders keep ImageNet's
+    imagenet = build_data(cfg(tmp_path, channels=1, normalize="imagenet"), device="cpu", seed=0)
+    assert imagenet.mean == pytest.approx((0.449,)) and imagenet.std == pytest.approx((0.226,))
+    assert build_data(cfg(tmp_path), device="cpu", seed=0).mean == (0.485, 0.456, 0.406)
+    assert dataset_normalization(cfg(tmp_path / "gone"), 0, False)[0] == (0.485, 0.456, 0.406)
+    with pytest.raises(DataError, match="data.channels=2"):
+        build_data(cfg(tmp_path, channels=2), device="cpu", seed=0)
+    x, *_ = collate([(None, 0, 4, "a.png", "e")], size=8, pairs=False, channels=1)
+    assert x.shape == (0, 1, 8, 8)
+
+
+def test_grey_statistics_of_evenly_spaced_images(tmp_path, monkeypatch):
+    from vitscale.data.sources import folder
+
+    paths = []
+    for v in range(0, 250, 10):  # 25 flat images, levels 0, 10, ..., 240
+        paths.append(str(tmp_path / f"{v:03d}.png"))
+        Image.new("L", (8, 8), v).save(paths[-1])
+    monkeypatch.setattr(folder, "STATS_IMAGES", 5)  # images 0, 6, 12, 18, 24: 0, 60, ..., 240
+    (mean,), (std,) = folder.grey_statistics(np.array(paths), 8)
+    levels = np.array([0, 60, 120, 180, 240]) / 255
+    assert (mean, std) == (round(levels.mean(), 4), round(levels.std(), 4))
+    Image.new("L", (8, 8), 0).save(paths[24])
+    with pytest.raises(DataError, match="one flat grey"):
+        folder.grey_statistics(np.array(paths[:1] + paths[24:]), 8)

@@ -51,7 +51,7 @@ def geometry(d, model_classes: int = 0) -> tuple[int, int, int]:
     elif d.name == "synthetic":
         size, ch, nc = 32, d.channels, d.num_classes
     else:  # folder, webdataset: classes come from the folders / labels unless the model fixes them
-        size, ch, nc = 224, 3, model_classes
+        size, ch, nc = 224, (d.channels if d.name == "folder" else 3), model_classes
         if not nc:  # count class folders
             nc = build_data(d, device=torch.device("cpu"), seed=0).num_classes
     return d.image_size or size, ch, model_classes or nc
@@ -123,6 +123,8 @@ def check_data(cfg, pairs: bool) -> None:
             f"config: data.name={cfg.name} holds image-text pairs: train a CLIP model "
             f"(model.arch=clip_mini, clip_vit_b32, ...)"
         )
+    if cfg.name == "folder" and cfg.channels not in (1, 3):
+        raise DataError(f"data.channels={cfg.channels}: folder data is read as RGB (3) or grey (1)")
     if cfg.val_fraction and cfg.name not in (*NATIVE_GEOMETRY, "synthetic"):
         raise DataError(
             f"data.val_fraction: a validation split is carved from in-memory labelled sets "
@@ -181,7 +183,7 @@ def _folder(cfg, *, device, seed: int, rank: int, world_size: int) -> DataBundle
     if not root.is_dir():
         raise DataError(f"folder dataset: {root} is not a directory")
     classes, (train_p, train_y), (eval_p, eval_y) = scan(root)
-    size = cfg.image_size or 224
+    size, channels = cfg.image_size or 224, cfg.channels
     plan = EpochPlan(
         len(train_p),
         cfg.batch_size,
@@ -190,10 +192,10 @@ def _folder(cfg, *, device, seed: int, rank: int, world_size: int) -> DataBundle
         rank=rank,
         world_size=world_size,
     )
-    mean, std = normalization(cfg.normalize, MEAN, STD)  # "dataset": ImageNet's, as before
+    mean, std = _folder_normalization(cfg, size, train_p)
     augment = BatchAugment(cfg, mean=mean, std=std, num_classes=len(classes), crop_flip=False)
     train = FolderTrainLoader(
-        FolderDataset(train_p, train_y, size, cfg.hflip, cfg.decoder),
+        FolderDataset(train_p, train_y, size, cfg.hflip, cfg.decoder, channels),
         plan,
         augment,
         cfg,
@@ -201,7 +203,7 @@ def _folder(cfg, *, device, seed: int, rank: int, world_size: int) -> DataBundle
         device=device,
     )
     test = FolderEvalLoader(
-        FolderDataset(eval_p, eval_y, size, False, cfg.decoder),
+        FolderDataset(eval_p, eval_y, size, False, cfg.decoder, channels),
         cfg,
         augment.norm,
         device=device,
@@ -212,7 +214,7 @@ def _folder(cfg, *, device, seed: int, rank: int, world_size: int) -> DataBundle
         train=train,
         test=test,
         num_classes=len(classes),
-        channels=3,
+        channels=channels,
         image_size=size,
         class_names=classes,
         train_size=len(train_p),
@@ -220,6 +222,22 @@ def _folder(cfg, *, device, seed: int, rank: int, world_size: int) -> DataBundle
         mean=mean,
         std=std,
     )
+
+
+def _folder_normalization(cfg, size: int, train_paths=None) -> tuple:
+    """RGB folders: "dataset" is ImageNet's mean/std, as before (the convention of weights made on
+    photographs); grey folders (data.channels = 1): the training images' own (sources/folder.py
+    grey_statistics; the folder is scanned when `train_paths` is None), unless data.normalize
+    names other constants (ImageNet's or CLIP's, averaged over the channels: transforms.py)."""
+    if cfg.channels != 1:
+        return normalization(cfg.normalize, MEAN, STD)
+    if cfg.normalize not in ("auto", "dataset"):
+        return normalization(cfg.normalize, MEAN[:1], STD[:1])  # (their length says: grey)
+    from .sources.folder import grey_statistics, scan
+
+    if train_paths is None:
+        _, (train_paths, _), _ = scan(Path(cfg.root).expanduser())
+    return grey_statistics(train_paths, size)
 
 
 def _seek_labelled(cfg, *, device, seed: int, rank: int, world_size: int) -> DataBundle:
@@ -486,4 +504,6 @@ def dataset_normalization(cfg, seed: int, pairs: bool) -> tuple:
         from .sources.cifar import SPECS
 
         return normalization(cfg.normalize, *SPECS[cfg.name][-2:])
-    return normalization(cfg.normalize, MEAN, STD)  # folder and labelled shards: ImageNet's
+    if cfg.name == "folder":  # RGB: ImageNet's; grey: the training images' own
+        return _folder_normalization(cfg, cfg.image_size or 224)
+    return normalization(cfg.normalize, MEAN, STD)  # labelled shards: ImageNet's

@@ -84,6 +84,14 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+def grey(x: torch.Tensor) -> torch.Tensor:
+    """uint8 [3,S,S] -> [1,S,S]: ITU-R 601 luma in Pillow's fixed-point arithmetic (what
+    convert("L") gives an RGB image), so a grey image decoded as three equal channels comes back
+    unchanged. After the crop and resize: both decoders' crops, flips and resizes stay as they are."""
+    r, g, b = x.to(torch.int32).unbind(0)
+    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).to(torch.uint8).unsqueeze(0)
+
+
 def rrc_box(w: int, h: int, rng: random.Random):
     """Random-resized-crop box (left, top, right, bottom), torchvision's algorithm."""
     area, (lo, hi) = w * h, (math.log(RATIO[0]), math.log(RATIO[1]))

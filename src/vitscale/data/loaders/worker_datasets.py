@@ -1,5 +1,5 @@
 """What runs in the DataLoader worker processes of loaders/workers.py: map-style datasets whose
-keys are (index, sample seed) and whose items are (image uint8 [3,S,S] or None, label or tokens,
+keys are (index, sample seed) and whose items are (image uint8 [C,S,S] or None, label or tokens,
 index, name, error), and the one collate of their batches.
 
 Decoding and the per-image crop (jpeg.py, data.decoder: Pillow, or simplejpeg, which decodes a
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ...errors import DataError
-from ..jpeg import decode, resolve_decoder
+from ..jpeg import decode, grey, resolve_decoder
 from ..sampler import derive_seed
 from ..sources.shards import label_of
 from ..types import Records
@@ -93,10 +93,17 @@ class FolderDataset(FillsBatches, torch.utils.data.Dataset):
     pairs = False
 
     def __init__(
-        self, paths: np.ndarray, labels: np.ndarray, size: int, hflip: bool, decoder: str = "auto"
+        self,
+        paths: np.ndarray,
+        labels: np.ndarray,
+        size: int,
+        hflip: bool,
+        decoder: str = "auto",
+        channels: int = 3,
     ):
         self.paths, self.labels, self.size, self.hflip = paths, labels, size, hflip
         self.decoder = resolve_decoder(decoder)
+        self.channels = channels  # 3: RGB; 1: grey (jpeg.grey of the decoded RGB image)
 
     def __len__(self):
         return len(self.paths)
@@ -111,8 +118,9 @@ class FolderDataset(FillsBatches, torch.utils.data.Dataset):
         name = str(self.paths[i])
         try:
             src, name = self.source(i)
+            x = decode(src, self.size, sample_seed, self.hflip, self.decoder)
             return (
-                decode(src, self.size, sample_seed, self.hflip, self.decoder),
+                grey(x) if self.channels == 1 else x,
                 int(self.labels[i]),
                 int(i),
                 name,
@@ -188,14 +196,14 @@ class PairDataset(FillsBatches, torch.utils.data.Dataset):
             return None, tokens, i, name, f"{type(e).__name__}: {e}"
 
 
-def collate(items, size: int, pairs: bool):
-    """-> x uint8 [b,3,S,S], tokens [b,L] (pairs) or labels [b], index [b], kept positions [b],
+def collate(items, size: int, pairs: bool, channels: int = 3):
+    """-> x uint8 [b,C,S,S], tokens [b,L] (pairs) or labels [b], index [b], kept positions [b],
     failures: unreadable samples (image None) are dropped, a whole batch of them included."""
     keep = [j for j, it in enumerate(items) if it[0] is not None]
     x = (
         torch.stack([items[j][0] for j in keep])
         if keep
-        else torch.empty(0, 3, size, size, dtype=torch.uint8)
+        else torch.empty(0, channels, size, size, dtype=torch.uint8)
     )
     if pairs:
         L = items[0][1].shape[0] if items else 1

@@ -1,7 +1,7 @@
 """Loaders whose images are decoded in DataLoader worker processes (loaders/worker_datasets.py):
 ImageNet-style folders, CSV pairs and seek-read webdataset shards.
 
-    FolderTrainLoader.iterate(epoch, start_batch) -> (x float32 [B,3,S,S], labels [B])   classification
+    FolderTrainLoader.iterate(epoch, start_batch) -> (x float32 [B,C,S,S], labels [B])   classification
     PairFileTrainLoader.iterate(...)              -> (x, tokens [B,L], index [B])         pairs (CLIP)
     FolderEvalLoader.iterate()                    -> (x, labels) or (x, tokens, index)
 
@@ -81,7 +81,12 @@ def _dataloader(dataset, batches, cfg, device):
         batch_sampler=batches,
         num_workers=workers,
         worker_init_fn=leave_stop_signals_to_the_trainer if workers else None,
-        collate_fn=functools.partial(collate, size=dataset.size, pairs=dataset.pairs),
+        collate_fn=functools.partial(
+            collate,
+            size=dataset.size,
+            pairs=dataset.pairs,
+            channels=getattr(dataset, "channels", 3),
+        ),
         pin_memory=pin_batches(device.type, cfg.pin_memory, on_device=False),
         persistent_workers=workers > 0,
     )

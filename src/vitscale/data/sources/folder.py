@@ -1,5 +1,6 @@
 """ImageNet-style folders: root/train/<class>/*.jpg and root/{val,validation,test}/<class>/...
-scan() lists them (paths and labels, sorted); loaders/workers.py decodes them."""
+scan() lists them (paths and labels, sorted); loaders/workers.py decodes them. grey_statistics()
+gives a grey (data.channels = 1) folder its own mean and std."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ...errors import DataError
 log = logging.getLogger("vitscale.data")
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 EVAL_SPLITS = ("val", "validation", "test")
+STATS_IMAGES = 2048  # a grey folder's mean/std: of at most this many training images
 
 
 def _images_in(folder: Path) -> list[str]:
@@ -78,3 +80,39 @@ def scan(root: Path):
         labels = [index[c] for c in found for _ in found[c]]
         out.append((np.array(paths), np.array(labels, dtype=np.int64)))  # numpy: no refcount COW
     return classes, out[0], out[1]
+
+
+def grey_statistics(paths, size: int) -> tuple[tuple, tuple]:
+    """((mean,), (std,)) of the pixels (0-1) of grey training images `paths` as evaluation gives
+    them to the model (jpeg.py's eval transform at `size`, jpeg.grey; Pillow's decoder: the same
+    numbers where simplejpeg is installed and where not): of every image, or of STATS_IMAGES evenly
+    spaced ones (the paths are sorted by class) when there are more. Unreadable images are left
+    out. A grey folder has no conventional statistics as RGB folders have ImageNet's, so
+    data.normalize = dataset / auto takes these (computed by every process alike: deterministic)."""
+    from ..jpeg import decode, grey
+
+    n = len(paths)
+    picked = (
+        np.linspace(0, n - 1, STATS_IMAGES).round().astype(int) if n > STATS_IMAGES else range(n)
+    )
+    total = total_sq = count = 0.0
+    for i in picked:
+        try:
+            x = grey(decode(str(paths[i]), size, -1, False, "pil")).double().div_(255.0)
+        except Exception:  # noqa: BLE001 - unreadable: the loaders skip and count it
+            continue
+        total += x.sum().item()
+        total_sq += x.square().sum().item()
+        count += x.numel()
+    if not count:
+        raise DataError(f"folder dataset: none of {len(picked)} training images is readable")
+    mean = total / count
+    std = max(total_sq / count - mean * mean, 0.0) ** 0.5
+    if std < 1e-3:
+        raise DataError(
+            f"folder dataset: the training images are one flat grey ({mean:.3f}): nothing to learn"
+        )
+    log.info(
+        "grey folder: pixel mean %.4f, std %.4f (of %d training images)", mean, std, len(picked)
+    )
+    return (round(mean, 4),), (round(std, 4),)
