@@ -171,16 +171,24 @@ def cmd_train(args) -> int:
         more = "run.max_steps=M" if summary["capped"] else "train.epochs=N"
         print(
             f"vitscale: {summary['run_dir']} is finished at step {summary['step']} of "
-            f"{summary['total_steps']}: {describe_result(done)}; nothing to train (for more "
-            f"steps: --resume {summary['run_dir']} --set {more})"
+            f"{summary['total_steps']}: {describe_result(done)}{targets_text(done)}; nothing to "
+            f"train (for more steps: --resume {summary['run_dir']} --set {more})"
         )
         return 0
     print(
         f"{describe_result(summary)} after {summary['epochs']:.2f} epochs, {summary['train_time_s']:.0f}s "
-        f"training, {summary['images_per_s']:.0f} img/s, MFU {100 * summary['mfu']:.1f}%; run folder "
-        f"{summary['run_dir']}"
+        f"training, {summary['images_per_s']:.0f} img/s, MFU {100 * summary['mfu']:.1f}%"
+        f"{targets_text(summary)}; run folder {summary['run_dir']}"
     )
     return 0
+
+
+def targets_text(summary: dict) -> str:
+    """The closing line's "; 90% at 41.2s (epoch 2), 91% not reached" (train.targets), or ""."""
+    from .run_report import describe_targets
+
+    times = summary.get("time_to_target")
+    return f"; {describe_targets(times)}" if times else ""
 
 
 def cmd_eval(args) -> int:

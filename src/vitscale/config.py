@@ -11,7 +11,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -521,6 +521,15 @@ class TrainConfig:
         metadata={"doc": "conv stem weights and images in channels-last (NHWC) memory format"},
     )
     eval_hflip_tta: bool = False  # average logits of the image and its mirror at evaluation
+    targets: list[float] = field(
+        default_factory=list,
+        metadata={
+            "doc": "target accuracies, 90% = 0.9 (the task's metric: test_accuracy, CLIP's "
+            "retrieval_r1): summary.json's time_to_target and the closing line give the training "
+            "time of the first evaluation that reached each; only reporting (changeable on resume)",
+            "items_in": (0.0, 1.0),  # each in (0, 1]
+        },
+    )
 
 
 @dataclass
@@ -635,8 +644,27 @@ def _section_types() -> dict[str, type]:
     return {name: hints[name] for name in SECTIONS}
 
 
-def _coerce(key: str, value: Any, typ: type, meta) -> Any:
+def _coerce_list(key: str, value: Any, typ: Any, meta) -> list:
+    """A list key: a TOML array (`--set train.targets=[0.9,0.91]`), a comma-separated string or
+    one value; each item coerced as the list's item type, and in (lo, hi] where the field's
+    metadata says `items_in`: (lo, hi)."""
+    if isinstance(value, str):
+        value = [v for v in value.strip().strip("[]").split(",") if v.strip()]
+    elif not isinstance(value, (list, tuple)):
+        value = [value]
+    (item,) = get_args(typ) or (str,)
+    out = [_coerce(f"{key}[{i}]", v, item, {}) for i, v in enumerate(value)]
+    lo, hi = meta.get("items_in") or (None, None)
+    bad = [v for v in out if lo is not None and not lo < v <= hi]
+    if bad:
+        raise ConfigError(f"config: {key} must be in ({lo:g}, {hi:g}], got {bad[0]!r}")
+    return out
+
+
+def _coerce(key: str, value: Any, typ: Any, meta) -> Any:
     """Check/convert one value for `key`; raise ConfigError with a one-line message."""
+    if get_origin(typ) is list:
+        return _coerce_list(key, value, typ, meta)
     if typ is bool:
         if isinstance(value, str) and value.lower() in (
             "true",

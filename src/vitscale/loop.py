@@ -20,7 +20,17 @@ from .fastpaths import resolve as resolve_fast_paths
 from .metrics import MetricsLog, NullLog, Progress, synchronizer
 from .models import count_params
 from .optim import build_scheduler, lr_table
-from .run_report import RunFacts, Window, describe_run, end_summary, run_summary, train_record
+from .run_report import (
+    RunFacts,
+    Window,
+    describe_run,
+    end_summary,
+    first_reached,
+    percent,
+    run_summary,
+    seconds,
+    train_record,
+)
 from .run_state import (
     Checkpoints,
     Resume,
@@ -388,7 +398,13 @@ class Trainer(Epochs):
         self.check_state()
         self.strategy.sync_buffers()  # every rank evaluates the buffers that are saved (rank 0's)
         r = self.task.evaluate_all(self.strategy, self.data)
-        ev = self.progress.record_eval(r, self.task.metric, self.steps_per_epoch)
+        metric = self.task.metric
+        ev = self.progress.record_eval(r, metric, self.steps_per_epoch)
+        for t in first_reached(self.progress.evals, self.cfg.train.targets, metric):
+            self.bar.message(
+                f"target {percent(t)} {metric.replace('_', ' ')} reached at "
+                f"{seconds(ev['train_time_s'])} training (step {ev['step']}, epoch {ev['epoch']:.2f})"
+            )
         if self.on_eval is not None:
             self.on_eval(ev)
         return ev

@@ -137,6 +137,59 @@ def describe_run(facts: RunFacts) -> str:
     )
 
 
+def target_key(target: float) -> str:
+    """A target accuracy's key in summary.json's time_to_target: 0.9 -> "0.9"."""
+    return repr(float(target))
+
+
+def percent(target: float) -> str:
+    """0.9 -> "90%", 0.915 -> "91.5%"."""
+    return f"{100 * target:g}%"
+
+
+def seconds(x: float) -> str:
+    """Training seconds as the target lines say them: 41.2s, 9.73s, 0.0374s."""
+    return f"{x:.1f}s" if x >= 10 else f"{x:.3g}s"
+
+
+def reached(e: dict, metric: str, target: float) -> bool:
+    """Whether the evaluation record `e` reached `target` (its `metric` >= it: equal counts)."""
+    value = e.get(metric)
+    return value is not None and value >= target
+
+
+def time_to_target(evals: list[dict], targets, metric: str) -> dict:
+    """{target key: the training time, step and epoch of the first evaluation in `evals` (in the
+    order run) whose `metric` reached the target, or None where none did} (train.targets)."""
+    out = {}
+    for t in targets:
+        hit = next((e for e in evals if reached(e, metric, t)), None)
+        keys = ("train_time_s", "step", "epoch")
+        out[target_key(t)] = None if hit is None else {k: hit[k] for k in keys}
+    return out
+
+
+def first_reached(evals: list[dict], targets, metric: str) -> list[float]:
+    """The targets that the last evaluation of `evals` reached and no earlier one did."""
+    if not evals:
+        return []
+    *before, last = evals
+    return [
+        t
+        for t in dict.fromkeys(targets)
+        if reached(last, metric, t) and not any(reached(e, metric, t) for e in before)
+    ]
+
+
+def describe_targets(times: dict) -> str:
+    """summary.json's time_to_target in words: "90% at 41.2s (epoch 2), 91% not reached"."""
+    said = []
+    for key, hit in sorted(times.items(), key=lambda kv: float(kv[0])):
+        at = hit and f"at {seconds(hit['train_time_s'])} (epoch {hit['epoch']:.3g})"
+        said.append(f"{percent(float(key))} {at or 'not reached'}")
+    return ", ".join(said)
+
+
 def run_summary(
     facts: RunFacts, progress: RunProgress, checkpoint: Path | None, stop_reason: str
 ) -> dict:
@@ -151,6 +204,8 @@ def run_summary(
     return {
         **metrics,
         f"best_{task.metric}": p.best_acc,
+        # train.targets: when the evaluations first reached each (the metric above)
+        "time_to_target": time_to_target(p.evals, cfg.train.targets, task.metric),
         "train_time_s": p.train_time,
         "images_per_s": images_per_s,
         "params": facts.params,

@@ -24,6 +24,7 @@ from .optim import continue_schedule
 from .state import (
     CONFIG,
     ENGINE,
+    EVALS,
     FORMAT_VERSION,
     KIND,
     PREPROCESS,
@@ -136,7 +137,8 @@ class RunProgress:
     """A Trainer's progress counters, saved in every checkpoint (as top-level keys, one per field:
     state.PROGRESS names them) and restored from one: optimizer steps taken, training seconds
     (evaluation and checkpoints not counted), samples seen, the steady-state time and samples (each
-    process's first step left out), the best evaluated metric and the last evaluation."""
+    process's first step left out), the best evaluated metric, the last evaluation and every
+    evaluation in order (run_report.time_to_target reads them: train.targets)."""
 
     step: int = 0
     train_time: float = 0.0
@@ -144,6 +146,7 @@ class RunProgress:
     steady: list = field(default_factory=lambda: [0.0, 0])
     best_acc: float | None = None
     last_eval: dict | None = None
+    evals: list = field(default_factory=list)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -154,6 +157,7 @@ class RunProgress:
         epoch = self.step / steps_per_epoch
         self.last_eval = {"step": self.step, "epoch": epoch, "train_time_s": self.train_time}
         self.last_eval.update(result)
+        self.evals.append(dict(self.last_eval))
         value = result.get(metric)
         if value is not None:
             self.best_acc = value if self.best_acc is None else max(self.best_acc, value)
@@ -161,7 +165,11 @@ class RunProgress:
 
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
-            setattr(self, f.name, state[f.name])
+            if f.name != EVALS:
+                setattr(self, f.name, state[f.name])
+        # a checkpoint from before the record of every evaluation: its last one is all it knows
+        old = [dict(self.last_eval)] if self.last_eval else []
+        self.evals = [dict(e) for e in state.get(EVALS, old)]
 
 
 class Resume(SavedRun):

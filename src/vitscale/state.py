@@ -33,13 +33,14 @@ IMAGES_SEEN = "images_seen"
 STEADY = "steady"
 BEST_ACC = "best_acc"
 LAST_EVAL = "last_eval"
+EVALS = "evals"  # every evaluation's record, in order (absent before train.targets: from last_eval)
 SPEC = "spec"  # the model's spec, as a dict (asdict)
 KIND = "kind"  # the task's kind (absent before CLIP: a classifier's)
 TASK = "task"  # the task's own state (Task.state_dict: e.g. a loss's per-sample state)
 PREPROCESS = "preprocess"  # how the run's test images reached the model (Task.preprocess)
 ENGINE = "engine"  # the suffix of the engine's own folder next to the .pt (".ds", ".dcp"), or None
 
-PROGRESS = (STEP, TRAIN_TIME, IMAGES_SEEN, STEADY, BEST_ACC, LAST_EVAL)
+PROGRESS = (STEP, TRAIN_TIME, IMAGES_SEEN, STEADY, BEST_ACC, LAST_EVAL, EVALS)
 # every key of a checkpoint, in the order written (run_state.run_state; Checkpoints.save: ENGINE)
 KEYS = (
     *(VERSION, CONFIG, STRATEGY, SCHEDULER, RNG, WORLD_SIZE),

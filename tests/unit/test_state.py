@@ -59,6 +59,7 @@ SCANNED = (
     state.STEADY,
     state.BEST_ACC,
     state.LAST_EVAL,
+    state.EVALS,
 )
 # (file, key): the same words as keys of something else, each with what it is
 ALLOWED = {
