@@ -3,9 +3,16 @@ torch.optim.Muon and torch.optim.AdamW driven by hand on the same split; the New
 in fp32 against a float64 one; the split; the refusals; the state through a checkpoint."""
 
 import copy
+import os
+import shutil
+import signal
 
 import pytest
 import torch
+from helpers import BASE, TINY, sets, weights
+
+from vitscale import loop
+from vitscale.cli import main
 
 from vitscale.config import OptimConfig, load_config
 from vitscale.errors import ConfigError
@@ -140,3 +147,46 @@ def test_refused_where_no_block_has_a_matrix():
         p.requires_grad_(not n.startswith("blocks."))
     with pytest.raises(ConfigError, match="found no 2-D weights"):
         optimizer_groups(m, muon_cfg())
+
+
+# -- a Muon run stopped and resumed continues bit-equal --------------------------------------------
+RUN = [*BASE, "train.epochs=4", "run.checkpoint_every=5", "run.keep_last=100", "optim.name=muon"]
+
+
+def train_tiny(out, *extra) -> int:
+    return main(["train", TINY, "--out", str(out), *sets(RUN + list(extra))])
+
+
+@pytest.mark.parametrize("ns_dtype", ["fp32", "bf16"])
+def test_a_stopped_muon_run_and_one_killed_after_a_checkpoint_resume_bit_equal(
+    tmp_path, monkeypatch, ns_dtype
+):
+    """SIGTERM in step 7 (the stop saves step 7), and a copy of the whole run cut back to its step
+    10 checkpoint (what kill -9 after that write leaves): both resume to the uninterrupted run's
+    weights, bit for bit: Muon's momentum and AdamW's moments travel in the checkpoint."""
+    whole = tmp_path / "whole"
+    assert train_tiny(whole, f"optim.muon_ns_dtype={ns_dtype}") == 0
+    stopped = tmp_path / "stopped"
+    target = loop.Trainer.run_step
+
+    def hooked(self, *a, **k):
+        if self.step + 1 == 7:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return target(self, *a, **k)
+
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        monkeypatch.setattr(loop.Trainer, "run_step", hooked)
+        assert train_tiny(stopped, f"optim.muon_ns_dtype={ns_dtype}") == 128 + signal.SIGTERM
+        monkeypatch.undo()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert main(["train", "--resume", str(stopped)]) == 0
+    killed = tmp_path / "killed"
+    shutil.copytree(whole, killed)
+    (killed / "summary.json").unlink()
+    assert main(["train", "--resume", str(killed / "checkpoints" / "step_00000010.pt")]) == 0
+    a = weights(whole)
+    for run in (stopped, killed):
+        b = weights(run)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), run.name

@@ -192,6 +192,14 @@ def test_every_config_key_either_takes_effect_or_is_refused_on_resume():
             "grad_clip",
             "lr_scaling",
             "lr_ref_batch",
+            # Muon's group keys: re-applied over the checkpoint's as AdamW's are
+            "muon_lr",
+            "muon_weight_decay",
+            "muon_momentum",
+            "muon_nesterov",
+            "muon_ns_steps",
+            "muon_adjust_lr",
+            "muon_ns_dtype",
         },
         "train": {
             "epochs",
