@@ -346,6 +346,7 @@ best.toml (`vitscale train OUT/best.toml` reproduces the pick on the full traini
 examples:
   vitscale search --budget-s 300 --trials 40 --out search/fmnist      # the default recipe and space
   vitscale search configs/cifar10.toml --space my_space.toml --budget-s 600 --trials 0   # until Ctrl-C
+  vitscale search --budget-s 300 --score time-to-target --target 0.9   # the fastest to 90% validation
   vitscale search --budget-s 300 --storage postgresql://host/db --study fm --repeat-top 0   # a worker
   vitscale search --budget-s 300 --storage postgresql://host/db --study fm --report-only    # finish
 """
@@ -400,10 +401,24 @@ def _search_protocol_arguments(p) -> None:
         "data.val_fraction is 0 (default 0.1)",
     )
     p.add_argument(
+        "--score",
+        choices=("accuracy", "time-to-target"),
+        default="accuracy",
+        help="what ranks trials: the validation accuracy at the end of the budget (default), or the "
+        "training time at which the validation accuracy first reached --target (lower is better; "
+        "a trial that never reached it ranks after all that did, by its accuracy: docs/search.md)",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        help="the validation accuracy of --score time-to-target, in (0, 1] (default: the "
+        "recipe's first train.targets entry)",
+    )
+    p.add_argument(
         "--pruner",
         choices=("hyperband", "halving", "none"),
         default="hyperband",
-        help="stops poor trials early on their validation accuracy at each epoch (default hyperband)",
+        help="stops poor trials early on their score so far at each epoch (default hyperband)",
     )
     p.add_argument(
         "--repeat-top",

@@ -17,6 +17,7 @@ from ...config import load_config
 from ...errors import UserError
 from ..recipes import lab_config, log, with_overrides
 from .report import write_report
+from .score import search_score
 from .space import load_space
 from .trials import (
     fail_dead_trials,
@@ -56,20 +57,21 @@ def run(args) -> int:
     optuna = import_optuna()
     space = load_space(args.space)
     base = trial_config(args)
+    score = search_score(args, base)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     study = open_study(optuna, args, base, space, out)
     log(
         f"search {study.study_name} in {storage_url(args, out)}: {len(space)} keys, "
         f"{args.budget_s:g}s of training per trial, scored on data.val_fraction={base.data.val_fraction} "
-        f"of the training set (the test set is not read by trials)"
+        f"of the training set (the test set is not read by trials); {score.line()}"
     )
     if args.report_only:
         # a killed worker's trial is not "running"
         fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
     else:
-        run_trials(optuna, study, base, space, args, out)
-    final = finalize(study, base, args, out) if args.repeat_top else None
+        run_trials(optuna, study, base, space, args, out, score)
+    final = finalize(study, base, args, out, score) if args.repeat_top else None
     report = write_report(study, space, args, out, final, recipe_config(args, final))
     log(f"wrote {report}")
     return 0
@@ -77,8 +79,11 @@ def run(args) -> int:
 
 def trial_config(args):
     """The recipe as every trial trains it: quiet, the time budget, the time-fitted schedule, the
-    validation split, no checkpoints but the last, an evaluation every epoch (for the pruner)."""
+    validation split, no checkpoints but the last, an evaluation every epoch (for the pruner), and
+    under --score time-to-target the target among train.targets (its runs' time_to_target)."""
     cfg = lab_config(args.config, args.overrides)
+    score = search_score(args, cfg)
+    targets = list(dict.fromkeys([*cfg.train.targets, *([score.target] if score.timed else [])]))
     return with_overrides(
         cfg,
         {
@@ -87,6 +92,7 @@ def trial_config(args):
             "run.checkpoint_every": 2**62,
             "run.keep_last": 1,
             "run.eval_every": cfg.run.eval_every or 1,
+            "train.targets": targets,
         },
     )
 
@@ -115,8 +121,10 @@ def storage_url(args, out: Path) -> str:
 
 
 def open_study(optuna, args, base, space, out: Path):
-    """The study in its database (created, or loaded and checked to be the same search)."""
+    """The study in its database (created, or loaded and checked to be the same search: the
+    recipe, space, budget and score; its direction is its score's)."""
     url = storage_url(args, out)
+    score = search_score(args, base)
     engine = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {}
     # a killed worker's RUNNING trial: failed once its heartbeat is 3 intervals old (the reason
     # recorded), and retried once
@@ -148,7 +156,7 @@ def open_study(optuna, args, base, space, out: Path):
             study = optuna.create_study(
                 storage=storage,
                 study_name=args.study,
-                direction="maximize",
+                direction=score.direction,
                 load_if_exists=True,
                 sampler=sampler(optuna, args),
                 pruner=make_pruner(optuna, args),
@@ -160,19 +168,27 @@ def open_study(optuna, args, base, space, out: Path):
                     f"search: cannot open {url}: {str(e).splitlines()[0][:300]}"
                 ) from None
             time.sleep(0.5 + random.random() * (attempt + 1))
-    what = fingerprint(base, space, args.budget_s)
+    check_same_search(study, args, base, space, score, url)
+    return study
+
+
+def check_same_search(study, args, base, space, score, url: str) -> None:
+    """A new study records what it searches (its fingerprint, space, budget, recipe and score); a
+    study that exists must be the same search: one line where it is not."""
+    what = fingerprint(base, space, args.budget_s, score)
     have = study.user_attrs.get("search")
     if have is None:
         study.set_user_attr("search", what)
         study.set_user_attr("space", [d.as_dict() for d in space])
         study.set_user_attr("budget_s", float(args.budget_s))
         study.set_user_attr("base_config", base.to_dict())
+        study.set_user_attr("score", score.as_dict())
     elif have != what:
         raise UserError(
             f"search: study '{args.study}' in {url} was started with another recipe, space or "
-            f"--budget-s; give the same ones, or another --study / --out"
+            f"--budget-s, or another --score/--target; give the same ones, or another --study / "
+            "--out"
         )
-    return study
 
 
 def sampler(optuna, args):
@@ -181,8 +197,9 @@ def sampler(optuna, args):
 
 
 def make_pruner(optuna, args):
-    """Trials report their validation accuracy at step = percent of the budget trained (0..100),
-    so trials of different speeds meet at the same rungs."""
+    """Trials report their score so far (their validation accuracy; under time-to-target the
+    score its first reach or its accuracy then gives: trials.Pruning) at step = percent of the
+    budget trained (0..100), so trials of different speeds meet at the same rungs."""
     if args.pruner == "none":
         return optuna.pruners.NopPruner()
     if args.pruner == "halving":
@@ -190,13 +207,15 @@ def make_pruner(optuna, args):
     return optuna.pruners.HyperbandPruner(min_resource=10, max_resource=100, reduction_factor=3)
 
 
-def fingerprint(base, space, budget_s: float) -> str:
+def fingerprint(base, space, budget_s: float, score=None) -> str:
     """What makes two workers' searches the same one: the recipe (run section left out: folders,
-    threads, progress differ between machines), the space and the budget."""
+    threads, progress differ between machines; train.targets too: it only adds to what runs
+    report), the space, the budget and a score other than accuracy (a study from before --score
+    keeps its fingerprint)."""
     cfg = {**{k: v for k, v in base.to_dict().items() if k != "run"}, "seed": base.run.seed}
-    blob = json.dumps(
-        {"cfg": cfg, "space": [d.as_dict() for d in space], "budget": float(budget_s)},
-        sort_keys=True,
-        default=str,
-    )
+    cfg["train"] = {k: v for k, v in cfg["train"].items() if k != "targets"}
+    what = {"cfg": cfg, "space": [d.as_dict() for d in space], "budget": float(budget_s)}
+    if score is not None and score.timed:
+        what["score"] = {"name": score.name, "target": score.target}
+    blob = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -12,19 +12,24 @@ import time
 import warnings
 from pathlib import Path
 
-from .trials import last_value
+from .score import Score, study_score
+from .trials import accuracy_of, last_value
 
 UNRECORDED = "worker stopped: no reason recorded (killed or lost)"
 
 
-def trial_row(t) -> dict:
+def trial_row(t, score: Score | None = None) -> dict:
     """A trial as the report lists it; a failed one's "error" is its one-line reason (a failure
-    without one was failed by another process: its worker is gone, UNRECORDED)."""
-    u = t.user_attrs
+    without one was failed by another process: its worker is gone, UNRECORDED). Its "score" is
+    the study's (= val_accuracy under --score accuracy); its "curve" the validation accuracy it
+    reported (none under time-to-target, whose reports are scores)."""
+    u, timed = t.user_attrs, score is not None and score.timed
+    curve = [] if timed else sorted([int(k), float(v)] for k, v in t.intermediate_values.items())
     return {
         "number": t.number,
         "state": t.state.name.lower(),
-        "val_accuracy": last_value(t),
+        "val_accuracy": accuracy_of(t),
+        "score": last_value(t),
         "train_time_s": u.get("train_time_s"),
         "epochs": u.get("epochs"),
         "steps": u.get("steps"),
@@ -32,7 +37,7 @@ def trial_row(t) -> dict:
         "error": (u.get("error") or UNRECORDED) if t.state.name == "FAIL" else None,
         "worker": u.get("worker"),
         "retry_of": t.system_attrs.get("failed_trial"),
-        "curve": sorted([int(k), float(v)] for k, v in t.intermediate_values.items()),
+        "curve": curve,
     }
 
 
@@ -72,18 +77,23 @@ def command_line(args) -> str:
     parts += [x for o in args.overrides for x in ("--set", o)]
     parts += ["--budget-s", f"{args.budget_s:g}", "--out", args.out, "--study", args.study]
     parts += ["--space", args.space] if args.space else []
+    if getattr(args, "score", "accuracy") != "accuracy":
+        parts += ["--score", args.score]
+    parts += ["--target", f"{args.target:g}"] if getattr(args, "target", None) else []
     parts += ["--storage", args.storage] if args.storage else []
     return shlex.join(parts)
 
 
 def write_report(study, space, args, out: Path, final: dict | None, best_cfg) -> Path:
-    rows = [trial_row(t) for t in study.get_trials(deepcopy=False)]
+    score = study_score(study)
+    rows = [trial_row(t, score) for t in study.get_trials(deepcopy=False)]
     front = pareto(rows)
     imp = importances(study)
-    best_toml = write_best(out, best_cfg, final, args) if best_cfg is not None else None
+    best_toml = write_best(out, best_cfg, final, args, score) if best_cfg is not None else None
     report = {
         "study": study.study_name,
         "budget_s": args.budget_s,
+        "score": {**score.as_dict(), "direction": score.direction, "text": score.line()},
         "command": command_line(args),
         "space": [d.as_dict() for d in space],
         "trials": rows,
@@ -96,19 +106,21 @@ def write_report(study, space, args, out: Path, final: dict | None, best_cfg) ->
         "reproduce": f"vitscale train {best_toml}" if best_toml else None,
     }
     (out / "search.json").write_text(json.dumps(report, indent=2, default=str))
-    plots = draw(rows, front, imp, out, args.budget_s, final)
+    # the repeats' means drawn on the accuracy axis only where they are accuracies
+    plots = draw(rows, front, imp, out, args.budget_s, None if score.timed else final)
     path = out / "search.md"
-    path.write_text("\n".join(markdown(report, rows, plots)) + "\n")
+    path.write_text("\n".join(markdown(report, rows, plots, score)) + "\n")
     return path
 
 
-def write_best(out: Path, cfg, final: dict, args) -> Path:
+def write_best(out: Path, cfg, final: dict, args, score: Score) -> Path:
     pick, test = final["pick"], final.get("test") or {}
     head = [
         f"# `vitscale search` pick, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: trial {pick['trial']} "
         f"of study {args.study}",
-        f"# validation accuracy {pick['mean']:.4f} +- {pick['std']:.4f} over {len(pick['values'])} seeds "
-        f"(data.val_fraction of the training set), {args.budget_s:g}s of training each",
+        f"# {score.what} {score.fmt(pick['mean'])} +- {score.fmt(pick['std'])} over "
+        f"{len(pick['values'])} seeds (data.val_fraction of the training set), {args.budget_s:g}s "
+        "of training each",
         (
             "# test accuracy {:.4f} on {} images: the test set's one evaluation, of the seed-{} model".format(
                 test["test_accuracy"], test["test_count"], test["seed"]
@@ -257,14 +269,15 @@ def fmt(v, spec=".4f") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
-def markdown(rep: dict, rows: list[dict], plots: list[str]) -> list[str]:
+def markdown(rep: dict, rows: list[dict], plots: list[str], score: Score) -> list[str]:
     final = rep["finish"] or {}
     states = {
         s: sum(r["state"] == s for r in rows)
         for s in ("complete", "pruned", "fail", "running", "waiting")
     }
     lines = [
-        f"# Search `{rep['study']}`: the best model in {rep['budget_s']:g} s of training",
+        f"# Search `{rep['study']}`: {score.title(rep['budget_s'])}"
+        + (f" (trials of {rep['budget_s']:g} s of training)" if score.timed else ""),
         "",
         f"`{rep['command']}`",
         "",
@@ -272,10 +285,12 @@ def markdown(rep: dict, rows: list[dict], plots: list[str]) -> list[str]:
         "seeded and stratified); no trial reads the test set. The test set is evaluated once, for the "
         "final pick, below (and, unless --no-recipe, once for the recipe as written, to compare).",
         "",
+        f"Trials are ranked by their {score.line()}.",
+        "",
         "trials: " + ", ".join(f"{n} {s}" for s, n in states.items() if n),
         "",
     ]
-    lines += pick_lines(final, rep)
+    lines += pick_lines(final, rep, score)
     if "pareto.png" in plots:
         lines += ["", "![accuracy against training time](pareto.png)"]
     lines += ["", "## Key importance (optuna.importance, PED-ANOVA over the complete trials)", ""]
@@ -286,32 +301,45 @@ def markdown(rep: dict, rows: list[dict], plots: list[str]) -> list[str]:
         else ["| key | importance |", "|---|---|"]
         + [f"| `{k}` | {v:.3f} |" for k, v in imp.items()]
     )
-    lines += [
+    lines += trial_lines(rep, rows, score)
+    return lines
+
+
+def trial_lines(rep: dict, rows: list[dict], score: Score) -> list[str]:
+    """The trials table, best score first (under time-to-target with the time to the target)."""
+    timed = score.timed
+    lines = [
         "",
-        "## Trials (validation accuracy; * = on the Pareto front)",
+        f"## Trials ({score.what}; * = on the Pareto front of validation accuracy and time)",
         "",
-        "| # | state | val acc | train s | epochs | keys | note |",
-        "|---|---|---|---|---|---|---|",
+        "| # | state | val acc |"
+        + (" to target |" if timed else "")
+        + " train s | epochs | keys | note |",
+        "|---|---|---|" + ("---|" if timed else "") + "---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: -(r["val_accuracy"] or -1)):
+    worst = float("inf")  # trials without a score last
+    for r in sorted(
+        rows, key=lambda r: worst if r["score"] is None else score.sort_key(r["score"])
+    ):
         keys = " ".join(f"{k}={fmt(v, '.3g')}" for k, v in r["params"].items())
         note = r["error"] or (f"retry of {r['retry_of']}" if r["retry_of"] is not None else "")
+        reach = f" {score.reach_text(r['score']) if r['score'] is not None else '-'} |"
         lines.append(
             f"| {r['number']}{'*' if r['number'] in rep['pareto'] else ''} | {r['state']} | "
-            f"{fmt(r['val_accuracy'])} | {fmt(r['train_time_s'], '.1f')} | {fmt(r['epochs'], '.2f')} | "
-            f"{keys} | {note} |"
+            f"{fmt(r['val_accuracy'])} |{reach if timed else ''} {fmt(r['train_time_s'], '.1f')} | "
+            f"{fmt(r['epochs'], '.2f')} | {keys} | {note} |"
         )
     return lines
 
 
-def pick_lines(final: dict, rep: dict) -> list[str]:
+def pick_lines(final: dict, rep: dict, score: Score) -> list[str]:
     if not final.get("pick"):
         return [
             "No pick: no repeats were run (--repeat-top 0, or no complete trial yet); the test set "
             "was not evaluated."
         ]
     out = [
-        "## The best trials repeated with other seeds (validation accuracy)",
+        f"## The best trials repeated with other seeds ({score.what})",
         "",
         f"Seeds {', '.join(str(s) for s in final.get('seeds', []))}; epochs = how many each run trained "
         "in the budget (the machine's speed moves them from run to run).",
@@ -323,7 +351,8 @@ def pick_lines(final: dict, rep: dict) -> list[str]:
     for c in final["candidates"] + ([rec] if rec else []):
         name = "the recipe as written" if c["trial"] == "recipe" else c["trial"]
         out.append(
-            f"| {name} | {c['mean']:.4f} | {c['std']:.4f} | {', '.join(f'{v:.4f}' for v in c['values'])} | "
+            f"| {name} | {score.fmt(c['mean'])} | {score.fmt(c['std'])} | "
+            f"{', '.join(score.fmt(v) for v in c['values'])} | "
             f"{', '.join(fmt(e, '.2f') for e in c.get('epochs', []))} |"
         )
     p, test = final["pick"], final.get("test")
@@ -354,13 +383,24 @@ def pick_lines(final: dict, rep: dict) -> list[str]:
             f"seeds; none of the space's keys changed), tested once on the same seed: **test accuracy "
             f"{rtest['test_accuracy']:.4f}**.",
         ]
-    if final.get("decision"):
-        d = final["decision"]
-        out += [
-            "",
-            f"**Decision: {'adopt the pick' if d['adopt'] else 'keep the recipe'}**: {d['text']}. "
-            "The pick replaces the recipe only with a higher mean validation accuracy over the same seeds "
-            "and a higher test accuracy on the same seed.",
-        ]
+    out += decision_lines(final.get("decision"), score)
     out += ["", f"Reproduce on the full training set: `{rep['reproduce']}`"]
     return out
+
+
+def decision_lines(d: dict | None, score: Score) -> list[str]:
+    """The decision (trials.decide's) and the rule it follows, for the score searched."""
+    if not d:
+        return []
+    rule = (
+        f"a shorter mean {score.what} over the same seeds and a test accuracy that reaches "
+        f"{score.target:g} on the same seed"
+        if score.timed
+        else "a higher mean validation accuracy over the same seeds and a higher test accuracy "
+        "on the same seed"
+    )
+    return [
+        "",
+        f"**Decision: {'adopt the pick' if d['adopt'] else 'keep the recipe'}**: {d['text']}. "
+        f"The pick replaces the recipe only with {rule}.",
+    ]

@@ -22,6 +22,7 @@ from ...loop import train
 from ...tasks import task_class, task_kind
 from ..recipes import log, with_overrides
 from ..timing import free_memory
+from .score import Score, study_score
 
 
 class TrialFailed(Exception):
@@ -48,31 +49,39 @@ def metric_of(cfg) -> str:
 
 
 class Pruning:
-    """`on_eval` of a trial: the validation accuracy at step = percent of the budget trained, 0..LAST-1
+    """`on_eval` of a trial: the score so far at step = percent of the budget trained, 0..LAST-1
     (at most every EVERY percent: each report is a database write), and Optuna's pruner asked there.
-    Never in the last (100 - LAST)% of the budget, the last evaluation included: a prune there saves
-    seconds and throws away a nearly finished trial (the default job's search pruned one at 99%,
-    91.10% validation, 4th best of 35)."""
+    The score so far is the validation accuracy; under --score time-to-target, the training time of
+    the first evaluation that reached the target, or (none yet) what the accuracy now would score
+    at the end (score.time_score): a trial is pruned beside the others at its rung, the study's
+    direction minimize. Never in the last (100 - LAST)% of the budget, the last evaluation
+    included: a prune there saves seconds and throws away a nearly finished trial (the default
+    job's search pruned one at 99%, 91.10% validation, 4th best of 35)."""
 
     EVERY = 5
     LAST = 90
 
-    def __init__(self, optuna, trial, budget_s: float, metric: str):
+    def __init__(self, optuna, trial, budget_s: float, metric: str, score: Score | None = None):
         self.optuna, self.trial, self.budget, self.metric = optuna, trial, budget_s, metric
+        self.score = score or Score(budget_s=budget_s)
         self.last = -self.EVERY
+        self.reached_s: float | None = None  # when the validation accuracy first reached the target
 
     def __call__(self, ev: dict) -> None:
-        acc = ev.get(self.metric)
+        acc, target = ev.get(self.metric), self.score.target
+        if acc is not None and target is not None and self.reached_s is None and acc >= target:
+            self.reached_s = ev["train_time_s"]
         step = int(100 * ev["train_time_s"] / self.budget)  # < LAST here; 100 is the final value
         if acc is None or step < self.last + self.EVERY or step >= self.LAST:
             return
         self.last = step
-        self.trial.report(acc, step)
+        self.trial.report(self.score.value(acc, self.reached_s), step)
         if self.trial.should_prune():
             for k, v in (
                 ("train_time_s", ev["train_time_s"]),
                 ("steps", ev["step"]),
                 ("epochs", ev["epoch"]),
+                ("accuracy", acc),
             ):
                 self.trial.set_user_attr(k, v)
             raise self.optuna.TrialPruned(
@@ -131,8 +140,10 @@ def retry_without_reason(retry):
     return callback
 
 
-def run_trials(optuna, study, base, space, args, out: Path) -> None:
-    """This worker's --trials trials (0: until stopped); Ctrl-C stops between or inside one."""
+def run_trials(optuna, study, base, space, args, out: Path, score: Score) -> None:
+    """This worker's --trials trials (0: until stopped); Ctrl-C stops between or inside one. A
+    trial's value is its `score` (its validation accuracy, its time to the target), its final
+    validation accuracy the "accuracy" attribute either way."""
 
     def train_trial(trial):
         # now, not when the heartbeat thread gets to it
@@ -144,14 +155,16 @@ def run_trials(optuna, study, base, space, args, out: Path) -> None:
         trial.set_user_attr("run_dir", str(run_dir))
         try:
             cfg = with_overrides(base, params)
-            r = train_run(cfg, run_dir, Pruning(optuna, trial, args.budget_s, metric_of(cfg)))
+            pruning = Pruning(optuna, trial, args.budget_s, metric_of(cfg), score)
+            r = train_run(cfg, run_dir, pruning)
         finally:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the metrics stay
-        for k in ("train_time_s", "steps", "epochs", "images_per_s"):
+        for k in ("train_time_s", "steps", "epochs", "images_per_s", "accuracy"):
             trial.set_user_attr(k, r[k])
-        if r["accuracy"] is not None:
-            trial.report(r["accuracy"], 100)  # the final point of its curve (never pruned there)
-        return r["accuracy"]
+        value = score.of_run(r)
+        if value is not None:
+            trial.report(value, 100)  # the final point of its curve (never pruned there)
+        return value
 
     def objective(trial):
         """train_trial; any failure recorded as the trial's one-line "error" (a refused shape, out of
@@ -220,15 +233,26 @@ def fail_dead_trials(optuna, study, grace_s: float) -> None:
 
 
 def last_value(t):
-    """A trial's score: its value, or (pruned, failed) its last reported validation accuracy."""
+    """A trial's score: its value, or (pruned, failed) its last reported score."""
     if t.value is not None:
         return t.value
     return t.intermediate_values[max(t.intermediate_values)] if t.intermediate_values else None
 
 
+def accuracy_of(t):
+    """A trial's validation accuracy: the one it recorded (at its end, or where it was pruned), or
+    (a trial from before that record, scored on accuracy) its score."""
+    return t.user_attrs["accuracy"] if "accuracy" in t.user_attrs else last_value(t)
+
+
 def progress_line(study, t) -> None:
-    """One line per finished trial: number, state, validation accuracy, training time, params."""
-    acc, secs, ep = last_value(t), t.user_attrs.get("train_time_s"), t.user_attrs.get("epochs")
+    """One line per finished trial: number, state, validation accuracy (and the time to the
+    target under --score time-to-target), training time, params."""
+    acc, secs, ep = accuracy_of(t), t.user_attrs.get("train_time_s"), t.user_attrs.get("epochs")
+    score = study_score(study)
+    acc_text = "-" if acc is None else f"{acc:.4f}"
+    if score.timed:
+        acc_text += f" ({score.reach_text(last_value(t))})"
     params = " ".join(
         f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.params.items()
     )
@@ -236,23 +260,24 @@ def progress_line(study, t) -> None:
         f" | {t.user_attrs['error']}" if t.state.name == "FAIL" and "error" in t.user_attrs else ""
     )
     log(
-        f"trial {t.number:4d} {t.state.name.lower():8s} val {'-' if acc is None else f'{acc:.4f}'} | "
+        f"trial {t.number:4d} {t.state.name.lower():8s} val {acc_text} | "
         f"{'-' if secs is None else f'{secs:.1f}'}s train, {'-' if ep is None else f'{ep:.2f}'} epochs | "
         f"{params}{err}"
     )
 
 
-def finalize(study, base, args, out: Path) -> dict:
+def finalize(study, base, args, out: Path, score: Score) -> dict:
     """The best --repeat-top complete trials repeated with --seeds other seeds (each repeat's run
-    kept in OUT/repeats/, done once); the pick = the best mean validation accuracy; its one test
-    evaluation. Unless --no-recipe: the recipe as written trained under the same protocol (the same
-    budget, validation split and seeds), tested once on the same seed as the pick, and the decision."""
+    kept in OUT/repeats/, done once); the pick = the best mean score (validation accuracy, or time
+    to the target); its one test evaluation. Unless --no-recipe: the recipe as written trained
+    under the same protocol (the same budget, validation split and seeds), tested once on the same
+    seed as the pick, and the decision."""
     done = [
         t
         for t in study.get_trials(deepcopy=False)
         if t.state.name == "COMPLETE" and t.value is not None
     ]
-    top = sorted(done, key=lambda t: -t.value)[: args.repeat_top]
+    top = sorted(done, key=lambda t: score.sort_key(t.value))[: args.repeat_top]
     if not top:
         log("search: no complete trial yet: nothing to repeat or test")
         return {"candidates": [], "pick": None}
@@ -266,17 +291,19 @@ def finalize(study, base, args, out: Path) -> dict:
                 seed,
                 out / "repeats" / f"trial{t.number:05d}-seed{seed}",
                 f"trial {t.number}",
+                score,
             )
             for seed in seeds
         ]
         cands.append(
             candidate(t.number, dict(t.params), [t.value], runs, [t.user_attrs.get("epochs")])
         )
+        c = cands[-1]
         log(
-            f"repeat trial {t.number}: validation accuracy {cands[-1]['mean']:.4f} +- {cands[-1]['std']:.4f} "
-            f"over {len(cands[-1]['values'])} seeds"
+            f"repeat trial {t.number}: {score.what} {score.fmt(c['mean'])} +- "
+            f"{score.fmt(c['std'])} over {len(c['values'])} seeds"
         )
-    pick = max(cands, key=lambda c: c["mean"])
+    pick = min(cands, key=lambda c: score.sort_key(c["mean"]))
     final = {
         "candidates": cands,
         "pick": pick,
@@ -284,18 +311,18 @@ def finalize(study, base, args, out: Path) -> dict:
         "test": test_once(pick, out),
     }
     if args.recipe:
-        recipe = recipe_runs(base, seeds, out)
+        recipe = recipe_runs(base, seeds, out, score)
         final.update(recipe=recipe, recipe_test=test_once(recipe, out))
-        final["decision"] = decide(pick, final["test"], recipe, final["recipe_test"])
+        final["decision"] = decide(pick, final["test"], recipe, final["recipe_test"], score)
         log(f"decision: {final['decision']['text']}")
     return final
 
 
 def candidate(label, params: dict, first: list, runs: list[dict], first_epochs: list) -> dict:
-    """Validation accuracies over seeds (`first`: the run with run.seed, then the repeats) and the
+    """Scores over seeds (`first`: the run with run.seed, then the repeats: their "score") and the
     epochs each trained in the budget (the machine's speed moves them from run to run)."""
-    ok = [r for r in runs if r.get("accuracy") is not None]
-    values = first + [r["accuracy"] for r in ok]
+    ok = [r for r in runs if r.get("score") is not None]
+    values = first + [r["score"] for r in ok]
     return {
         "trial": label,
         "params": params,
@@ -307,36 +334,45 @@ def candidate(label, params: dict, first: list, runs: list[dict], first_epochs: 
     }
 
 
-def recipe_runs(base, seeds: list[int], out: Path) -> dict:
+def recipe_runs(base, seeds: list[int], out: Path, score: Score) -> dict:
     """The recipe as written, none of the space's keys changed, under the trials' protocol: run.seed
     (the trials' seed) and every repeat seed. Its `runs` are the repeat seeds' (in their order), so
     its test evaluation is of the same seed as the pick's."""
     every = list(dict.fromkeys([base.run.seed, *seeds]))
     runs = {
-        s: repeat(base, {}, s, out / "repeats" / f"recipe-seed{s}", "the recipe") for s in every
+        s: repeat(base, {}, s, out / "repeats" / f"recipe-seed{s}", "the recipe", score)
+        for s in every
     }
     first = (
         [runs[base.run.seed]]
-        if base.run.seed not in seeds and runs[base.run.seed].get("accuracy") is not None
+        if base.run.seed not in seeds and runs[base.run.seed].get("score") is not None
         else []
     )
     rec = candidate(
         "recipe",
         {},
-        [r["accuracy"] for r in first],
+        [r["score"] for r in first],
         [runs[s] for s in seeds],
         [r.get("epochs") for r in first],
     )
     log(
-        f"the recipe as written: validation accuracy {rec['mean']:.4f} +- {rec['std']:.4f} over "
-        f"{len(rec['values'])} seeds"
+        f"the recipe as written: {score.what} {score.fmt(rec['mean'])} +- "
+        f"{score.fmt(rec['std'])} over {len(rec['values'])} seeds"
     )
     return rec
 
 
-def decide(pick: dict, pick_test: dict | None, recipe: dict, recipe_test: dict | None) -> dict:
-    """Whether the pick should replace the recipe: better mean validation accuracy over the same seeds
-    AND better test accuracy on the same seed; the gap is also set against the seeds' spread."""
+def decide(
+    pick: dict,
+    pick_test: dict | None,
+    recipe: dict,
+    recipe_test: dict | None,
+    score: Score | None = None,
+) -> dict:
+    """Whether the pick should replace the recipe: a better mean score over the same seeds AND, on
+    the same seed, a better test accuracy (under time-to-target: a test accuracy at the end of the
+    budget that reaches the target); the gap is also set against the seeds' spread."""
+    score = score or Score()
     if not recipe["values"]:
         return {
             "adopt": False,
@@ -346,15 +382,19 @@ def decide(pick: dict, pick_test: dict | None, recipe: dict, recipe_test: dict |
             "within_noise": None,
             "text": "the recipe as written did not train (its runs failed: see the log); no comparison",
         }
-    gap = pick["mean"] - recipe["mean"]
+    gap = score.gain(pick["mean"], recipe["mean"])
     noise = max(pick["std"], recipe["std"])
     tests = (pick_test or {}).get("test_accuracy"), (recipe_test or {}).get("test_accuracy")
     test_gap = None if None in tests else tests[0] - tests[1]
-    adopt = gap > 0 and test_gap is not None and test_gap > 0
+    test_ok = test_gap is not None and (
+        tests[0] >= (score.target or 0) if score.timed else test_gap > 0
+    )
+    adopt = gap > 0 and test_ok
+    what = "validation" if not score.timed else score.what
     text = (
         f"the pick (trial {pick['trial']}) {'beats' if adopt else 'does not beat'} the recipe as written: "
-        f"validation {pick['mean']:.4f} vs {recipe['mean']:.4f} (mean over the same seeds, gap {gap:+.4f}, "
-        f"seed spread up to {noise:.4f}{', within it' if abs(gap) <= noise else ''})"
+        f"{what} {score.fmt(pick['mean'])} vs {score.fmt(recipe['mean'])} (mean over the same "
+        f"seeds, gap {gap:+.4f}, seed spread up to {noise:.4f}{', within it' if abs(gap) <= noise else ''})"
         + (
             f", test {tests[0]:.4f} vs {tests[1]:.4f}"
             if test_gap is not None
@@ -371,9 +411,9 @@ def decide(pick: dict, pick_test: dict | None, recipe: dict, recipe_test: dict |
     }
 
 
-def repeat(base, params: dict, seed: int, run_dir: Path, what: str) -> dict:
+def repeat(base, params: dict, seed: int, run_dir: Path, what: str, score: Score) -> dict:
     """`params` with run.seed = `seed`, trained once into `run_dir` (a finished run's summary is
-    reused: a killed finish continues)."""
+    reused: a killed finish continues); its validation accuracy and its `score`."""
     summary = run_dir / "summary.json"
     if summary.is_file():
         r = json.loads(summary.read_text())
@@ -388,6 +428,7 @@ def repeat(base, params: dict, seed: int, run_dir: Path, what: str) -> dict:
     return {
         "seed": seed,
         "accuracy": r["accuracy"],
+        "score": score.of_run(r),
         "train_time_s": r["train_time_s"],
         "epochs": r.get("epochs"),
         "checkpoint": r["checkpoint"],
