@@ -28,6 +28,7 @@ def test_targets_are_read_as_a_list_from_set_and_toml(capsys):
         assert load_config(TINY, [f"train.targets={text}"]).train.targets == [0.9, 0.91]
     assert load_config(TINY, ["train.targets=1"]).train.targets == [1.0]  # 100% is a target
     assert load_config(TINY).train.targets == []
+    assert load_config().train.targets == [0.9, 0.91]  # the default job's
     rc, out, _ = run(capsys, "config", TINY, "--set", "train.targets=[0.5]")
     assert rc == 0 and "targets = [0.5]" in out  # written back as TOML
 
