@@ -206,9 +206,8 @@ def cmd_eval(args) -> int:
 def cmd_info(args) -> int:
     from .checks import check_run
     from .config import load_config
-    from .tasks import model_info, task_class
-
     from .optim import split_line
+    from .tasks import model_info, task_class
 
     info = model_info(check_run(load_config(args.config, args.overrides)))
     print(json.dumps(info) if args.json else task_class(info["kind"]).info_line(info))

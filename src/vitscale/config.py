@@ -926,12 +926,6 @@ def check(cfg: Config) -> None:
             "torch's loss scaler cannot unscale fp16 gradients, and fp16 optimizer state "
             "underflows AdamW's eps (1e-8 is 0 in fp16); keep master_weights=true or use pure_bf16"
         )
-    if cfg.optim.name == "muon" and cfg.strategy.name == "deepspeed":
-        raise ConfigError(
-            "config: optim.name=muon under strategy.name=deepspeed is refused: ZeRO flattens and "
-            "partitions the parameters, and Muon orthogonalises whole matrices; use fsdp or hsdp "
-            "(Muon gathers each sharded matrix there)"
-        )
     if cfg.optim.schedule_clock == "time" and not cfg.train.time_limit_s:
         raise ConfigError(
             "config: optim.schedule_clock=time needs train.time_limit_s > 0 (the budget the "

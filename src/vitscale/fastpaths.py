@@ -26,7 +26,6 @@ import torch
 
 from .config import Config, capture_refusal, check
 from .launch import launch_env
-from .muon import auto_ns_dtype
 from .strategy import needs_processes, resolve_device
 from .strategy.devices import auto_precision, cpu_has_bf16, device_for
 from .tasks import build_task, task_capture_refusal
@@ -66,6 +65,12 @@ def this_machine(cfg: Config, env: Mapping[str, str] = os.environ) -> Machine:
             world_size=launch.world_size,
         )
     return Machine("cpu", cpu_bf16=cpu_has_bf16(), world_size=launch.world_size)
+
+
+def auto_ns_dtype(machine: Machine) -> tuple[str, str]:
+    """optim.muon_ns_dtype=auto: (bf16 or fp32, why): bf16 where train.precision=auto takes it."""
+    precision, why = auto_precision(machine.device_type, machine.capability, machine.cpu_bf16)
+    return ("bf16" if precision == "bf16" else "fp32"), why
 
 
 def auto_capture(cfg: Config, machine: Machine) -> tuple[str, str]:
@@ -140,9 +145,7 @@ def resolve(cfg: Config, machine: Machine | None = None) -> FastPaths:
         chosen["train.capture"] = auto_capture(cfg, machine)
         cfg = replace(cfg, train=replace(cfg.train, capture=chosen["train.capture"][0]))
     if muon_auto:
-        chosen["optim.muon_ns_dtype"] = auto_ns_dtype(
-            machine.device_type, machine.capability, machine.cpu_bf16
-        )
+        chosen["optim.muon_ns_dtype"] = auto_ns_dtype(machine)
         cfg = replace(cfg, optim=replace(cfg.optim, muon_ns_dtype=chosen["optim.muon_ns_dtype"][0]))
     check(cfg)
     return FastPaths(cfg, machine, chosen)

@@ -10,8 +10,8 @@ neither changes its numbers where it can run:
 - the iteration's dtype is a key (optim.muon_ns_dtype): torch's is bf16, which a CPU without bf16
   instructions emulates at about 2 GFLOP/s (ENVIRONMENT.md); fp32 there;
 - a sharded parameter (an FSDP2 / HSDP / tensor-parallel DTensor) is orthogonalised as the whole
-  matrix: its update is gathered (`full_tensor`), iterated on every rank alike, and each rank keeps
-  its own shard (`distribute_tensor` with src_data_rank=None: a local slice, no second collective).
+  matrix: the engine's `whole` (strategy/parallel.py's `on_whole_matrix`) gathers the update,
+  the iteration runs on every rank alike, and each rank keeps its own shard.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .errors import ConfigError
 
@@ -27,15 +26,6 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan
 NS_EPS = 1e-7
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GROUP_KEYS = ("momentum", "nesterov", "ns_steps", "adjust_lr_fn", "ns_dtype")
-
-
-def is_muon_param(name: str, p: torch.Tensor) -> bool:
-    """What Muon updates: the 2-D weights inside the transformer blocks (attention's qkv and
-    projection, the MLP's two layers). Embeddings, the stem, norms, biases, the class token and the
-    head stay with AdamW, as in Keller Jordan's and Moonshot's recipes."""
-    from .optim import block_index  # optim imports this module
-
-    return p.ndim == 2 and block_index(name) is not None
 
 
 def orthogonalize(
@@ -64,13 +54,9 @@ def lr_scale(adjust: str, shape) -> float:
     return math.sqrt(max(1, a / b))
 
 
-def whole_orthogonalized(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """`orthogonalize` of a matrix, sharded or not: a DTensor is gathered whole, orthogonalised
-    alike on every rank, and this rank's shard of the result returned (a DTensor placed as it was)."""
-    if not isinstance(update, DTensor):
-        return orthogonalize(update, steps, dtype)
-    whole = orthogonalize(update.full_tensor(), steps, dtype)
-    return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+def as_is(update: torch.Tensor, fn):
+    """A matrix the optimizer holds whole: `fn` of it (MuonAdamW's default `whole`)."""
+    return fn(update)
 
 
 class MuonAdamW(torch.optim.AdamW):
@@ -78,15 +64,18 @@ class MuonAdamW(torch.optim.AdamW):
     (torch.optim.AdamW itself, with its impl: for-loop, foreach or fused). A Muon group carries
     lr, weight_decay and GROUP_KEYS (optim.muon_*); its state is the momentum buffer, as torch's."""
 
-    def __init__(self, groups: list[dict], *, lr: float, muon: dict, **adamw):
+    def __init__(self, groups: list[dict], *, lr: float, muon: dict, whole=as_is, **adamw):
         super().__init__(groups, lr=lr, **adamw)
+        self.whole = whole  # whole(update, fn): fn of the whole matrix, this rank's part back
         for g in self.param_groups:
             if g.get("muon"):
                 for k in GROUP_KEYS:
                     g.setdefault(k, muon[k])
                 bad = [tuple(p.shape) for p in g["params"] if p.ndim != 2]
                 if bad:
-                    raise ConfigError(f"config: optim.name=muon takes 2-D weights only, got {bad[0]}")
+                    raise ConfigError(
+                        f"config: optim.name=muon takes 2-D weights only, got {bad[0]}"
+                    )
 
     def __setstate__(self, state: dict) -> None:
         """load_state_dict's: AdamW's own over its groups (it expects a step count in their state),
@@ -114,10 +103,15 @@ class MuonAdamW(torch.optim.AdamW):
 
     def muon_step(self, group: dict) -> None:
         """torch.optim.Muon's single-tensor step (_single_tensor_muon), with the iteration in the
-        group's ns_dtype and whole matrices (`whole_orthogonalized`)."""
+        group's ns_dtype, on the whole matrix (`self.whole`: the engine's, for sharded ones)."""
         lr = float(group["lr"])
         momentum, wd = group["momentum"], group["weight_decay"]
         dtype = DTYPES[group["ns_dtype"]]
+        steps = group["ns_steps"]
+
+        def ortho(m: torch.Tensor) -> torch.Tensor:
+            return orthogonalize(m, steps, dtype)
+
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -127,34 +121,23 @@ class MuonAdamW(torch.optim.AdamW):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
             update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = whole_orthogonalized(update, group["ns_steps"], dtype)
+            update = self.whole(update, ortho)
             p.mul_(1 - lr * wd)
             p.add_(update, alpha=-lr * lr_scale(group["adjust_lr_fn"], p.shape))
 
 
-def auto_ns_dtype(device_type: str, capability=None, cpu_bf16: bool | None = None):
-    """optim.muon_ns_dtype=auto: (bf16 or fp32, why), bf16 where train.precision=auto takes it."""
-    from .strategy.devices import auto_precision
-
-    precision, why = auto_precision(device_type, capability, cpu_bf16)
-    return ("bf16" if precision == "bf16" else "fp32"), why
-
-
-def muon_settings(cfg, device: torch.device) -> dict:
-    """GROUP_KEYS of Muon's groups from the optim section; optim.muon_ns_dtype=auto (which
-    fastpaths.resolve answers, and announces, for a run) answered for `device` where it is left."""
-    ns_dtype = cfg.muon_ns_dtype
-    if ns_dtype == "auto":
-        from .strategy.devices import cpu_has_bf16
-
-        if device.type == "cuda":
-            ns_dtype = auto_ns_dtype("cuda", torch.cuda.get_device_capability(device))[0]
-        else:
-            ns_dtype = auto_ns_dtype(device.type, cpu_bf16=cpu_has_bf16())[0]
+def muon_settings(cfg) -> dict:
+    """GROUP_KEYS of Muon's groups from the optim section, optim.muon_ns_dtype resolved
+    (fastpaths.resolve answers auto for the machine, and announces it)."""
+    if cfg.muon_ns_dtype not in DTYPES:
+        raise ConfigError(
+            f"config: optim.muon_ns_dtype={cfg.muon_ns_dtype} was not answered for this machine "
+            "(fastpaths.resolve); set bf16 or fp32"
+        )
     return {
         "momentum": cfg.muon_momentum,
         "nesterov": cfg.muon_nesterov,
         "ns_steps": cfg.muon_ns_steps,
         "adjust_lr_fn": cfg.muon_adjust_lr,
-        "ns_dtype": ns_dtype,
+        "ns_dtype": cfg.muon_ns_dtype,
     }

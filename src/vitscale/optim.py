@@ -10,7 +10,7 @@ from torch import nn
 
 from .config import OptimConfig
 from .errors import ConfigError
-from .muon import MuonAdamW, is_muon_param, muon_settings
+from .muon import MuonAdamW, as_is, muon_settings
 
 
 def block_index(name: str) -> int | None:
@@ -46,9 +46,16 @@ def optimizer_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
             "(all frozen, or a model without blocks): use adamw"
         )
     wd = cfg.weight_decay if cfg.muon_weight_decay < 0 else cfg.muon_weight_decay
-    keep = {id(p) for p in hidden}
+    keep = frozenset(id(p) for p in hidden)
     rest = param_groups(model, cfg.weight_decay, cfg.layer_decay, exclude=keep)
     return [*rest, {"params": hidden, "weight_decay": wd, "muon": True}]
+
+
+def is_muon_param(name: str, p: torch.Tensor) -> bool:
+    """What Muon updates: the 2-D weights inside the transformer blocks (attention's qkv and
+    projection, the MLP's two layers). Embeddings, the stem, norms, biases, the class token and the
+    head stay with AdamW, as in Keller Jordan's and Moonshot's recipes."""
+    return p.ndim == 2 and block_index(name) is not None
 
 
 def optimizer_split(model: nn.Module, cfg: OptimConfig) -> dict:
@@ -76,7 +83,10 @@ def split_line(split: dict) -> str:
 
 
 def param_groups(
-    model: nn.Module, weight_decay: float, layer_decay: float = 1.0, exclude: set[int] = set()
+    model: nn.Module,
+    weight_decay: float,
+    layer_decay: float = 1.0,
+    exclude: frozenset[int] = frozenset(),
 ) -> list[dict]:
     """No weight decay on norms, biases, position embeddings and the class token. With
     `layer_decay` < 1, one pair of groups per layer, each with `lr_scale` = layer_decay ** (depth + 1
@@ -196,11 +206,13 @@ def build_optimizer(
     params=None,
     capturable: bool = False,
     lr: float | None = None,
+    whole=as_is,
 ) -> torch.optim.Optimizer:
     """`params` (param groups) defaults to `param_groups(model)`; the strategy may pass master copies.
     `capturable`: AdamW keeps its step count on the device and takes its lr as a device tensor, so
     that a CUDA graph of the whole step replays it (train.capture=step on a GPU). `lr`: the base lr
-    (default optim.lr; a run passes it scaled to its global batch, `scaled_lr`)."""
+    (default optim.lr; a run passes it scaled to its global batch, `scaled_lr`). `whole`: how
+    Muon makes a matrix whole (the engine's, for sharded parameters: muon.MuonAdamW)."""
     lr = cfg.lr if lr is None else lr
     groups = with_lr(
         params if params is not None else optimizer_groups(model, cfg), lr, muon_lr(cfg, lr)
@@ -218,11 +230,11 @@ def build_optimizer(
         )
     if cfg.name == "muon":
         check_optimizer(cfg)
-        device = next(p.device for g in groups for p in g["params"])
         return MuonAdamW(
             groups,
             lr=lr,
-            muon=muon_settings(cfg, device),
+            muon=muon_settings(cfg),
+            whole=whole,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
             **impl,

@@ -199,6 +199,11 @@ def deepspeed_refusal(
                 "shards; use strategy.zero_stage=0)",
                 optim.name == "lamb" and stage > 0,
             ),
+            (
+                "optim.name=muon (ZeRO flattens and partitions the parameters, Muon orthogonalises "
+                "whole matrices; use strategy.name=fsdp or hsdp, where Muon gathers each sharded one)",
+                optim.name == "muon",
+            ),
         )
         if on
     ]

@@ -170,3 +170,16 @@ def shard_placement(p: nn.Parameter):
 
     strided = isinstance(p, DTensor) and any(isinstance(x, _StridedShard) for x in p.placements)
     return Shard(1) if strided else None
+
+
+def on_whole_matrix(update: torch.Tensor, fn):
+    """Muon's `whole` (muon.MuonAdamW): `fn` of the whole matrix, this rank's part of its result
+    back. A sharded DTensor (FSDP2, HSDP, tensor parallel) is gathered whole (`full_tensor`), `fn`
+    runs alike on every rank, and each keeps its shard (`distribute_tensor` with src_data_rank=None:
+    a local slice, no second collective)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(update, DTensor):
+        return fn(update)
+    whole = fn(update.full_tensor())
+    return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)

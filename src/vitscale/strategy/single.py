@@ -25,7 +25,7 @@ from .devices import (
 )
 from .ema import Ema
 from .fp8 import convert_fp8, fp8_refusal
-from .parallel import apply_ac
+from .parallel import apply_ac, on_whole_matrix
 
 
 def resolve_device(name: str) -> torch.device:
@@ -168,7 +168,12 @@ class SingleDevice(OneProcess):  # implements base.Strategy
         groups = optimizer_groups(model, self.optim_cfg)
         groups = self.amp.optimizer_groups(groups)  # pure_* with master weights: fp32 copies
         self.optimizer = build_optimizer(
-            model, self.optim_cfg, params=groups, capturable=self.captured, lr=self.lr
+            model,
+            self.optim_cfg,
+            params=groups,
+            capturable=self.captured,
+            lr=self.lr,
+            whole=on_whole_matrix,  # Muon's sharded matrices made whole
         )
         self.module = model  # plain module: checkpoints, export, eval
         wrapped = self.wrapper(model)
