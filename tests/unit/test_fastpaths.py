@@ -59,28 +59,41 @@ def test_the_default_recipe_resolves_per_machine():
     cfg = load_config()
     assert (cfg.train.precision, cfg.train.capture) == ("auto", "auto")
     got = {m: resolve(cfg, m) for m in (AVX2, AVX512_BF16, H200, T4)}
-    assert {m: (f.cfg.train.precision, f.cfg.train.capture) for m, f in got.items()} == {
-        AVX2: ("fp32", "none"),
-        AVX512_BF16: ("bf16", "none"),
-        H200: ("bf16", "step"),
-        T4: ("fp32", "step"),
+    # the recipe's Muon (issue 50): its lr lives on the host, so a GPU runs it uncaptured, and
+    # its Newton-Schulz iteration follows the precision
+    assert {
+        m: (f.cfg.train.precision, f.cfg.train.capture, f.cfg.optim.muon_ns_dtype)
+        for m, f in got.items()
+    } == {
+        AVX2: ("fp32", "none", "fp32"),
+        AVX512_BF16: ("bf16", "none", "bf16"),
+        H200: ("bf16", "none", "bf16"),
+        T4: ("fp32", "none", "fp32"),
     }
-    assert set(got[H200].record()) == {"train.precision", "train.capture"}
+    assert set(got[H200].record()) == {"train.precision", "train.capture", "optim.muon_ns_dtype"}
     line = got[H200].line()
     assert (
         line.startswith("fast paths on cuda (NVIDIA H200, sm_90): precision bf16 (auto: ")
-        and "capture step" in line
+        and "capture none (auto: optim.name=muon" in line
+        and "muon_ns_dtype bf16 (auto: " in line
     )
     assert "compile off" in line
     assert cfg.train.precision == "auto"  # the recipe itself is left as it was
+    # with AdamW the default job's step is captured on a GPU
+    adamw = load_config(None, ["optim.name=adamw"])
+    assert {resolve(adamw, m).cfg.train.capture for m in (H200, T4)} == {"step"}
 
 
 def test_on_a_bf16_cpu_the_default_job_is_the_recipe_as_it_was():
     """The default job on a CPU with bf16 instructions: auto gives exactly the config of the recipe
     before issue 39 (bf16, uncaptured), so the run is the same run, bit for bit."""
-    before = load_config(None, ["train.precision=bf16", "train.capture=none"])
+    before = load_config(
+        None, ["train.precision=bf16", "train.capture=none", "optim.muon_ns_dtype=bf16"]
+    )
     assert resolve(load_config(), AVX512_BF16).cfg.to_dict() == before.to_dict()
-    fp32 = load_config(None, ["train.precision=fp32", "train.capture=none"])
+    fp32 = load_config(
+        None, ["train.precision=fp32", "train.capture=none", "optim.muon_ns_dtype=fp32"]
+    )
     assert resolve(load_config(), AVX2).cfg.to_dict() == fp32.to_dict()
 
 
@@ -90,8 +103,9 @@ def test_on_a_bf16_cpu_the_default_job_is_the_recipe_as_it_was():
         ["train.precision=fp32"],
         ["train.precision=pure_bf16"],
         ["train.capture=none"],
-        ["train.capture=step"],
+        ["optim.name=adamw", "train.capture=step"],  # the recipe's Muon is not captured
         ["train.precision=fp32", "train.capture=none"],
+        ["optim.muon_ns_dtype=fp32"],
     ],
 )
 def test_named_keys_are_never_changed(sets):
@@ -100,7 +114,8 @@ def test_named_keys_are_never_changed(sets):
         out = resolve(cfg, m)
         for s in sets:
             key, value = s.split("=")
-            assert getattr(out.cfg.train, key.split(".")[1]) == value
+            section, name = key.split(".")
+            assert str(getattr(getattr(out.cfg, section), name)) == value
             assert key not in out.record()
         assert resolve(out.cfg, m).cfg == out.cfg  # idempotent: resolved resolves to itself
 
@@ -111,7 +126,12 @@ def test_named_keys_are_never_changed(sets):
         (["strategy.name=ddp"], 2, "2 processes"),
         (["train.precision=fp16"], 1, "loss scaler"),
         (["optim.name=sgd"], 1, "optim.name=sgd"),
-        (["train.compile=true", "train.compile_mode=reduce-overhead"], 1, "CUDA graphs of its own"),
+        (
+            ["optim.name=adamw", "train.compile=true", "train.compile_mode=reduce-overhead"],
+            1,
+            "CUDA graphs of its own",
+        ),
+        ([], 1, "optim.name=muon"),  # the default recipe's optimizer
     ],
 )
 def test_auto_capture_on_a_gpu_runs_uncaptured_with_the_reason(sets, world, needle):

@@ -131,7 +131,10 @@ def test_state_survives_a_state_dict_round_trip_bit_equal():
 @pytest.mark.parametrize(
     "overrides,needle",
     [
-        (["optim.muon_lr=0.02"], "optim.muon_lr is a key of optim.name=muon, unused by adamw"),
+        (
+            ["optim.name=adamw", "optim.muon_lr=0.02"],
+            "optim.muon_lr is a key of optim.name=muon, unused by adamw",
+        ),
         (["optim.name=muon", "optim.layer_decay=0.7"], "layer_decay < 1 is refused"),
         (
             ["optim.name=muon", "strategy.name=deepspeed", "train.ema_decay=0"],
