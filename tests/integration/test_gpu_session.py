@@ -309,7 +309,7 @@ def test_the_default_part_on_the_image(tmp_path):
         out,
         "default",
         ALLOW_CPU="1",
-        DEFAULT_SETS="--set data.name=synthetic --set data.channels=1 "
+        DEFAULT_SETS="--set data.name=synthetic --set data.channels=1 --set data.batch_size=64 "
         "--set data.train_size=256 --set data.test_size=64 --set run.max_steps=2 --set run.threads=1",
     )
     assert p.returncode == 0, p.stderr
