@@ -155,6 +155,6 @@ def test_the_readme_names_both_tiers():
     readme = (TESTS.parent / "README.md").read_text()
     ci = (TESTS.parent / ".ci" / "run").read_text()
     assert (
-        ".venv/bin/python -m pytest -n 2 --cov " in readme.splitlines()[4] + " "
-    )  # the second command: the fast tier, on two xdist workers
-    assert "pytest --cov --full" in readme and "-m slow" in ci and "pytest -n 2 --cov\n" in ci
+        ".venv/bin/python -m pytest --cov " in readme.splitlines()[4] + " "
+    )  # the second command: the fast tier
+    assert "pytest --cov --full" in readme and "-m slow" in ci and "pytest --cov\n" in ci
