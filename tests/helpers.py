@@ -473,3 +473,20 @@ def assert_loss_state_close(run, reference) -> None:
         if torch.is_tensor(v) and v.is_floating_point():
             atol = state_atol if k.startswith(("lu", "bound")) else 1e-6
             torch.testing.assert_close(mine[k], v, rtol=1e-4, atol=atol, msg=k)
+
+
+class FakeTrial:
+    """An Optuna trial's surface that search's Pruning uses: its reports, its user attributes, and
+    a prune once `prune_after` reports were made (None: never)."""
+
+    def __init__(self, prune_after: int | None = None):
+        self.reports, self.attrs, self.prune_after = [], {}, prune_after
+
+    def report(self, value, step):
+        self.reports.append((step, value))
+
+    def should_prune(self):
+        return self.prune_after is not None and len(self.reports) >= self.prune_after
+
+    def set_user_attr(self, k, v):
+        self.attrs[k] = v

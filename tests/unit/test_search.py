@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from helpers import TINY, sets
+from helpers import TINY, FakeTrial, sets
 
 from vitscale.cli import main
 from vitscale.config import Config, load_config, set_value
@@ -562,20 +562,7 @@ def test_pruning_reports_percent_of_the_budget_and_never_prunes_the_end():
 
     from vitscale.lab.search.trials import Pruning
 
-    class FakeTrial:
-        def __init__(self):
-            self.reports, self.attrs = [], {}
-
-        def report(self, value, step):
-            self.reports.append((step, value))
-
-        def should_prune(self):
-            return len(self.reports) >= 3
-
-        def set_user_attr(self, k, v):
-            self.attrs[k] = v
-
-    trial = FakeTrial()
+    trial = FakeTrial(prune_after=3)
     prune = Pruning(optuna, trial, budget_s=10.0, metric="test_accuracy")
 
     def ev(train_time_s, acc, step=0):  # an evaluation's record, as the Trainer passes it

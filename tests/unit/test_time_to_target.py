@@ -6,7 +6,7 @@ import json
 import types
 
 import pytest
-from helpers import TINY, interrupted_copy, run, sets
+from helpers import TINY, FakeTrial, interrupted_copy, run, sets
 
 from vitscale.errors import UserError
 from vitscale.run_report import describe_targets, first_reached, time_to_target
@@ -203,16 +203,6 @@ def test_pruning_under_time_to_target_reports_the_score_so_far():
 
     from vitscale.lab.search.score import Score
     from vitscale.lab.search.trials import Pruning
-
-    class FakeTrial:
-        def __init__(self):
-            self.reports, self.attrs = [], {}
-
-        def report(self, value, step):
-            self.reports.append((step, value))
-
-        def should_prune(self):
-            return False
 
     trial = FakeTrial()
     score = Score("time-to-target", 0.9, 10.0)
