@@ -467,6 +467,46 @@ class TrainConfig:
         doc="torch.compile mode: reduce-overhead "
         "= CUDA graphs (one launch per step: small, launch-bound models on a GPU)",
     )
+    # inductor's own knobs (issue 51), applied to this run's compile only; off = torch's default
+    inductor_coordinate_descent: bool = field(
+        default=False,
+        metadata={
+            "doc": "train.compile: inductor's coordinate_descent_tuning (Triton kernels' block "
+            "sizes tuned further; max-autotune modes set it already). No effect on a CPU"
+        },
+    )
+    inductor_combo_kernels: bool = field(
+        default=False,
+        metadata={
+            "doc": "train.compile: inductor's combo_kernels (independent small Triton kernels "
+            "launched as one). No effect on a CPU"
+        },
+    )
+    inductor_mix_order: str = choice(
+        "default",
+        "default",
+        "on",
+        "off",
+        doc="train.compile: inductor's triton.mix_order_reduction (a row and a column reduction "
+        "of one tensor in one kernel: LayerNorm's backward); default = torch's. No effect on a CPU",
+    )
+    inductor_gemm: str = choice(
+        "default",
+        "default",
+        "cutlass",
+        "cutedsl",
+        doc="train.compile with compile_mode=max-autotune(-no-cudagraphs): add CUTLASS or CuTeDSL "
+        "(Blackwell) GEMM templates, with their epilogues (bias, GELU), to what max-autotune "
+        "chooses among (max_autotune_gemm_backends); CUDA only",
+    )
+    compile_cache: str = field(
+        default="",
+        metadata={
+            "doc": "train.compile: a file for torch.compiler's Mega Cache: loaded before the first "
+            "compile, written after the first optimizer step, so that the next run does not "
+            'compile again ("" = off)'
+        },
+    )
     activation_checkpointing: bool = False
     sdpa_backend: str = choice(
         "auto",
@@ -883,6 +923,40 @@ def capture_refusal(cfg: Config) -> str | None:
     return why
 
 
+INDUCTOR_KNOBS = (
+    "inductor_coordinate_descent",
+    "inductor_combo_kernels",
+    "inductor_mix_order",
+    "inductor_gemm",
+    "compile_cache",
+)
+
+
+def inductor_knobs(train: TrainConfig) -> list[str]:
+    """The train.inductor_* (and compile_cache) keys a config sets, as "train.key=value"."""
+    defaults = TrainConfig()
+    return [
+        f"train.{k}={str(getattr(train, k)).lower()}"
+        for k in INDUCTOR_KNOBS
+        if getattr(train, k) != getattr(defaults, k)
+    ]
+
+
+def inductor_refusal(train: TrainConfig) -> str | None:
+    """A knob of torch.compile without train.compile=true; train.inductor_gemm without a
+    max-autotune mode (the GEMM backends are what max-autotune chooses among): one line or None."""
+    knobs = inductor_knobs(train)
+    if knobs and not train.compile:
+        return f"config: {knobs[0]} is an option of torch.compile: it needs train.compile=true"
+    if train.inductor_gemm != "default" and not train.compile_mode.startswith("max-autotune"):
+        return (
+            f"config: train.inductor_gemm={train.inductor_gemm} adds GEMM backends to what "
+            "max-autotune chooses among: set train.compile_mode=max-autotune-no-cudagraphs (not "
+            f"{train.compile_mode})"
+        )
+    return None
+
+
 def check(cfg: Config) -> None:
     """Cross-field checks that one key alone cannot express. What depends on the kind of model
     (its model.init files) is the task's check: tasks.check_config runs both. That the global
@@ -908,6 +982,9 @@ def check(cfg: Config) -> None:
             )
     if cfg.train.capture == "step":
         check_capture(cfg)
+    why = inductor_refusal(cfg.train)
+    if why:
+        raise ConfigError(why)
     if cfg.train.fp8 != "none":
         # auto: checked where it is resolved
         if cfg.train.precision not in ("bf16", "pure_bf16", "auto"):

@@ -37,8 +37,9 @@ from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups, with_lr
 from .amp import DeepSpeedPrecision
 from .base import GradCheckpointing
-from .devices import backend_for, compile_kwargs
+from .devices import backend_for
 from .dist import Distributed, env_world, free_port, launched
+from .inductor import compile_args
 
 if TYPE_CHECKING:  # DeepSpeed is optional: imported when setup() builds the engine
     from deepspeed import DeepSpeedEngine
@@ -335,7 +336,8 @@ class DeepSpeedStrategy(Distributed):
         # the precision part takes what the engine keeps: its weights' dtype and the fp32 masters
         self.amp.adopt(self.engine, optimizer, self.stage)
         if self.cfg.compile:  # DeepSpeed's own: the wrapped module compiled, hooks kept outside
-            self.engine.compile(compile_kwargs=compile_kwargs(self.cfg.compile_mode))
+            self.cache.load()  # train.compile_cache
+            self.engine.compile(compile_kwargs=compile_args(self.cfg))
         self.model = self.engine  # callable: forward through the engine (ZeRO-3 gathers parameters)
         module = self.engine.module
         assert isinstance(module, nn.Module)  # the model initialize() wrapped
@@ -372,6 +374,7 @@ class DeepSpeedStrategy(Distributed):
         engine = self.ds_engine
         skipped_before = engine.skipped_steps
         engine.step()
+        self.cache.saved()
         self._micro = 0
         if norm is None:
             norm = engine.get_global_grad_norm()

@@ -44,6 +44,7 @@ from ..errors import ConfigError, UserError
 from .amp import MeshPrecision
 from .comm import COUNTER
 from .dist import Distributed
+from .inductor import compile_args
 from .mesh import DIMS, build_mesh, dp_group, mesh_shape
 from .parallel import apply_compile, apply_fsdp, apply_tp
 
@@ -146,7 +147,7 @@ class FSDPStrategy(Distributed):
             apply_tp(model, self.mesh["tp"], plan, sp)
 
     def compile_step(self, model: nn.Module) -> None:
-        apply_compile(shard_units(model), self.cfg.compile, self.cfg.compile_mode)
+        apply_compile(shard_units(model), self.cfg.compile, compile_args(self.cfg))
 
     def shard_step(self, model: nn.Module) -> None:
         """FSDP2 over the data-parallel mesh, with the precision part's policy."""

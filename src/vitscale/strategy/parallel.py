@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from .base import GradCheckpointing
-from .devices import compile_kwargs
 
 
 def apply_ac(model: nn.Module, on: bool) -> None:
@@ -143,11 +142,12 @@ def tp_context(on: bool):
     return implicit_replication()
 
 
-def apply_compile(units: list[nn.Module], on: bool, mode: str) -> None:
-    """3. Each block's forward compiled in place (parameter names unchanged)."""
+def apply_compile(units: list[nn.Module], on: bool, kwargs: dict) -> None:
+    """3. Each block's forward compiled in place (parameter names unchanged), with torch.compile's
+    `kwargs` (inductor.compile_args: the mode, or its options with the train.inductor_* knobs)."""
     if on:
         for block in units:
-            block.compile(**compile_kwargs(mode))
+            block.compile(**kwargs)
 
 
 def apply_fsdp(model: nn.Module, units: list[nn.Module], dp_mesh, **kw) -> None:

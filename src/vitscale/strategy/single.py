@@ -4,6 +4,7 @@ part it is built with (amp.Autocast: autocast, half weights, the loss scaler).""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import cast
 
@@ -18,14 +19,16 @@ from .devices import (
     CUDAGRAPH_MODES,
     apply_backend_flags,
     backend_flags,
-    compile_kwargs,
     fp16_refusal,
     sdpa_refusal,
     warn_slow_bf16,
 )
 from .ema import Ema
 from .fp8 import convert_fp8, fp8_refusal
+from .inductor import CompileCache, compile_args, gemm_refusal, knob_note
 from .parallel import apply_ac, on_whole_matrix
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,6 +49,7 @@ def device_refusal(train: TrainConfig, device: torch.device) -> str | None:
         fp16_refusal(device.type, train.precision)
         or fp8_refusal(train.fp8, device.type, capability)
         or sdpa_refusal(device.type, train.sdpa_backend)
+        or gemm_refusal(device.type, train.inductor_gemm)
     )
 
 
@@ -122,6 +126,10 @@ class SingleDevice(OneProcess):  # implements base.Strategy
         # what the device refuses (fp16 on a CPU, fp8 below its capability) was asked at config
         # time (strategy.check_engine: train, config, info and eval ask it): not again here
         warn_slow_bf16(device.type, train.precision)
+        note = knob_note(train, device.type)  # Triton-only knobs in a CPU compile: said, no effect
+        if note:
+            log.warning(note)
+        self.cache = CompileCache(train.compile_cache if train.compile else "", self.is_main)
         self.ema: Ema | None = None
         # TF32 and cuDNN autotuning (process-wide; nothing on a CPU)
         apply_backend_flags(backend_flags(device.type, train.tf32, train.cudnn_benchmark))
@@ -177,9 +185,11 @@ class SingleDevice(OneProcess):  # implements base.Strategy
         )
         self.module = model  # plain module: checkpoints, export, eval
         wrapped = self.wrapper(model)
-        # compiled: an OptimizedModule, an nn.Module whose forward is the compiled one
-        kw = compile_kwargs(self.cfg.compile_mode)
+        # compiled: an OptimizedModule, an nn.Module whose forward is the compiled one (with the
+        # train.inductor_* options, and the Mega Cache loaded first where train.compile_cache names it)
         compiled = self.cfg.compile and self.compile_whole
+        self.cache.load()
+        kw = compile_args(self.cfg)
         self.model = cast(nn.Module, torch.compile(wrapped, **kw)) if compiled else wrapped
 
     def setup_eval(self, model: nn.Module) -> None:
@@ -220,6 +230,7 @@ class SingleDevice(OneProcess):  # implements base.Strategy
         average the weights is decided on the host)."""
         norm, skipped = self.amp.step(self.optimizer, self.optim_cfg.grad_clip)
         self.optimizer.zero_grad(set_to_none=True)
+        self.cache.saved()  # train.compile_cache: written once, after the first step compiled
         if self.ema is not None and not bool(skipped):
             self.ema.update(self.module)
         return {"grad_norm": norm.detach(), "skipped": skipped}
