@@ -154,6 +154,10 @@ def test_bench_json_on_tiny(capsys, tmp_path, synthetic):
     assert r["synthetic"] is synthetic
     if synthetic:
         assert r["split"]["data"] < r["step_time_s"]["median"]
+    # the first warm-up step apart (issue 51: the compile time, reported beside the step's)
+    assert r["first_step_s"] > 0 and r["compile_s"] == max(
+        0.0, r["first_step_s"] - r["step_time_s"]["median"]
+    )
 
 
 def test_bench_human_output(capsys):

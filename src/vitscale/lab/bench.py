@@ -70,6 +70,8 @@ def measure(
             "flops_per_image": b.trainer.flops_per_image,
             "train_flops_per_image": 3 * b.trainer.flops_per_image,
             "step_time_s": r["step_time_s"],
+            "first_step_s": r["first_step_s"],  # the first warm-up step: compile, allocator warm-up
+            "compile_s": r["compile_s"],  # first_step_s - the median step
             "split": _split_max(r, split, split_all),
             "split_notes": [SPLIT_NOTE] + split["notes"],
             "comm": comm,
@@ -211,14 +213,19 @@ def timed_steps(b, steps: int, warmup: int, trials: int) -> tuple[dict, dict]:
     """`trials` timings of `steps` steps of Bench `b` after `warmup` (the slowest rank's, per
     trial): (rounds.rate's throughput and step times, the communication counted per step)."""
     s = b.s
-    if warmup:
-        b.steps(warmup)
+    first = b.steps(1)[0] if warmup else None  # torch.compile's compile runs in it
+    if warmup > 1:
+        b.steps(warmup - 1)
     if s.world_size > 1:
         s.comm_stats(1)
     times = [b.steps(steps) for _ in range(trials)]
     comm = s.comm_stats(steps * trials)
     flat = gather_max(s, [v for t in times for v in t])
-    return rate(list(zip(flat[::2], flat[1::2])), steps, b.global_batch), comm
+    r = rate(list(zip(flat[::2], flat[1::2])), steps, b.global_batch)
+    # the first step apart: with train.compile, the compile time is what it took over a step
+    r["first_step_s"] = first = gather_max(s, [first])[0] if first is not None else None
+    r["compile_s"] = max(0.0, first - r["step_time_s"]["median"]) if first is not None else None
+    return r, comm
 
 
 def _max_or_none(values):
@@ -235,7 +242,8 @@ def describe(r: dict) -> str:
         f"{r['trials']} trials x {r['steps']} steps after {r['warmup']} warm-up"
         f"{', one fixed batch' if r['synthetic'] else ''}",
         f"throughput  {r['images_per_s']:.1f} img/s ({r['images_per_s_per_device']:.1f} per device)",
-        f"step time   min {ms(st['min'])}, median {ms(st['median'])}, max {ms(st['max'])}",
+        f"step time   min {ms(st['min'])}, median {ms(st['median'])}, max {ms(st['max'])}; first "
+        f"step {ms(r.get('first_step_s'))} (compile: {ms(r.get('compile_s'))} over a step)",
         f"MFU         {100 * r['mfu']:.1f}% of {r['peak_flops'] / 1e9:.0f} GFLOP/s per device "
         f"({r['peak_source']}); {r['train_flops_per_image'] / 1e6:.0f} MFLOP per training image",
         f"memory      {r['peak_memory_bytes'] / 2**20:.0f} MiB ({r['memory_source']}); state held per "
