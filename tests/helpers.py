@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from vitscale import checkpoint as ckpt
 from vitscale.cli import main
@@ -490,3 +492,117 @@ class FakeTrial:
 
     def set_user_attr(self, k, v):
         self.attrs[k] = v
+
+
+# -- the capture stand-in: a CUDA graph's contract on a CPU (tests/unit/test_capture.py, and
+# test_clip_capture.py). Capture records every aten operation the step runs (below autograd and
+# autocast: what a CUDA graph records as kernels) and a replay runs them again on the same tensors
+# without running any Python of the step, writing each result into the tensor the capture produced
+# (a graph's static memory). A value the step took from the host during the capture stays frozen
+# in every replay, as on a GPU.
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an aten operation writes in place (its schema's `Tensor(a!)` arguments)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        if a.alias_info is not None and a.alias_info.is_write and value is not None:
+            out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return out
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs and records each aten operation; the storages it writes that the capture did not
+    create are saved first, so that the capture can be undone (a CUDA graph capture runs nothing)."""
+
+    def __init__(self, ops: list):
+        super().__init__()
+        self.ops, self.born, self.saved = ops, set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _written(func, args, kwargs):
+            st = t.untyped_storage()
+            if st.data_ptr() not in self.born and st.data_ptr() not in self.saved:
+                self.saved[st.data_ptr()] = (st, st.clone())
+        out = func(*args, **kwargs)
+        if not any(r.alias_info is not None for r in func._schema.returns):  # new memory
+            self.born |= {
+                t.untyped_storage().data_ptr()
+                for t in tree_flatten(out)[0]
+                if isinstance(t, torch.Tensor)
+            }
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+class ReplayGraph:
+    """A CUDA graph's contract on a CPU: warm-up runs eagerly; capture records the step's
+    operations and leaves every pre-existing tensor and the RNG as they were (a capture runs
+    nothing); replay re-runs the recorded operations (no Python of the step) into the captured
+    tensors, as a graph's kernels write its static memory."""
+
+    def __init__(self):
+        self.ops: list = []
+        self.captures = self.replays = self.warmups = 0
+        self.host_reads = 0  # .item() and kin inside the captured step (a GPU would sync there)
+
+    def warmup(self, fn):
+        self.warmups += 1
+        return fn()
+
+    def capture(self, fn):
+        self.captures += 1
+        rng = torch.get_rng_state()
+        rec = _Recorder(self.ops)
+        with rec:
+            out = fn()
+        for st, before in rec.saved.values():
+            st.copy_(before)
+        torch.set_rng_state(rng)
+        self.host_reads = sum(f is torch.ops.aten._local_scalar_dense.default for f, *_ in self.ops)
+        return out
+
+    @torch.no_grad()
+    def replay(self):
+        self.replays += 1
+        for func, args, kwargs, out in self.ops:
+            new = func(*args, **kwargs)
+            for old_t, new_t in zip(tree_flatten(out)[0], tree_flatten(new)[0]):
+                if (
+                    isinstance(old_t, torch.Tensor)
+                    and new_t is not old_t
+                    and new_t.untyped_storage().data_ptr() != old_t.untyped_storage().data_ptr()
+                ):
+                    old_t.copy_(new_t)
+
+
+def fit_with_graphs(cfg, run_dir, graph=None, monkeypatch=None, resume=None):
+    """Train `cfg` into `run_dir`; with `monkeypatch`, every graph a captured step asks for
+    (capture.graph_for) is a `graph()` (ReplayGraph: the capture stand-in). Returns (trainer,
+    summary, the graphs made)."""
+    import vitscale.capture
+    from vitscale.loop import Trainer
+
+    graphs = []
+    if monkeypatch is not None:
+
+        def make(device):
+            graphs.append(graph())
+            return graphs[-1]
+
+        monkeypatch.setattr(vitscale.capture, "graph_for", make)
+    tr = Trainer(cfg, run_dir, resume=resume)
+    try:
+        summary = tr.fit()
+    finally:
+        tr.close()
+    return tr, summary, graphs
+
+
+def assert_equal_states(a: dict, b: dict):
+    """The same keys and every value bit for bit."""
+    assert a.keys() == b.keys()
+    diff = [k for k in a if not torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k]))]
+    assert not diff, f"differ: {diff[:5]}"

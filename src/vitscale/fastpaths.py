@@ -87,7 +87,7 @@ def auto_capture(cfg: Config, machine: Machine) -> tuple[str, str]:
         )
     why = capture_refusal(
         replace(cfg, train=replace(cfg.train, capture="step"))
-    ) or task_capture_refusal(build_task(cfg))
+    ) or task_capture_refusal(build_task(cfg), auto=True)
     if why:
         return "none", why
     return "step", "one GPU, one process, a step the capture takes"

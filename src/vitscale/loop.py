@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 import torch
 
@@ -187,9 +187,15 @@ class Epochs(ProgressView):
     def save(self) -> Path:
         raise NotImplementedError
 
-    def train_step(self, batch: tuple, phase=None) -> tuple[torch.Tensor, dict]:
-        """The step function (step.TrainStep) at this run's step: (loss, info) on the device."""
-        return self.step_fn(batch, self.step, phase)
+    def train_step(self, batch: tuple, phase=None, step=None) -> tuple[torch.Tensor, dict]:
+        """The step function (step.TrainStep) at this run's step (`step`: a device counter that
+        stands for it, train.capture=step): (loss, info) on the device."""
+        return self.step_fn(batch, self.step if step is None else step, phase)
+
+    def whole_fn(self, batch: tuple) -> tuple[torch.Tensor, dict]:
+        """The step the captured unit runs: at the unit's device step counter, so that what the
+        task's state counts by step (CLIP v0's temperature lr) moves in every replay."""
+        return self.train_step(batch, step=cast(WholeStep, self.whole).step_t)
 
     def run_step(self, batch: tuple) -> tuple[torch.Tensor, dict]:
         """One step as training runs it (and the lab times it): `train_step`, or the whole step as
@@ -199,7 +205,7 @@ class Epochs(ProgressView):
         if s.whole_step:
             if self.whole is None:  # the parts the captured step uses
                 table = lr_table(self.scheduler, self.total_steps, s.device)
-                parts = (self.train_step, s.optimizer.param_groups, table, self.step, self.watch)
+                parts = (self.whole_fn, s.optimizer.param_groups, table, self.step, self.watch)
                 self.whole = WholeStep(*parts, captured=s.captured)
             return self.whole.step(batch)  # the watch is updated inside
         loss, info = self.train_step(batch)

@@ -56,7 +56,7 @@ class TrainStep:
         return total
 
     def __call__(
-        self, batch: tuple, step: int | None = None, phase: Phase | None = None
+        self, batch: tuple, step: int | torch.Tensor | None = None, phase: Phase | None = None
     ) -> tuple[torch.Tensor, dict]:
         """The step numbered `step + 1` (`step`: the steps taken before it, as the task's
         per-step state counts them)."""

@@ -13,15 +13,11 @@ import json
 
 import pytest
 import torch
-from helpers import trainer_state
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from helpers import ReplayGraph, assert_equal_states, fit_with_graphs, trainer_state
 
-import vitscale.capture
 from vitscale.config import load_config
 from vitscale.errors import ConfigError
 from vitscale.loop import Trainer
-from vitscale.tasks import check_config
 
 TINY = "configs/tests/tiny.toml"
 # EMA, clipping, weight decay, warm-up and decay, mirrored images, label smoothing: every part of
@@ -41,112 +37,18 @@ RECIPE = [
 ]
 
 
-def _written(func, args, kwargs) -> list[torch.Tensor]:
-    """The tensors an aten operation writes in place (its schema's `Tensor(a!)` arguments)."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(a.name)
-        if a.alias_info is not None and a.alias_info.is_write and value is not None:
-            out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-    return out
-
-
-class _Recorder(TorchDispatchMode):
-    """Runs and records each aten operation; the storages it writes that the capture did not
-    create are saved first, so that the capture can be undone (a CUDA graph capture runs nothing)."""
-
-    def __init__(self, ops: list):
-        super().__init__()
-        self.ops, self.born, self.saved = ops, set(), {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for t in _written(func, args, kwargs):
-            st = t.untyped_storage()
-            if st.data_ptr() not in self.born and st.data_ptr() not in self.saved:
-                self.saved[st.data_ptr()] = (st, st.clone())
-        out = func(*args, **kwargs)
-        if not any(r.alias_info is not None for r in func._schema.returns):  # new memory
-            self.born |= {
-                t.untyped_storage().data_ptr()
-                for t in tree_flatten(out)[0]
-                if isinstance(t, torch.Tensor)
-            }
-        self.ops.append((func, args, kwargs, out))
-        return out
-
-
-class ReplayGraph:
-    """A CUDA graph's contract on a CPU: warm-up runs eagerly; capture records the step's
-    operations and leaves every pre-existing tensor and the RNG as they were (a capture runs
-    nothing); replay re-runs the recorded operations (no Python of the step) into the captured
-    tensors, as a graph's kernels write its static memory."""
-
-    def __init__(self):
-        self.ops: list = []
-        self.captures = self.replays = self.warmups = 0
-        self.host_reads = 0  # .item() and kin inside the captured step (a GPU would sync there)
-
-    def warmup(self, fn):
-        self.warmups += 1
-        return fn()
-
-    def capture(self, fn):
-        self.captures += 1
-        rng = torch.get_rng_state()
-        rec = _Recorder(self.ops)
-        with rec:
-            out = fn()
-        for st, before in rec.saved.values():
-            st.copy_(before)
-        torch.set_rng_state(rng)
-        self.host_reads = sum(f is torch.ops.aten._local_scalar_dense.default for f, *_ in self.ops)
-        return out
-
-    @torch.no_grad()
-    def replay(self):
-        self.replays += 1
-        for func, args, kwargs, out in self.ops:
-            new = func(*args, **kwargs)
-            for old_t, new_t in zip(tree_flatten(out)[0], tree_flatten(new)[0]):
-                if (
-                    isinstance(old_t, torch.Tensor)
-                    and new_t is not old_t
-                    and new_t.untyped_storage().data_ptr() != old_t.untyped_storage().data_ptr()
-                ):
-                    old_t.copy_(new_t)
-
-
 def _run(tmp_path, name, sets, graph=None, monkeypatch=None, resume=None):
-    graphs = []
-    if monkeypatch is not None:
-
-        def make(device):
-            graphs.append(graph())
-            return graphs[-1]
-
-        monkeypatch.setattr(vitscale.capture, "graph_for", make)
     cfg = load_config(TINY, [*RECIPE, *sets])
-    tr = Trainer(cfg, tmp_path / name, resume=resume)
-    try:
-        summary = tr.fit()
-    finally:
-        tr.close()
-    return tr, summary, graphs
+    return fit_with_graphs(cfg, tmp_path / name, graph, monkeypatch, resume)
 
 
 _state = trainer_state
+_assert_equal_states = assert_equal_states
 
 
 def _losses(run_dir) -> list:
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [(r["kind"], r.get("loss"), r.get("test_accuracy"), r.get("lr")) for r in recs]
-
-
-def _assert_equal_states(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    diff = [k for k in a if not torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k]))]
-    assert not diff, f"differ: {diff[:5]}"
 
 
 @pytest.mark.parametrize(
@@ -209,12 +111,6 @@ def test_what_a_captured_step_cannot_hold_is_refused_in_one_line(sets, words):
     with pytest.raises(ConfigError) as e:
         load_config(TINY, ["train.capture=step", *sets])
     assert words in str(e.value) and "\n" not in str(e.value)
-
-
-def test_a_clip_run_refuses_capture_naming_its_host_side_schedules():
-    cfg = load_config("configs/tests/clip_tiny.toml", ["train.capture=step"])
-    with pytest.raises(ConfigError, match="gamma and temperature"):
-        check_config(cfg)
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,24 @@ from collections.abc import Callable
 
 from ..errors import ConfigError
 from ..precision import DTYPES
-from .clip import ClipLoss, gamma_at
+from .clip import ClipLoss, StepLogs, gamma_at, world
 from .fastclip import VARIANTS, FastClipLoss, reference_defaults
 
-__all__ = ["build_clip_loss", "resolve_clip", "ClipLoss", "FastClipLoss", "gamma_at"]
+__all__ = [
+    "build_clip_loss",
+    "resolve_clip",
+    "ClipLoss",
+    "FastClipLoss",
+    "StepLogs",
+    "gamma_at",
+    "one_process",
+]
+
+
+def one_process(group) -> bool:
+    """The loss runs in one process without a process group (no collective in its step): what
+    torch.compile's fullgraph and a CUDA graph of the whole step need."""
+    return world(group)[2] is None
 
 
 def resolve_clip(cfg_clip, *, lr: float, epochs: float) -> dict:
@@ -56,11 +70,13 @@ def build_clip_loss(
     lr_factor: Callable[[int], float] | None = None,
     device,
     group=None,
+    total_steps: int | None = None,
 ) -> ClipLoss | FastClipLoss:
     """The loss named by cfg_clip.loss.  group=None: the default process group when
     torch.distributed is initialized, else a single process.  `lr` is the model's base lr and
     `lr_factor(step)` its schedule (v0's temperature follows it); the temperature optimizers use
-    the model optimizer's betas and eps, as the reference does."""
+    the model optimizer's betas and eps, as the reference does; `total_steps`: the run's, for
+    v0's device table of temperature lrs (a step counter on the device indexes it)."""
     if cfg_clip.loss == "openclip":
         return ClipLoss(device=device, group=group)
     if cfg_clip.loss not in VARIANTS:
@@ -87,4 +103,5 @@ def build_clip_loss(
         state_dtype=dtype,
         device=device,
         group=group,
+        total_steps=total_steps,
     )

@@ -32,12 +32,15 @@ class StepLogs(Mapping):
                 for v in values.values()
             ]
         )
-        self._floats: dict | None = None
 
     def _values(self) -> dict:
-        if self._floats is None:
-            self._floats = dict(zip(self._keys, self._tensor.tolist()))
-        return self._floats
+        """Read now (one device read): under train.capture=step a replay rewrites the tensor of
+        the logs the capture made, so nothing read before is kept."""
+        return dict(zip(self._keys, self._tensor.tolist()))
+
+    def read(self) -> dict:
+        """Every value, in one read of the device."""
+        return self._values()
 
     def __getitem__(self, key):
         return self._values()[key]
@@ -136,7 +139,7 @@ class ClipLoss(nn.Module):
     def set_epoch(self, epoch: int) -> None:
         pass
 
-    def after_step(self, step: int | None = None) -> None:
+    def after_step(self, step: int | torch.Tensor | None = None) -> None:
         pass
 
     def state_bytes(self) -> int:
@@ -154,6 +157,8 @@ class ClipLoss(nn.Module):
 
     def labels(self, device, b: int, rank: int) -> torch.Tensor:
         key = (str(device), b, rank)
+        if torch.compiler.is_compiling():  # made in the graph: no cache the trace would guard on
+            return torch.arange(b, device=device) + b * rank
         if key not in self._labels:
             self._labels[key] = torch.arange(b, device=device) + b * rank
         return self._labels[key]
@@ -164,6 +169,19 @@ class ClipLoss(nn.Module):
         return _GatherWithGrad.apply(x, k, group)
 
     def forward(self, img_f, txt_f, logit_scale, index=None):
+        loss, logs = self.compute(img_f, txt_f, logit_scale, index)
+        self.note_step()
+        self._logs = StepLogs(logs)
+        return loss, self._logs
+
+    def note_step(self) -> None:
+        """One step more in the communication counts (outside `compute`: a compiled step keeps no
+        host counter)."""
+        self.comm_elements["steps"] += 1
+
+    def compute(self, img_f, txt_f, logit_scale, index=None):
+        """(loss, {name: 0-d device tensor}): static shapes, no host read (torch.compile's
+        fullgraph, a CUDA graph's replay)."""
         k, rank, group = world(self.group)
         with no_autocast(img_f.device.type):
             e1, e2 = img_f.float(), txt_f.float()
@@ -182,8 +200,5 @@ class ClipLoss(nn.Module):
                 logits_t = logits_i.T
                 labels = self.labels(e1.device, b, 0)
             loss = (F.cross_entropy(logits_i, labels) + F.cross_entropy(logits_t, labels)) / 2
-        self.comm_elements["steps"] += 1
-        self._logs = StepLogs(
-            {"loss": loss.detach(), "tau": 1.0 / scale.detach(), "logit_scale": scale.detach()}
-        )
-        return loss, self._logs
+        logs = {"loss": loss.detach(), "tau": 1.0 / scale.detach(), "logit_scale": scale.detach()}
+        return loss, logs

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,6 +62,7 @@ from torch import nn
 from .clip import StepLogs, gamma_at, gather_no_grad, no_autocast, world
 from .fastclip_state import ShardMap
 from .fastclip_step import (
+    Gamma,
     add_remote_surrogate,
     anchor_exponents,
     inner_estimates,
@@ -119,7 +121,34 @@ def gathered_features(e1, e2, k: int, off: int, group):
     return E1, E2, E1m, E2m
 
 
-class FastClipLoss(nn.Module):
+class EpochState:
+    """FastClipLoss's epoch and gamma: host values written through to the device tensors a step
+    reads (`gamma_t`, the per-sample temperatures' Adam coefficients) when an epoch starts or a
+    state is loaded, never inside a step: a compiled step or a CUDA graph's replay reads them there."""
+
+    temperatures: Any  # GlobalTemperature or SampleTemperatures
+    gamma_t: Gamma
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self._epoch = int(epoch)
+        self.temperatures.set_epoch(self._epoch)
+
+    @property
+    def gamma(self) -> float:
+        return self._gamma
+
+    @gamma.setter
+    def gamma(self, gamma: float) -> None:
+        self._gamma = float(gamma)
+        self.gamma_t.set(self._gamma)
+
+
+class FastClipLoss(EpochState, nn.Module):
     """The six global losses: the u tables, the gather and the surrogate are shared, and the variants
     differ by three switches (learn_global, individual, multiply_tau) and their temperatures
     (`self.temperatures`: fastclip_temperature.py)."""
@@ -146,6 +175,7 @@ class FastClipLoss(nn.Module):
         state_dtype=torch.float32,
         device="cpu",
         group=None,
+        total_steps: int | None = None,
     ):
         super().__init__()
         tau_lr_schedule = resolved_tau_lr_schedule(variant, tau_lr_schedule)
@@ -159,7 +189,6 @@ class FastClipLoss(nn.Module):
         self.betas, self.tau_eps = (float(tau_beta1), float(tau_beta2)), float(tau_eps)
         self.schedule, self.gamma_min, self.decay = gamma_schedule, gamma_min, gamma_decay_epochs
         self.device, self.dtype = torch.device(device), state_dtype
-        self.epoch, self.gamma = 0, 1.0
         k, rank, _ = world(group)
         self.shards = ShardMap(self.n, k, rank, bool(shard_state) and k > 1)
         n, dev, dt = self.shards.size, self.device, state_dtype
@@ -177,10 +206,12 @@ class FastClipLoss(nn.Module):
             eps=self.tau_eps,
             dtype=dt,
             device=dev,
+            steps=total_steps,
         )
-        # the last forward's raw temperature gradient, which after_step() applies (public: set it to
-        # drive the temperature steps without a forward)
-        self.pending_grad = None
+        self.gamma_t = Gamma.on(dev)  # on the device (set_epoch writes it; every step reads it)
+        self.epoch, self.gamma = 0, 1.0
+        # the last forward's temperature gradient, which after_step() applies (public: set it to
+        self.pending_grad = None  # drive the temperature steps without a forward)
         self.comm_elements = {"features": 0, "scalars": 0, "steps": 0}
 
     # ---- schedule / state -------------------------------------------------------------------
@@ -227,6 +258,18 @@ class FastClipLoss(nn.Module):
 
     # ---- the step ---------------------------------------------------------------------------
     def forward(self, img_f, txt_f, logit_scale=None, index=None):
+        loss, logs = self.compute(img_f, txt_f, logit_scale, index)
+        self.note_step()
+        return loss, StepLogs(logs)
+
+    def note_step(self) -> None:
+        """One step more in the communication counts (outside `compute`: a compiled step keeps no
+        host counter)."""
+        self.comm_elements["steps"] += 1
+
+    def compute(self, img_f, txt_f, logit_scale=None, index=None):
+        """(loss, {name: 0-d device tensor}): the step with static shapes and no host read, which
+        torch.compile traces whole (fullgraph) and a CUDA graph replays (one process)."""
         k, rank, group = world(self.group)
         dev = img_f.device
         with no_autocast(dev.type):
@@ -243,7 +286,7 @@ class FastClipLoss(nn.Module):
         s1, s2 = self.temperatures.scales(rows, b)
         z1, z2, diag = anchor_exponents(e1, e2, E1m, E2m, s1, s2, off)
         log_eps = math.log(self.eps) if self.eps > 0 else -math.inf
-        sides = inner_estimates(z1, z2, rows, self.gamma, n_all, log_eps)
+        sides = inner_estimates(z1, z2, rows, self.gamma_t, n_all, log_eps)
         cols = [index.double(), sides[0].lu.double(), sides[1].lu.double()]
         cols += temperature_columns(
             z1,
@@ -283,14 +326,12 @@ class FastClipLoss(nn.Module):
             (taus_all["tau1"].mean() + taus_all["tau2"].mean()) / 2 if self.individual else tau
         )
         loss = sur - sur.detach() + value.detach()
-        return loss, StepLogs(
-            {
-                "loss": value.detach(),
-                "objective": objective.detach(),
-                "tau": tau_log.detach(),
-                "gamma": self.gamma,
-            }
-        )
+        return loss, {
+            "loss": value.detach(),
+            "objective": objective.detach(),
+            "tau": tau_log.detach(),
+            "gamma": self.gamma_t.value,
+        }
 
     def _batch_rows(self, index, k, off, b, group):
         """(rows, rows_all): the per-sample rows a step reads (lu1, lu2; + tau1, tau2, bound1, bound2),
@@ -314,7 +355,6 @@ class FastClipLoss(nn.Module):
         if k > 1:
             self.comm_elements["features"] += (k - 1) * b * 2 * d
             self.comm_elements["scalars"] += (k - 1) * b * packed.shape[1]
-        self.comm_elements["steps"] += 1
         return packed
 
     def _store(self, idx_all, packed) -> None:
@@ -343,9 +383,10 @@ class FastClipLoss(nn.Module):
         return self.pending_grad
 
     @torch.no_grad()
-    def after_step(self, step: int | None = None) -> None:
+    def after_step(self, step: int | torch.Tensor | None = None) -> None:
         """The temperatures' step after the model's (no-op without learnable temperatures).
-        `step` is the 0-based optimizer step (for v0's lr schedule; default: the Adam step count)."""
+        `step` is the 0-based optimizer step (for v0's lr schedule; default: the Adam step count),
+        a host int or a device counter (train.capture=step: v0's lr from its device table)."""
         pend = self.temperature_grad()
         self.pending_grad = None
         if pend is None or self.tau_lr == 0:
@@ -353,4 +394,4 @@ class FastClipLoss(nn.Module):
         if self.learn_global:
             self.temperatures.adam_step(pend, self.temperatures.lr_at(step))
         else:
-            self.temperatures.adam_step(*pend, epoch=self.epoch)
+            self.temperatures.adam_step(*pend)

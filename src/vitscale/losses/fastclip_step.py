@@ -28,17 +28,35 @@ class Side(NamedTuple):
     bound: torch.Tensor | None  # the running max of max_j z_ij (per-sample temperatures only)
 
 
-def new_log_u(lu_old, log_g, shift, gamma: float):
+class Gamma(NamedTuple):
+    """The inner estimators' gamma as 0-d fp64 device tensors, written when an epoch starts
+    (FastClipLoss.set_epoch), read by every step: a step replayed as a CUDA graph (train.capture=
+    step) or compiled reads the epoch's gamma from them, never a host value frozen in the step."""
+
+    value: torch.Tensor  # gamma
+    log: torch.Tensor  # log gamma (-inf at gamma = 0)
+    log_1m: torch.Tensor  # log(1 - gamma) (-inf at gamma = 1)
+
+    @classmethod
+    def on(cls, device) -> Gamma:
+        return cls(*(torch.zeros((), dtype=torch.float64, device=device) for _ in range(3)))
+
+    def set(self, gamma: float) -> None:
+        """In place (the tensors a captured step reads); the logs in the host's double, as the
+        step's arithmetic always took them."""
+        self.value.fill_(gamma)
+        self.log.fill_(math.log(gamma) if gamma > 0 else -math.inf)
+        self.log_1m.fill_(math.log(1 - gamma) if gamma < 1 else -math.inf)
+
+
+def new_log_u(lu_old, log_g, shift, gamma: Gamma):
     """The reference's u update in log space, u <- (1-gamma) u + gamma g, with a u below 1e-35, inf
-    or nan replaced by g; `shift` = the bound before the step (the reference compares its stored
-    u exp(-bound) with 1e-35)."""
-    if gamma >= 1:
-        return log_g
-    lu_new = torch.logaddexp(
-        lu_old + math.log(1 - gamma), log_g + (math.log(gamma) if gamma > 0 else -math.inf)
-    )
+    or nan replaced by g, and u = g at gamma = 1 (epoch 0); `shift` = the bound before the step
+    (the reference compares its stored u exp(-bound) with 1e-35). Static: no branch on gamma's
+    value (the fp32 sums take the fp64 logs rounded to fp32, as a Python float is)."""
+    lu_new = torch.logaddexp(lu_old + gamma.log_1m, log_g + gamma.log)
     bad = (lu_old - shift < U_RESET_BELOW) | torch.isnan(lu_old) | (lu_old == math.inf)
-    return torch.where(bad, log_g, lu_new)
+    return torch.where(bad | (gamma.value >= 1), log_g, lu_new)
 
 
 def anchor_exponents(e1, e2, E1m, E2m, s1, s2, off: int):
@@ -54,7 +72,7 @@ def anchor_exponents(e1, e2, E1m, E2m, s1, s2, off: int):
     return z1, z2, diag
 
 
-def inner_estimate(z, lu_old, bound_old, gamma: float, log_nm1: float, log_eps: float) -> Side:
+def inner_estimate(z, lu_old, bound_old, gamma: Gamma, log_nm1: float, log_eps: float) -> Side:
     """g_i from the detached z, the updated u_i and L_i.  `bound_old` None: a global temperature,
     L = log(eps + u); else the reference's running bound (the diagonal's z = 0 included) decides
     when u counts as below 1e-35 and shifts eps: L = log(eps e^bound + u)."""
@@ -68,7 +86,7 @@ def inner_estimate(z, lu_old, bound_old, gamma: float, log_nm1: float, log_eps: 
     return Side(log_g, lu_new, torch.logaddexp(lu_new, log_eps + bound), bound)
 
 
-def inner_estimates(z1, z2, rows: dict, gamma: float, n_all: int, log_eps: float) -> list[Side]:
+def inner_estimates(z1, z2, rows: dict, gamma: Gamma, n_all: int, log_eps: float) -> list[Side]:
     """Both sides' inner estimates: image anchors (z1, rows lu1, bound1), then text anchors (z2,
     lu2, bound2); the bounds None with a global temperature."""
     return [

@@ -42,6 +42,7 @@ class GlobalTemperature:
         betas: tuple[float, float],
         eps: float,
         device,
+        steps: int | None = None,
     ):
         f64 = dict(dtype=torch.float64, device=device)
         self.theta = torch.tensor(math.log(1.0 / float(tau_init)), **f64)
@@ -49,6 +50,13 @@ class GlobalTemperature:
         self.theta_step = torch.zeros((), **f64)
         self.lr, self.schedule, self.lr_factor, self.lr_cut = lr, schedule, lr_factor, lr_cut
         self.betas, self.eps = betas, eps
+        # v0 (schedule "model") with the run's step count: tau_lr x the model's factor at every
+        # step, a device table a step counter on the device indexes (train.capture=step)
+        self.lr_table = (
+            torch.tensor([lr * lr_factor(s) for s in range(steps + 1)], **f64)
+            if schedule == "model" and lr_factor is not None and steps
+            else None
+        )
 
     def tables(self) -> dict:
         return {name: getattr(self, name) for name in self.names}
@@ -67,12 +75,20 @@ class GlobalTemperature:
         s = torch.exp(self.theta).float().expand(n)
         return s, s
 
-    def lr_at(self, step: int | None = None) -> torch.Tensor:
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing of the global temperature's step depends on the epoch."""
+
+    def lr_at(self, step: int | torch.Tensor | None = None) -> torch.Tensor:
         """The lr for the step about to be taken (fp64 0-d): tau_lr times the model's schedule factor
-        (v0: schedule "model"), or divided by tau_lr_cut while tau <= 0.03 (v3: "threshold")."""
+        (v0: schedule "model"), or divided by tau_lr_cut while tau <= 0.03 (v3: "threshold").
+        `step` a device counter (train.capture=step): v0's lr from the device table, the same
+        doubles (tau_lr x factor, one rounding either way)."""
         lr = torch.tensor(self.lr, dtype=torch.float64, device=self.theta.device)
         if self.schedule == "model" and self.lr_factor is not None:
-            lr = lr * self.lr_factor(int(self.theta_step) if step is None else step)
+            if torch.is_tensor(step) and self.lr_table is not None:
+                at = step.clamp(max=len(self.lr_table) - 1).view(1)  # no host read of the step
+                return self.lr_table.index_select(0, at).view(())
+            lr = lr * self.lr_factor(int(self.theta_step if step is None else step))
         elif self.schedule == "threshold":
             lr = torch.where(torch.exp(-self.theta) <= TAU_CUT_AT, lr / self.lr_cut, lr)
         return lr
@@ -114,6 +130,10 @@ class SampleTemperatures:
         )
         self.bound1, self.bound2 = (torch.zeros(n, dtype=dt, device=dev) for _ in range(2))
         self.shards, self.lr, self.betas, self.eps = shards, lr, betas, eps
+        # the epoch's (beta1, beta2, 1 - beta1^(epoch+1), 1 - beta2^(epoch+1)), fp64 on the device:
+        # written when an epoch starts, read by every step (a captured step replays with them)
+        self.coef = torch.zeros(4, dtype=torch.float64, device=dev)
+        self.set_epoch(0)
 
     def tables(self) -> dict:
         return {name: getattr(self, name) for name in self.names}
@@ -135,12 +155,19 @@ class SampleTemperatures:
             return {"tau1": rows_all["tau1"], "tau2": rows_all["tau2"]}
         return {"tau1": self.tau1[idx_all].float(), "tau2": self.tau2[idx_all].float()}
 
-    def adam_step(self, idx, h1, h2, epoch: int) -> None:
-        """The step of the dataset indices `idx` (the global batch's) on their gradients h1, h2; the
-        owner updates its rows."""
-        idx, h1, h2 = self.shards.own(idx, h1, h2)
+    def set_epoch(self, epoch: int) -> None:
+        """Betas (0, 0) during epoch 0, the model optimizer's after; bias correction by
+        1 - beta^(epoch+1) (host doubles, written in place)."""
         b1, b2 = self.betas if epoch > 0 else (0.0, 0.0)
-        c1, c2 = 1 - b1 ** (epoch + 1), 1 - b2 ** (epoch + 1)
+        for i, v in enumerate((b1, b2, 1 - b1 ** (epoch + 1), 1 - b2 ** (epoch + 1))):
+            self.coef[i].fill_(v)
+
+    def adam_step(self, idx, h1, h2) -> None:
+        """The step of the dataset indices `idx` (the global batch's) on their gradients h1, h2, with
+        the epoch's coefficients (set_epoch); the owner updates its rows. The same fp64 arithmetic
+        as with host doubles: the coefficients are those doubles."""
+        idx, h1, h2 = self.shards.own(idx, h1, h2)
+        b1, b2, c1, c2 = self.coef.unbind()
         for tau, m, v, g in ((self.tau1, self.m1, self.v1, h1), (self.tau2, self.m2, self.v2, h2)):
             mi = b1 * m[idx].double() + (1 - b1) * g
             vi = b2 * v[idx].double() + (1 - b2) * g * g
@@ -162,9 +189,11 @@ def make_temperatures(
     eps: float,
     dtype,
     device,
+    steps: int | None = None,
 ):
     """FastClipLoss's temperatures: per-sample (`individual`: v2, iSogCLR; sharded like u, in
-    `dtype`) or the global one (`schedule`, `lr_factor` and `lr_cut` are its lr schedule's)."""
+    `dtype`) or the global one (`schedule`, `lr_factor` and `lr_cut` are its lr schedule's; `steps`: the run's step count,
+    for v0's device table of lrs)."""
     if individual:
         return SampleTemperatures(
             tau_init, shards=shards, lr=lr, betas=betas, eps=eps, dtype=dtype, device=device
@@ -178,4 +207,5 @@ def make_temperatures(
         betas=betas,
         eps=eps,
         device=device,
+        steps=steps,
     )

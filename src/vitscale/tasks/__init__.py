@@ -45,10 +45,12 @@ def check_config(cfg: Config) -> Config:
     return cfg
 
 
-def task_capture_refusal(task: Task) -> str | None:
+def task_capture_refusal(task: Task, auto: bool = False) -> str | None:
     """Why this kind of model's step cannot be captured as one unit ("<kind> models: why"), or None
-    (train.capture=step refuses it; train.capture=auto runs uncaptured with it as the reason)."""
-    return f"{task.kind} models: {task.uncapturable}" if task.uncapturable else None
+    (train.capture=step refuses it; train.capture=auto runs uncaptured with it as the reason).
+    `auto`: also why capture=auto leaves a step uncaptured that capture=step takes."""
+    why = task.uncapturable or (task.capture_not_auto if auto else "")
+    return f"{task.kind} models: {why}" if why else None
 
 
 def export_use(fmt: str) -> str:

@@ -52,6 +52,8 @@ class Task:
     )
     # why its training step cannot be replayed as one captured unit (train.capture=step); "" = it can
     uncapturable: str = ""
+    # why train.capture=auto leaves a step that capture=step takes uncaptured; "" = auto takes it
+    capture_not_auto: str = ""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -194,7 +196,7 @@ class Task:
     def set_epoch(self, epoch: int) -> None:
         pass
 
-    def after_step(self, step: int | None = None) -> None:
+    def after_step(self, step: int | torch.Tensor | None = None) -> None:
         """After each optimizer step (per-sample state updates, temperature steps)."""
 
     def logs(self) -> dict:

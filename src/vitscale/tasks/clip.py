@@ -13,7 +13,7 @@ from ..data import build_image_text
 from ..data.build import eval_preprocess, synthetic_pairs_stand_in
 from ..data.tokenizer import get_tokenizer
 from ..errors import ConfigError, UserError
-from ..losses import ClipLoss, FastClipLoss, build_clip_loss, resolve_clip
+from ..losses import ClipLoss, FastClipLoss, StepLogs, build_clip_loss, resolve_clip
 from ..models import (
     CLIP,
     ClipSpec,
@@ -27,6 +27,7 @@ from ..models import (
 from ..optim import schedule
 from .base import Task
 from .clip_eval import evaluate_clip
+from .clip_step import ClipStep
 from .patch_dropout import PatchDropout
 
 
@@ -124,17 +125,18 @@ class ClipTask(Task):
     kind, sample, samples, pairs = "clip", "pair", "pairs", True
     exports = {"open_clip": "CLIP models"}
     metric = "retrieval_r1"  # mean of image->text and text->image recall@1 on the held-out pairs
-    uncapturable = (
-        "the contrastive losses advance their gamma and temperature schedules and per-sample "
-        "state from the host after each step"
+    # train.capture=step takes CLIP's step (tasks/clip_step.py); auto leaves it until it is timed
+    capture_not_auto = (
+        "CLIP's captured step is not measured on a GPU yet (train.capture=step takes it)"
     )
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.loss_module: ClipLoss | FastClipLoss | None = None  # setup_training's (eval: none)
+        self.step: ClipStep | None = None  # the training forward (compiled or not), with the loss
         self.context_length = cfg.model.context_length
         self.prompt_templates = cfg.clip.prompt_templates
-        self.last_logs: dict = {}
+        self.last_logs: dict | StepLogs = {}
         self.patch_dropout = PatchDropout(
             cfg.model, cfg.train.epochs, announce=cfg.run.progress != "off"
         )
@@ -266,7 +268,9 @@ class ClipTask(Task):
             # v0's temperature on the run's own schedule (its clock), else the recipe's steps
             lr_factor=lr_factor or schedule(cfg.optim, total_steps, steps_per_epoch),
             group=group,  # the data-parallel ranks (a mesh dimension under tensor parallelism)
+            total_steps=total_steps,
         )
+        self.step = ClipStep(self.loss_module, cfg.train, group)
 
     def summary_extra(self, lr: float) -> dict:
         return {"clip": resolve_clip(self.cfg.clip, lr=lr, epochs=self.cfg.train.epochs)}
@@ -304,24 +308,26 @@ class ClipTask(Task):
         return self.loss_module
 
     def forward_loss(self, model, batch, prepare) -> torch.Tensor:
+        """Both towers and the loss (tasks/clip_step.py: compiled whole with train.compile in one
+        process); the loss's state updates are inside."""
         images, tokens, index = batch
-        img, txt, logit_scale = model(prepare(images), tokens)
-        loss, self.last_logs = self.contrastive(img, txt, logit_scale, index)
-        # the global losses keep their own temperature and leave logit_scale unused; a zero
-        # gradient keeps every parameter in the graph (DDP and ZeRO expect one for each)
-        return loss + 0.0 * logit_scale.sum()
+        step = self.step or ClipStep(self.contrastive, self.cfg.train)
+        loss, self.last_logs = step(model, prepare(images), tokens, index)
+        return loss
 
     def set_epoch(self, epoch: int) -> None:
         self.contrastive.set_epoch(epoch)
         self.patch_dropout.set_epoch(epoch)
 
-    def after_step(self, step: int | None = None) -> None:
+    def after_step(self, step: int | torch.Tensor | None = None) -> None:
+        """The temperatures' step; `step` a device counter under train.capture=step."""
         self.contrastive.after_step(step)
 
     def logs(self) -> dict:
         """The last step's loss logs, and the loss's own collectives per step since the last call
         (elements sent per worker: features, and per-sample scalars for the global losses)."""
-        out = dict(self.last_logs)
+        logs = self.last_logs
+        out = logs.read() if isinstance(logs, StepLogs) else dict(logs)
         comm = dict(getattr(self.loss_module, "comm_elements", {}))
         last, self._comm_seen = getattr(self, "_comm_seen", {}), comm
         steps = comm.get("steps", 0) - last.get("steps", 0)
