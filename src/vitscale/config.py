@@ -446,8 +446,11 @@ class TrainConfig:
         "fp16",
         "pure_bf16",
         "pure_fp16",
+        "bf16_act",
         "auto",
-        doc="auto = bf16 where the device computes bf16 in hardware (a CUDA GPU of compute "
+        doc="bf16_act = bf16 autocast with the LayerNorms and the residual stream in bf16 too, the "
+        "parameters and optimizer state fp32 (one device or DDP; issue 51); "
+        "auto = bf16 where the device computes bf16 in hardware (a CUDA GPU of compute "
         "capability 8.0+, a CPU with avx512_bf16 or amx_bf16), fp32 elsewhere; the choice is "
         "announced and written to the run's config.toml and summary.json",
     )

@@ -1,5 +1,6 @@
 """The one map from precision names to torch dtypes (configs name "fp32", "bf16", "fp16";
-train.precision adds "pure_bf16" / "pure_fp16", whose weights themselves are half), and the number
+train.precision adds "pure_bf16" / "pure_fp16", whose weights themselves are half, and "bf16_act",
+bf16 autocast with bf16 norms and residual stream: strategy/lowprec.py), and the number
 format a run's matmuls compute in. Plain functions of names: the strategies (strategy/), the losses'
 state, MFU peaks (metrics.py) and the lab use them."""
 

@@ -92,7 +92,7 @@ CHANGEABLE_ON_RESUME = {
 }
 # train.precision: autocast modes share one state; pure_* and fp16 keep other state (half weights,
 # a loss scaler)
-AUTOCAST_ONLY = {"fp32", "bf16"}
+AUTOCAST_ONLY = {"fp32", "bf16", "bf16_act"}
 
 
 def fixed_reason(key: str) -> str | None:

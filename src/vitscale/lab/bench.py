@@ -70,8 +70,7 @@ def measure(
             "flops_per_image": b.trainer.flops_per_image,
             "train_flops_per_image": 3 * b.trainer.flops_per_image,
             "step_time_s": r["step_time_s"],
-            "first_step_s": r["first_step_s"],  # the first warm-up step: compile, allocator warm-up
-            "compile_s": r["compile_s"],  # first_step_s - the median step
+            **{k: r[k] for k in ("first_step_s", "compile_s")},  # the first step: the compile
             "split": _split_max(r, split, split_all),
             "split_notes": [SPLIT_NOTE] + split["notes"],
             "comm": comm,

@@ -253,6 +253,45 @@ def tune_arguments(p) -> None:
     p.add_argument("--out", default="tuned.toml", help="where to write the tuned recipe")
 
 
+# -- parity -------------------------------------------------------------------------------------
+PARITY_HELP = (
+    "does a candidate setting (a precision mode, a kernel, a compile knob) train like the recipe?"
+)
+PARITY_DESCRIPTION = """Train the recipe N steps with seed A, again with seed B, and the recipe with the candidate's
+settings (--candidate KEY=VALUE, repeatable) with seed A, each on its seed's data stream (the seed
+decides the initial weights and the data order); average each run's losses over windows of
+--window steps. The candidate passes where its largest window difference from the recipe at seed A
+is no larger than the recipe's own largest window difference between seeds A and B (the spread:
+what a change of seed alone does). Prints one line "parity: PASS|FAIL (...)"; exit status 0 on
+PASS, 1 on FAIL; --out writes every loss and window mean as JSON.
+
+examples:
+  vitscale parity --candidate train.precision=bf16_act --set train.precision=bf16 --steps 200
+  vitscale parity vit_b16_imagenet --synthetic --set data.batch_size=256 --set train.precision=bf16 \
+      --set train.compile=true --candidate train.precision=bf16_act --steps 60 --out parity.json
+"""
+
+
+def parity_arguments(p) -> None:
+    add_recipe_arguments(p)
+    p.add_argument(
+        "--candidate",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the candidate's settings over the recipe (repeatable)",
+    )
+    p.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
+    p.add_argument(
+        "--window", type=int, default=10, help="steps per averaged window of losses (default 10)"
+    )
+    p.add_argument(
+        "--seeds", default="0,1", metavar="A,B", help="the two seeds (default 0,1; A for both)"
+    )
+    add_synthetic_argument(p)
+    p.add_argument("--out", default="", help="write the losses and the verdict as JSON here")
+
+
 # -- predict --------------------------------------------------------------------------------------
 PREDICT_HELP = "predict DDP / ZeRO / FSDP scaling to 512 GPUs from one measured or estimated step"
 PREDICT_DESCRIPTION = """Predict data-parallel scaling (2 to 512 GPUs) from one single-device step.
@@ -468,6 +507,7 @@ COMMANDS = {
     "sweep": (SWEEP_HELP, SWEEP_DESCRIPTION, sweep_arguments),
     "ladder": (LADDER_HELP, LADDER_DESCRIPTION, ladder_arguments),
     "tune": (TUNE_HELP, TUNE_DESCRIPTION, tune_arguments),
+    "parity": (PARITY_HELP, PARITY_DESCRIPTION, parity_arguments),
     "predict": (PREDICT_HELP, PREDICT_DESCRIPTION, predict_arguments),
     "search": (SEARCH_HELP, SEARCH_DESCRIPTION, search_arguments),
 }

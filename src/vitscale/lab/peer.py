@@ -70,6 +70,7 @@ def timm_peer(spec, module: torch.nn.Module):
 AUTOCAST = {
     "fp32": None,
     "bf16": torch.bfloat16,
+    "bf16_act": torch.bfloat16,  # the peer's plain loop: bf16 autocast
     "pure_bf16": torch.bfloat16,
     "fp16": torch.float16,
     "pure_fp16": torch.float16,

@@ -148,7 +148,11 @@ def tensor_parallel(cfg, info: dict, tp: int) -> cm.TensorParallel | None:
     if info["heads"] % tp or info["dim"] % tp:
         raise UserError(f"--tp {tp} does not divide the model's heads ({info['heads']}) or width")
     tokens = info["tokens"]
-    width = 2 if cfg.train.precision in ("bf16", "fp16", "pure_bf16", "pure_fp16", "auto") else 4
+    width = (
+        2
+        if cfg.train.precision in ("bf16", "bf16_act", "fp16", "pure_bf16", "pure_fp16", "auto")
+        else 4
+    )
     return cm.TensorParallel(tp, info["depth"], tokens * info["dim"] * width)
 
 

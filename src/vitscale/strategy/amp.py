@@ -4,6 +4,8 @@
   fp16 with a dynamic GradScaler (GPU only); pure_bf16 / pure_fp16 make the weights themselves half
   precision (Meta's O2/O3-like modes): with train.master_weights the optimizer updates fp32 copies
   that are cast back after each step, without it the half weights directly.
+  bf16_act: bf16 autocast with the norms and the residual stream in bf16 too, parameters fp32
+  (lowprec.py: applied to the placed model from outside).
 - `EngineOwned` (FSDP2, DeepSpeed): the engine keeps precision itself (FSDP2's
   MixedPrecisionPolicy, DeepSpeed's ds_config): no autocast, no scaler, no copies.
 
@@ -21,6 +23,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..precision import half_dtype
 from .devices import sdpa_context
+from .lowprec import apply_bf16_act
 from .parallel import tp_context
 
 
@@ -39,6 +42,7 @@ class Autocast:
         """`captured`: the step is recorded as a CUDA graph (autocast's weight-cast cache off)."""
         self.half = half_dtype(train.precision)
         self.pure = train.precision.startswith("pure_")
+        self.act = train.precision == "bf16_act"  # bf16 norms and residual stream (lowprec.py)
         self.master_weights, self.sdpa_backend = train.master_weights, train.sdpa_backend
         self.device_type, self.captured = device.type, captured
         self.scaler = torch.amp.GradScaler(
@@ -48,9 +52,12 @@ class Autocast:
         self.model_params: list[torch.Tensor] = []  # the half weights they are cast back to
 
     def place(self, model: nn.Module) -> None:
-        """pure_*: the model's weights cast to half precision."""
+        """pure_*: the model's weights cast to half precision; bf16_act: its norms and residual
+        stream computed in bf16 (the weights stay fp32)."""
         if self.pure:
             model.to(self.half)
+        if self.act:
+            apply_bf16_act(model)
 
     def optimizer_groups(self, groups: list[dict]) -> list[dict]:
         """The parameter groups the optimizer gets: with pure_* and train.master_weights, fp32

@@ -187,6 +187,11 @@ def deepspeed_refusal(
                 train.precision.startswith("pure_"),
             ),
             (
+                "train.precision=bf16_act (DeepSpeed's bf16 holds bf16 weights: its norms and residual "
+                "stream are bf16 already; use train.precision=bf16)",
+                train.precision == "bf16_act",
+            ),
+            (
                 "train.ema_decay > 0 (no EMA of ZeRO-sharded weights; use strategy.name=ddp or single)",
                 train.ema_decay > 0,
             ),

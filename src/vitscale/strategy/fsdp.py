@@ -76,6 +76,11 @@ def fsdp_refusal(train, name: str = "fsdp") -> str | None:
             ("train.ema_decay", train.ema_decay > 0),
             ("train.precision=fp16", train.precision == "fp16"),
             (f"train.precision={train.precision}", train.precision.startswith("pure_")),
+            # FSDP2's bf16 gathers bf16 weights: its norms and residual stream are bf16 already
+            (
+                "train.precision=bf16_act (its bf16: bf16 norms and stream)",
+                train.precision == "bf16_act",
+            ),
             (f"train.fp8={train.fp8}", train.fp8 != "none"),
         )
         if on
