@@ -5,6 +5,7 @@ its own, with vitscale taken from src/ (PYTHONPATH) and the image's torch as it 
     python scripts/gpu_checks.py gpu        # the gate: a GPU, TF32 flags readable both ways, a compiled matmul
     python scripts/gpu_checks.py autotune   # a matmul compiled with max-autotune (autotuning reads the flags)
     python scripts/gpu_checks.py cpu_adam   # DeepSpeedCPUAdam: its JIT build, then one step against AdamW
+    python scripts/gpu_checks.py attention  # each SDPA backend's gradients against float64 math at ViT-B/16's shape
 
 Each prints what it finds and ends with one line "NAME: PASS ...", "NAME: FAIL ..." or "NAME: SKIP
 ..." (the line gpu_session.sh repeats). Exit status: 0 pass or skip, 1 fail, 2 no CUDA GPU (gpu;
@@ -312,6 +313,33 @@ def cpu_adam() -> int:
     return 0
 
 
+def attention() -> int:
+    """Each scaled_dot_product_attention backend (flash, cudnn, efficient, math) forward and backward
+    in bf16 at ViT-B/16's shape (197 tokens: not a multiple of 128, where cuDNN < 9.15.1 was wrong)
+    against the math backend in float64 (vitscale.lab.sdpa_check); one line per backend
+    ("sdpa_<backend>: PASS|FAIL|SKIP ...": gpu_session.sh times only the passing ones), then the
+    verdict. Without a GPU (ALLOW_CPU=1) the CPU's backends run and the CUDA ones are skipped."""
+    import torch
+
+    from vitscale.lab.sdpa_check import describe, passing
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        out(f"  cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name(device)}")
+    results = passing(device, torch.bfloat16)
+    for r in results.values():
+        out(describe(r))
+    failed = [b for b, r in results.items() if r["status"] == "FAIL"]
+    ran = [b for b, r in results.items() if r["status"] == "PASS"]
+    if failed:
+        out(
+            f"attention: FAIL: {', '.join(failed)} off the float64 reference (passed: {', '.join(ran)})"
+        )
+        return 1
+    out(f"attention: PASS ({', '.join(ran)} within the bound on {device.type}; the others skipped)")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     what = argv[0] if argv else ""
     allow_cpu = bool(os.environ.get("ALLOW_CPU"))
@@ -320,6 +348,7 @@ def main(argv: list[str]) -> int:
         "gpu": lambda: gpu(allow_cpu),
         "autotune": autotune,
         "cpu_adam": cpu_adam,
+        "attention": attention,
     }
     if what not in checks:
         print(f"usage: python scripts/gpu_checks.py {'|'.join(checks)}", file=sys.stderr)
