@@ -11,6 +11,7 @@ from vitscale.cli import main
 from vitscale.config import load_config
 from vitscale.fastpaths import resolve
 from vitscale.lab import rounds as lab_rounds
+from vitscale.lab import sdpa_check
 from vitscale.lab import timing as lab_timing
 from vitscale.lab.ladder import BASELINE, build_rungs
 from vitscale.lab.tune import accum_choices, search
@@ -799,6 +800,28 @@ def test_bad_input_one_line(capsys, argv, expect):
     assert rc == 2 and expect in err and len(err.strip().splitlines()) == 1, err
 
 
+def fake_grad_check(failing, seen=None):
+    """sdpa_check.grad_check as a GPU answers it: the kernels in `failing` FAIL, the others PASS;
+    `seen` collects (kernel, dtype, shape) of each call."""
+
+    def check(kernel, device, dtype, **shape):
+        if seen is not None:
+            seen.append((kernel, dtype, shape))
+        status = "FAIL" if kernel in failing else "PASS"
+        errors = {"out": 0.5 if status == "FAIL" else 1e-3, "dq": 1e-3, "dk": 1e-3, "dv": 1e-3}
+        return {
+            "backend": kernel,
+            "status": status,
+            "errors": errors,
+            "bound": 0.0156,
+            "dtype": str(dtype),
+            "shape": list(shape.values()),
+            "why": "out off by 5.0e-01",
+        }
+
+    return check
+
+
 def test_tune_tries_the_gpu_switches_only_on_a_gpu(monkeypatch):
     """Issues 31 and 32: on a GPU tune also tries the attention kernel, inductor's autotuned
     templates and the whole step captured; on a CPU none of them (they change nothing there or
@@ -815,9 +838,11 @@ def test_tune_tries_the_gpu_switches_only_on_a_gpu(monkeypatch):
     cpu = keys(search_space(cfg, args))
     assert not {"train.sdpa_backend", "train.compile_mode", "train.capture", "train.fp8"} & set(cpu)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    # each kernel's gradient check (lab/sdpa_check.py) as the GPU would answer it: all pass
+    monkeypatch.setattr(sdpa_check, "grad_check", fake_grad_check(()))
     space = search_space(cfg, args)
     gpu = dict(c for c in space["choices"] if c != "micro")
-    assert gpu["train.sdpa_backend"][0] == "auto" and "cudnn" in gpu["train.sdpa_backend"]
+    assert gpu["train.sdpa_backend"] == ["auto", "flash", "cudnn", "efficient"]
     assert gpu["train.compile_mode"] == ["default", "max-autotune-no-cudagraphs"]
     assert gpu["train.capture"] == ["none", "step"] and gpu["train.fp8"] == [
         "none",
@@ -827,3 +852,42 @@ def test_tune_tries_the_gpu_switches_only_on_a_gpu(monkeypatch):
     assert keys(space).index("train.compile_mode") > keys(space).index(
         "train.compile"
     )  # after compile is decided
+    # inductor's knobs (issue 51), each off first, after the compile and its mode are decided
+    assert [k for k in keys(space) if k.startswith("train.inductor_")] == [
+        "train.inductor_coordinate_descent",
+        "train.inductor_combo_kernels",
+        "train.inductor_mix_order",
+        "train.inductor_gemm",
+    ]
+    assert gpu["train.inductor_mix_order"][0] == "default" and gpu["train.inductor_gemm"] == [
+        "default",
+        "cutlass",
+    ]
+    assert keys(space).index("train.inductor_gemm") > keys(space).index("train.compile_mode")
+    assert not {k for k in cpu if k.startswith("train.inductor_")}  # no effect on a CPU
+
+
+def test_tune_times_only_the_kernels_that_pass_their_gradient_check(monkeypatch, capsys):
+    """Issue 51: a kernel off the float64 reference at the recipe's shape (cuDNN's bug at 197
+    tokens) is said in one line and never timed; the check runs in each allowed precision's dtype."""
+    import types
+
+    from vitscale.lab.tune import search_space
+
+    args = types.SimpleNamespace(
+        allow_precision="bf16,bf16_act,fp32",
+        no_compile=False,
+        synthetic=True,
+        allow_bn_micro_batch=False,
+    )
+    cfg = load_config(TINY, ["model.attention=sdpa"])
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    seen = []
+    monkeypatch.setattr(sdpa_check, "grad_check", fake_grad_check(("cudnn",), seen))
+    space = search_space(cfg, args)
+    kernels = dict(c for c in space["choices"] if c != "micro")["train.sdpa_backend"]
+    assert kernels == ["auto", "flash", "efficient"]
+    assert "train.sdpa_backend=cudnn: not timed (sdpa_cudnn: FAIL" in capsys.readouterr().err
+    assert {d for _, d, _ in seen} == {torch.bfloat16, torch.float32}
+    # the tiny recipe's own attention: 2 heads of 16, 4 patches and the class token
+    assert {(s["tokens"], s["heads"], s["head_dim"]) for _, _, s in seen} == {(5, 2, 16)}

@@ -205,7 +205,10 @@ TUNE_DESCRIPTION = """Find the fastest settings of a recipe on this machine that
 precision (within --allow-precision), attention kernel, optimizer implementation, micro-batch
 (the global batch is kept through train.accum_steps; not searched when the model has BatchNorm
 layers, as the default recipe's conv stem does, whose batch statistics would then come from smaller
-micro-batches, unless --allow-bn-micro-batch) and torch.compile. Candidates are measured
+micro-batches, unless --allow-bn-micro-batch) and torch.compile; on a GPU also the SDPA kernel (only
+those that pass a gradient check against float64 math at the recipe's attention shape), the compile
+mode, inductor's knobs (train.inductor_*: each off unless measured faster) and the whole step
+captured. --allow-precision bf16,bf16_act lets it try the bf16 residual stream. Candidates are measured
 side by side (interleaved rounds, the ladder's harness), one knob at a time, starting from the
 recipe's own values; a candidate replaces the incumbent only if it was faster in more than 2/3 of
 the rounds (round by round) and by more than 1% in their median; the micro-batch doubles from a

@@ -14,11 +14,13 @@ from ..config import TrainConfig
 from ..errors import UserError
 from ..launch import is_main_process
 from ..metrics import mfu, peak_flops
+from ..precision import half_dtype
 from ..strategy.dist import broadcast_object, env_world
 from ..tasks import build_task
 from . import (
     rounds as lab_rounds,  # rounds.measure_configs looked up when called (tests replace it)
 )
+from . import sdpa_check
 from .machine import machine_line
 from .recipes import check_counts, lab_config, log, synthetic_data, with_overrides
 from .rounds import faster_in_most_rounds, rounds_won
@@ -170,18 +172,23 @@ def run(args) -> int:
     return final_comparison(cfg, args, measure, chosen, space, len(history))
 
 
-def search_space(cfg, args) -> dict:
-    """What the search may change: the allowed precisions, attention, optimizer implementation,
-    the micro-batch (accumulation steps; kept where BatchNorm would change the numerics), compile."""
+def allowed_precisions(cfg, allow: str) -> list[str]:
+    """--allow-precision's list (default: the recipe's own), each a train.precision value."""
     valid = TrainConfig.__dataclass_fields__["precision"].metadata["choices"]
-    allowed = [p.strip() for p in args.allow_precision.split(",") if p.strip()] or [
-        cfg.train.precision
-    ]
+    allowed = [p.strip() for p in allow.split(",") if p.strip()] or [cfg.train.precision]
     bad = [p for p in allowed if p not in valid]
     if bad:
         raise UserError(
             f"--allow-precision: unknown precision {', '.join(bad)} (choose from {', '.join(valid)})"
         )
+    return allowed
+
+
+def search_space(cfg, args) -> dict:
+    """What the search may change: the allowed precisions, attention, optimizer implementation,
+    the micro-batch (accumulation steps; kept where BatchNorm would change the numerics), compile;
+    on a GPU the attention kernels that pass their gradient check, inductor's knobs, the capture."""
+    allowed = allowed_precisions(cfg, args.allow_precision)
     world = env_world()[1]
     per_device = cfg.data.batch_size // world
 
@@ -198,18 +205,22 @@ def search_space(cfg, args) -> dict:
     if not args.no_compile:
         choices.append(first("train.compile", [False, True]))
     gpu = torch.cuda.is_available() and cfg.run.device != "cpu"
+    shaped = synthetic_data(cfg) if args.synthetic else cfg  # --synthetic: no dataset read
     if gpu:  # GPU-only switches (a candidate that does not validate is measured as None)
-        # the attention kernel (issue 32: cuDNN vs flash on Hopper), where attention is fused
-        choices.insert(2, first("train.sdpa_backend", ["auto", "flash", "cudnn", "efficient"]))
-        # inductor's autotuned templates: bias + GELU in the matmul's epilogue
+        # the attention kernel (issue 32: cuDNN vs flash on Hopper), where attention is fused; only
+        # the kernels that passed their gradient check at the recipe's shape (issue 51)
+        kernels = checked_kernels(shaped, allowed, torch.device("cuda"))
+        choices.insert(2, first("train.sdpa_backend", kernels))
+        # inductor's autotuned templates: bias + GELU in the matmul's epilogue; inductor's own knobs
+        # (issue 51: all off unless measured faster here; refused without compile: measured as None)
         if not args.no_compile:
             choices.append(first("train.compile_mode", ["default", "max-autotune-no-cudagraphs"]))
+            choices.extend(first(k, v) for k, v in INDUCTOR_SPACE)
         choices.append(first("train.capture", ["none", "step"]))  # the whole step as one CUDA graph
         # float8 matmuls in the blocks (torchao): refused where measured slower, so measured as None there
         choices.append(first("train.fp8", ["none", "rowwise", "tensorwise"]))
     accums = accum_choices(per_device, cfg.train.accum_steps)
-    # --synthetic: no dataset read
-    bn = batch_norm_layers(synthetic_data(cfg) if args.synthetic else cfg)
+    bn = batch_norm_layers(shaped)
     micro_note = ""
     if bn and not args.allow_bn_micro_batch:
         accums = [cfg.train.accum_steps]  # the recipe's micro-batch only: no walk
@@ -228,6 +239,49 @@ def search_space(cfg, args) -> dict:
         "per_device": per_device,
         "gpu": gpu,
     }
+
+
+# inductor's knobs as tune searches them (config.py's train.inductor_*), off first
+INDUCTOR_SPACE = [
+    ("train.inductor_coordinate_descent", [False, True]),
+    ("train.inductor_combo_kernels", [False, True]),
+    ("train.inductor_mix_order", ["default", "on", "off"]),
+    ("train.inductor_gemm", ["default", "cutlass"]),  # with max-autotune only (else not valid)
+]
+
+
+def attention_shape(cfg) -> dict:
+    """The recipe's attention shape for the kernels' gradient check: its first attention layer's
+    heads and head width, its image tower's tokens (ViT-B/16's where the model does not say)."""
+    spec, model = build_task(cfg).meta_model()
+    shape = dict(sdpa_check.VIT_B16)
+    attn = next(
+        (m for m in model.modules() if hasattr(m, "heads") and hasattr(m, "head_dim")), None
+    )
+    if attn is not None:
+        shape.update(heads=attn.heads, head_dim=attn.head_dim)
+    tokens = getattr(getattr(spec, "vision", spec), "num_tokens", None)
+    if isinstance(tokens, int):
+        shape["tokens"] = tokens
+    return shape
+
+
+def checked_kernels(cfg, allowed: list[str], device) -> list[str]:
+    """train.sdpa_backend's candidates: auto, and each kernel that passed its gradient check against
+    float64 math (lab/sdpa_check.py) at the recipe's attention shape in every allowed precision's
+    dtype; the others are said in one line each and not timed."""
+    dtypes = {half_dtype(p if p != "auto" else "bf16") or torch.float32 for p in allowed}
+    shape, out = attention_shape(cfg), ["auto"]
+    for kernel in ("flash", "cudnn", "efficient"):
+        results = [
+            sdpa_check.grad_check(kernel, device, d, **shape) for d in sorted(dtypes, key=str)
+        ]
+        bad = next((r for r in results if r["status"] != "PASS"), None)
+        if bad is None:
+            out.append(kernel)
+        else:
+            log(f"  train.sdpa_backend={kernel}: not timed ({sdpa_check.describe(bad)})")
+    return out
 
 
 class Measurer:
