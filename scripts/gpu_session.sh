@@ -6,8 +6,8 @@
 # here), installed with pip --no-index --no-deps into /tmp/site and put on PYTHONPATH.
 #
 #   bash scripts/gpu_session.sh OUT_DIR [PARTS]   PARTS: all (default), or a comma list of
-#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default
-#                                                 in that order (peer, capture, fp8 and default are not in all: ask for them)
+#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default, clip
+#                                                 in that order (peer, capture, fp8, default and clip are not in all: ask for them)
 #
 # First, every time: the carried wheels installed; the machine and every package's version ("missing"
 # where absent) into log.txt; what the parts import checked (missing ones named in one line); then
@@ -31,12 +31,16 @@
 # (issue 39): default_runs.tar, the summary.json and metrics.jsonl of plain `vitscale train` (the user's
 # command: only data.root set) with run.seed 0, 1 and 2, and of the same job with train.capture=none
 # (seed 0, the eager step beside), under default_seed{0,1,2}/ and default_eager/ (one file: the device tool
-# brings back 8), and their accuracy and training time in log.txt; the skip part (issue 41): bench_skip_{b16,l16}.json
+# brings back 8), and their accuracy and training time in log.txt; the clip part (issue 51 item 5):
+# bench_clip_{v3,openclip}_compiled.json (CLIP_CFG on synthetic pairs, one GPU, eager beside
+# train.compile=true: towers + loss as one fullgraph graph) and bench_clip_{v3,openclip}_captured.json
+# (compiled beside compiled + train.capture=step), and in log.txt "clip_capture_check: PASS|FAIL" (a
+# tiny CLIP, FastCLIP-v3 and v0, 12 steps captured beside eager on the GPU: losses and u); the skip part (issue 41): bench_skip_{b16,l16}.json
 # (ViT-B/16 at drop_path 0.1 and L/16 at 0.4, bf16 compiled: drop_path_mode=skip beside timm and beside the mask form). Scratch runs
 # go to a temporary folder. docs/gpu.md gives each part's time on one
 # H100 and the device-tool calls for a 30-minute budget. Knobs (environment):
 #   CFG=configs/vit_b16_imagenet.toml  BATCH=256  LAB_ARGS="--steps 10 --trials 3"  TUNE_BUDGET=240
-#   CLIP_CFG=configs/clip_vit_b16.toml  CLIP_BATCH=256  PEER_ROUNDS=5
+#   CLIP_CFG=configs/clip_vit_b16.toml  CLIP_BATCH=256  PEER_ROUNDS=5  CLIP_LOSSES="fastclip_v3 openclip" (the clip part's)
 #   FMNIST_ROOT=data/fashion-mnist (the four .gz files, carried)  CAPTURE_SETS="--set optim.name=adamw --set train.compile=true" (default: the first)
 #   TRAIN_CFG=configs/fashion_mnist.toml (the job the capture part trains)
 #   DEFAULT_SETS="--set run.max_steps=20" (the default part's runs shortened: smoke tests only)
@@ -45,13 +49,13 @@
 #   SKIP_STEPS="bench_default_graphs ..." (steps to leave out, by the names log.txt gives them;
 #   the wheels, versions and GPU check steps always run)
 set -uo pipefail
-usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture,fp8,skip,default]"
+usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture,fp8,skip,default,clip]"
 out=${1:?$usage}
 parts=${2:-all}
 [ "$parts" = all ] && parts=tests,deepspeed,bench,ladder,tune
 for p in ${parts//,/ }; do
-  case $p in tests|bench|ladder|tune|deepspeed|peer|capture|fp8|skip|default) ;;
-    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default)" >&2; exit 2;;
+  case $p in tests|bench|ladder|tune|deepspeed|peer|capture|fp8|skip|default|clip) ;;
+    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default, clip)" >&2; exit 2;;
   esac
 done
 py=${PYTHON:-python3}
@@ -119,6 +123,7 @@ need="torch numpy rich safetensors"
 want tests && need="$need pytest"
 want ladder && need="$need matplotlib tensorboard"
 want peer && need="$need timm open_clip"  # open_clip: CLIP's vocabulary file
+want clip && need="$need open_clip"
 want skip && need="$need timm"
 want fp8 && need="$need torchao"
 missing=$("$py" -c "
@@ -241,6 +246,52 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("default_*/summary.json")):
     print(f"{p.parent.name}: test accuracy {100 * s['test_accuracy']:.2f}%, training {s['train_time_s']:.1f} s, "
           f"{s['images_per_s']:.0f} img/s, precision {s['precision']}, capture {s.get('capture')}, {s['device']}")
 PY
+fi
+if want clip; then
+  # issue 51 item 5: CLIP's step compiled whole (fullgraph) and captured, one GPU, synthetic pairs.
+  # First the captured step against the eager one on the GPU (a tiny CLIP, fp32), then per loss the
+  # recipe eager beside compiled, and compiled beside compiled + captured (paired rounds)
+  step clip_capture_check 240 "$py" - <<'PY'
+import json, sys, tempfile, torch
+from vitscale.config import load_config
+from vitscale.loop import Trainer
+dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: ALLOW_CPU's smoke test, no graph
+sets = [f"run.device={dev}", "train.epochs=3", "clip.gamma_decay_epochs=2", "optim.impl=fused",
+        "clip.tau_lr=0.05", "run.eval_every=0", "run.progress=off", "run.log_every=1"]
+ok = True
+for loss in ("fastclip_v3", "fastclip_v0"):
+    out = {}
+    for cap in ("none", "step"):
+        cfg = load_config("configs/tests/clip_tiny.toml", [*sets, f"clip.loss={loss}", f"train.capture={cap}"])
+        tr = Trainer(cfg, tempfile.mkdtemp() + "/run")
+        try:
+            tr.fit()
+        finally:
+            tr.close()
+        recs = [json.loads(x) for x in (tr.run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in recs if r.get("kind") == "train"]
+        graph = tr.whole is not None and tr.whole.graph is not None
+        out[cap] = (losses, tr.task.state_dict()["lu1"].double(), graph)
+    (le, ue, _), (lc, uc, graph) = out["none"], out["step"]
+    fin = torch.isfinite(ue)
+    du = float((ue[fin] - uc[fin]).abs().max()) if fin.any() else 0.0
+    dl = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(le, lc))
+    good = (graph or dev == "cpu") and len(le) == len(lc) == 12 and torch.equal(fin, torch.isfinite(uc))
+    good = good and du <= 1e-4 and dl <= 1e-4
+    ok &= good
+    print(f"{loss} on {dev}: CUDA graph {graph}, {len(lc)} steps, losses max rel diff {dl:.3g}, max |d log u| {du:.3g}")
+print(f"clip_capture_check: {'PASS' if ok else 'FAIL'}")
+sys.exit(0 if ok else 1)
+PY
+  clipset=(--synthetic --set strategy.name=single --set "data.batch_size=${CLIP_BATCH:-256}" --set data.num_workers=0)
+  for loss in ${CLIP_LOSSES:-fastclip_v3 openclip}; do
+    step "bench_clip_${loss#fastclip_}_compiled" 300 "$py" -m vitscale bench "${CLIP_CFG:-configs/clip_vit_b16.toml}" \
+      "${clipset[@]}" "${lab[@]}" --set clip.loss=$loss --set train.capture=none --beside train.compile=true \
+      --rounds "${PEER_ROUNDS:-5}" --json --out "$out/bench_clip_${loss#fastclip_}_compiled.json"
+    step "bench_clip_${loss#fastclip_}_captured" 300 "$py" -m vitscale bench "${CLIP_CFG:-configs/clip_vit_b16.toml}" \
+      "${clipset[@]}" "${lab[@]}" --set clip.loss=$loss --set train.compile=true --set train.capture=none \
+      --beside train.capture=step --rounds "${PEER_ROUNDS:-5}" --json --out "$out/bench_clip_${loss#fastclip_}_captured.json"
+  done
 fi
 rm -rf "$scratch"
 grep -E "^== .* (exit|skipped)|^[a-z_]+: (PASS|FAIL|SKIP)" "$log"

@@ -50,6 +50,7 @@ class GlobalTemperature:
         self.theta_step = torch.zeros((), **f64)
         self.lr, self.schedule, self.lr_factor, self.lr_cut = lr, schedule, lr_factor, lr_cut
         self.betas, self.eps = betas, eps
+        self.lr_t = torch.tensor(float(lr), **f64)  # a copy from the host: never inside a step
         # v0 (schedule "model") with the run's step count: tau_lr x the model's factor at every
         # step, a device table a step counter on the device indexes (train.capture=step)
         self.lr_table = (
@@ -83,7 +84,7 @@ class GlobalTemperature:
         (v0: schedule "model"), or divided by tau_lr_cut while tau <= 0.03 (v3: "threshold").
         `step` a device counter (train.capture=step): v0's lr from the device table, the same
         doubles (tau_lr x factor, one rounding either way)."""
-        lr = torch.tensor(self.lr, dtype=torch.float64, device=self.theta.device)
+        lr = self.lr_t  # made once: no host-to-device copy inside a CUDA graph's capture
         if self.schedule == "model" and self.lr_factor is not None:
             if torch.is_tensor(step) and self.lr_table is not None:
                 at = step.clamp(max=len(self.lr_table) - 1).view(1)  # no host read of the step
