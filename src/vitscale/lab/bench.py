@@ -1,6 +1,6 @@
 """`vitscale bench`: the recipe's training step timed (its Bench, timing.py), the split, MFU, memory
 and communication, and beside it a peer's loop (--peer, peer.py) or the recipe with other settings
-(--beside) in paired rounds (rounds.py). What it reports and its arguments: commands.py."""
+(--beside; several, one override each: --each, each.py) in paired rounds (rounds.py). What it reports and its arguments: commands.py."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ..metrics import mfu, peak_flops
 from ..precision import tf32_active
 from ..run_report import state_bytes
 from ..strategy.comm import KINDS
+from .each import describe_each, each_rounds
 from .machine import hardware_info, max_rss_bytes, versions
 from .peer import describe_peer, import_timm, peer_rounds
 from .recipes import check_counts, lab_config, with_overrides
@@ -40,6 +41,7 @@ def measure(
     peer: str | None = None,
     rounds: int = 5,
     beside: list | None = None,
+    each: list | None = None,
 ) -> dict:
     """`vitscale bench`'s report (commands.py says what it holds): the timed steps, the split,
     memory, MFU, communication, and the --peer / --beside rounds where asked."""
@@ -80,15 +82,24 @@ def measure(
             "state_bytes": max(sum(r.values()) for r in state),
             **_run_facts(cfg, b, steps=steps, warmup=warmup, trials=trials, synthetic=synthetic),
         }
-        if peer:
-            out["peer"] = peer_rounds(
-                b, peer, steps, warmup, rounds, b.trainer.flops_per_image, peak
-            )
-        if beside:
-            out["beside"] = beside_rounds(b, beside, steps, warmup, rounds, peak)
+        out.update(_alongside(b, peer, beside, each, (steps, warmup, rounds), peak))
     finally:
         b.close()
     s.close()  # leave the process group cleanly (multi-process runs)
+    return out
+
+
+def _alongside(b, peer, beside, each, counts: tuple, peak: float) -> dict:
+    """What runs beside the recipe's Bench `b` in paired rounds: the peer's loop, the recipe with
+    the --beside overrides, each --each candidate; `counts`: (steps, warm-up, rounds)."""
+    steps, warmup, rounds = counts
+    out = {}
+    if peer:
+        out["peer"] = peer_rounds(b, peer, steps, warmup, rounds, b.trainer.flops_per_image, peak)
+    if beside:
+        out["beside"] = beside_rounds(b, beside, steps, warmup, rounds, peak)
+    if each:  # issue 51: one candidate per override, all in the same rounds
+        out["each"] = each_rounds(b, each, steps, warmup, rounds, peak)
     return out
 
 
@@ -266,6 +277,8 @@ def describe(r: dict) -> str:
         lines += describe_peer(r["peer"])
     if "beside" in r:
         lines += describe_beside(r["beside"])
+    if "each" in r:
+        lines += describe_each(r["each"])
     lines += [f"note        {n}" for n in r["split_notes"] + r.get("peer", {}).get("notes", [])]
     return "\n".join(lines)
 
@@ -283,6 +296,8 @@ def run(args) -> int:
         import_timm()  # one line before anything is built where it does not import
     if args.beside:  # the candidate's refusal in one line before anything is timed
         with_overrides(cfg, dict(parse_override(o) for o in args.beside))
+    for o in args.each:  # each candidate parses (its refusal is said when it is built)
+        parse_override(o)
     r = measure(
         cfg,
         args.steps,
@@ -293,6 +308,7 @@ def run(args) -> int:
         args.peer,
         args.rounds,
         args.beside,
+        args.each,
     )
     if r["rank"] != 0:
         return 0

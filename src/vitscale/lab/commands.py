@@ -87,7 +87,19 @@ def bench_arguments(p) -> None:
         "--beside train.capture=step",
     )
     p.add_argument(
-        "--rounds", type=int, default=5, help="paired rounds with --peer or --beside (default 5)"
+        "--each",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="also time the recipe with this one override as a candidate of its own (repeatable: "
+        "one candidate each), all in the same interleaved paired rounds beside the recipe; a "
+        "candidate that does not validate or compile is reported with its error, not timed",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="paired rounds with --peer, --beside or --each (default 5)",
     )
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--out", help="also write the JSON result to this file")
