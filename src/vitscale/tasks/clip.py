@@ -311,7 +311,9 @@ class ClipTask(Task):
         """Both towers and the loss (tasks/clip_step.py: compiled whole with train.compile in one
         process); the loss's state updates are inside."""
         images, tokens, index = batch
-        step = self.step or ClipStep(self.contrastive, self.cfg.train)
+        if self.step is None:  # a loss set without setup_training (tests): built once
+            self.step = ClipStep(self.contrastive, self.cfg.train)
+        step = self.step
         loss, self.last_logs = step(model, prepare(images), tokens, index)
         return loss
 
