@@ -6,8 +6,8 @@
 # here), installed with pip --no-index --no-deps into /tmp/site and put on PYTHONPATH.
 #
 #   bash scripts/gpu_session.sh OUT_DIR [PARTS]   PARTS: all (default), or a comma list of
-#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default, clip
-#                                                 in that order (peer, capture, fp8, default and clip are not in all: ask for them)
+#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default, clip, knobs
+#                                                 in that order (peer, capture, fp8, default, clip and knobs are not in all: ask for them)
 #
 # First, every time: the carried wheels installed; the machine and every package's version ("missing"
 # where absent) into log.txt; what the parts import checked (missing ones named in one line); then
@@ -36,7 +36,13 @@
 # train.compile=true: towers + loss as one fullgraph graph) and bench_clip_{v3,openclip}_captured.json
 # (compiled beside compiled + train.capture=step), and in log.txt "clip_capture_check: PASS|FAIL" (a
 # tiny CLIP, FastCLIP-v3 and v0, 12 steps captured beside eager on the GPU: losses and u); the skip part (issue 41): bench_skip_{b16,l16}.json
-# (ViT-B/16 at drop_path 0.1 and L/16 at 0.4, bf16 compiled: drop_path_mode=skip beside timm and beside the mask form). Scratch runs
+# (ViT-B/16 at drop_path 0.1 and L/16 at 0.4, bf16 compiled: drop_path_mode=skip beside timm and beside the mask form);
+# the knobs part (issue 51): in log.txt each SDPA kernel's gradient check ("sdpa_<kernel>: PASS|FAIL|SKIP") and
+# inductor's defaults on this torch; bench_knobs_b16.json (ViT-B/16 bf16 batch 256 compiled, capture none: the
+# recipe beside timm, and beside each knob, one candidate each: inductor's options, max-autotune-no-cudagraphs,
+# bf16_act, pure_bf16, each SDPA kernel that passed), parity_b16.json (bf16_act beside autocast bf16, eager,
+# 2 seeds' spread as the tolerance) and bench_skip_l16.json (issue 41's L/16 skip mode, in what is left of
+# KNOBS_BUDGET seconds; said in one line, with its command, where too little is left). Scratch runs
 # go to a temporary folder. docs/gpu.md gives each part's time on one
 # H100 and the device-tool calls for a 30-minute budget. Knobs (environment):
 #   CFG=configs/vit_b16_imagenet.toml  BATCH=256  LAB_ARGS="--steps 10 --trials 3"  TUNE_BUDGET=240
@@ -46,16 +52,19 @@
 #   DEFAULT_SETS="--set run.max_steps=20" (the default part's runs shortened: smoke tests only)
 #   WHEELS=.whl  SITE=/tmp/site  PYTHON=python3  KILL_AFTER=15
 #   ALLOW_CPU=1 (run without a GPU: for the smoke tests; the GPU check then checks the flags only)
+#   KNOBS="train.inductor_combo_kernels=true ..." (the knobs part's candidates)  KNOBS_SDPA="flash cudnn efficient"
+#   KNOBS_SETS="--set ..." (after the knobs part's own: smoke tests)  KNOBS_LIMIT=420  KNOBS_BUDGET=540  PARITY_STEPS=100
+#   KNOBS_SKIP="vit_large_patch16:l16:0.4:128" (the knobs part's skip-mode bench)
 #   SKIP_STEPS="bench_default_graphs ..." (steps to leave out, by the names log.txt gives them;
 #   the wheels, versions and GPU check steps always run)
 set -uo pipefail
-usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture,fp8,skip,default,clip]"
+usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture,fp8,skip,default,clip,knobs]"
 out=${1:?$usage}
 parts=${2:-all}
 [ "$parts" = all ] && parts=tests,deepspeed,bench,ladder,tune
 for p in ${parts//,/ }; do
-  case $p in tests|bench|ladder|tune|deepspeed|peer|capture|fp8|skip|default|clip) ;;
-    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default, clip)" >&2; exit 2;;
+  case $p in tests|bench|ladder|tune|deepspeed|peer|capture|fp8|skip|default|clip|knobs) ;;
+    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default, clip, knobs)" >&2; exit 2;;
   esac
 done
 py=${PYTHON:-python3}
@@ -125,6 +134,7 @@ want ladder && need="$need matplotlib tensorboard"
 want peer && need="$need timm open_clip"  # open_clip: CLIP's vocabulary file
 want clip && need="$need open_clip"
 want skip && need="$need timm"
+want knobs && need="$need timm"
 want fp8 && need="$need torchao"
 missing=$("$py" -c "
 import sys
@@ -146,6 +156,15 @@ case $rc in
 esac
 
 # -- the parts ----------------------------------------------------------------------------------
+skip_bench() {  # skip_bench ARCH:TAG:DROP_PATH:BATCH SECONDS [SETS...]: issue 41's skip-mode bench
+  local arch tag rate batch limit=$2
+  IFS=: read -r arch tag rate batch <<< "$1"
+  shift 2
+  step "bench_skip_$tag" "$limit" "$py" -m vitscale bench "$cfg" --synthetic --set data.num_workers=0 \
+    --set "data.batch_size=$batch" --set "model.arch=$arch" --set "model.drop_path=$rate" "${lab[@]}" \
+    --set train.precision=bf16 --set train.compile=true --set train.capture=none --set model.drop_path_mode=skip "$@" --peer timm \
+    --beside model.drop_path_mode=mask --rounds "${PEER_ROUNDS:-3}" --json --out "$out/bench_skip_$tag.json"
+}
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/gpu_session.XXXXXX")
 if want tests; then
   step tests 240 bash -c "'$py' -m pytest -q -rs -p no:cacheprovider tests/unit/test_gpu.py tests/unit/test_attention_kernel.py tests/integration/test_gpu_dist.py > '$out/tests.txt' 2>&1"
@@ -176,7 +195,7 @@ if want ladder; then
   [ -f "$out/ladder/ladder.md" ] && { cat "$out/ladder/ladder.md" >> "$log"; rm "$out/ladder/ladder.md"; }
 fi
 if want tune; then
-  step tune 330 "$py" -m vitscale tune "$cfg" "${model[@]}" "${lab[@]}" --allow-precision bf16 \
+  step tune 330 "$py" -m vitscale tune "$cfg" "${model[@]}" "${lab[@]}" --allow-precision bf16,bf16_act \
     --budget-s "${TUNE_BUDGET:-240}" --out "$out/tuned_b16.toml"
 fi
 if want peer; then
@@ -219,11 +238,7 @@ if want skip; then
   # model.drop_path_mode=skip beside timm's ViT at the same drop-path rate (--peer), and beside the
   # mask form (--beside: its speedup is mask over skip). SKIP_ARCHS="arch:tag:drop_path:batch ..."
   for quad in ${SKIP_ARCHS:-vit_base_patch16:b16:0.1:256 vit_large_patch16:l16:0.4:128}; do
-    IFS=: read -r arch tag rate batch <<< "$quad"
-    step "bench_skip_$tag" "${SKIP_LIMIT:-270}" "$py" -m vitscale bench "$cfg" --synthetic --set data.num_workers=0 \
-      --set "data.batch_size=$batch" --set "model.arch=$arch" --set "model.drop_path=$rate" "${lab[@]}" \
-      --set train.precision=bf16 --set train.compile=true --set train.capture=none --set model.drop_path_mode=skip --peer timm \
-      --beside model.drop_path_mode=mask --rounds "${PEER_ROUNDS:-3}" --json --out "$out/bench_skip_$tag.json"
+    skip_bench "$quad" "${SKIP_LIMIT:-270}"
   done
 fi
 if want default; then
@@ -292,6 +307,41 @@ PY
       "${clipset[@]}" "${lab[@]}" --set clip.loss=$loss --set train.compile=true --set train.capture=none \
       --beside train.capture=step --rounds "${PEER_ROUNDS:-5}" --json --out "$out/bench_clip_${loss#fastclip_}_captured.json"
   done
+fi
+if want knobs; then
+  # issue 51: ViT-B/16 bf16 batch 256 compiled (capture none: the compile alone). Each SDPA kernel's
+  # gradient check against float64 math first (only the passing ones are timed) and inductor's
+  # defaults on this torch; then one bench process, the recipe beside timm (--peer) and beside each
+  # knob (--each: one compile per knob, 20-40 s each); the loss parity of bf16_act beside autocast
+  # (eager); then ViT-L/16 in skip mode (issue 41) within what is left of KNOBS_BUDGET seconds
+  kstart=$SECONDS
+  read -r -a knobsets <<< "${KNOBS_SETS:-}"
+  step attention 120 "$py" scripts/gpu_checks.py attention
+  step inductor_defaults 60 "$py" -c "import torch, torch._inductor.config as c; d = c.get_config_copy(); print('inductor defaults, torch', torch.__version__, {k: d.get(k, 'absent') for k in ('coordinate_descent_tuning', 'combo_kernels', 'triton.mix_order_reduction', 'max_autotune_gemm_backends')})"
+  each=()
+  for kv in ${KNOBS:-train.inductor_coordinate_descent=true train.inductor_combo_kernels=true train.inductor_mix_order=on train.compile_mode=max-autotune-no-cudagraphs train.precision=bf16_act train.precision=pure_bf16}; do
+    each+=(--each "$kv")
+  done
+  for k in ${KNOBS_SDPA:-flash cudnn efficient}; do
+    case $(verdict "sdpa_$k") in
+      "sdpa_$k: PASS"*) each+=(--each "train.sdpa_backend=$k");;
+      *) echo "== train.sdpa_backend=$k not timed: $(verdict "sdpa_$k")" | tee -a "$log";;
+    esac
+  done
+  step bench_knobs_b16 "${KNOBS_LIMIT:-420}" "$py" -m vitscale bench "$cfg" "${model[@]}" "${lab[@]}" --set train.precision=bf16 \
+    --set train.compile=true --set train.capture=none "${knobsets[@]}" --peer timm "${each[@]}" --rounds "${PEER_ROUNDS:-3}" \
+    --json --out "$out/bench_knobs_b16.json"
+  step parity_b16 150 "$py" -m vitscale parity "$cfg" "${model[@]}" --set train.precision=bf16 --set train.capture=none \
+    "${knobsets[@]}" --candidate train.precision=bf16_act --steps "${PARITY_STEPS:-100}" --window 10 --out "$out/parity_b16.json"
+  left=$(( ${KNOBS_BUDGET:-540} - (SECONDS - kstart) ))
+  quad=${KNOBS_SKIP:-vit_large_patch16:l16:0.4:128}
+  if [ "$left" -ge 120 ]; then
+    limit=$(( left < ${SKIP_LIMIT:-420} ? left : ${SKIP_LIMIT:-420} ))
+    skip_bench "$quad" "$limit" "${knobsets[@]}"
+  else
+    IFS=: read -r _ ktag _ _ <<< "$quad"
+    echo "== bench_skip_$ktag skipped: ${left} s left of KNOBS_BUDGET; run it apart: SKIP_ARCHS=\"$quad\" SKIP_LIMIT=420 bash scripts/gpu_session.sh OUT skip" | tee -a "$log"
+  fi
 fi
 rm -rf "$scratch"
 grep -E "^== .* (exit|skipped)|^[a-z_]+: (PASS|FAIL|SKIP)" "$log"

@@ -329,3 +329,64 @@ def test_the_default_part_on_the_image(tmp_path):
         "train.capture" in summaries["default_seed0"]["auto"]
     )  # the plain command: auto, answered
     assert [line for line in log.splitlines() if line.startswith("default_seed2: test accuracy")]
+
+
+@NO_GPU
+def test_the_knobs_part_on_the_image(tmp_path):
+    """The knobs part (issue 51) with tiny recipes on the CPU, uncompiled (KNOBS_SETS): each SDPA
+    kernel's gradient check in log.txt (the CPU's pass, the CUDA ones skipped and so not timed), one
+    bench beside timm and beside each knob (the compile's knobs refused in one line each here, the
+    precision modes and the passing kernel timed), the parity run, and the skip-mode bench within
+    the part's budget; its three files and log.txt only. A budget too small for the skip bench says
+    so with the command that runs it apart."""
+    pytest.importorskip(
+        "timm", reason="timm does not import here (see ../shared/tools/tv_cpu_stub)"
+    )
+    out = tmp_path / "o"
+    env = dict(
+        ALLOW_CPU="1",
+        CFG="configs/tests/tiny.toml",
+        BATCH="16",
+        PEER_ROUNDS="2",
+        LAB_ARGS="--steps 2 --trials 1 --warmup 1 --set run.threads=1",
+        KNOBS_SETS="--set train.compile=false",
+        PARITY_STEPS="4",
+        KNOBS_SKIP="vit_pico_patch4:l16:0.4:16",
+    )
+    p = run(out, "knobs", **env)
+    assert p.returncode == 0, p.stderr
+    log = (out / "log.txt").read_text()
+    for name in (
+        "attention",
+        "inductor_defaults",
+        "bench_knobs_b16",
+        "parity_b16",
+        "bench_skip_l16",
+    ):
+        assert f"== {name} exit 0" in log, log[-3000:]
+    assert "sdpa_flash: PASS" in log and "sdpa_cudnn: SKIP: a CUDA kernel" in log
+    assert "== train.sdpa_backend=cudnn not timed: sdpa_cudnn: SKIP" in log
+    assert "inductor defaults, torch" in log
+    each = json.loads((out / "bench_knobs_b16.json").read_text())
+    assert each["peer"]["name"] == "timm"
+    cands = {next(iter(c["overrides"].items())): c for c in each["each"]["candidates"]}
+    assert "needs train.compile=true" in cands[("train.inductor_combo_kernels", True)]["error"]
+    for key in (("train.precision", "bf16_act"), ("train.sdpa_backend", "flash")):
+        assert len(cands[key]["speedup_rounds"]) == 2
+    assert ("train.sdpa_backend", "cudnn") not in cands
+    parity = json.loads((out / "parity_b16.json").read_text())
+    assert parity["candidate"] == {"train.precision": "bf16_act"} and parity["steps"] == 4
+    assert sorted(f.name for f in out.iterdir()) == [
+        "bench_knobs_b16.json",
+        "bench_skip_l16.json",
+        "log.txt",
+        "parity_b16.json",
+    ]
+    # too little budget left for the skip bench: said, with the command, and not run
+    small = tmp_path / "s"
+    p = run(small, "knobs", **env, KNOBS_BUDGET="1", SKIP_STEPS="bench_knobs_b16 parity_b16")
+    assert p.returncode == 0, p.stderr
+    log = (small / "log.txt").read_text()
+    assert "== bench_skip_l16 skipped: " in log
+    assert 'run it apart: SKIP_ARCHS="vit_pico_patch4:l16:0.4:16" SKIP_LIMIT=420' in log
+    assert not (small / "bench_skip_l16.json").exists()

@@ -76,3 +76,4 @@ def test_synthetic_parity_streams_as_many_batches_as_steps():
 
     cfg = parity_config(load_config(TINY, ["data.batch_size=8"]), 5, synthetic=True)
     assert cfg.data.name == "synthetic" and cfg.data.train_size == 40
+    assert parity_config(load_config(TINY, ["data.batch_size=8"]), 50, True).data.train_size == 160

@@ -51,12 +51,17 @@ def verdict(base: list[float], other_seed: list[float], cand: list[float], windo
     }
 
 
+MAX_BATCHES = 20
+
+
 def parity_config(cfg, steps: int, synthetic: bool):
     """The recipe as parity trains it: with --synthetic, synthetic images of its shape, as many as
-    `steps` global batches (a stream, not one batch reused); no evaluation or checkpoint."""
+    `steps` global batches up to MAX_BATCHES (a stream of batches, not one reused; later epochs
+    reshuffle them: ViT-B/16's 20 x 256 images are 0.8 GB in memory); no evaluation or checkpoint."""
     if synthetic:
         cfg = synthetic_data(cfg)
-        cfg = with_overrides(cfg, {"data.train_size": cfg.data.batch_size * steps})
+        n = cfg.data.batch_size * min(steps, MAX_BATCHES)
+        cfg = with_overrides(cfg, {"data.train_size": n})
     return cfg
 
 
