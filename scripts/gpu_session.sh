@@ -53,7 +53,7 @@
 #   WHEELS=.whl  SITE=/tmp/site  PYTHON=python3  KILL_AFTER=15
 #   ALLOW_CPU=1 (run without a GPU: for the smoke tests; the GPU check then checks the flags only)
 #   KNOBS="train.inductor_combo_kernels=true ..." (the knobs part's candidates)  KNOBS_SDPA="flash cudnn efficient"
-#   KNOBS_SETS="--set ..." (after the knobs part's own: smoke tests)  KNOBS_LIMIT=420  KNOBS_BUDGET=540  PARITY_STEPS=100
+#   KNOBS_SETS="--set ..." (after the knobs part's own: smoke tests)  KNOBS_LIMIT=420  KNOBS_BUDGET=500  PARITY_STEPS=100
 #   KNOBS_SKIP="vit_large_patch16:l16:0.4:128" (the knobs part's skip-mode bench)
 #   SKIP_STEPS="bench_default_graphs ..." (steps to leave out, by the names log.txt gives them;
 #   the wheels, versions and GPU check steps always run)
@@ -333,7 +333,7 @@ if want knobs; then
     --json --out "$out/bench_knobs_b16.json"
   step parity_b16 150 "$py" -m vitscale parity "$cfg" "${model[@]}" --set train.precision=bf16 --set train.capture=none \
     "${knobsets[@]}" --candidate train.precision=bf16_act --steps "${PARITY_STEPS:-100}" --window 10 --out "$out/parity_b16.json"
-  left=$(( ${KNOBS_BUDGET:-540} - (SECONDS - kstart) ))
+  left=$(( ${KNOBS_BUDGET:-500} - (SECONDS - kstart) ))
   quad=${KNOBS_SKIP:-vit_large_patch16:l16:0.4:128}
   if [ "$left" -ge 120 ]; then
     limit=$(( left < ${SKIP_LIMIT:-420} ? left : ${SKIP_LIMIT:-420} ))
