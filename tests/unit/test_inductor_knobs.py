@@ -134,3 +134,16 @@ def test_a_bad_cache_file_is_said_and_compiled_anew(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         CompileCache(str(bad), main=False).load()
     assert any("not loaded" in r.message for r in caplog.records)
+
+
+def test_an_option_this_torch_lacks_is_refused_in_one_line(monkeypatch):
+    """An older torch (the GPU image's) without one of the options: refused before anything runs."""
+    from vitscale.strategy import inductor
+
+    known = inductor.known_options() - {"triton.mix_order_reduction"}
+    monkeypatch.setattr(inductor, "known_options", lambda: known)
+    knob_refusal = inductor.knob_refusal
+    why = knob_refusal(TrainConfig(compile=True, inductor_mix_order="on"), "cuda")
+    assert why and why.startswith("config: inductor's option triton.mix_order_reduction (set by ")
+    assert "train.inductor_mix_order=on" in why and "\n" not in why
+    assert knob_refusal(TrainConfig(compile=True, inductor_combo_kernels=True), "cuda") is None

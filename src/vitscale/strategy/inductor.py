@@ -70,6 +70,30 @@ def gemm_refusal(device_type: str, gemm: str) -> str | None:
     return None
 
 
+def known_options() -> set[str]:
+    """The option names this torch's inductor config has."""
+    import torch._inductor.config as inductor_config
+
+    return set(inductor_config.get_config_copy())
+
+
+def knob_refusal(train: TrainConfig, device_type: str) -> str | None:
+    """What this device and this torch refuse of the knobs, in one line, or None: a CUDA GEMM
+    backend on another device; an option this torch's inductor does not have (an older torch)."""
+    why = gemm_refusal(device_type, train.inductor_gemm)
+    opts = inductor_options(train)
+    if why or not opts:
+        return why
+    known = known_options()
+    missing = [k for k in opts if k not in known]
+    if missing:
+        return (
+            f"config: inductor's option {missing[0]} (set by {', '.join(inductor_knobs(train))}) is "
+            f"not in torch {torch.__version__}; leave that key at its default with this torch"
+        )
+    return None
+
+
 def knob_note(train: TrainConfig, device_type: str) -> str | None:
     """One line where Triton-only knobs are set for a compile that runs on the CPU (no effect)."""
     if device_type == "cuda" or not train.compile:

@@ -25,7 +25,7 @@ from .devices import (
 )
 from .ema import Ema
 from .fp8 import convert_fp8, fp8_refusal
-from .inductor import CompileCache, compile_args, gemm_refusal, knob_note
+from .inductor import CompileCache, compile_args, knob_note, knob_refusal
 from .parallel import apply_ac, on_whole_matrix
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def device_refusal(train: TrainConfig, device: torch.device) -> str | None:
         fp16_refusal(device.type, train.precision)
         or fp8_refusal(train.fp8, device.type, capability)
         or sdpa_refusal(device.type, train.sdpa_backend)
-        or gemm_refusal(device.type, train.inductor_gemm)
+        or knob_refusal(train, device.type)
     )
 
 
