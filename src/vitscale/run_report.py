@@ -207,6 +207,9 @@ def run_summary(
         # train.targets: when the evaluations first reached each (the metric above)
         "time_to_target": time_to_target(p.evals, cfg.train.targets, task.metric),
         "train_time_s": p.train_time,
+        # each process's first step (summed over resumed segments), left out of images_per_s: with
+        # train.compile the compile is in it (bench reports compile_s, over its median step)
+        "first_step_s": p.train_time - p.steady[0] if p.steady[1] else None,
         "images_per_s": images_per_s,
         "params": facts.params,
         "flops_per_image": facts.flops_per_image,

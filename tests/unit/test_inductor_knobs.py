@@ -147,3 +147,18 @@ def test_an_option_this_torch_lacks_is_refused_in_one_line(monkeypatch):
     assert why and why.startswith("config: inductor's option triton.mix_order_reduction (set by ")
     assert "train.inductor_mix_order=on" in why and "\n" not in why
     assert knob_refusal(TrainConfig(compile=True, inductor_combo_kernels=True), "cuda") is None
+
+
+def test_the_first_step_is_reported_apart_in_the_summary(tmp_path):
+    """summary.json's first_step_s: each process's first step (the compile, with train.compile),
+    what images_per_s leaves out."""
+    from vitscale.loop import train
+
+    cfg = load_config(
+        "configs/tests/tiny.toml", ["run.max_steps=3", "run.threads=1", "run.progress=off"]
+    )
+    s = train(cfg, tmp_path / "run")
+    assert 0 < s["first_step_s"] < s["train_time_s"]
+    assert s["images_per_s"] == pytest.approx(
+        2 * cfg.data.batch_size / (s["train_time_s"] - s["first_step_s"])
+    )
