@@ -14,6 +14,7 @@ SLOW: dict[str, float] = {
     # measured 2026-11-28 on 2 cores of an AVX-512 EPYC, not emulated, beside another job: issue 51
     # item 5, CLIP's whole step compiled (fullgraph) beside eager, one compile each
     "tests/unit/test_clip_capture.py::test_the_clip_step_compiles_whole_without_a_graph_break": 174.3,
+    "tests/integration/test_gpu_session.py::test_the_clip_part_on_the_image": 77.5,
     # measured 2026-11-28 on 2 cores of an AVX-512 EPYC: issue 51's Mega Cache, two compiling processes
     "tests/integration/test_compile_cache.py::test_the_mega_cache_round_trip_in_two_processes": 48.7,
     "tests/integration/test_gpu_session.py::test_the_knobs_part_on_the_image": 75.0,

@@ -390,3 +390,44 @@ def test_the_knobs_part_on_the_image(tmp_path):
     assert "== bench_skip_l16 skipped: " in log
     assert 'run it apart: SKIP_ARCHS="vit_pico_patch4:l16:0.4:16" SKIP_LIMIT=420' in log
     assert not (small / "bench_skip_l16.json").exists()
+
+
+@NO_GPU
+def test_the_clip_part_on_the_image(tmp_path):
+    """The clip part (issue 51 item 5) with the tiny CLIP on the CPU: the captured-beside-eager check
+    passes (no graph on a CPU: the same numbers), and FastCLIP-v3's two benches (eager beside
+    compiled, compiled beside compiled + captured) write their files; open_clip (the vocabulary
+    file) as a carried wheel would give it."""
+    out = tmp_path / "o"
+    block = " ".join(
+        n for n in NOT_ON_THE_GPU_IMAGE.split() if n not in ("open_clip", "ftfy", "wcwidth")
+    )
+    p = run(
+        out,
+        "clip",
+        block=block,
+        ALLOW_CPU="1",
+        CLIP_CFG="configs/tests/clip_tiny.toml",
+        CLIP_BATCH="16",
+        CLIP_LOSSES="fastclip_v3",
+        PEER_ROUNDS="2",
+        LAB_ARGS="--steps 2 --trials 1 --warmup 1 --set run.threads=1 --set train.precision=fp32",
+    )
+    assert p.returncode == 0, p.stderr
+    log = (out / "log.txt").read_text()
+    for name in ("clip_capture_check", "bench_clip_v3_compiled", "bench_clip_v3_captured"):
+        assert f"== {name} exit 0" in log, log[-3000:]
+    assert "clip_capture_check: PASS" in log
+    compiled = json.loads((out / "bench_clip_v3_compiled.json").read_text())
+    captured = json.loads((out / "bench_clip_v3_captured.json").read_text())
+    assert compiled["beside"]["overrides"] == {"train.compile": True}
+    assert captured["beside"]["overrides"] == {"train.capture": "step"}
+    assert (
+        captured["config"]["train"]["compile"]
+        and captured["config"]["clip"]["loss"] == "fastclip_v3"
+    )
+    assert sorted(f.name for f in out.iterdir()) == [
+        "bench_clip_v3_captured.json",
+        "bench_clip_v3_compiled.json",
+        "log.txt",
+    ]
