@@ -7,6 +7,7 @@ the key and what it accepts.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from dataclasses import asdict, dataclass, field, fields
@@ -658,6 +659,10 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     clip: ClipConfig = field(default_factory=ClipConfig)
+    # the recipe's [per_device.CLASS.SECTION] tables (DEVICE_CLASSES): keys it sets on one class of
+    # device only, over its own and under the user's --set; fastpaths.resolve applies the machine's
+    # one and empties this, so a run's config.toml holds the values it ran with
+    per_device: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -665,9 +670,16 @@ class Config:
     def to_toml(self) -> str:
         out = []
         for sec, values in self.to_dict().items():
+            if sec == PER_DEVICE:
+                continue
             out.append(f"[{sec}]")
             out += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
             out.append("")
+        for cls, sections in self.per_device.items():
+            for sec, values in sections.items():
+                out.append(f"[{PER_DEVICE}.{cls}.{sec}]")
+                out += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+                out.append("")
         return "\n".join(out)
 
 
@@ -679,7 +691,14 @@ def _toml_value(v: Any) -> str:
     return json.dumps(v)
 
 
-SECTIONS = {f.name: f.type for f in fields(Config)}
+PER_DEVICE = "per_device"
+SECTIONS = {f.name: f.type for f in fields(Config) if f.name != PER_DEVICE}
+# the classes a recipe's [per_device.CLASS] tables name: the question train.precision=auto asks
+DEVICE_CLASSES = {
+    "cpu": "a CPU without bf16 instructions",
+    "cpu_bf16": "a CPU with bf16 instructions (avx512_bf16 or amx_bf16)",
+    "cuda": "a CUDA GPU",
+}
 
 
 def _section_types() -> dict[str, type]:
@@ -787,6 +806,9 @@ def set_value(cfg: Config, dotted: str, value: Any) -> None:
 
 def apply_dict(cfg: Config, data: dict, source: str = "config") -> Config:
     for sec, values in data.items():
+        if sec == PER_DEVICE:
+            cfg.per_device = per_device_tables(values, source)
+            continue
         if not isinstance(values, dict):
             if sec not in SECTIONS:
                 raise ConfigError(
@@ -799,6 +821,44 @@ def apply_dict(cfg: Config, data: dict, source: str = "config") -> Config:
             except ConfigError as e:
                 raise ConfigError(str(e).replace("config:", f"{source}:", 1)) from None
     return cfg
+
+
+def per_device_tables(value: Any, source: str) -> dict:
+    """A recipe's [per_device.CLASS.SECTION] tables, every key checked as the recipe's own keys
+    are (on a scratch config: the tables change nothing until fastpaths.resolve applies one)."""
+    classes = ", ".join(DEVICE_CLASSES)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: [{PER_DEVICE}] must hold tables [{PER_DEVICE}.CLASS.SECTION]")
+    out: dict = {}
+    for cls, sections in value.items():
+        where = f"[{PER_DEVICE}.{cls}]"
+        if cls not in DEVICE_CLASSES:
+            raise ConfigError(f"{source}: {where}: unknown device class (classes: {classes})")
+        if not isinstance(sections, dict) or not all(
+            isinstance(v, dict) for v in sections.values()
+        ):
+            raise ConfigError(
+                f"{source}: {where} must hold tables such as [{PER_DEVICE}.{cls}.train]"
+            )
+        scratch = Config()
+        for sec, values in sections.items():
+            for key, v in values.items():
+                try:
+                    set_value(scratch, f"{sec}.{key}", v)
+                except ConfigError as e:
+                    raise ConfigError(str(e).replace("config:", f"{source}: {where}", 1)) from None
+        out[cls] = {sec: dict(values) for sec, values in sections.items()}
+    return out
+
+
+def with_device_section(cfg: Config, cls: str) -> Config:
+    """`cfg` with its [per_device.`cls`] keys set and no tables left (a copy)."""
+    out = copy.deepcopy(cfg)
+    out.per_device = {}
+    for sec, values in cfg.per_device.get(cls, {}).items():
+        for key, value in values.items():
+            set_value(out, f"{sec}.{key}", value)
+    return out
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -854,8 +914,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
     apply_dict(cfg, data, source=str(path))
     for text in overrides:
-        set_value(cfg, *parse_override(text))
+        key, value = parse_override(text)
+        set_value(cfg, key, value)
+        sec, _, name = key.partition(".")
+        for sections in cfg.per_device.values():  # the user's --set wins over every device's table
+            sections.get(sec, {}).pop(name, None)
     check(cfg)
+    for cls in cfg.per_device:  # each device's recipe meets the rules too, refused on any machine
+        try:
+            check(with_device_section(cfg, cls))
+        except ConfigError as e:
+            raise ConfigError(f"{path}: [{PER_DEVICE}.{cls}]: {e}") from None
     return cfg
 
 

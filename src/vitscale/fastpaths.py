@@ -8,6 +8,10 @@
 - train.capture=auto: the whole step captured as one CUDA graph (`step`) on one CUDA device in one
   process for a recipe the capture takes (config.capture_refusal, the task's `uncapturable`);
   `none` otherwise, with the reason.
+- A recipe's [per_device.CLASS.SECTION] tables (config.DEVICE_CLASSES: cpu, cpu_bf16, cuda): the
+  keys of the machine's class set first, over the recipe and under the user's --set (load_config
+  drops the keys the command line named), announced and recorded as summary.json's
+  "auto"."per_device"; the other classes' tables are dropped.
 
 `resolve` returns the config with every `auto` replaced by its answer, which is what the run
 saves (config.toml, every checkpoint) and reports (summary.json's "auto"), so a run is reproduced
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .config import Config, capture_refusal, check
+from .config import PER_DEVICE, Config, capture_refusal, check, with_device_section
 from .launch import launch_env
 from .strategy import needs_processes, resolve_device
 from .strategy.devices import auto_precision, cpu_has_bf16, device_for
@@ -65,6 +69,31 @@ def this_machine(cfg: Config, env: Mapping[str, str] = os.environ) -> Machine:
             world_size=launch.world_size,
         )
     return Machine("cpu", cpu_bf16=cpu_has_bf16(), world_size=launch.world_size)
+
+
+def device_class(machine: Machine) -> str:
+    """The class of config.DEVICE_CLASSES `machine` is in (a recipe's [per_device.CLASS] tables)."""
+    if machine.device_type == "cuda":
+        return "cuda"
+    return "cpu_bf16" if machine.cpu_bf16 else "cpu"
+
+
+def device_section(cfg: Config, machine: Machine) -> tuple[Config, tuple[str, str]]:
+    """`cfg` with the recipe's table for `machine`'s class applied (and none left), and (the class,
+    what it set) for the announcement and summary.json."""
+    cls = device_class(machine)
+    keys = [
+        f"{sec}.{k}={v}"
+        for sec, values in cfg.per_device.get(cls, {}).items()
+        for k, v in values.items()
+    ]
+    if keys:
+        why = f"{PER_DEVICE}.{cls}: " + ", ".join(keys)
+    elif cls in cfg.per_device:
+        why = f"{PER_DEVICE}.{cls}: nothing the command line did not set"
+    else:
+        why = f"{PER_DEVICE}: no table for {cls} (the recipe's: {', '.join(cfg.per_device)})"
+    return with_device_section(cfg, cls), (cls, why)
 
 
 def auto_ns_dtype(machine: Machine) -> tuple[str, str]:
@@ -121,21 +150,29 @@ class FastPaths:
         muon = ""
         if self.cfg.optim.name == "muon":
             muon = f"; {say('optim.muon_ns_dtype', self.cfg.optim.muon_ns_dtype)}"
+        section = ""
+        if PER_DEVICE in self.chosen:
+            section = f"; {self.chosen[PER_DEVICE][1]}"
         return (
             f"fast paths on {machine.describe()}: {say('train.precision', t.precision)}; "
-            f"{say('train.capture', t.capture)}; {compile_}{muon}"
+            f"{say('train.capture', t.capture)}; {compile_}{muon}{section}"
         )
 
 
 def resolve(cfg: Config, machine: Machine | None = None) -> FastPaths:
-    """`cfg` with train.precision=auto and train.capture=auto answered for `machine` (this one by
-    default), checked again (config.check: a resolved key meets the others' rules)."""
+    """`cfg` with its [per_device] table for `machine` (this one by default) applied and
+    train.precision=auto and train.capture=auto answered there, checked again (config.check: a
+    resolved key meets the others' rules)."""
     t = cfg.train
     muon_auto = cfg.optim.name == "muon" and cfg.optim.muon_ns_dtype == "auto"
-    if "auto" not in (t.precision, t.capture) and not muon_auto:  # the machine is not asked
-        return FastPaths(cfg, machine)
+    if "auto" not in (t.precision, t.capture) and not muon_auto and not cfg.per_device:
+        return FastPaths(cfg, machine)  # the machine is not asked
     machine = machine or this_machine(cfg)
     chosen = {}
+    if cfg.per_device:  # first: a device's table may set the keys below, auto or not
+        cfg, chosen[PER_DEVICE] = device_section(cfg, machine)
+        t = cfg.train
+        muon_auto = cfg.optim.name == "muon" and cfg.optim.muon_ns_dtype == "auto"
     if t.precision == "auto":
         chosen["train.precision"] = auto_precision(
             machine.device_type, machine.capability, machine.cpu_bf16

@@ -70,12 +70,24 @@ def test_the_default_recipe_resolves_per_machine():
         H200: ("bf16", "none", "bf16"),
         T4: ("fp32", "none", "fp32"),
     }
-    assert set(got[H200].record()) == {"train.precision", "train.capture", "optim.muon_ns_dtype"}
+    assert set(got[H200].record()) == {
+        "train.precision",
+        "train.capture",
+        "optim.muon_ns_dtype",
+        "per_device",  # the recipe's tables name no GPU: said, and the recipe runs as written
+    }
+    assert {m: f.cfg.train.epochs for m, f in got.items()} == {
+        AVX2: 10,
+        AVX512_BF16: 18,
+        H200: 10,
+        T4: 10,
+    }
     line = got[H200].line()
     assert (
         line.startswith("fast paths on cuda (NVIDIA H200, sm_90): precision bf16 (auto: ")
         and "capture none (auto: optim.name=muon" in line
         and "muon_ns_dtype bf16 (auto: " in line
+        and "per_device: no table for cuda (the recipe's: cpu_bf16)" in line
     )
     assert "compile off" in line
     assert cfg.train.precision == "auto"  # the recipe itself is left as it was
@@ -86,15 +98,20 @@ def test_the_default_recipe_resolves_per_machine():
 
 def test_on_a_bf16_cpu_the_default_job_is_the_recipe_as_it_was():
     """The default job on a CPU with bf16 instructions: auto gives exactly the config of the recipe
-    before issue 39 (bf16, uncaptured), so the run is the same run, bit for bit."""
-    before = load_config(
-        None, ["train.precision=bf16", "train.capture=none", "optim.muon_ns_dtype=bf16"]
-    )
-    assert resolve(load_config(), AVX512_BF16).cfg.to_dict() == before.to_dict()
+    with its choices written out (bf16, uncaptured, its [per_device.cpu_bf16] table's epochs), so
+    the run is the same run, bit for bit; on a CPU without them, fp32 and the recipe's epochs."""
+
+    def sections(cfg):
+        return {k: v for k, v in cfg.to_dict().items() if k != "per_device"}
+
+    bf16 = ["train.precision=bf16", "train.capture=none", "optim.muon_ns_dtype=bf16"]
+    before = load_config(None, [*bf16, "train.epochs=18"])
+    assert sections(resolve(load_config(), AVX512_BF16).cfg) == sections(before)
     fp32 = load_config(
         None, ["train.precision=fp32", "train.capture=none", "optim.muon_ns_dtype=fp32"]
     )
-    assert resolve(load_config(), AVX2).cfg.to_dict() == fp32.to_dict()
+    assert sections(resolve(load_config(), AVX2).cfg) == sections(fp32)
+    assert fp32.train.epochs == 10
 
 
 @pytest.mark.parametrize(
