@@ -851,6 +851,14 @@ def per_device_tables(value: Any, source: str) -> dict:
     return out
 
 
+def set_override(cfg: Config, dotted: str, value: Any) -> None:
+    """`set_value`, for a key the user (or a search) names: it wins over every [per_device] table."""
+    set_value(cfg, dotted, value)
+    sec, _, name = dotted.partition(".")
+    for sections in cfg.per_device.values():
+        sections.get(sec, {}).pop(name, None)
+
+
 def with_device_section(cfg: Config, cls: str) -> Config:
     """`cfg` with its [per_device.`cls`] keys set and no tables left (a copy)."""
     out = copy.deepcopy(cfg)
@@ -914,11 +922,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
     apply_dict(cfg, data, source=str(path))
     for text in overrides:
-        key, value = parse_override(text)
-        set_value(cfg, key, value)
-        sec, _, name = key.partition(".")
-        for sections in cfg.per_device.values():  # the user's --set wins over every device's table
-            sections.get(sec, {}).pop(name, None)
+        set_override(cfg, *parse_override(text))
     check(cfg)
     for cls in cfg.per_device:  # each device's recipe meets the rules too, refused on any machine
         try:

@@ -143,3 +143,16 @@ def test_a_run_records_the_table_it_ran_with_and_resumes_on_it(
         == 0
     )
     assert "label_smoothing = 0.2" in (run / "config.toml").read_text()
+
+
+def test_a_searched_or_swept_key_wins_over_the_tables_too(recipe, monkeypatch):
+    """The lab's commands change a recipe by dotted keys (lab.recipes.with_overrides: search
+    trials, sweeps, ladders): like --set, those win over the machine's table."""
+    from vitscale import fastpaths
+    from vitscale.lab.recipes import with_overrides
+
+    monkeypatch.setattr(fastpaths, "cpu_has_bf16", lambda *a: True)  # the table's machine
+    cfg = load_config(recipe)
+    out = with_overrides(cfg, {"train.epochs": 2, "train.precision": "fp32"})
+    assert (out.train.epochs, out.train.label_smoothing) == (2, 0.2)  # the table: 3 and 0.2
+    assert cfg.per_device["cpu_bf16"]["train"]["epochs"] == 3  # the given config is untouched

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import sys
 
-from ..config import check, load_config, set_value
+from ..config import check, load_config, set_override, set_value
 from ..errors import UserError
 from ..fastpaths import resolve as resolve_fast_paths
 from ..launch import is_main_process, this_process
@@ -45,7 +45,7 @@ def with_overrides(cfg, overrides: dict):
     an auto key set here is answered for this machine, as training would."""
     out = copy.deepcopy(cfg)
     for k, v in overrides.items():
-        set_value(out, k, v)
+        set_override(out, k, v)  # over the recipe's [per_device] tables too
     check(out)
     return check_config(resolve_fast_paths(out).cfg)
 
