@@ -6,8 +6,8 @@
 # here), installed with pip --no-index --no-deps into /tmp/site and put on PYTHONPATH.
 #
 #   bash scripts/gpu_session.sh OUT_DIR [PARTS]   PARTS: all (default), or a comma list of
-#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default, clip, knobs
-#                                                 in that order (peer, capture, fp8, default, clip and knobs are not in all: ask for them)
+#                                                 tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default, clip, knobs, search
+#                                                 in that order (peer, capture, fp8, default, clip, knobs and search are not in all: ask for them)
 #
 # First, every time: the carried wheels installed; the machine and every package's version ("missing"
 # where absent) into log.txt; what the parts import checked (missing ones named in one line); then
@@ -42,7 +42,11 @@
 # recipe beside timm, and beside each knob, one candidate each: inductor's options, max-autotune-no-cudagraphs,
 # bf16_act, pure_bf16, each SDPA kernel that passed), parity_b16.json (bf16_act beside autocast bf16, eager,
 # 2 seeds' spread as the tolerance) and bench_skip_l16.json (issue 41's L/16 skip mode, in what is left of
-# KNOBS_BUDGET seconds; said in one line, with its command, where too little is left). Scratch runs
+# KNOBS_BUDGET seconds; said in one line, with its command, where too little is left).
+# the search part (issue 50, the GPU's recipe): search_gpu.tar (search.md, search.json and best.toml of
+# `vitscale search` over the time-to-accuracy space, SEARCH_TRIALS trials of SEARCH_BUDGET s of training each
+# on the GPU; optuna carried: WITH_OPTUNA=1 scripts/gpu_wheels.sh), and the pick's test accuracy and time per
+# seed in log.txt. Scratch runs
 # go to a temporary folder. docs/gpu.md gives each part's time on one
 # H100 and the device-tool calls for a 30-minute budget. Knobs (environment):
 #   CFG=configs/vit_b16_imagenet.toml  BATCH=256  LAB_ARGS="--steps 10 --trials 3"  TUNE_BUDGET=240
@@ -50,6 +54,8 @@
 #   FMNIST_ROOT=data/fashion-mnist (the four .gz files, carried)  CAPTURE_SETS="--set optim.name=adamw --set train.compile=true" (default: the first)
 #   TRAIN_CFG=configs/fashion_mnist.toml (the job the capture part trains)
 #   DEFAULT_SETS="--set run.max_steps=20" (the default part's runs shortened: smoke tests only)
+#   SEARCH_BUDGET=8  SEARCH_TRIALS=30  SEARCH_SETS=""  SEARCH_SPACE=vit_time_to_accuracy  SEARCH_LIMIT=420
+#   (the search part: training seconds per trial, trials, extra --set, the space, the step's time limit)
 #   WHEELS=.whl  SITE=/tmp/site  PYTHON=python3  KILL_AFTER=15
 #   ALLOW_CPU=1 (run without a GPU: for the smoke tests; the GPU check then checks the flags only)
 #   KNOBS="train.inductor_combo_kernels=true ..." (the knobs part's candidates)  KNOBS_SDPA="flash cudnn efficient"
@@ -58,13 +64,13 @@
 #   SKIP_STEPS="bench_default_graphs ..." (steps to leave out, by the names log.txt gives them;
 #   the wheels, versions and GPU check steps always run)
 set -uo pipefail
-usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture,fp8,skip,default,clip,knobs]"
+usage="usage: bash scripts/gpu_session.sh OUT_DIR [all | comma list of tests,bench,ladder,tune,deepspeed,peer,capture,fp8,skip,default,clip,knobs,search]"
 out=${1:?$usage}
 parts=${2:-all}
 [ "$parts" = all ] && parts=tests,deepspeed,bench,ladder,tune
 for p in ${parts//,/ }; do
-  case $p in tests|bench|ladder|tune|deepspeed|peer|capture|fp8|skip|default|clip|knobs) ;;
-    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default, clip, knobs)" >&2; exit 2;;
+  case $p in tests|bench|ladder|tune|deepspeed|peer|capture|fp8|skip|default|clip|knobs|search) ;;
+    *) echo "gpu_session.sh: unknown part '$p' (all, or a comma list of tests, bench, ladder, tune, deepspeed, peer, capture, fp8, skip, default, clip, knobs, search)" >&2; exit 2;;
   esac
 done
 py=${PYTHON:-python3}
@@ -136,6 +142,7 @@ want clip && need="$need open_clip"
 want skip && need="$need timm"
 want knobs && need="$need timm"
 want fp8 && need="$need torchao"
+want search && need="$need optuna"
 missing=$("$py" -c "
 import sys
 missing = []
@@ -342,6 +349,36 @@ if want knobs; then
     IFS=: read -r _ ktag _ _ <<< "$quad"
     echo "== bench_skip_$ktag skipped: ${left} s left of KNOBS_BUDGET; run it apart: SKIP_ARCHS=\"$quad\" SKIP_LIMIT=420 bash scripts/gpu_session.sh OUT skip" | tee -a "$log"
   fi
+fi
+if want search; then
+  # issue 50: the default job's recipe for one GPU (the machine class a recipe's [per_device.cuda] table
+  # names): trials of a few seconds, scored on a validation split of the training set, the best two
+  # repeated with 2 more seeds; then the pick (best.toml) and the recipe as written trained on the full
+  # training set with seeds 0-2, test accuracy and training time of each in log.txt
+  read -r -a searchsets <<< "${SEARCH_SETS:-}"
+  fm=(--set "data.root=${FMNIST_ROOT:-data/fashion-mnist}")
+  step search "${SEARCH_LIMIT:-420}" "$py" -m vitscale search --space "${SEARCH_SPACE:-vit_time_to_accuracy}" \
+    --budget-s "${SEARCH_BUDGET:-8}" --trials "${SEARCH_TRIALS:-30}" --repeat-top 2 --seeds 2 \
+    --sampler-seed 50 --out "$scratch/search" "${fm[@]}" --set optim.lr_scaling=sqrt \
+    --set optim.lr_ref_batch=128 "${searchsets[@]}"
+  if [ -f "$scratch/search/best.toml" ]; then
+    for seed in 0 1 2; do
+      step "search_pick_seed$seed" 120 "$py" -m vitscale train "$scratch/search/best.toml" \
+        --out "$scratch/pick_seed$seed" "${fm[@]}" --set "run.seed=$seed" "${searchsets[@]}"
+    done
+  fi
+  files=()
+  for f in search/search.md search/search.json search/best.toml; do [ -f "$scratch/$f" ] && files+=("$f"); done
+  for f in "$scratch"/pick_seed*/summary.json; do [ -f "$f" ] && files+=("${f#"$scratch"/}"); done
+  [ ${#files[@]} -gt 0 ] && tar -C "$scratch" -cf "$out/search_gpu.tar" "${files[@]}"
+  "$py" - "$scratch" >> "$log" 2>&1 <<'PY'
+import json, pathlib, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob("pick_seed*/summary.json")):
+    s = json.loads(p.read_text())
+    reach = {k: (v or {}).get("train_time_s") for k, v in (s.get("time_to_target") or {}).items()}
+    print(f"search {p.parent.name}: test accuracy {100 * s['test_accuracy']:.2f}%, "
+          f"training {s['train_time_s']:.1f} s, targets reached at {reach}, {s['device']}")
+PY
 fi
 rm -rf "$scratch"
 grep -E "^== .* (exit|skipped)|^[a-z_]+: (PASS|FAIL|SKIP)" "$log"

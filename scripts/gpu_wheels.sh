@@ -28,6 +28,10 @@ WHEELS=(
 # WITH_TORCHAO=1: torchao for train.fp8 (gpu_session.sh's fp8 part); 0.17.0 is the release built for the
 # image's torch 2.11; about 19 MiB, so carry it only for that part (Fashion-MNIST for the capture part is 30 MB)
 [ "${WITH_TORCHAO:-0}" = 1 ] && WHEELS+=(torchao==0.17.0)
+# WITH_OPTUNA=1: Optuna and what it needs beyond the image, for `vitscale search` (gpu_session.sh's search part)
+# (the dev environment's versions; the image has MarkupSafe, and SQLAlchemy needs no greenlet for SQLite)
+[ "${WITH_OPTUNA:-0}" = 1 ] && WHEELS+=(optuna==5.0.0 sqlalchemy==2.1.9 alembic==1.20.1 mako==1.4.3
+                                         colorlog==6.12.0)
 DEEPSPEED=deepspeed==0.19.8               # its other needs (ninja, msgpack, psutil, py-cpuinfo, einops, tqdm) are on the image
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)

@@ -20,7 +20,7 @@ SCRIPT = "scripts/gpu_session.sh"
 GPU_IMAGE = str(Path(__file__).parents[1] / "gpu_image")  # its sitecustomize simulates the image
 # what the GPU image lacks (scripts/gpu_wheels.sh carries them); open_clip: its vocabulary file
 NOT_ON_THE_GPU_IMAGE = (
-    "deepspeed webdataset braceexpand simplejpeg open_clip ftfy wcwidth hjson pydantic"
+    "deepspeed webdataset braceexpand simplejpeg open_clip ftfy wcwidth hjson pydantic optuna"
 )
 IMAGE_TORCH = "2.11.0+cu130"
 NO_GPU = pytest.mark.skipif(
@@ -431,3 +431,53 @@ def test_the_clip_part_on_the_image(tmp_path):
         "bench_clip_v3_compiled.json",
         "log.txt",
     ]
+
+
+def test_the_search_part_on_the_image(tmp_path):
+    """The search part (issue 50, the recipe for one GPU): `vitscale search` over the
+    time-to-accuracy space, then the pick trained with 3 seeds, in one tar with the report, the
+    pick and each seed's summary, and one line per seed in log.txt; shortened here to 1-second
+    trials of a tiny recipe on synthetic images, optuna carried (not blocked)."""
+    import tarfile
+
+    out = tmp_path / "o"
+    space = tmp_path / "space.toml"  # the space's optimizer choice; the rest of it is GPU-sized
+    space.write_text(
+        '[optim]\nname = ["adamw", "muon"]\nlr = { low = 5e-4, high = 6e-3, log = true }\n'
+    )
+    tiny = (
+        "--set data.name=synthetic --set data.channels=1 --set data.batch_size=32 "
+        "--set data.train_size=192 --set data.test_size=64 --set run.threads=1 "
+        "--set model.dim=32 --set model.depth=1 --set model.heads=2"
+    )
+    p = run(
+        out,
+        "search",
+        block=NOT_ON_THE_GPU_IMAGE.replace(" optuna", ""),
+        ALLOW_CPU="1",
+        SEARCH_BUDGET="1",
+        SEARCH_TRIALS="2",
+        SEARCH_SETS=tiny,
+        SEARCH_SPACE=str(space),
+    )
+    assert p.returncode == 0, p.stderr
+    log = (out / "log.txt").read_text()
+    for name in ("search", "search_pick_seed0", "search_pick_seed1", "search_pick_seed2"):
+        assert f"== {name} exit 0" in log, log[-3000:]
+    assert sorted(f.name for f in out.iterdir()) == ["log.txt", "search_gpu.tar"]
+    with tarfile.open(out / "search_gpu.tar") as tar:
+        names = set(tar.getnames())
+        picked = json.load(tar.extractfile("pick_seed2/summary.json"))
+    assert {"search/search.md", "search/search.json", "search/best.toml"} <= names
+    assert {f"pick_seed{s}/summary.json" for s in range(3)} <= names
+    assert picked["world_size"] == 1 and "test_accuracy" in picked
+    assert [
+        line for line in log.splitlines() if line.startswith("search pick_seed2: test accuracy")
+    ]
+
+
+@NO_GPU
+def test_the_search_part_without_optuna_stops_in_one_line(tmp_path):
+    p = run(tmp_path / "o", "search", ALLOW_CPU="1")
+    assert p.returncode == 2
+    assert "missing Python package(s) for part(s) 'search': optuna" in one_line(p)

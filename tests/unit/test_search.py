@@ -582,3 +582,24 @@ def test_pruning_reports_percent_of_the_budget_and_never_prunes_the_end():
     with pytest.raises(optuna.TrialPruned, match="pruned at 60% of the budget"):
         prune(ev(6.0, 0.4, 30))
     assert trial.attrs["train_time_s"] == 6.0 and trial.attrs["epochs"] == 3.0
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_an_adamw_trial_of_the_muon_default_recipe_is_a_valid_config(monkeypatch, bf16):
+    """The default recipe is Muon with optim.muon_ns_dtype=auto: the trials' base keeps its auto
+    keys and [per_device] tables unanswered, so an AdamW trial (the time-to-accuracy space's
+    optimizer choice) is not refused for a Newton-Schulz dtype resolved before its optimizer was
+    chosen, and a trial's epochs/budget keys win over the bf16 CPU's table."""
+    from vitscale import fastpaths
+    from vitscale.cli import _parser
+    from vitscale.lab.recipes import with_overrides
+    from vitscale.lab.search import trial_config
+
+    monkeypatch.setattr(fastpaths, "cpu_has_bf16", lambda *a: bf16)
+    base = trial_config(_parser().parse_args(["search", "--budget-s", "5"]))
+    assert base.optim.name == "muon" and base.optim.muon_ns_dtype == "auto"
+    adamw = with_overrides(base, {"optim.name": "adamw"})
+    assert adamw.optim.name == "adamw" and adamw.train.precision == ("bf16" if bf16 else "fp32")
+    muon = with_overrides(base, {"optim.name": "muon"})
+    assert muon.optim.muon_ns_dtype == ("bf16" if bf16 else "fp32")
+    assert muon.train.time_limit_s == 5 and muon.train.epochs > 18  # the budget, not the table

@@ -22,9 +22,11 @@ def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def lab_config(path, overrides):
+def lab_config(path, overrides, resolve: bool = True):
     """The recipe + overrides, quiet (no progress bar, no TensorBoard); under a multi-process
-    launcher a `single` strategy would train N independent copies, so it becomes `ddp`."""
+    launcher a `single` strategy would train N independent copies, so it becomes `ddp`.
+    `resolve=False`: its auto keys and [per_device] tables left for `with_overrides` to answer
+    after the keys it sets (a search trial's optim.name decides what optim.muon_ns_dtype=auto is)."""
     cfg = load_config(path, overrides)
     set_value(cfg, "run.progress", "off")
     set_value(cfg, "run.tensorboard", False)
@@ -37,17 +39,17 @@ def lab_config(path, overrides):
         set_value(cfg, "strategy.name", default_for(world_size))
     check(cfg)
     # the lab measures what training would run on this machine (its reports hold the resolved config)
-    return check_config(resolve_fast_paths(cfg).cfg)
+    return check_config(resolve_fast_paths(cfg).cfg) if resolve else cfg
 
 
-def with_overrides(cfg, overrides: dict):
+def with_overrides(cfg, overrides: dict, resolve: bool = True):
     """A copy of `cfg` with {dotted key: value} set and checked (ConfigError if it does not validate);
-    an auto key set here is answered for this machine, as training would."""
+    an auto key set here is answered for this machine, as training would (`resolve=False`: left)."""
     out = copy.deepcopy(cfg)
     for k, v in overrides.items():
         set_override(out, k, v)  # over the recipe's [per_device] tables too
     check(out)
-    return check_config(resolve_fast_paths(out).cfg)
+    return check_config(resolve_fast_paths(out).cfg) if resolve else out
 
 
 def check_counts(**counts) -> None:

@@ -80,8 +80,10 @@ def run(args) -> int:
 def trial_config(args):
     """The recipe as every trial trains it: quiet, the time budget, the time-fitted schedule, the
     validation split, no checkpoints but the last, an evaluation every epoch (for the pruner), and
-    under --score time-to-target the target among train.targets (its runs' time_to_target)."""
-    cfg = lab_config(args.config, args.overrides)
+    under --score time-to-target the target among train.targets (its runs' time_to_target). Its
+    auto keys and [per_device] tables are answered by each trial's config, after the trial's keys
+    (an AdamW trial of a Muon recipe has no Newton-Schulz dtype to resolve)."""
+    cfg = lab_config(args.config, args.overrides, resolve=False)
     score = search_score(args, cfg)
     targets = list(dict.fromkeys([*cfg.train.targets, *([score.target] if score.timed else [])]))
     return with_overrides(
@@ -94,6 +96,7 @@ def trial_config(args):
             "run.eval_every": cfg.run.eval_every or 1,
             "train.targets": targets,
         },
+        resolve=False,
     )
 
 
