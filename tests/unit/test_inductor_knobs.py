@@ -162,3 +162,17 @@ def test_the_first_step_is_reported_apart_in_the_summary(tmp_path):
     assert s["images_per_s"] == pytest.approx(
         2 * cfg.data.batch_size / (s["train_time_s"] - s["first_step_s"])
     )
+
+
+def test_the_clip_step_compiles_with_the_same_knobs(monkeypatch):
+    """CLIP's compiled step (tasks/clip_step.py: towers + loss as one fullgraph compile, which
+    traces the plain model, not the engine's compiled one) takes the mode and knobs as well: a knob
+    set for a CLIP run is never silently left out of its compile."""
+    from vitscale.tasks import clip_step
+
+    calls = []
+    monkeypatch.setattr(clip_step.torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    train = TrainConfig(compile=True, **KNOBS)
+    step = clip_step.ClipStep(loss=None, train_cfg=train)  # type: ignore[arg-type]
+    assert step.compiled and calls == [{"fullgraph": True, **compile_args(train)}]
+    assert calls[0]["options"]["coordinate_descent_tuning"] is True

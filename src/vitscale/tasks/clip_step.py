@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..losses import ClipLoss, FastClipLoss, StepLogs, one_process
+from ..strategy.inductor import compile_args
 
 
 def clip_forward(model, loss: ClipLoss | FastClipLoss, images, tokens, index):
@@ -34,10 +35,8 @@ class ClipStep:
     def __init__(self, loss: ClipLoss | FastClipLoss, train_cfg, group=None):
         self.loss = loss
         self.compiled = bool(train_cfg.compile) and one_process(group)
-        mode = (
-            train_cfg.compile_mode
-        )  # torch.compile's, as strategy.devices.compile_kwargs gives it
-        kw = {} if mode == "default" else {"mode": mode}
+        # the mode and train.inductor_* knobs, as the engines compile a model with them
+        kw = compile_args(train_cfg)
         self.fn = (
             torch.compile(clip_forward, fullgraph=True, **kw) if self.compiled else clip_forward
         )
