@@ -22,6 +22,10 @@ GPU_IMAGE = str(Path(__file__).parents[1] / "gpu_image")  # its sitecustomize si
 NOT_ON_THE_GPU_IMAGE = (
     "deepspeed webdataset braceexpand simplejpeg open_clip ftfy wcwidth hjson pydantic optuna"
 )
+# the image with open_clip (CLIP's vocabulary file) and ftfy carried as wheels, as gpu_wheels.sh does
+CLIP_VOCABULARY_CARRIED = " ".join(
+    n for n in NOT_ON_THE_GPU_IMAGE.split() if n not in ("open_clip", "ftfy", "wcwidth")
+)
 IMAGE_TORCH = "2.11.0+cu130"
 NO_GPU = pytest.mark.skipif(
     __import__("torch").cuda.is_available(), reason="checks the stop on a machine without a GPU"
@@ -236,13 +240,10 @@ def test_the_peer_part_on_the_image(tmp_path):
         "timm", reason="timm does not import here (see ../shared/tools/tv_cpu_stub)"
     )
     out = tmp_path / "o"
-    block = " ".join(
-        n for n in NOT_ON_THE_GPU_IMAGE.split() if n not in ("open_clip", "ftfy", "wcwidth")
-    )
     p = run(
         out,
         "peer",
-        block=block,
+        block=CLIP_VOCABULARY_CARRIED,
         ALLOW_CPU="1",
         CFG="configs/tests/tiny.toml",
         BATCH="16",
@@ -399,13 +400,10 @@ def test_the_clip_part_on_the_image(tmp_path):
     compiled, compiled beside compiled + captured) write their files; open_clip (the vocabulary
     file) as a carried wheel would give it."""
     out = tmp_path / "o"
-    block = " ".join(
-        n for n in NOT_ON_THE_GPU_IMAGE.split() if n not in ("open_clip", "ftfy", "wcwidth")
-    )
     p = run(
         out,
         "clip",
-        block=block,
+        block=CLIP_VOCABULARY_CARRIED,
         ALLOW_CPU="1",
         CLIP_CFG="configs/tests/clip_tiny.toml",
         CLIP_BATCH="16",
@@ -433,6 +431,7 @@ def test_the_clip_part_on_the_image(tmp_path):
     ]
 
 
+@NO_GPU
 def test_the_search_part_on_the_image(tmp_path):
     """The search part (issue 50, the recipe for one GPU): `vitscale search` over the
     time-to-accuracy space, then the pick trained with 3 seeds, in one tar with the report, the
