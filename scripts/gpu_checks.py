@@ -50,6 +50,7 @@ PACKAGES = [
     ("hjson", "hjson"),
     ("pydantic", "pydantic"),
     ("deepspeed", "deepspeed"),
+    ("optuna", "optuna"),  # the search part (WITH_OPTUNA=1 scripts/gpu_wheels.sh)
 ]
 
 
