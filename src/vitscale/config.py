@@ -1018,6 +1018,25 @@ def inductor_knobs(train: TrainConfig) -> list[str]:
     ]
 
 
+# train.inductor_gemm -> inductor's max_autotune_gemm_backends (CUTLASS: NVIDIA GPUs with the
+# cutlass package; CUTEDSL: Blackwell, SM100+, in torch >= 2.9)
+GEMM_BACKENDS = {"cutlass": "ATEN,TRITON,CUTLASS", "cutedsl": "ATEN,TRITON,CUTEDSL"}
+
+
+def inductor_options(train: TrainConfig) -> dict:
+    """The inductor config entries the train.inductor_* keys set ({}: none set)."""
+    opts: dict = {}
+    if train.inductor_coordinate_descent:
+        opts["coordinate_descent_tuning"] = True
+    if train.inductor_combo_kernels:
+        opts["combo_kernels"] = True
+    if train.inductor_mix_order != "default":
+        opts["triton.mix_order_reduction"] = train.inductor_mix_order == "on"
+    if train.inductor_gemm != "default":
+        opts["max_autotune_gemm_backends"] = GEMM_BACKENDS[train.inductor_gemm]
+    return opts
+
+
 def inductor_refusal(train: TrainConfig) -> str | None:
     """A knob of torch.compile without train.compile=true; train.inductor_gemm without a
     max-autotune mode (the GEMM backends are what max-autotune chooses among): one line or None."""

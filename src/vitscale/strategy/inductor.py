@@ -23,30 +23,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import TrainConfig, inductor_knobs
+from ..config import TrainConfig, inductor_knobs, inductor_options
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# train.inductor_gemm -> inductor's max_autotune_gemm_backends (CUTLASS: NVIDIA GPUs with the
-# cutlass package; CUTEDSL: Blackwell, SM100+, in torch >= 2.9)
-GEMM_BACKENDS = {"cutlass": "ATEN,TRITON,CUTLASS", "cutedsl": "ATEN,TRITON,CUTEDSL"}
 # the knobs that only change Triton kernels: no effect in a compile for the CPU (C++ kernels)
 TRITON_ONLY = ("inductor_coordinate_descent", "inductor_combo_kernels", "inductor_mix_order")
-
-
-def inductor_options(train: TrainConfig) -> dict:
-    """The inductor config entries the train.inductor_* keys set ({}: none set)."""
-    opts: dict = {}
-    if train.inductor_coordinate_descent:
-        opts["coordinate_descent_tuning"] = True
-    if train.inductor_combo_kernels:
-        opts["combo_kernels"] = True
-    if train.inductor_mix_order != "default":
-        opts["triton.mix_order_reduction"] = train.inductor_mix_order == "on"
-    if train.inductor_gemm != "default":
-        opts["max_autotune_gemm_backends"] = GEMM_BACKENDS[train.inductor_gemm]
-    return opts
 
 
 def compile_args(train: TrainConfig) -> dict:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..config import inductor_options
 from ..losses import ClipLoss, FastClipLoss, StepLogs, one_process
-from ..strategy.inductor import compile_args
 
 
 def clip_forward(model, loss: ClipLoss | FastClipLoss, images, tokens, index):
@@ -35,7 +35,6 @@ class ClipStep:
     def __init__(self, loss: ClipLoss | FastClipLoss, train_cfg, group=None):
         self.loss = loss
         self.compiled = bool(train_cfg.compile) and one_process(group)
-        # the mode and train.inductor_* knobs, as the engines compile a model with them
         kw = compile_args(train_cfg)
         self.fn = (
             torch.compile(clip_forward, fullgraph=True, **kw) if self.compiled else clip_forward
@@ -49,3 +48,15 @@ class ClipStep:
         value, logs = self.fn(model, self.loss, images, tokens, index)
         self.loss.note_step()
         return value, StepLogs(logs)
+
+
+def compile_args(train) -> dict:
+    """torch.compile's arguments for the mode and the train.inductor_* knobs, as the engines compile
+    a model (strategy.inductor.compile_args, which tasks/ sits beside, not above: the same rule,
+    and tests/unit/test_inductor_knobs.py checks the two agree)."""
+    opts = inductor_options(train)
+    if not opts:
+        return {} if train.compile_mode == "default" else {"mode": train.compile_mode}
+    from torch._inductor import list_mode_options
+
+    return {"options": {**list_mode_options(train.compile_mode), **opts}}
