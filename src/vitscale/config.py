@@ -677,6 +677,8 @@ class Config:
             out.append("")
         for cls, sections in self.per_device.items():
             for sec, values in sections.items():
+                if not values:  # every key of it named on the command line
+                    continue
                 out.append(f"[{PER_DEVICE}.{cls}.{sec}]")
                 out += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
                 out.append("")

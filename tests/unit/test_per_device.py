@@ -156,3 +156,8 @@ def test_a_searched_or_swept_key_wins_over_the_tables_too(recipe, monkeypatch):
     out = with_overrides(cfg, {"train.epochs": 2, "train.precision": "fp32"})
     assert (out.train.epochs, out.train.label_smoothing) == (2, 0.2)  # the table: 3 and 0.2
     assert cfg.per_device["cpu_bf16"]["train"]["epochs"] == 3  # the given config is untouched
+
+
+def test_a_table_the_command_line_emptied_is_not_printed(recipe):
+    out = load_config(recipe, ["train.epochs=5", "train.label_smoothing=0.1"]).to_toml()
+    assert "[per_device.cpu_bf16.train]" not in out and "[per_device.cuda.data]" in out
