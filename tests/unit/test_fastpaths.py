@@ -55,40 +55,42 @@ def test_auto_precision_on_cuda_follows_the_compute_capability(capability, expec
     assert precision == expected and f"{capability[0]}.{capability[1]}" in why
 
 
+def sections(cfg) -> dict:
+    """A config's keys without its [per_device] tables (a resolved config has none)."""
+    return {k: v for k, v in cfg.to_dict().items() if k != "per_device"}
+
+
 def test_the_default_recipe_resolves_per_machine():
     cfg = load_config()
     assert (cfg.train.precision, cfg.train.capture) == ("auto", "auto")
     got = {m: resolve(cfg, m) for m in (AVX2, AVX512_BF16, H200, T4)}
-    # the recipe's Muon (issue 50): its lr lives on the host, so a GPU runs it uncaptured, and
-    # its Newton-Schulz iteration follows the precision
+    # the CPUs train the recipe's Muon (issue 50; its Newton-Schulz iteration follows the
+    # precision); a GPU its [per_device.cuda] table: the AdamW recipe measured there, captured
     assert {
-        m: (f.cfg.train.precision, f.cfg.train.capture, f.cfg.optim.muon_ns_dtype)
+        m: (f.cfg.optim.name, f.cfg.train.precision, f.cfg.train.capture, f.cfg.optim.muon_ns_dtype)
         for m, f in got.items()
     } == {
-        AVX2: ("fp32", "none", "fp32"),
-        AVX512_BF16: ("bf16", "none", "bf16"),
-        H200: ("bf16", "none", "bf16"),
-        T4: ("fp32", "none", "fp32"),
+        AVX2: ("muon", "fp32", "none", "fp32"),
+        AVX512_BF16: ("muon", "bf16", "none", "bf16"),
+        H200: ("adamw", "bf16", "step", "auto"),
+        T4: ("adamw", "fp32", "step", "auto"),
     }
-    assert set(got[H200].record()) == {
-        "train.precision",
-        "train.capture",
-        "optim.muon_ns_dtype",
-        "per_device",  # the recipe's tables name no GPU: said, and the recipe runs as written
-    }
+    assert set(got[H200].record()) == {"train.precision", "train.capture", "per_device"}
     assert {m: f.cfg.train.epochs for m, f in got.items()} == {
         AVX2: 10,
         AVX512_BF16: 18,
-        H200: 10,
-        T4: 10,
+        H200: 12,
+        T4: 12,
     }
     line = got[H200].line()
     assert (
         line.startswith("fast paths on cuda (NVIDIA H200, sm_90): precision bf16 (auto: ")
-        and "capture none (auto: optim.name=muon" in line
-        and "muon_ns_dtype bf16 (auto: " in line
-        and "per_device: no table for cuda (the recipe's: cpu_bf16)" in line
+        and "capture step (auto: " in line
+        and "; per_device.cuda: run.log_every=50, data.batch_size=128, model.dim=128" in line
     )
+    # on a GPU the default job is the recipe of 2026-11-27 that an H200 measured (docs/performance.md)
+    old = load_config("docs/search/avx2_200s/recipe.toml", ["train.targets=[0.9,0.91]"])
+    assert sections(got[H200].cfg) == sections(resolve(old, H200).cfg)
     assert "compile off" in line
     assert cfg.train.precision == "auto"  # the recipe itself is left as it was
     # with AdamW the default job's step is captured on a GPU
@@ -100,9 +102,6 @@ def test_on_a_bf16_cpu_the_default_job_is_the_recipe_as_it_was():
     """The default job on a CPU with bf16 instructions: auto gives exactly the config of the recipe
     with its choices written out (bf16, uncaptured, its [per_device.cpu_bf16] table's epochs), so
     the run is the same run, bit for bit; on a CPU without them, fp32 and the recipe's epochs."""
-
-    def sections(cfg):
-        return {k: v for k, v in cfg.to_dict().items() if k != "per_device"}
 
     bf16 = ["train.precision=bf16", "train.capture=none", "optim.muon_ns_dtype=bf16"]
     before = load_config(None, [*bf16, "train.epochs=18"])
@@ -148,7 +147,7 @@ def test_named_keys_are_never_changed(sets):
             1,
             "CUDA graphs of its own",
         ),
-        ([], 1, "optim.name=muon"),  # the default recipe's optimizer
+        (["optim.name=muon"], 1, "optim.name=muon"),  # the CPUs' optimizer, named on a GPU
     ],
 )
 def test_auto_capture_on_a_gpu_runs_uncaptured_with_the_reason(sets, world, needle):
