@@ -52,6 +52,15 @@ def run(out, *args, block=NOT_ON_THE_GPU_IMAGE, wheels=None, **env):
     )
 
 
+def steps_exited_0(p, out, names) -> str:
+    """The script exited 0 and each named step in its log.txt did; the log."""
+    assert p.returncode == 0, p.stderr
+    log = (out / "log.txt").read_text()
+    for name in names:
+        assert f"== {name} exit 0" in log, log[-3000:]
+    return log
+
+
 def one_line(p) -> str:
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr
@@ -253,10 +262,7 @@ def test_the_peer_part_on_the_image(tmp_path):
         LAB_ARGS="--steps 2 --trials 1 --warmup 1 --set run.threads=1 --set train.compile=false "
         "--set train.precision=fp32",
     )
-    assert p.returncode == 0, p.stderr
-    log = (out / "log.txt").read_text()
-    for name in ("bench_peer_b16", "bench_clip_v3", "bench_clip_openclip"):
-        assert f"== {name} exit 0" in log, log[-3000:]
+    steps_exited_0(p, out, ("bench_peer_b16", "bench_clip_v3", "bench_clip_openclip"))
     peer = json.loads((out / "bench_peer_b16.json").read_text())["peer"]
     assert peer["name"] == "timm" and len(peer["speedup_rounds"]) == 2
     losses = [
@@ -280,10 +286,7 @@ def test_the_capture_part_on_the_image(tmp_path):
         PEER_ROUNDS="2",
         LAB_ARGS="configs/tests/tiny.toml --steps 2 --trials 1 --warmup 1 --set run.threads=1",
     )
-    assert p.returncode == 0, p.stderr
-    log = (out / "log.txt").read_text()
-    for name in ("capture_tests", "bench_capture", "train_capture"):
-        assert f"== {name} exit 0" in log, log[-3000:]
+    steps_exited_0(p, out, ("capture_tests", "bench_capture", "train_capture"))
     assert "needs a CUDA GPU" in (out / "capture_tests.txt").read_text()
     beside = json.loads((out / "bench_capture.json").read_text())["beside"]
     assert beside["overrides"] == {"train.capture": "step"} and len(beside["speedup_rounds"]) == 2
@@ -313,11 +316,8 @@ def test_the_default_part_on_the_image(tmp_path):
         DEFAULT_SETS="--set data.name=synthetic --set data.channels=1 --set data.batch_size=64 "
         "--set data.train_size=256 --set data.test_size=64 --set run.max_steps=2 --set run.threads=1",
     )
-    assert p.returncode == 0, p.stderr
-    log = (out / "log.txt").read_text()
     names = ["default_seed0", "default_seed1", "default_seed2", "default_eager"]
-    for name in names:
-        assert f"== {name} exit 0" in log, log[-3000:]
+    log = steps_exited_0(p, out, names)
     assert sorted(f.name for f in out.iterdir()) == ["default_runs.tar", "log.txt"]
     with tarfile.open(out / "default_runs.tar") as tar:
         files = set(tar.getnames())
@@ -355,16 +355,17 @@ def test_the_knobs_part_on_the_image(tmp_path):
         KNOBS_SKIP="vit_pico_patch4:l16:0.4:16",
     )
     p = run(out, "knobs", **env)
-    assert p.returncode == 0, p.stderr
-    log = (out / "log.txt").read_text()
-    for name in (
-        "attention",
-        "inductor_defaults",
-        "bench_knobs_b16",
-        "parity_b16",
-        "bench_skip_l16",
-    ):
-        assert f"== {name} exit 0" in log, log[-3000:]
+    log = steps_exited_0(
+        p,
+        out,
+        (
+            "attention",
+            "inductor_defaults",
+            "bench_knobs_b16",
+            "parity_b16",
+            "bench_skip_l16",
+        ),
+    )
     assert "sdpa_flash: PASS" in log and "sdpa_cudnn: SKIP: a CUDA kernel" in log
     assert "== train.sdpa_backend=cudnn not timed: sdpa_cudnn: SKIP" in log
     assert "inductor defaults, torch" in log
@@ -411,10 +412,9 @@ def test_the_clip_part_on_the_image(tmp_path):
         PEER_ROUNDS="2",
         LAB_ARGS="--steps 2 --trials 1 --warmup 1 --set run.threads=1 --set train.precision=fp32",
     )
-    assert p.returncode == 0, p.stderr
-    log = (out / "log.txt").read_text()
-    for name in ("clip_capture_check", "bench_clip_v3_compiled", "bench_clip_v3_captured"):
-        assert f"== {name} exit 0" in log, log[-3000:]
+    log = steps_exited_0(
+        p, out, ("clip_capture_check", "bench_clip_v3_compiled", "bench_clip_v3_captured")
+    )
     assert "clip_capture_check: PASS" in log
     compiled = json.loads((out / "bench_clip_v3_compiled.json").read_text())
     captured = json.loads((out / "bench_clip_v3_captured.json").read_text())
@@ -459,10 +459,9 @@ def test_the_search_part_on_the_image(tmp_path):
         SEARCH_SETS=tiny,
         SEARCH_SPACE=str(space),
     )
-    assert p.returncode == 0, p.stderr
-    log = (out / "log.txt").read_text()
-    for name in ("search", "search_pick_seed0", "search_pick_seed1", "search_pick_seed2"):
-        assert f"== {name} exit 0" in log, log[-3000:]
+    log = steps_exited_0(
+        p, out, ("search", "search_pick_seed0", "search_pick_seed1", "search_pick_seed2")
+    )
     assert sorted(f.name for f in out.iterdir()) == ["log.txt", "search_gpu.tar"]
     with tarfile.open(out / "search_gpu.tar") as tar:
         names = set(tar.getnames())
