@@ -9,10 +9,11 @@ import torch
 import torch._inductor.config as ic
 from torch import nn
 
+from vitscale.compiling import compile_args
 from vitscale.config import OptimConfig, TrainConfig, load_config
 from vitscale.errors import ConfigError
 from vitscale.strategy import check_engine
-from vitscale.strategy.inductor import compile_args, inductor_options, knob_note
+from vitscale.strategy.inductor import inductor_options, knob_note
 from vitscale.strategy.single import SingleDevice
 
 KNOBS = dict(

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compiling import compile_args
 from ..config import OptimConfig, StrategyConfig, TrainConfig
 from ..errors import ConfigError, UserError
 from ..optim import build_optimizer, param_groups, with_lr
@@ -39,7 +40,6 @@ from .amp import DeepSpeedPrecision
 from .base import GradCheckpointing
 from .devices import backend_for
 from .dist import Distributed, env_world, free_port, launched
-from .inductor import compile_args
 
 if TYPE_CHECKING:  # DeepSpeed is optional: imported when setup() builds the engine
     from deepspeed import DeepSpeedEngine

@@ -40,11 +40,11 @@ from torch.distributed.fsdp import (
 )
 
 from ..checkpoint import optim_keyed_by_name, optim_state_by_name
+from ..compiling import compile_args
 from ..errors import ConfigError, UserError
 from .amp import MeshPrecision
 from .comm import COUNTER
 from .dist import Distributed
-from .inductor import compile_args
 from .mesh import DIMS, build_mesh, dp_group, mesh_shape
 from .parallel import apply_compile, apply_fsdp, apply_tp
 

@@ -1,7 +1,7 @@
 """torch.compile's inductor knobs as config keys (issue 51), scoped to the compile they belong to.
 
-- `compile_args(train, device_type)`: torch.compile's arguments for train.compile_mode and the
-  train.inductor_* keys. torch.compile takes a mode or an options dict, never both, so a knob turns
+- `compile_args(train)` (compiling.py, shared with CLIP's compiled step): torch.compile's arguments
+  for train.compile_mode and the train.inductor_* keys. torch.compile takes a mode or an options dict, never both, so a knob turns
   the mode into its options (`torch._inductor.list_mode_options`) with the knobs over them. The
   options are patched into inductor's config for that compile only: they never leak into another
   model's compile (bench --peer's timm model keeps the mode alone).
@@ -30,17 +30,6 @@ log = logging.getLogger(__name__)
 
 # the knobs that only change Triton kernels: no effect in a compile for the CPU (C++ kernels)
 TRITON_ONLY = ("inductor_coordinate_descent", "inductor_combo_kernels", "inductor_mix_order")
-
-
-def compile_args(train: TrainConfig) -> dict:
-    """torch.compile's keyword arguments: {"mode": ...} alone without knobs, else {"options": the
-    mode's options with the knobs over them}."""
-    opts = inductor_options(train)
-    if not opts:
-        return {} if train.compile_mode == "default" else {"mode": train.compile_mode}
-    from torch._inductor import list_mode_options
-
-    return {"options": {**list_mode_options(train.compile_mode), **opts}}
 
 
 def gemm_refusal(device_type: str, gemm: str) -> str | None:

@@ -144,7 +144,7 @@ def tp_context(on: bool):
 
 def apply_compile(units: list[nn.Module], on: bool, kwargs: dict) -> None:
     """3. Each block's forward compiled in place (parameter names unchanged), with torch.compile's
-    `kwargs` (inductor.compile_args: the mode, or its options with the train.inductor_* knobs)."""
+    `kwargs` (compiling.compile_args: the mode, or its options with the train.inductor_* knobs)."""
     if on:
         for block in units:
             block.compile(**kwargs)

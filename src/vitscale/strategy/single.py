@@ -11,6 +11,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from ..compiling import compile_args
 from ..config import OptimConfig, TrainConfig
 from ..errors import ConfigError
 from ..optim import build_optimizer, optimizer_groups
@@ -25,7 +26,7 @@ from .devices import (
 )
 from .ema import Ema
 from .fp8 import convert_fp8, fp8_refusal
-from .inductor import CompileCache, compile_args, knob_note, knob_refusal
+from .inductor import CompileCache, knob_note, knob_refusal
 from .parallel import apply_ac, on_whole_matrix
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import inductor_options
+from ..compiling import compile_args
 from ..losses import ClipLoss, FastClipLoss, StepLogs, one_process
 
 
@@ -48,15 +48,3 @@ class ClipStep:
         value, logs = self.fn(model, self.loss, images, tokens, index)
         self.loss.note_step()
         return value, StepLogs(logs)
-
-
-def compile_args(train) -> dict:
-    """torch.compile's arguments for the mode and the train.inductor_* knobs, as the engines compile
-    a model (strategy.inductor.compile_args, which tasks/ sits beside, not above: the same rule,
-    and tests/unit/test_inductor_knobs.py checks the two agree)."""
-    opts = inductor_options(train)
-    if not opts:
-        return {} if train.compile_mode == "default" else {"mode": train.compile_mode}
-    from torch._inductor import list_mode_options
-
-    return {"options": {**list_mode_options(train.compile_mode), **opts}}
