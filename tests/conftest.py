@@ -68,6 +68,19 @@ def shards(tmp_path_factory):
 
 
 INTEGRATION = Path(__file__).resolve().parent / "integration"
+# under `pytest -n 2` (pyproject's addopts say --dist loadgroup) every integration test that starts
+# ranks (torchrun, the deepspeed launcher, spawned process groups) is in this one xdist group: one
+# worker runs them one after another, so two tests' process groups never share the machine at once
+# (docs/testing.md: a gloo rank aborted once when two workers launched side by side), while the
+# other worker runs the rest. ONE_PROCESS: the integration modules whose processes are each a
+# whole one-process run (the CLI in a subprocess), free to run beside them
+LAUNCHES = "launches"
+ONE_PROCESS = (
+    "test_cli_process",
+    "test_compile_cache",
+    "test_gpu_session",
+    "test_search_processes",
+)
 
 
 def pytest_addoption(parser):
@@ -99,6 +112,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if INTEGRATION in item.path.resolve().parents:
             item.add_marker(pytest.mark.integration)
+            if item.path.stem not in ONE_PROCESS:
+                item.add_marker(pytest.mark.xdist_group(LAUNCHES))
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
     if config.getoption("--full") or config.getoption("markexpr"):

@@ -4,6 +4,8 @@ holds the tests that launch processes and is marked `integration` by folder. Thi
 import ast
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parents[1]
 # calls that start processes: the tests' wrappers of torchrun and the deepspeed launcher, and the
 # standard library's and torch's launchers; any use of the subprocess module counts too
@@ -155,6 +157,63 @@ def test_the_readme_names_both_tiers():
     readme = (TESTS.parent / "README.md").read_text()
     ci = (TESTS.parent / ".ci" / "run").read_text()
     assert (
-        ".venv/bin/python -m pytest --cov " in readme.splitlines()[4] + " "
+        ".venv/bin/python -m pytest -n 2 --cov " in readme.splitlines()[4] + " "
     )  # the second command: the fast tier
-    assert "pytest --cov --full" in readme and "-m slow" in ci and "pytest --cov\n" in ci
+    assert "pytest -n 2 --cov --full" in readme and "-m slow" in ci and "pytest -n 2 --cov\n" in ci
+
+
+@pytest.fixture(scope="module")
+def pytester_free_collect():
+    """{node id: its xdist_group names} of the whole suite, collected by a nested pytest (the slow
+    tier included, no worker started)."""
+
+    class Seen:
+        groups: dict = {}
+
+        def pytest_collection_finish(self, session):
+            Seen.groups = {
+                i.nodeid: [a for m in i.iter_markers("xdist_group") for a in m.args]
+                for i in session.items
+            }
+
+    rc = pytest.main(
+        [
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:cov",
+            "--full",
+            "-n",
+            "0",
+            str(TESTS / "integration"),
+            str(TESTS / "unit" / "test_layers.py"),
+        ],
+        plugins=[Seen()],
+    )
+    assert rc == 0
+    return Seen.groups
+
+
+def test_the_launching_tests_share_one_xdist_group(pytester_free_collect):
+    """Under the README's `pytest -n 2` (pyproject's addopts: --dist loadgroup) every test that
+    starts ranks is in conftest's one xdist group, so one worker runs them one at a time and two
+    tests' process groups never overlap (docs/testing.md); the unit tests and the integration
+    modules of one-process runs (conftest.ONE_PROCESS, which start no ranks) are in none."""
+    from conftest import LAUNCHES, ONE_PROCESS
+
+    groups = pytester_free_collect
+    one = tuple(f"tests/integration/{m}.py::" for m in ONE_PROCESS)
+    ranks = {k: v for k, v in groups.items() if k.startswith("tests/integration/")}
+    free = {k: v for k, v in groups.items() if k.startswith(("tests/unit/", *one))}
+    ranks = {k: v for k, v in ranks.items() if k not in free}
+    assert len(ranks) > 50 and len(free) > len(one), (len(ranks), len(free))
+    assert all(v == [LAUNCHES] for v in ranks.values()), [
+        k for k, v in ranks.items() if v != [LAUNCHES]
+    ][:5]
+    assert not any(free.values()), [k for k, v in free.items() if v][:5]
+    for m in ONE_PROCESS:  # each starts processes, never ranks
+        text = (TESTS / "integration" / f"{m}.py").read_text()
+        assert launches(text), m
+        assert not any(w in text for w in ("torchrun", "ds_train", "nproc", "spawn(")), m
