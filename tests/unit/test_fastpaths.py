@@ -77,7 +77,7 @@ def test_the_default_recipe_resolves_per_machine():
     }
     assert set(got[H200].record()) == {"train.precision", "train.capture", "per_device"}
     assert {m: f.cfg.train.epochs for m, f in got.items()} == {
-        AVX2: 10,
+        AVX2: 11,
         AVX512_BF16: 18,
         H200: 12,
         T4: 12,
@@ -110,7 +110,7 @@ def test_on_a_bf16_cpu_the_default_job_is_the_recipe_as_it_was():
         None, ["train.precision=fp32", "train.capture=none", "optim.muon_ns_dtype=fp32"]
     )
     assert sections(resolve(load_config(), AVX2).cfg) == sections(fp32)
-    assert fp32.train.epochs == 10
+    assert fp32.train.epochs == 11
 
 
 @pytest.mark.parametrize(

@@ -197,3 +197,38 @@ def test_conv_stem_batchnorm_runs_with_half_weights_and_fp32_statistics():
     ours.load_state_dict(plain.state_dict())
     h = torch.randn(8, 4, 5, 5).to(torch.bfloat16)
     assert torch.equal(ours(h), plain(h)) and torch.equal(ours.running_var, plain.running_var)
+
+
+@pytest.mark.parametrize("in_chans", [1, 3])
+def test_the_channels_last_conv_stem_computes_the_nchw_one(in_chans):
+    """ConvStem keeps its conv weights and activations in NHWC order (oneDNN's fastest on CPUs,
+    docs/performance.md): the same state-dict and, within fp32 rounding of a different summation
+    order, the same tokens, input gradient, weight gradients and batch-norm statistics as the
+    NCHW stem; in float64 the two agree to 1e-12."""
+    from vitscale.models.layers import ConvStem
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+        torch.manual_seed(0)
+        a = ConvStem(32, 8, in_chans, 96)
+        b = ConvStem(32, 8, in_chans, 96, channels_last=False)
+        b.load_state_dict(a.state_dict())
+        assert list(a.state_dict()) == list(b.state_dict())
+        convs = [
+            (m.weight, n.weight) for m, n in zip(a.proj, b.proj) if isinstance(m, torch.nn.Conv2d)
+        ]
+        assert all(w.is_contiguous(memory_format=torch.channels_last) for w, _ in convs)
+        assert all(w.is_contiguous() for _, w in convs)
+        a, b = a.to(dtype), b.to(dtype)
+        x = torch.randn(16, in_chans, 32, 32, dtype=dtype)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = a(xa), b(xb)
+        assert ya.shape == (16, 16, 96) and ya.is_contiguous()
+        g = torch.randn_like(ya)
+        (ya * g).sum().backward()
+        (yb * g).sum().backward()
+        torch.testing.assert_close(ya, yb, rtol=tol, atol=tol)
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=tol, atol=tol)
+        for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(pa.grad, pb.grad, rtol=tol, atol=tol * 10, msg=n)
+        for ba, bb in zip(a.buffers(), b.buffers()):  # the batch-norm statistics
+            torch.testing.assert_close(ba, bb, rtol=tol, atol=tol)

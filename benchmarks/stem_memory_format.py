@@ -1,0 +1,69 @@
+"""The conv stem's memory order, side by side: vitscale's channels-last stem (its conv weights and
+activations in NHWC order, `ConvStem(channels_last=True)`, the default) against the same stem in
+PyTorch's default NCHW order, each arm the whole training step of the recipe (data on the device,
+forward, backward, optimizer).
+
+  python benchmarks/stem_memory_format.py [--set k=v ...] [--steps 4] [--rounds 8] [--warmup 3]
+
+Prints img/s for both and the ratio (docs/performance.md "The conv stem in channels-last order").
+The recipe must have `model.stem = "conv"` (the default recipe does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from vitscale.lab.recipes import lab_config
+from vitscale.lab.rounds import paired_rounds, rate, rounds_won, side_by_side
+from vitscale.lab.timing import Bench
+from vitscale.models.layers import ConvStem
+
+
+def to_nchw(stem: ConvStem) -> None:
+    """The stem as it was before: NCHW weights and activations (same parameters, same function)."""
+    stem.memory_format = torch.contiguous_format
+    stem.proj.to(memory_format=torch.contiguous_format)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args()
+    names = ["channels-last stem (vitscale)", "NCHW stem"]
+    benches = [Bench(lab_config(None, args.overrides), synthetic=True) for _ in names]
+    stems = [b.s.module.patch_embed for b in benches]
+    if not all(isinstance(s, ConvStem) for s in stems):
+        raise SystemExit("stem_memory_format.py: the recipe's model.stem is not 'conv'")
+    to_nchw(stems[1])  # before the first step: the optimizer holds the same parameters
+    w = [s.proj[0].weight for s in stems]
+    conv = [s.proj[3].weight for s in stems]  # the second conv (the first has one input channel)
+    assert conv[0].is_contiguous(memory_format=torch.channels_last) and conv[1].is_contiguous()
+    assert torch.equal(w[0], w[1])  # the same initial weights (the same seed)
+    times = side_by_side(benches, args.steps, args.rounds, args.warmup, label=lambda i: names[i])
+    ips = [rate(t, args.steps, b.global_batch)["images_per_s"] for t, b in zip(times, benches)]
+    print(
+        f"overrides: {' '.join(args.overrides) or '(the default recipe)'}; synthetic batch "
+        f"{benches[0].global_batch}, {args.rounds} rounds x {args.steps} steps"
+    )
+    for n, v in zip(names, ips):
+        print(f"  {n}: {v:.1f} img/s")
+    rounds = paired_rounds(times, [b.global_batch for b in benches])[1]  # NCHW / channels-last
+    print(
+        f"  channels-last / NCHW: {ips[0] / ips[1]:.3f}x (median rounds), "
+        f"{statistics.median(1 / r for r in rounds):.3f}x round by round "
+        f"(faster in {rounds_won([1 / r for r in rounds])} of {len(rounds)} rounds)"
+    )
+    for b in benches:
+        b.close()
+
+
+if __name__ == "__main__":
+    main()
