@@ -1,3 +1,5 @@
+from functools import partial
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -199,12 +201,17 @@ def test_conv_stem_batchnorm_runs_with_half_weights_and_fp32_statistics():
     assert torch.equal(ours(h), plain(h)) and torch.equal(ours.running_var, plain.running_var)
 
 
+def keep_input(seen: dict, name: str, module, inputs, output) -> None:
+    seen[name] = inputs[0]
+
+
 @pytest.mark.parametrize("in_chans", [1, 3])
 def test_the_channels_last_conv_stem_computes_the_nchw_one(in_chans):
-    """ConvStem keeps its conv weights and activations in NHWC order (oneDNN's fastest on CPUs,
-    docs/performance.md): the same state-dict and, within fp32 rounding of a different summation
-    order, the same tokens, input gradient, weight gradients and batch-norm statistics as the
-    NCHW stem; in float64 the two agree to 1e-12."""
+    """ConvStem computes its convolutions in NHWC order (oneDNN's fastest on CPUs,
+    docs/performance.md) with contiguous parameters (FSDP2 and DeepSpeed take no other): the same
+    state-dict and, within fp32 rounding of a different summation order, the same tokens, input
+    gradient, weight gradients and batch-norm statistics as the NCHW stem; in float64 the two
+    agree to 1e-12."""
     from vitscale.models.layers import ConvStem
 
     for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
@@ -213,15 +220,17 @@ def test_the_channels_last_conv_stem_computes_the_nchw_one(in_chans):
         b = ConvStem(32, 8, in_chans, 96, channels_last=False)
         b.load_state_dict(a.state_dict())
         assert list(a.state_dict()) == list(b.state_dict())
-        convs = [
-            (m.weight, n.weight) for m, n in zip(a.proj, b.proj) if isinstance(m, torch.nn.Conv2d)
-        ]
-        assert all(w.is_contiguous(memory_format=torch.channels_last) for w, _ in convs)
-        assert all(w.is_contiguous() for _, w in convs)
         a, b = a.to(dtype), b.to(dtype)
+        assert all(p.is_contiguous() for p in [*a.parameters(), *b.parameters()])
+        seen = {}  # what each stem's last conv (the 1x1 to the width) was handed
+
+        for name, m in (("a", a), ("b", b)):
+            m.proj[-1].register_forward_hook(partial(keep_input, seen, name))
         x = torch.randn(16, in_chans, 32, 32, dtype=dtype)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         ya, yb = a(xa), b(xb)
+        assert seen["a"].is_contiguous(memory_format=torch.channels_last)
+        assert not seen["a"].is_contiguous() and seen["b"].is_contiguous()
         assert ya.shape == (16, 16, 96) and ya.is_contiguous()
         g = torch.randn_like(ya)
         (ya * g).sum().backward()
@@ -229,6 +238,7 @@ def test_the_channels_last_conv_stem_computes_the_nchw_one(in_chans):
         torch.testing.assert_close(ya, yb, rtol=tol, atol=tol)
         torch.testing.assert_close(xa.grad, xb.grad, rtol=tol, atol=tol)
         for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+            assert pa.grad.is_contiguous(), n
             torch.testing.assert_close(pa.grad, pb.grad, rtol=tol, atol=tol * 10, msg=n)
         for ba, bb in zip(a.buffers(), b.buffers()):  # the batch-norm statistics
             torch.testing.assert_close(ba, bb, rtol=tol, atol=tol)
