@@ -73,7 +73,7 @@ class ConvStem(nn.Module):
     accumulation and data parallelism equal the big-batch update only with the patch stem.
 
     `channels_last` (default): the convolutions compute in NHWC memory order, the one oneDNN's CPU
-    kernels run fastest (the default recipe's training step 1.13x faster on an AVX2 CPU:
+    kernels run fastest (the default recipe's training step 1.15-1.18x faster on an emulated AVX2 CPU:
     docs/performance.md "The conv stem in channels-last order"). Only the input is re-laid: each
     conv handed a channels-last input computes in that order and hands it on, and the last one's
     output is already token-major memory. The parameters stay contiguous NCHW tensors (FSDP2 and
