@@ -11,13 +11,10 @@ The recipe must have `model.stem = "conv"` (the default recipe does).
 
 from __future__ import annotations
 
-import argparse
-import statistics
-
 import torch
+from two_arms import arguments, time_and_report
 
 from vitscale.lab.recipes import lab_config
-from vitscale.lab.rounds import paired_rounds, rate, rounds_won, side_by_side
 from vitscale.lab.timing import Bench
 from vitscale.models.layers import ConvStem
 
@@ -35,14 +32,7 @@ def last_conv_input(stem: ConvStem, x: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3)
-    args = p.parse_args()
+    args = arguments(__doc__)
     names = ["channels-last stem (vitscale)", "NCHW stem"]
     benches = [Bench(lab_config(None, args.overrides), synthetic=True) for _ in names]
     stems = [b.s.module.patch_embed for b in benches]
@@ -54,22 +44,7 @@ def main() -> None:
     got = [last_conv_input(s, x) for s in stems]
     assert got[0].is_contiguous(memory_format=torch.channels_last) and not got[0].is_contiguous()
     assert got[1].is_contiguous()
-    times = side_by_side(benches, args.steps, args.rounds, args.warmup, label=lambda i: names[i])
-    ips = [rate(t, args.steps, b.global_batch)["images_per_s"] for t, b in zip(times, benches)]
-    print(
-        f"overrides: {' '.join(args.overrides) or '(the default recipe)'}; synthetic batch "
-        f"{benches[0].global_batch}, {args.rounds} rounds x {args.steps} steps"
-    )
-    for n, v in zip(names, ips):
-        print(f"  {n}: {v:.1f} img/s")
-    rounds = paired_rounds(times, [b.global_batch for b in benches])[1]  # NCHW / channels-last
-    print(
-        f"  channels-last / NCHW: {ips[0] / ips[1]:.3f}x (median rounds), "
-        f"{statistics.median(1 / r for r in rounds):.3f}x round by round "
-        f"(faster in {rounds_won([1 / r for r in rounds])} of {len(rounds)} rounds)"
-    )
-    for b in benches:
-        b.close()
+    time_and_report(benches, names, args)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ Prints img/s for both and the ratio (docs/performance.md "Token layout").
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import types
 
 import torch
+from two_arms import arguments, time_and_report
 
 from vitscale.lab.recipes import lab_config
-from vitscale.lab.rounds import paired_rounds, rate, rounds_won, side_by_side
 from vitscale.lab.timing import Bench
 
 
@@ -32,14 +30,7 @@ def transposed_view(self, x):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3)
-    args = p.parse_args()
+    args = arguments(__doc__)
     names = ["token-major (vitscale)", "transposed view"]
     benches = [Bench(lab_config(None, args.overrides), synthetic=True) for _ in names]
     stem = benches[
@@ -47,6 +38,11 @@ def main() -> None:
     ].s.module.patch_embed  # patched before the first step: compile traces the patched forward
     stem.forward = types.MethodType(transposed_view, stem)
     stems = (benches[0].s.module.patch_embed, stem)
+    for m in stems:  # the conv stem in NCHW order in both arms, as when this was measured: its
+        # channels-last order makes the token-major memory without a copy, and
+        # stem_memory_format.py measures that on its own
+        if hasattr(m, "channels_last"):
+            m.channels_last = False
     with (
         torch.no_grad()
     ):  # the two arms really differ in layout (eval mode: no batch-norm statistics moved)
@@ -57,24 +53,7 @@ def main() -> None:
         assert stems[0](x).is_contiguous() and not stems[1](x).is_contiguous()
         for m in stems:
             m.train()
-    times = side_by_side(benches, args.steps, args.rounds, args.warmup, label=lambda i: names[i])
-    ips = [rate(t, args.steps, b.global_batch)["images_per_s"] for t, b in zip(times, benches)]
-    print(
-        f"overrides: {' '.join(args.overrides) or '(the default recipe)'}; synthetic batch "
-        f"{benches[0].global_batch}, {args.rounds} rounds x {args.steps} steps"
-    )
-    for n, v in zip(names, ips):
-        print(f"  {n}: {v:.1f} img/s")
-    rounds = paired_rounds(times, [b.global_batch for b in benches])[
-        1
-    ]  # transposed / token-major, per round
-    print(
-        f"  token-major / transposed view: {ips[0] / ips[1]:.3f}x (median rounds), "
-        f"{statistics.median(1 / r for r in rounds):.3f}x round by round "
-        f"(faster in {rounds_won([1 / r for r in rounds])} of {len(rounds)} rounds)"
-    )
-    for b in benches:
-        b.close()
+    time_and_report(benches, names, args)
 
 
 if __name__ == "__main__":
