@@ -3,8 +3,6 @@ attention_kernel looks at the device and dtype, to pick the fast attention backw
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -108,16 +106,6 @@ class ConvStem(nn.Module):
         self.proj = nn.Sequential(*layers)
         self.widths = widths
         self.channels_last = channels_last
-        if channels_last:
-            # a conv weight that is contiguous in both orders (one input channel, or 1x1) gets its
-            # gradient back with channels-last strides, and DDP, which copies every gradient into
-            # its buckets, warns once per process that the strides differ: a hint about the copy's
-            # speed for a few KB here, not about the result
-            warnings.filterwarnings(
-                "ignore",
-                message="Grad strides do not match bucket view strides",
-                category=UserWarning,
-            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.channels_last:

@@ -4,6 +4,8 @@ during backward; `no_sync` for accumulation micro-steps; optional bf16/fp16 grad
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,6 +43,13 @@ def ddp_wrap(model: nn.Module, device: torch.device, scfg) -> nn.Module:
     """DistributedDataParallel around the plain model, its buckets all-reduced by allreduce_hook
     (in strategy.grad_compression's dtype where it compresses)."""
     ids = [device.index] if device.type == "cuda" else None
+    # a weight that is contiguous in two orders (one input channel, or a 1x1 conv, as in the conv
+    # stem that computes channels-last) gets a gradient whose strides differ from its bucket view's
+    # while still obeying autograd's layout contract; DDP copies it into the view and warns once
+    # per process about that copy's speed (a few KB here), not about the result
+    warnings.filterwarnings(
+        "ignore", message="Grad strides do not match bucket view strides", category=UserWarning
+    )
     ddp = DistributedDataParallel(
         model, device_ids=ids, bucket_cap_mb=scfg.bucket_mb, gradient_as_bucket_view=True
     )
