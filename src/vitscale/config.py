@@ -89,7 +89,24 @@ class DataConfig:
     num_classes: int = num(10, min=2, doc="synthetic only")
     train_size: int = num(1024, min=1, doc="synthetic only")
     test_size: int = num(256, min=1, doc="synthetic only")
-    batch_size: int = num(256, min=1, doc="global batch per optimizer step")
+    batch_size: int = num(
+        256,
+        min=1,
+        doc="global batch per optimizer step (data.batch_rule=min_steps: the largest one; naming "
+        "it with --set sets the rule to fixed: a batch you name is never changed)",
+    )
+    batch_rule: str = choice(
+        "fixed",
+        "fixed",
+        "min_steps",
+        doc="min_steps = the batch follows the data (datafit.py): the largest of data.batch_size, "
+        "its half, quarter, ... (not below data.min_batch_size) whose epochs give train.min_steps "
+        "optimizer steps; where even that one gives fewer, train.epochs grows to train.min_steps; "
+        "resolved once at the start, announced, saved as fixed in the run's config.toml",
+    )
+    min_batch_size: int = num(
+        32, min=1, doc="data.batch_rule=min_steps: the smallest global batch it takes"
+    )
     eval_batch_size: int = num(1024, min=1)
     num_workers: int = num(2, min=0, doc="decoding workers (folder, csv and webdataset data)")
     decoder: str = choice(
@@ -460,6 +477,21 @@ class TrainConfig:
     accum_steps: int = num(1, min=1, doc="micro-batches per optimizer step")
     label_smoothing: float = num(0.0, min=0.0, max=1.0)
     ema_decay: float = num(0.0, min=0.0, max=1.0, doc="EMA of weights (0 = off)")
+    ema_warmup: bool = field(
+        default=False,
+        metadata={
+            "doc": "the EMA's decay warms up as timm's ModelEmaV3(use_warmup=True): update k (from "
+            "0) averages with min(train.ema_decay, 1 - (1 + k)^(-2/3)), so that the random initial "
+            "weights cannot outweigh a short run"
+        },
+    )
+    min_steps: int = num(
+        0,
+        min=0,
+        doc="the optimizer steps the recipe needs (0 = no minimum): data.batch_rule=min_steps "
+        "fits the batch (and, at the smallest batch, the epochs) to give them; a fixed batch "
+        "that gives fewer is announced",
+    )
     ema_eval: bool = True  # evaluate the EMA weights when EMA is on
     compile: bool = False
     compile_mode: str = choice(
@@ -857,8 +889,13 @@ def set_override(cfg: Config, dotted: str, value: Any) -> None:
     """`set_value`, for a key the user (or a search) names: it wins over every [per_device] table."""
     set_value(cfg, dotted, value)
     sec, _, name = dotted.partition(".")
+    named = [name]
+    if dotted == "data.batch_size":  # a batch the user names is never changed (data.batch_rule)
+        cfg.data.batch_rule = "fixed"
+        named.append("batch_rule")
     for sections in cfg.per_device.values():
-        sections.get(sec, {}).pop(name, None)
+        for key in named:
+            sections.get(sec, {}).pop(key, None)
 
 
 def with_device_section(cfg: Config, cls: str) -> Config:

@@ -130,6 +130,11 @@ class FastPaths:
     machine: Machine | None = None  # None: not asked (nothing was auto), `line` asks
     # key -> (value, why): auto keys only
     chosen: dict[str, tuple[str, str]] = field(default_factory=dict)
+    data_note: str = ""  # what the recipe's data rule chose (datafit.DataFit.note)
+
+    def fitted(self, fit) -> FastPaths:
+        """These fast paths with what the data rule chose (`fit`: a datafit.DataFit)."""
+        return replace(self, cfg=fit.cfg, chosen={**self.chosen, **fit.chosen}, data_note=fit.note)
 
     def record(self) -> dict:
         """summary.json's "auto": {key: {"value", "why"}} of the keys resolved from auto."""
@@ -153,9 +158,10 @@ class FastPaths:
         section = ""
         if PER_DEVICE in self.chosen:
             section = f"; {self.chosen[PER_DEVICE][1]}"
+        data = f"; {self.data_note}" if self.data_note else ""
         return (
             f"fast paths on {machine.describe()}: {say('train.precision', t.precision)}; "
-            f"{say('train.capture', t.capture)}; {compile_}{muon}{section}"
+            f"{say('train.capture', t.capture)}; {compile_}{muon}{section}{data}"
         )
 
 

@@ -15,6 +15,7 @@ from .capture import WholeStep
 from .checkpoint import discard_unstarted, make_run_dir
 from .checks import check_run
 from .config import Config
+from .datafit import fit_run
 from .errors import DataError, TrainingError
 from .fastpaths import resolve as resolve_fast_paths
 from .metrics import MetricsLog, NullLog, Progress, synchronizer
@@ -290,6 +291,9 @@ class Trainer(Epochs):
         self.on_eval, self.stop_on_signals = on_eval, signals
         # train.precision / train.capture = auto answered for this machine: what the run saves
         self.fast = resolve_fast_paths(cfg)
+        # data.batch_rule: the batch (and epochs) fitted to the training set's size, before the
+        # engine starts (its lr follows the batch); what the run saves
+        self.fast = self.fast.fitted(fit_run(self.fast.cfg))
         self.cfg = cfg = self.fast.cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)

@@ -59,6 +59,7 @@ FIXED_ON_RESUME = {
     "data.name": "the data position and per-sample state count its samples",
     "data.batch_size": "the checkpoint's data position counts batches of its size",
     "data.drop_last": "the checkpoint's data position counts its batches",
+    "data.batch_rule": "the run's batch was fitted to its data once, at its start (saved as fixed)",
     "data.train_size": "the data position and per-sample state count its samples",
     "data.val_fraction": "its split decides which samples train",
     "data.val_seed": "its split decides which samples train",

@@ -11,6 +11,7 @@ import pytest
 from vitscale import fastpaths
 from vitscale.cli import main
 from vitscale.config import load_config
+from vitscale.datafit import fit_to_data
 from vitscale.errors import ConfigError
 from vitscale.fastpaths import Machine, resolve
 from vitscale.strategy import devices
@@ -89,8 +90,15 @@ def test_the_default_recipe_resolves_per_machine():
         and "; per_device.cuda: run.log_every=50, data.batch_size=128, model.dim=128" in line
     )
     # on a GPU the default job is the recipe of 2026-11-27 that an H200 measured (docs/performance.md)
-    old = load_config("docs/search/avx2_200s/recipe.toml", ["train.targets=[0.9,0.91]"])
+    # with the data rule (issue 59), which leaves Fashion-MNIST's batch of 128 and lr as they were
+    rule = ["data.batch_rule=min_steps", "optim.lr_scaling=sqrt", "optim.lr_ref_batch=128"]
+    old = load_config(
+        "docs/search/avx2_200s/recipe.toml",
+        ["train.targets=[0.9,0.91]", *rule, "train.min_steps=600"],
+    )
     assert sections(got[H200].cfg) == sections(resolve(old, H200).cfg)
+    fitted = fit_to_data(got[H200].cfg, 60000, 1).cfg
+    assert (fitted.data.batch_size, fitted.train.epochs) == (128, 12)
     assert "compile off" in line
     assert cfg.train.precision == "auto"  # the recipe itself is left as it was
     # with AdamW the default job's step is captured on a GPU

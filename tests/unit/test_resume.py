@@ -166,6 +166,7 @@ def test_every_config_key_either_takes_effect_or_is_refused_on_resume():
             "mixup_alpha",
             "cutmix_alpha",
             "mix_prob",
+            "min_batch_size",  # data.batch_rule's floor: the resumed rule is fixed
         },
         "model": {
             "drop_path",
@@ -208,7 +209,9 @@ def test_every_config_key_either_takes_effect_or_is_refused_on_resume():
             "accum_steps",
             "label_smoothing",
             "ema_decay",
+            "ema_warmup",
             "ema_eval",
+            "min_steps",
             "compile",
             "compile_mode",
             "activation_checkpointing",

@@ -145,6 +145,13 @@ def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) ->
             if resolve_reader(cfg) == "stream"
             else _seek_labelled(cfg, **kw)
         )
+    splits = _tensor_splits(cfg, seed)
+    return tensor_bundle(*splits, resize=cfg.name != "synthetic", **kw)
+
+
+def _tensor_splits(cfg, seed: int) -> tuple:
+    """(splits, cfg) of the data held as tensors (Fashion-MNIST, CIFAR, synthetic), the validation
+    split carved where data.val_fraction asks (tensor_bundle's arguments)."""
     if cfg.name == "fashion_mnist":
         from .sources import fashion_mnist
 
@@ -156,12 +163,34 @@ def build_data(cfg, *, device, seed: int, rank: int = 0, world_size: int = 1) ->
     elif cfg.name == "synthetic":
         from .sources import synthetic
 
-        return tensor_bundle(
-            *_held_out_validation(synthetic.make(cfg, seed), cfg), resize=False, **kw
-        )
+        splits = synthetic.make(cfg, seed)
     else:
         raise DataError(f"data.name: unknown dataset '{cfg.name}'")
-    return tensor_bundle(*_held_out_validation(splits, cfg), **kw)
+    return _held_out_validation(splits, cfg)
+
+
+def train_count(cfg, seed: int) -> int | None:
+    """The training samples `build_data` gives for data config `cfg` (`seed`: run.seed), read
+    before any loader is built (datafit: data.batch_rule asks it before the engine starts); None
+    where only streaming the data would tell (webdataset with reader=stream, image-text data)."""
+    if cfg.name == "folder":
+        from .sources.folder import scan
+
+        root = Path(cfg.root).expanduser()
+        if not cfg.root or not root.is_dir():
+            return None  # build_data refuses it in its own words
+        return len(scan(root)[1][0])
+    if cfg.name == "webdataset":
+        if resolve_reader(cfg) == "stream":
+            return None
+        train, _ = _record_splits(
+            cfg, lambda root, split="train": shards.read_shards(root, split, "cls")
+        )
+        return len(train)
+    if cfg.name in ("fashion_mnist", "cifar10", "cifar100", "synthetic"):
+        splits, _ = _tensor_splits(cfg, seed)
+        return len(splits.train_y)
+    return None
 
 
 def _held_out_validation(splits, cfg) -> tuple:

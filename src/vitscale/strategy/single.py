@@ -170,7 +170,7 @@ class SingleDevice(OneProcess):  # implements base.Strategy
         if self.cfg.fp8 != "none":  # the blocks' Linear layers in float8 (torchao); same parameters
             convert_fp8(model, self.cfg.fp8)
         if self.cfg.ema_decay > 0:
-            self.ema = Ema(model, self.cfg.ema_decay, self.device)
+            self.ema = Ema(model, self.cfg.ema_decay, self.device, self.cfg.ema_warmup)
         apply_ac(model, self.cfg.activation_checkpointing)
         for step in self.steps:
             step(model)
