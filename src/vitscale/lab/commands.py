@@ -396,11 +396,15 @@ best --repeat-top trials are retrained with --seeds other seeds, the best mean i
 pick alone is evaluated once on the test set; the recipe as written is trained under the same protocol and seeds
 and tested once too, and the report says whether the pick beats it. Writes OUT/search.md, search.json, pareto.png, importance.png and
 best.toml (`vitscale train OUT/best.toml` reproduces the pick on the full training set).
+With --heldout FILE, every trial also trains its keys on each held-out data set of FILE (its own
+data keys and training seconds), on a validation split of that set's training data, and is scored
+by the worst (or --combine mean) of the sets' validation accuracies normalised to chance.
 
 examples:
   vitscale search --budget-s 300 --trials 40 --out search/fmnist      # the default recipe and space
   vitscale search configs/cifar10.toml --space my_space.toml --budget-s 600 --trials 0   # until Ctrl-C
   vitscale search --budget-s 300 --score time-to-target --target 0.9   # the fastest to 90% validation
+  vitscale search --budget-s 300 --heldout heldout_grey_small          # robust: scored on 4 sets
   vitscale search --budget-s 300 --storage postgresql://host/db --study fm --repeat-top 0   # a worker
   vitscale search --budget-s 300 --storage postgresql://host/db --study fm --report-only    # finish
 """
@@ -469,10 +473,26 @@ def _search_protocol_arguments(p) -> None:
         "recipe's first train.targets entry)",
     )
     p.add_argument(
+        "--heldout",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="held-out data sets every trial also trains on (repeatable): a TOML file of [NAME] "
+        "tables, each with budget_s and its data keys (data.name, data.root, ...), or the name of "
+        "a shipped one (configs/search/NAME.toml); docs/search.md",
+    )
+    p.add_argument(
+        "--combine",
+        choices=("worst", "mean"),
+        help="with --heldout: a trial's score is the worst (minimum, the default) or the mean of "
+        "every set's validation accuracy normalised to chance, (acc - 1/classes) / (1 - 1/classes)",
+    )
+    p.add_argument(
         "--pruner",
         choices=("hyperband", "halving", "none"),
         default="hyperband",
-        help="stops poor trials early on their score so far at each epoch (default hyperband)",
+        help="stops poor trials early on their score so far at each epoch (default hyperband; "
+        "with --heldout, on the tuning set's, before the held-out sets train)",
     )
     p.add_argument(
         "--repeat-top",

@@ -1,7 +1,8 @@
 """`vitscale search`: the best model this machine trains in a time budget, an Optuna search over
 recipe keys (docs/search.md). This module is the command: the study in its database, the recipe
-every trial trains; space.py reads the space, trials.py trains the trials and the finish (repeats,
-the pick, its one test evaluation), report.py writes the report. The protocol and the command's
+every trial trains; space.py reads the space, heldout.py the held-out data sets (--heldout),
+score.py scores a trial, trials.py trains the trials and the finish (repeats, the pick, its one
+test evaluation), report.py writes the report. The protocol and the command's
 arguments: lab/commands.py."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from ...config import load_config
 from ...errors import UserError
 from ..recipes import lab_config, log, with_overrides
+from .heldout import budget_keys as seconds_keys
+from .heldout import load_heldout, prepare_sets
 from .report import write_report
 from .score import search_score
 from .space import load_space
@@ -26,8 +29,6 @@ from .trials import (
     retry_without_reason,
     run_trials,
 )
-
-BIG_EPOCHS = 100_000.0  # trials end on the time budget, never on epochs
 
 
 def import_optuna():
@@ -56,22 +57,33 @@ def run(args) -> int:
         raise UserError(f"search: --val-fraction must be in (0, 0.5], got {args.val_fraction}")
     optuna = import_optuna()
     space = load_space(args.space)
+    heldout = load_heldout(getattr(args, "heldout", None))
     base = trial_config(args)
-    score = search_score(args, base)
+    search_score(args, base)  # --score, --target, --combine and --heldout checked together
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    study = open_study(optuna, args, base, space, out)
+    sets = prepare_sets(heldout, base, space, args, out)
+    score = search_score(args, base, sets.names if sets else ())
+    study = open_study(optuna, args, base, space, out, sets)
     log(
         f"search {study.study_name} in {storage_url(args, out)}: {len(space)} keys, "
         f"{args.budget_s:g}s of training per trial, scored on data.val_fraction={base.data.val_fraction} "
         f"of the training set (the test set is not read by trials); {score.line()}"
     )
+    if sets:
+        log(
+            "held-out sets, each trained by every trial on a validation split of its own training "
+            "data: "
+            + ", ".join(
+                f"{h.name} ({sets.classes[h.name]} classes, {h.budget_s:g}s)" for h in sets.heldout
+            )
+        )
     if args.report_only:
         # a killed worker's trial is not "running"
         fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
     else:
-        run_trials(optuna, study, base, space, args, out, score)
-    final = finalize(study, base, args, out, score) if args.repeat_top else None
+        run_trials(optuna, study, base, space, args, out, score, sets)
+    final = finalize(study, base, args, out, score, sets) if args.repeat_top else None
     report = write_report(study, space, args, out, final, recipe_config(args, final))
     log(f"wrote {report}")
     return 0
@@ -101,11 +113,7 @@ def trial_config(args):
 
 
 def budget_keys(args) -> dict:
-    return {
-        "train.time_limit_s": float(args.budget_s),
-        "optim.schedule_clock": "time",
-        "train.epochs": BIG_EPOCHS,
-    }
+    return seconds_keys(args.budget_s)
 
 
 def recipe_config(args, final):
@@ -123,11 +131,11 @@ def storage_url(args, out: Path) -> str:
     return args.storage or f"sqlite:///{(out / 'search.db').resolve()}"
 
 
-def open_study(optuna, args, base, space, out: Path):
+def open_study(optuna, args, base, space, out: Path, sets=None):
     """The study in its database (created, or loaded and checked to be the same search: the
-    recipe, space, budget and score; its direction is its score's)."""
+    recipe, space, budget, score and held-out sets; its direction is its score's)."""
     url = storage_url(args, out)
-    score = search_score(args, base)
+    score = search_score(args, base, sets.names if sets else ())
     engine = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {}
     # a killed worker's RUNNING trial: failed once its heartbeat is 3 intervals old (the reason
     # recorded), and retried once
@@ -171,14 +179,14 @@ def open_study(optuna, args, base, space, out: Path):
                     f"search: cannot open {url}: {str(e).splitlines()[0][:300]}"
                 ) from None
             time.sleep(0.5 + random.random() * (attempt + 1))
-    check_same_search(study, args, base, space, score, url)
+    check_same_search(study, args, base, space, score, url, sets)
     return study
 
 
-def check_same_search(study, args, base, space, score, url: str) -> None:
-    """A new study records what it searches (its fingerprint, space, budget, recipe and score); a
-    study that exists must be the same search: one line where it is not."""
-    what = fingerprint(base, space, args.budget_s, score)
+def check_same_search(study, args, base, space, score, url: str, sets=None) -> None:
+    """A new study records what it searches (its fingerprint, space, budget, recipe, score and
+    held-out sets); a study that exists must be the same search: one line where it is not."""
+    what = fingerprint(base, space, args.budget_s, score, sets)
     have = study.user_attrs.get("search")
     if have is None:
         study.set_user_attr("search", what)
@@ -186,11 +194,13 @@ def check_same_search(study, args, base, space, score, url: str) -> None:
         study.set_user_attr("budget_s", float(args.budget_s))
         study.set_user_attr("base_config", base.to_dict())
         study.set_user_attr("score", score.as_dict())
+        if sets:
+            study.set_user_attr("sets", sets.as_dict())
     elif have != what:
         raise UserError(
             f"search: study '{args.study}' in {url} was started with another recipe, space or "
-            f"--budget-s, or another --score/--target; give the same ones, or another --study / "
-            "--out"
+            f"--budget-s, or another --score/--target, or other --heldout sets or --combine; "
+            "give the same ones, or another --study / --out"
         )
 
 
@@ -210,15 +220,20 @@ def make_pruner(optuna, args):
     return optuna.pruners.HyperbandPruner(min_resource=10, max_resource=100, reduction_factor=3)
 
 
-def fingerprint(base, space, budget_s: float, score=None) -> str:
+def fingerprint(base, space, budget_s: float, score=None, sets=None) -> str:
     """What makes two workers' searches the same one: the recipe (run section left out: folders,
     threads, progress differ between machines; train.targets too: it only adds to what runs
-    report), the space, the budget and a score other than accuracy (a study from before --score
-    keeps its fingerprint)."""
+    report), the space, the budget, a score other than accuracy (a study from before --score
+    keeps its fingerprint) and the held-out sets (each one's keys, budget and validation share)
+    with the combine rule (a study without them keeps its fingerprint)."""
     cfg = {**{k: v for k, v in base.to_dict().items() if k != "run"}, "seed": base.run.seed}
     cfg["train"] = {k: v for k, v in cfg["train"].items() if k != "targets"}
     what = {"cfg": cfg, "space": [d.as_dict() for d in space], "budget": float(budget_s)}
     if score is not None and score.timed:
         what["score"] = {"name": score.name, "target": score.target}
+    if sets:
+        what["sets"] = {
+            k: v for k, v in sets.as_dict().items() if k in ("combine", "heldout", "tuning")
+        }
     blob = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -21,15 +21,21 @@ UNRECORDED = "worker stopped: no reason recorded (killed or lost)"
 def trial_row(t, score: Score | None = None) -> dict:
     """A trial as the report lists it; a failed one's "error" is its one-line reason (a failure
     without one was failed by another process: its worker is gone, UNRECORDED). Its "score" is
-    the study's (= val_accuracy under --score accuracy); its "curve" the validation accuracy it
-    reported (none under time-to-target, whose reports are scores)."""
+    the study's (= val_accuracy under --score accuracy; with held-out sets the combined score of a
+    complete trial, none for others: their reports are the tuning set's accuracies); its "curve"
+    the validation accuracy it reported (none under time-to-target, whose reports are scores).
+    With held-out sets, "set_accuracy" and "set_score": each set's validation accuracy and its
+    normalised score."""
     u, timed = t.user_attrs, score is not None and score.timed
+    combined = score is not None and score.combine
     curve = [] if timed else sorted([int(k), float(v)] for k, v in t.intermediate_values.items())
     return {
         "number": t.number,
         "state": t.state.name.lower(),
         "val_accuracy": accuracy_of(t),
-        "score": last_value(t),
+        "score": (t.value if t.state.name == "COMPLETE" else None) if combined else last_value(t),
+        "set_accuracy": u.get("set_accuracy"),
+        "set_score": u.get("set_score"),
         "train_time_s": u.get("train_time_s"),
         "epochs": u.get("epochs"),
         "steps": u.get("steps"),
@@ -80,6 +86,8 @@ def command_line(args) -> str:
     if getattr(args, "score", "accuracy") != "accuracy":
         parts += ["--score", args.score]
     parts += ["--target", f"{args.target:g}"] if getattr(args, "target", None) else []
+    parts += [x for f in getattr(args, "heldout", None) or [] for x in ("--heldout", str(f))]
+    parts += ["--combine", args.combine] if getattr(args, "combine", None) else []
     parts += ["--storage", args.storage] if args.storage else []
     return shlex.join(parts)
 
@@ -94,6 +102,7 @@ def write_report(study, space, args, out: Path, final: dict | None, best_cfg) ->
         "study": study.study_name,
         "budget_s": args.budget_s,
         "score": {**score.as_dict(), "direction": score.direction, "text": score.line()},
+        "sets": study.user_attrs.get("sets"),
         "command": command_line(args),
         "space": [d.as_dict() for d in space],
         "trials": rows,
@@ -107,7 +116,9 @@ def write_report(study, space, args, out: Path, final: dict | None, best_cfg) ->
     }
     (out / "search.json").write_text(json.dumps(report, indent=2, default=str))
     # the repeats' means drawn on the accuracy axis only where they are accuracies
-    plots = draw(rows, front, imp, out, args.budget_s, None if score.timed else final)
+    plots = draw(
+        rows, front, imp, out, args.budget_s, None if score.timed or score.combine else final
+    )
     path = out / "search.md"
     path.write_text("\n".join(markdown(report, rows, plots, score)) + "\n")
     return path
@@ -133,6 +144,13 @@ def write_best(out: Path, cfg, final: dict, args, score: Score) -> Path:
         f"# reproduce: vitscale train {out / 'best.toml'}",
         "# keys chosen: " + " ".join(f"--set {k}={v}" for k, v in pick["params"].items()),
     ]
+    if pick.get("set_means"):
+        head.insert(
+            2,
+            "# mean validation accuracy per set: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in pick["set_means"].items())
+            + f" (the score: {score.combine} of their normalised accuracies)",
+        )
     path = out / "best.toml"
     path.write_text("\n".join(head) + "\n\n" + cfg.to_toml())
     return path
@@ -306,17 +324,34 @@ def markdown(rep: dict, rows: list[dict], plots: list[str], score: Score) -> lis
 
 
 def trial_lines(rep: dict, rows: list[dict], score: Score) -> list[str]:
-    """The trials table, best score first (under time-to-target with the time to the target)."""
-    timed = score.timed
+    """The trials table, best score first (under time-to-target with the time to the target; with
+    held-out sets with the combined score and one column per held-out set: its validation
+    accuracy)."""
+    timed, others = score.timed, list(score.sets[1:]) if score.combine else []
     lines = [
         "",
         f"## Trials ({score.what}; * = on the Pareto front of validation accuracy and time)",
         "",
-        "| # | state | val acc |"
+        "| # | state |"
+        + (f" {score.combine} |" if score.combine else "")
+        + " val acc |"
+        + "".join(f" {n} |" for n in others)
         + (" to target |" if timed else "")
         + " train s | epochs | keys | note |",
-        "|---|---|---|" + ("---|" if timed else "") + "---|---|---|---|",
+        "|---|---|---|"
+        + ("---|" if score.combine else "")
+        + "---|" * len(others)
+        + ("---|" if timed else "")
+        + "---|---|---|---|",
     ]
+    if others:
+        lines[3:3] = [
+            f"val acc = the tuning set's ({score.sets[0]}); one column per held-out set, its "
+            f"validation accuracy; {score.combine} = the trial's score, the {score.combine} of "
+            "every set's (accuracy - 1/classes) / (1 - 1/classes) (complete trials only: a pruned "
+            "or failed one did not train every set).",
+            "",
+        ]
     worst = float("inf")  # trials without a score last
     for r in sorted(
         rows, key=lambda r: worst if r["score"] is None else score.sort_key(r["score"])
@@ -324,9 +359,13 @@ def trial_lines(rep: dict, rows: list[dict], score: Score) -> list[str]:
         keys = " ".join(f"{k}={fmt(v, '.3g')}" for k, v in r["params"].items())
         note = r["error"] or (f"retry of {r['retry_of']}" if r["retry_of"] is not None else "")
         reach = f" {score.reach_text(r['score']) if r['score'] is not None else '-'} |"
+        per = r.get("set_accuracy") or {}
         lines.append(
             f"| {r['number']}{'*' if r['number'] in rep['pareto'] else ''} | {r['state']} | "
-            f"{fmt(r['val_accuracy'])} |{reach if timed else ''} {fmt(r['train_time_s'], '.1f')} | "
+            + (f"{fmt(r['score'])} | " if score.combine else "")
+            + f"{fmt(r['val_accuracy'])} |"
+            + "".join(f" {fmt(per.get(n))} |" for n in others)
+            + f"{reach if timed else ''} {fmt(r['train_time_s'], '.1f')} | "
             f"{fmt(r['epochs'], '.2f')} | {keys} | {note} |"
         )
     return lines
@@ -344,16 +383,19 @@ def pick_lines(final: dict, rep: dict, score: Score) -> list[str]:
         f"Seeds {', '.join(str(s) for s in final.get('seeds', []))}; epochs = how many each run trained "
         "in the budget (the machine's speed moves them from run to run).",
         "",
-        "| trial | mean | spread (std) | values | epochs |",
-        "|---|---|---|---|---|",
+        "| trial | mean | spread (std) | values | epochs |"
+        + (" mean validation accuracy per set |" if score.combine else ""),
+        "|---|---|---|---|---|" + ("---|" if score.combine else ""),
     ]
     rec = final.get("recipe")
     for c in final["candidates"] + ([rec] if rec else []):
         name = "the recipe as written" if c["trial"] == "recipe" else c["trial"]
+        per = ", ".join(f"{k} {v:.4f}" for k, v in (c.get("set_means") or {}).items()) or "-"
         out.append(
             f"| {name} | {score.fmt(c['mean'])} | {score.fmt(c['std'])} | "
             f"{', '.join(score.fmt(v) for v in c['values'])} | "
             f"{', '.join(fmt(e, '.2f') for e in c.get('epochs', []))} |"
+            + (f" {per} |" if score.combine else "")
         )
     p, test = final["pick"], final.get("test")
     out += [
@@ -375,6 +417,7 @@ def pick_lines(final: dict, rep: dict, score: Score) -> list[str]:
                 else ""
             ),
         ]
+        out += set_test_lines(test, score)
     rtest = final.get("recipe_test")
     if rtest:
         out += [
@@ -383,9 +426,22 @@ def pick_lines(final: dict, rep: dict, score: Score) -> list[str]:
             f"seeds; none of the space's keys changed), tested once on the same seed: **test accuracy "
             f"{rtest['test_accuracy']:.4f}**.",
         ]
+        out += set_test_lines(rtest, score)
     out += decision_lines(final.get("decision"), score)
     out += ["", f"Reproduce on the full training set: `{rep['reproduce']}`"]
     return out
+
+
+def set_test_lines(test: dict, score: Score) -> list[str]:
+    """A test evaluation on every set (held-out sets: each one's test split, once)."""
+    if not test.get("set_test"):
+        return []
+    per = ", ".join(f"{k} {v:.4f}" for k, v in test["set_test"].items())
+    return [
+        "",
+        f"On every set's test split (the models of the same seed, each trained on its set): {per}; "
+        f"{score.combine} of the normalised accuracies **{test['test_score']:.4f}**.",
+    ]
 
 
 def decision_lines(d: dict | None, score: Score) -> list[str]:
@@ -396,6 +452,9 @@ def decision_lines(d: dict | None, score: Score) -> list[str]:
         f"a shorter mean {score.what} over the same seeds and a test accuracy that reaches "
         f"{score.target:g} on the same seed"
         if score.timed
+        else f"a higher mean {score.what} over the same seeds and a higher {score.combine} of "
+        "the sets' normalised test accuracies on the same seed"
+        if score.combine
         else "a higher mean validation accuracy over the same seeds and a higher test accuracy "
         "on the same seed"
     )

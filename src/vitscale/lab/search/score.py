@@ -1,7 +1,9 @@
 """How `vitscale search` scores a trial (--score): its validation accuracy at the end of the budget
 (higher is better), or its training time to a target validation accuracy (--target; lower is
-better). The study keeps its score (its direction, and a user attribute the report and the finish
-read), and the score is part of what makes two workers' searches the same one."""
+better); with held-out data sets (--heldout), the --combine (worst or mean) of every set's
+validation accuracy normalised to chance (normalised, combine). The study keeps its score (its
+direction, and a user attribute the report and the finish read), and the score is part of what
+makes two workers' searches the same one."""
 
 from __future__ import annotations
 
@@ -12,6 +14,32 @@ from ...run_report import percent, seconds, target_key
 
 ACCURACY, TIME_TO_TARGET = "accuracy", "time-to-target"
 SCORES = (ACCURACY, TIME_TO_TARGET)
+WORST, MEAN = "worst", "mean"
+COMBINES = (WORST, MEAN)
+
+
+def normalised(accuracy: float, classes: int) -> float:
+    """A validation accuracy on a set of `classes` classes, relative to chance: (accuracy - 1/classes)
+    / (1 - 1/classes); 0 = chance (a collapsed model), 1 = every image right, below 0 = worse than
+    chance. It puts sets of different class counts on one scale (50% is good on 2 classes of
+    nothing, and far above chance on 100) without a reference run."""
+    if classes < 2:
+        raise ValueError(f"a classification set has at least 2 classes, got {classes}")
+    chance = 1.0 / classes
+    return (accuracy - chance) / (1.0 - chance)
+
+
+def combine(values, rule: str) -> float:
+    """The sets' normalised scores in one number: their minimum (`worst`: a trial is as good as its
+    worst set) or their mean (`mean`)."""
+    values = list(values)
+    if not values:
+        raise ValueError("no scores to combine")
+    if rule == WORST:
+        return min(values)
+    if rule == MEAN:
+        return sum(values) / len(values)
+    raise ValueError(f"combine must be one of {', '.join(COMBINES)}, got {rule!r}")
 
 
 def time_score(reached_s: float | None, accuracy: float | None, budget_s: float) -> float | None:
@@ -29,11 +57,15 @@ def time_score(reached_s: float | None, accuracy: float | None, budget_s: float)
 @dataclass(frozen=True)
 class Score:
     """`name`: accuracy or time-to-target; `target`: the validation accuracy to reach (time only);
-    `budget_s`: the trials' training budget."""
+    `budget_s`: the trials' training budget; `combine`: worst or mean over `sets` (the tuning set
+    first, then the held-out ones) of their normalised validation accuracies (None: the tuning
+    set's score alone)."""
 
     name: str = ACCURACY
     target: float | None = None
     budget_s: float = 0.0
+    combine: str | None = None
+    sets: tuple = ()
 
     @property
     def timed(self) -> bool:
@@ -48,6 +80,8 @@ class Score:
         """What the search looks for, for the report's title."""
         if self.timed:
             return f"the fastest model to {percent(self.target or 0)} validation accuracy"
+        if self.combine:
+            return f"the best model in {budget_s:g} s of training, over {len(self.sets)} data sets"
         return f"the best model in {budget_s:g} s of training"
 
     @property
@@ -55,6 +89,8 @@ class Score:
         """What the score is, in words."""
         if self.timed:
             return f"training time to {percent(self.target or 0)} validation accuracy"
+        if self.combine:
+            return f"{self.combine} normalised validation accuracy of {len(self.sets)} sets"
         return "validation accuracy"
 
     def value(self, accuracy: float | None, reached_s: float | None = None) -> float | None:
@@ -98,6 +134,13 @@ class Score:
 
     def line(self) -> str:
         """The score in one line, for the log and the report."""
+        if self.combine:
+            rule = "minimum" if self.combine == WORST else "mean"
+            return (
+                f"score: the {self.combine} ({rule}) over {', '.join(self.sets)} of each set's "
+                "validation accuracy at the end of its budget, normalised to chance: (accuracy - "
+                "1/classes) / (1 - 1/classes) (higher is better)"
+            )
         if not self.timed:
             return "score: validation accuracy at the end of the budget (higher is better)"
         return (
@@ -106,14 +149,27 @@ class Score:
         )
 
 
-def search_score(args, cfg) -> Score:
-    """--score and --target (a target defaults to the recipe's first train.targets entry); one
-    line where they do not fit. Callers that build their own arguments (tests) may leave both out:
+def search_score(args, cfg, sets: tuple = ()) -> Score:
+    """--score and --target (a target defaults to the recipe's first train.targets entry), and with
+    --heldout sets --combine (default worst) over `sets` (their names, the tuning set's first); one
+    line where they do not fit. Callers that build their own arguments (tests) may leave them out:
     the accuracy score."""
     name, target = getattr(args, "score", ACCURACY), getattr(args, "target", None)
+    heldout, rule = getattr(args, "heldout", None), getattr(args, "combine", None)
+    if rule is not None and rule not in COMBINES:
+        raise UserError(f"search: --combine must be one of {', '.join(COMBINES)}, got {rule!r}")
+    if rule is not None and not heldout:
+        raise UserError("search: --combine is for several data sets: give --heldout FILE")
+    if heldout and name != ACCURACY:
+        raise UserError(
+            "search: --heldout sets are scored by validation accuracy; --score time-to-target "
+            "scores one data set"
+        )
     if name == ACCURACY:
         if target is not None:
             raise UserError("search: --target is for --score time-to-target")
+        if heldout:
+            return Score(ACCURACY, None, float(args.budget_s), rule or WORST, tuple(sets))
         return Score(ACCURACY, None, float(args.budget_s))
     if name != TIME_TO_TARGET:
         raise UserError(f"search: --score must be one of {', '.join(SCORES)}, got {name!r}")
@@ -133,5 +189,5 @@ def study_score(study) -> Score:
     """The score a study was started with (a study from before --score: accuracy)."""
     saved = study.user_attrs.get("score")
     if saved:
-        return Score(**saved)
+        return Score(**{**saved, "sets": tuple(saved.get("sets") or ())})
     return Score(ACCURACY, None, float(study.user_attrs.get("budget_s") or 0.0))

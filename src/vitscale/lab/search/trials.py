@@ -2,8 +2,10 @@
 budget with its validation accuracy reported to Optuna at every evaluation (and pruned there), and
 a trial that cannot train (a shape the model refuses, out of memory, a NaN loss) is marked failed
 with its one-line reason while the search goes on (a killed worker's trial too, by the worker
-that finds its heartbeat stale: record_stale_reasons). Then the finish: the best trials repeated with
-other seeds, the pick by the best mean, and the pick's one evaluation on the test set."""
+that finds its heartbeat stale: record_stale_reasons). With held-out sets (heldout.py) a trial then
+trains its keys on each of them and is scored by their combined normalised accuracies. Then the
+finish: the best trials repeated with other seeds, the pick by the best mean, and the pick's one
+evaluation on the test set (on every set's test split, with held-out sets)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ from .score import Score, study_score
 
 class TrialFailed(Exception):
     """A trial that could not train: Optuna marks it failed and the search continues."""
+
+
+class SetFailed(UserError):
+    """A held-out set's run that could not train, its reason prefixed with the set's name."""
 
 
 def train_run(cfg, run_dir: Path, on_eval=None) -> dict:
@@ -140,10 +146,13 @@ def retry_without_reason(retry):
     return callback
 
 
-def run_trials(optuna, study, base, space, args, out: Path, score: Score) -> None:
+def run_trials(optuna, study, base, space, args, out: Path, score: Score, sets=None) -> None:
     """This worker's --trials trials (0: until stopped); Ctrl-C stops between or inside one. A
     trial's value is its `score` (its validation accuracy, its time to the target), its final
-    validation accuracy the "accuracy" attribute either way."""
+    validation accuracy the "accuracy" attribute either way. With held-out `sets` the trial's keys
+    then train on each of them (only the tuning set's reports can prune: before they start), and
+    its value is the sets' combined score; "set_accuracy" and "set_score" keep each set's
+    validation accuracy and normalised score."""
 
     def train_trial(trial):
         # now, not when the heartbeat thread gets to it
@@ -164,7 +173,17 @@ def run_trials(optuna, study, base, space, args, out: Path, score: Score) -> Non
         value = score.of_run(r)
         if value is not None:
             trial.report(value, 100)  # the final point of its curve (never pruned there)
-        return value
+        if not sets:
+            return value
+        accs = {sets.tuning: r["accuracy"]}
+        for h in sets.heldout:
+            accs[h.name] = train_set(
+                sets, h, base, params, out / "trials" / f"{trial.number:05d}-{h.name}"
+            )["accuracy"]
+        trial.set_user_attr("set_accuracy", accs)
+        norm, combined = sets.score(accs)
+        trial.set_user_attr("set_score", norm)
+        return combined
 
     def objective(trial):
         """train_trial; any failure recorded as the trial's one-line "error" (a refused shape, out of
@@ -193,6 +212,19 @@ def run_trials(optuna, study, base, space, args, out: Path, score: Score) -> Non
     except KeyboardInterrupt:
         log("search: stopped; the unfinished trial is marked failed")
     fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
+
+
+def train_set(sets, h, base, params: dict, run_dir: Path, seed: int | None = None, keep=False):
+    """`params` trained on held-out set `h` into `run_dir` (its checkpoints deleted unless `keep`);
+    a failure (a config the set refuses, out of memory, a NaN loss) raises SetFailed naming the
+    set."""
+    try:
+        return train_run(sets.config(h, base, params, seed), run_dir)
+    except Exception as e:  # noqa: BLE001 - the trial's failure, named by its set
+        raise SetFailed(f"held-out set {h.name}: {one_line(e)}") from None
+    finally:
+        if not keep:
+            shutil.rmtree(Path(run_dir) / "checkpoints", ignore_errors=True)
 
 
 def fail_dead_trials(optuna, study, grace_s: float) -> None:
@@ -253,6 +285,12 @@ def progress_line(study, t) -> None:
     acc_text = "-" if acc is None else f"{acc:.4f}"
     if score.timed:
         acc_text += f" ({score.reach_text(last_value(t))})"
+    if score.combine and t.user_attrs.get("set_accuracy"):
+        accs = t.user_attrs["set_accuracy"]
+        acc_text = (
+            " ".join(f"{k} {v:.4f}" for k, v in accs.items())
+            + f", {score.combine} {'-' if t.value is None else f'{t.value:.4f}'}"
+        )
     params = " ".join(
         f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in t.params.items()
     )
@@ -266,12 +304,13 @@ def progress_line(study, t) -> None:
     )
 
 
-def finalize(study, base, args, out: Path, score: Score) -> dict:
+def finalize(study, base, args, out: Path, score: Score, sets=None) -> dict:
     """The best --repeat-top complete trials repeated with --seeds other seeds (each repeat's run
     kept in OUT/repeats/, done once); the pick = the best mean score (validation accuracy, or time
-    to the target); its one test evaluation. Unless --no-recipe: the recipe as written trained
-    under the same protocol (the same budget, validation split and seeds), tested once on the same
-    seed as the pick, and the decision."""
+    to the target, or with held-out `sets` the combined score: every repeat trains every set); its
+    one test evaluation. Unless --no-recipe: the recipe as written trained under the same protocol
+    (the same budget, validation split and seeds), tested once on the same seed as the pick, and
+    the decision."""
     done = [
         t
         for t in study.get_trials(deepcopy=False)
@@ -292,11 +331,19 @@ def finalize(study, base, args, out: Path, score: Score) -> dict:
                 out / "repeats" / f"trial{t.number:05d}-seed{seed}",
                 f"trial {t.number}",
                 score,
+                sets,
             )
             for seed in seeds
         ]
         cands.append(
-            candidate(t.number, dict(t.params), [t.value], runs, [t.user_attrs.get("epochs")])
+            candidate(
+                t.number,
+                dict(t.params),
+                [t.value],
+                runs,
+                [t.user_attrs.get("epochs")],
+                [t.user_attrs.get("set_accuracy")],
+            )
         )
         c = cands[-1]
         log(
@@ -308,22 +355,26 @@ def finalize(study, base, args, out: Path, score: Score) -> dict:
         "candidates": cands,
         "pick": pick,
         "seeds": [base.run.seed, *seeds] if args.seeds else [base.run.seed],
-        "test": test_once(pick, out),
+        "test": test_once(pick, out, sets),
     }
     if args.recipe:
-        recipe = recipe_runs(base, seeds, out, score)
-        final.update(recipe=recipe, recipe_test=test_once(recipe, out))
+        recipe = recipe_runs(base, seeds, out, score, sets)
+        final.update(recipe=recipe, recipe_test=test_once(recipe, out, sets))
         final["decision"] = decide(pick, final["test"], recipe, final["recipe_test"], score)
         log(f"decision: {final['decision']['text']}")
     return final
 
 
-def candidate(label, params: dict, first: list, runs: list[dict], first_epochs: list) -> dict:
+def candidate(
+    label, params: dict, first: list, runs: list[dict], first_epochs: list, first_sets=None
+) -> dict:
     """Scores over seeds (`first`: the run with run.seed, then the repeats: their "score") and the
-    epochs each trained in the budget (the machine's speed moves them from run to run)."""
+    epochs each trained in the budget (the machine's speed moves them from run to run); with
+    held-out sets, "set_means": each set's mean validation accuracy over the same runs
+    (`first_sets`: the first runs' {set: accuracy})."""
     ok = [r for r in runs if r.get("score") is not None]
     values = first + [r["score"] for r in ok]
-    return {
+    c = {
         "trial": label,
         "params": params,
         "values": values,
@@ -332,15 +383,21 @@ def candidate(label, params: dict, first: list, runs: list[dict], first_epochs: 
         "runs": runs,
         "epochs": first_epochs[: len(first)] + [r.get("epochs") for r in ok],
     }
+    per = [a for a in (first_sets or [])[: len(first)] if a] + [
+        r["set_accuracy"] for r in ok if r.get("set_accuracy")
+    ]
+    if per:
+        c["set_means"] = {k: statistics.fmean(a[k] for a in per) for k in per[0]}
+    return c
 
 
-def recipe_runs(base, seeds: list[int], out: Path, score: Score) -> dict:
+def recipe_runs(base, seeds: list[int], out: Path, score: Score, sets=None) -> dict:
     """The recipe as written, none of the space's keys changed, under the trials' protocol: run.seed
     (the trials' seed) and every repeat seed. Its `runs` are the repeat seeds' (in their order), so
     its test evaluation is of the same seed as the pick's."""
     every = list(dict.fromkeys([base.run.seed, *seeds]))
     runs = {
-        s: repeat(base, {}, s, out / "repeats" / f"recipe-seed{s}", "the recipe", score)
+        s: repeat(base, {}, s, out / "repeats" / f"recipe-seed{s}", "the recipe", score, sets)
         for s in every
     }
     first = (
@@ -354,6 +411,7 @@ def recipe_runs(base, seeds: list[int], out: Path, score: Score) -> dict:
         [r["score"] for r in first],
         [runs[s] for s in seeds],
         [r.get("epochs") for r in first],
+        [r.get("set_accuracy") for r in first],
     )
     log(
         f"the recipe as written: {score.what} {score.fmt(rec['mean'])} +- "
@@ -371,7 +429,8 @@ def decide(
 ) -> dict:
     """Whether the pick should replace the recipe: a better mean score over the same seeds AND, on
     the same seed, a better test accuracy (under time-to-target: a test accuracy at the end of the
-    budget that reaches the target); the gap is also set against the seeds' spread."""
+    budget that reaches the target; with held-out sets: a better combined score of the sets' test
+    accuracies); the gap is also set against the seeds' spread."""
     score = score or Score()
     if not recipe["values"]:
         return {
@@ -384,19 +443,20 @@ def decide(
         }
     gap = score.gain(pick["mean"], recipe["mean"])
     noise = max(pick["std"], recipe["std"])
-    tests = (pick_test or {}).get("test_accuracy"), (recipe_test or {}).get("test_accuracy")
+    tested = "test_score" if score.combine else "test_accuracy"
+    tests = (pick_test or {}).get(tested), (recipe_test or {}).get(tested)
     test_gap = None if None in tests else tests[0] - tests[1]
     test_ok = test_gap is not None and (
         tests[0] >= (score.target or 0) if score.timed else test_gap > 0
     )
     adopt = gap > 0 and test_ok
-    what = "validation" if not score.timed else score.what
+    what = score.what if score.timed or score.combine else "validation"
     text = (
         f"the pick (trial {pick['trial']}) {'beats' if adopt else 'does not beat'} the recipe as written: "
         f"{what} {score.fmt(pick['mean'])} vs {score.fmt(recipe['mean'])} (mean over the same "
         f"seeds, gap {gap:+.4f}, seed spread up to {noise:.4f}{', within it' if abs(gap) <= noise else ''})"
         + (
-            f", test {tests[0]:.4f} vs {tests[1]:.4f}"
+            f", test{' score' if score.combine else ''} {tests[0]:.4f} vs {tests[1]:.4f}"
             if test_gap is not None
             else ", no test accuracy for both"
         )
@@ -411,35 +471,57 @@ def decide(
     }
 
 
-def repeat(base, params: dict, seed: int, run_dir: Path, what: str, score: Score) -> dict:
+def repeat(
+    base, params: dict, seed: int, run_dir: Path, what: str, score: Score, sets=None
+) -> dict:
     """`params` with run.seed = `seed`, trained once into `run_dir` (a finished run's summary is
-    reused: a killed finish continues); its validation accuracy and its `score`."""
-    summary = run_dir / "summary.json"
-    if summary.is_file():
-        r = json.loads(summary.read_text())
-        # the run's evaluation split: validation (data.val_fraction)
-        r["accuracy"] = r.get("test_accuracy")
-    else:
-        try:
-            r = train_run(with_overrides(base, {**params, "run.seed": seed}), run_dir)
-        except Exception as e:  # noqa: BLE001
-            log(f"repeat of {what} with seed {seed} failed: {one_line(e)}")
-            return {"seed": seed, "error": one_line(e), "run_dir": str(run_dir)}
-    return {
-        "seed": seed,
-        "accuracy": r["accuracy"],
-        "score": score.of_run(r),
-        "train_time_s": r["train_time_s"],
-        "epochs": r.get("epochs"),
-        "checkpoint": r["checkpoint"],
-        "run_dir": str(run_dir),
-    }
+    reused: a killed finish continues); its validation accuracy and its `score`. With held-out
+    `sets`, each set trained too (into RUN_DIR-NAME, its checkpoint kept for the test evaluation):
+    "set_accuracy", "set_score", "set_checkpoints", and the combined score."""
+
+    def trained(run_dir: Path, make):
+        summary = run_dir / "summary.json"
+        if summary.is_file():
+            r = json.loads(summary.read_text())
+            # the run's evaluation split: validation (data.val_fraction, or a folder's carved view)
+            return {**r, "accuracy": r.get("test_accuracy")}
+        return make()
+
+    try:
+        r = trained(
+            run_dir, lambda: train_run(with_overrides(base, {**params, "run.seed": seed}), run_dir)
+        )
+        out = {
+            "seed": seed,
+            "accuracy": r["accuracy"],
+            "score": score.of_run(r),
+            "train_time_s": r["train_time_s"],
+            "epochs": r.get("epochs"),
+            "checkpoint": r["checkpoint"],
+            "run_dir": str(run_dir),
+        }
+        if sets:
+            accs, ckpts = {sets.tuning: r["accuracy"]}, {sets.tuning: r["checkpoint"]}
+            for h in sets.heldout:
+                hdir = run_dir.with_name(f"{run_dir.name}-{h.name}")
+                rh = trained(
+                    hdir, lambda h=h, d=hdir: train_set(sets, h, base, params, d, seed, True)
+                )
+                accs[h.name], ckpts[h.name] = rh["accuracy"], rh["checkpoint"]
+            norm, out["score"] = sets.score(accs)
+            out.update(set_accuracy=accs, set_score=norm, set_checkpoints=ckpts)
+    except Exception as e:  # noqa: BLE001
+        log(f"repeat of {what} with seed {seed} failed: {one_line(e)}")
+        return {"seed": seed, "error": one_line(e), "run_dir": str(run_dir)}
+    return out
 
 
-def test_once(pick: dict, out: Path) -> dict | None:
+def test_once(pick: dict, out: Path, sets=None) -> dict | None:
     """The pick's ONE evaluation on the test set: its first repeat's model (trained on the training
-    set minus the validation split), evaluated with data.val_fraction = 0. Kept in OUT/test.json with
-    every earlier pick's, so the report can say how often this folder's search looked at the test set."""
+    set minus the validation split), evaluated with data.val_fraction = 0; with held-out `sets`,
+    that seed's model of each set on the set's test split too ("set_test", and "test_score": their
+    combined normalised accuracies). Kept in OUT/test.json with every earlier pick's, so the report
+    can say how often this folder's search looked at the test set."""
     path = out / "test.json"
     history = json.loads(path.read_text()) if path.is_file() else []
     # the recipe's evaluation is the comparison's
@@ -460,6 +542,13 @@ def test_once(pick: dict, out: Path) -> dict | None:
         "test_loss": r["test_loss"],
         "test_count": r["test_count"],
     }
+    if sets and run.get("set_checkpoints"):
+        tests = {sets.tuning: r["test_accuracy"]}
+        for s in sets.heldout:
+            tests[s.name] = evaluate.evaluate_checkpoint(
+                run["set_checkpoints"][s.name], sets.test_overrides(s)
+            )["test_accuracy"]
+        h["set_test"], h["test_score"] = tests, sets.score(tests)[1]
     path.write_text(json.dumps(history + [h], indent=2))
     what = (
         "the recipe as written" if pick["trial"] == "recipe" else f"the pick, trial {pick['trial']}"
@@ -467,5 +556,10 @@ def test_once(pick: dict, out: Path) -> dict | None:
     log(
         f"{what}: test accuracy {h['test_accuracy']:.4f} on {h['test_count']} images (seed {h['seed']}; "
         f"its one evaluation on the test set)"
+        + (
+            "; on every set: " + " ".join(f"{k} {v:.4f}" for k, v in h["set_test"].items())
+            if "set_test" in h
+            else ""
+        )
     )
     return {**h, "evaluations": picks + (pick["trial"] != "recipe")}

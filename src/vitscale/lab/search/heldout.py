@@ -1,0 +1,373 @@
+"""Held-out data sets of `vitscale search` (--heldout FILE, docs/search.md): every trial trains its
+keys on the tuning set (the recipe's data) and on each held-out set too, and is scored by the worst
+or the mean of their validation accuracies normalised to chance (score.normalised, score.combine).
+
+A file holds one table per set, named by the table; each set gives its training seconds and, as
+recipe keys, its data (and whatever else it needs: a grey folder's channels, its image size):
+
+    [openclipart_grey10]
+    budget_s = 60                   # training seconds of every trial on this set (required)
+    val_fraction = 0.1              # its share held out to score trials (default: the tuning set's)
+    data.name = "folder"            # fashion_mnist, cifar10, cifar100, synthetic or folder
+    data.root = "/work/data/openclipart_grey10"
+    data.channels = 1
+    data.image_size = 32
+
+Every key is checked against the recipe schema when the file is read, and a folder's data.root must
+be a class folder (ROOT/train/<class>/...): one line naming what is wrong. Trials score a set on a
+validation split of ITS training data: data.val_fraction for the in-memory sets; a folder (which
+data.val_fraction does not split) through a view carved here, OUT/heldout/NAME-HASH/{train,val}/
+<class>/ of links to its training images, seeded (data.val_seed) and stratified as val_split.py is;
+its test split is read once, by the pick's test evaluation (the view's test-view/)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from ...config import SECTIONS
+from ...errors import ConfigError
+from ..recipes import log, with_overrides
+from .score import combine, normalised
+from .space import SPACES, check_value, key_type
+
+BIG_EPOCHS = 100_000.0  # trials end on the time budget, never on epochs
+SET_KEYS = {"budget_s", "val_fraction"}
+IN_MEMORY = ("fashion_mnist", "cifar10", "cifar100", "synthetic")  # data.val_fraction carves these
+KINDS = (*IN_MEMORY, "folder")
+# keys the search sets on every run of a set: a held-out set gives budget_s / val_fraction instead
+SEARCH_KEYS = {
+    "train.time_limit_s": "give budget_s",
+    "train.epochs": "give budget_s (trials end on the time budget)",
+    "optim.schedule_clock": "the search fits the schedule to budget_s",
+    "data.val_fraction": "give val_fraction",
+    "run.seed": "the trial's seed (and the repeats') trains every set",
+}
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+DONE = "view.json"  # a finished folder view
+
+
+def budget_keys(seconds: float) -> dict:
+    """What trains a run for `seconds` of training with its lr schedule fitted to them."""
+    return {
+        "train.time_limit_s": float(seconds),
+        "optim.schedule_clock": "time",
+        "train.epochs": BIG_EPOCHS,
+    }
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """One held-out set: its `name`, its training seconds per run, its recipe keys (dotted, data.name
+    among them) and its validation share (None: --val-fraction)."""
+
+    name: str
+    budget_s: float
+    overrides: dict = field(default_factory=dict)
+    val_fraction: float | None = None
+    source: str = ""
+
+    @property
+    def kind(self) -> str:
+        return self.overrides["data.name"]
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "budget_s": self.budget_s,
+            "val_fraction": self.val_fraction,
+            "overrides": dict(self.overrides),
+        }
+
+
+# ---------------------------------------------------------------- the file
+def resolve_file(path: str) -> Path:
+    """A held-out file by path, or by name among the shipped ones (configs/search/NAME.toml)."""
+    p = Path(path)
+    for cand in (p, SPACES / p.name, SPACES / f"{p.name}.toml"):
+        if cand.is_file():
+            return cand
+    raise ConfigError(f"held-out sets file not found: {path}")
+
+
+def load_heldout(paths) -> list[HeldOut]:
+    """The held-out sets of every file in `paths` (--heldout, repeatable), checked (schema, names,
+    roots); ConfigError (one line) on anything wrong."""
+    sets: list[HeldOut] = []
+    for path in paths or ():
+        src = resolve_file(str(path))
+        try:
+            data = tomllib.loads(src.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{src}: not valid TOML ({e})") from None
+        for h in parse_heldout(data, str(src)):
+            if any(h.name == s.name for s in sets):
+                raise ConfigError(f"{src}: [{h.name}]: another --heldout file names a set so too")
+            check_root(h)
+            sets.append(h)
+    return sets
+
+
+def parse_heldout(data: dict, source: str = "heldout") -> list[HeldOut]:
+    """The sets in a parsed file (the module doc), every key checked against the schema; the roots
+    are not looked at (check_root)."""
+    if not data:
+        raise ConfigError(f"{source}: no held-out sets (one [NAME] table per set)")
+    return [parse_set(name, spec, source) for name, spec in data.items()]
+
+
+def parse_set(name: str, spec, source: str) -> HeldOut:
+    where = f"{source}: [{name}]"
+    if not isinstance(spec, dict):
+        raise ConfigError(
+            f"{source}: '{name}' must be a table: [{name}] then budget_s = .. and data.name = .."
+        )
+    if not NAME.match(name):
+        raise ConfigError(f"{where}: a set's name is letters, digits, '_', '-' and '.'")
+    overrides = {}
+    for key, value in spec.items():
+        if key in SET_KEYS:
+            continue
+        if key not in SECTIONS or not isinstance(value, dict):
+            raise ConfigError(
+                f"{where}: unknown key '{key}' (a set takes budget_s, val_fraction and recipe "
+                "keys such as data.root = ..)"
+            )
+        for k, v in flatten(key, value):
+            if k in SEARCH_KEYS:
+                raise ConfigError(f"{where}: {k} is the search's: {SEARCH_KEYS[k]}")
+            key_type(k, where)  # an unknown key, named, with the closest one
+            overrides[k] = check_value(k, v, where)
+    if "budget_s" not in spec:
+        raise ConfigError(f"{where}: budget_s (training seconds of every trial on it) is missing")
+    budget = spec["budget_s"]
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ConfigError(f"{where}: budget_s must be a number of seconds > 0, got {budget!r}")
+    frac = spec.get("val_fraction")
+    if frac is not None and (
+        isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 0.5
+    ):
+        raise ConfigError(f"{where}: val_fraction must be in (0, 0.5], got {frac!r}")
+    kind = overrides.get("data.name")
+    if kind is None:
+        raise ConfigError(f"{where}: data.name is missing (the set's data: {', '.join(KINDS)})")
+    if kind not in KINDS:
+        raise ConfigError(
+            f"{where}: data.name = '{kind}': a held-out set is one of {', '.join(KINDS)} (a "
+            "validation split is carved from its training data)"
+        )
+    if kind == "folder" and not overrides.get("data.root"):
+        raise ConfigError(f"{where}: data.root is missing (data.name = 'folder' reads ROOT/train/)")
+    return HeldOut(
+        name, float(budget), overrides, None if frac is None else float(frac), str(source)
+    )
+
+
+def flatten(section: str, table: dict):
+    """(section.key, value) of a section's table; a deeper table is a key the schema refuses."""
+    for k, v in table.items():
+        yield f"{section}.{k}", v
+
+
+def check_root(h: HeldOut) -> None:
+    """A set's data.root is there: a folder set's is a class folder (ROOT/train/), any other's (when
+    given; "" = the data's default place) a directory. One line naming the set and the root."""
+    root = h.overrides.get("data.root")
+    if not root:
+        return
+    p = Path(root).expanduser()
+    where = f"{h.source}: [{h.name}]"
+    if not p.is_dir():
+        raise ConfigError(f"{where}: data.root {root} is not a directory")
+    if h.kind == "folder" and not (p / "train").is_dir():
+        raise ConfigError(f"{where}: data.root {root} has no train/ (ROOT/train/<class>/...)")
+
+
+# ---------------------------------------------------------------- the sets of a search
+@dataclass
+class Sets:
+    """The data sets a search scores each trial on: the tuning set (the recipe's data, named
+    `tuning`) and the held-out ones, with every set's class count (its chance level), the combine
+    rule, and where a folder set's carved view is (OUT/heldout/)."""
+
+    tuning: str
+    heldout: list[HeldOut]
+    classes: dict
+    rule: str
+    val_fraction: float  # a held-out set's share when it gives none: the tuning set's
+    views: dict = field(default_factory=dict)  # folder set -> its carved view
+
+    @property
+    def names(self) -> tuple:
+        return (self.tuning, *(h.name for h in self.heldout))
+
+    def fraction(self, h: HeldOut) -> float:
+        return h.val_fraction if h.val_fraction is not None else self.val_fraction
+
+    def config(self, h: HeldOut, base, params: dict, seed: int | None = None):
+        """The trial's keys `params` on set `h`: the recipe, the set's keys, its budget and
+        validation split, an evaluation at the end only (nothing prunes a held-out run), then the
+        trial's keys (a space key no set may set: prepare_sets)."""
+        split = (
+            {"data.root": str(self.views[h.name]), "data.val_fraction": 0.0}
+            if h.kind == "folder"
+            else {"data.val_fraction": self.fraction(h)}
+        )
+        return with_overrides(
+            base,
+            {
+                "run.eval_every": 0,
+                **h.overrides,
+                **budget_keys(h.budget_s),
+                **split,
+                "train.targets": [],
+                **params,
+                **({} if seed is None else {"run.seed": seed}),
+            },
+        )
+
+    def test_overrides(self, h: HeldOut) -> list[str]:
+        """What evaluates a model trained on set `h`'s validation-less part on `h`'s test split."""
+        if h.kind == "folder":
+            return [f"data.root={self.views[h.name] / 'test-view'}"]
+        return ["data.val_fraction=0"]
+
+    def score(self, accuracies: dict) -> tuple[dict, float]:
+        """({set: normalised accuracy}, the combined score) of a run's accuracy on every set."""
+        norm = {n: normalised(accuracies[n], self.classes[n]) for n in self.names}
+        return norm, combine(norm.values(), self.rule)
+
+    def as_dict(self) -> dict:
+        """What the study records (and its fingerprint holds: not the views, which are OUT's)."""
+        return {
+            "tuning": self.tuning,
+            "combine": self.rule,
+            "classes": dict(self.classes),
+            "heldout": [{**h.as_dict(), "val_fraction": self.fraction(h)} for h in self.heldout],
+        }
+
+
+def prepare_sets(heldout: list[HeldOut], base, space, args, out: Path) -> Sets | None:
+    """The search's sets (None without --heldout): names apart from the tuning set's, no set setting
+    a key the space searches, every set's config valid with the recipe, its classes counted, and a
+    folder set's validation view carved (OUT/heldout/). One line naming the set where not."""
+    if not heldout:
+        return None
+    tuning = base.data.name
+    classes = {tuning: count_classes(base)}
+    searched = {d.key for d in space}
+    sets = Sets(
+        tuning,
+        list(heldout),
+        classes,
+        getattr(args, "combine", None) or "worst",
+        float(base.data.val_fraction),
+    )
+    for h in heldout:
+        where = f"{h.source}: [{h.name}]"
+        if h.name == tuning:
+            raise ConfigError(f"{where}: the tuning set (the recipe's data) is named {tuning}")
+        both = sorted(searched & set(h.overrides))
+        if both:
+            raise ConfigError(
+                f"{where}: sets {', '.join(both)}, which the space searches (a trial's keys train "
+                "every set)"
+            )
+        try:
+            cfg = with_overrides(base, {**h.overrides, **budget_keys(h.budget_s)}, resolve=False)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if h.kind == "folder":
+            sets.views[h.name], classes[h.name] = carve_folder(
+                h, sets.fraction(h), base.data.val_seed, out / "heldout"
+            )
+        else:
+            classes[h.name] = count_classes(cfg)
+        if cfg.model.num_classes and cfg.model.num_classes != classes[h.name]:
+            raise ConfigError(
+                f"{where}: model.num_classes={cfg.model.num_classes} but the set has "
+                f"{classes[h.name]} classes (set model.num_classes = 0 to follow the data)"
+            )
+        try:  # the whole trial config, on the set (the view's root for a folder)
+            sets.config(h, base, {})
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    return sets
+
+
+def count_classes(cfg) -> int:
+    """The class count of an in-memory set (a folder's: carve_folder)."""
+    from ...data.build import NATIVE_GEOMETRY
+
+    if cfg.data.name in NATIVE_GEOMETRY:
+        return NATIVE_GEOMETRY[cfg.data.name][2]
+    return cfg.data.num_classes
+
+
+def carve_folder(h: HeldOut, fraction: float, seed: int, into: Path) -> tuple[Path, int]:
+    """(the view, the class count) of folder set `h`: OUT/heldout/NAME-HASH/ with train/ and val/
+    holding links to the training images (round(fraction x count) of each class in val/, chosen
+    with `seed` as data.val_fraction's split is), and test-view/ (train/ and the folder's own test
+    split) for the one test evaluation. Made once (HASH: the images, fraction and seed), in a
+    temporary folder renamed into place: workers sharing OUT reuse it, never see half of it."""
+    import numpy as np
+    import torch
+
+    from ...data.sources.folder import EVAL_SPLITS, scan
+    from ...data.val_split import stratified_split
+
+    root = Path(h.overrides["data.root"]).expanduser().resolve()
+    classes, (paths, labels), _ = scan(root)
+    eval_dir = next(root / s for s in EVAL_SPLITS if (root / s).is_dir())
+    key = hashlib.sha256(
+        json.dumps([str(root), fraction, seed, paths.tolist()]).encode()
+    ).hexdigest()[:12]
+    view = into / f"{h.name}-{key}"
+    if (view / DONE).is_file():
+        return view, len(classes)
+    _, val = stratified_split(torch.as_tensor(labels), fraction, seed)
+    held = np.zeros(len(paths), dtype=bool)
+    held[val.numpy()] = True
+    tmp = into / f".{view.name}.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for p, v in zip(paths, held):
+        link = tmp / ("val" if v else "train") / Path(p).relative_to(root / "train")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(Path(p).resolve())
+    (tmp / "test-view").mkdir()
+    (tmp / "test-view" / "train").symlink_to(Path("..") / "train")
+    (tmp / "test-view" / "test").symlink_to(eval_dir)
+    (tmp / DONE).write_text(
+        json.dumps(
+            {
+                "root": str(root),
+                "val_fraction": fraction,
+                "val_seed": seed,
+                "classes": classes,
+                "train": int((~held).sum()),
+                "val": int(held.sum()),
+                "test": str(eval_dir),
+            },
+            indent=1,
+        )
+    )
+    try:
+        tmp.rename(view)
+    except OSError:  # another worker made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(
+        f"held-out set {h.name}: {root}, {len(classes)} classes, {int((~held).sum())} training / "
+        f"{int(held.sum())} validation images of its train/ (view: {view})"
+    )
+    return view, len(classes)
