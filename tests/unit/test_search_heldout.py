@@ -1,13 +1,15 @@
 """`vitscale search --heldout FILE --combine worst|mean` (docs/search.md): the held-out sets' file
 read and checked (one line naming what is wrong), the normalisation to chance and the combination
 against numbers computed by hand, the fingerprint and the refusal of a continued study with other
-sets or rule, a folder set's carved validation view, the finish (repeats, the pick, the test
-evaluation and the decision over every set) with stand-in runs, and one tiny search over the
-tuning set and a folder set end to end."""
+sets or rule, a folder set's carved validation view, a set of length "recipe" (the recipe's own
+length, data.batch_rule fitting the batch, budget_s a cap) and a trial's batch as the rule's cap,
+the finish (repeats, the pick, the test evaluation and the decision over every set) with stand-in
+runs, and tiny searches over the tuning set and folder sets end to end."""
 
 import json
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,12 +112,22 @@ def test_the_held_out_file_gives_each_sets_keys_budget_and_share(tmp_path):
     assert digits.overrides == {"data.name": "synthetic", "data.num_classes": 3}
     assert clip.overrides == {"data.name": "folder", "data.root": str(tmp_path), "data.channels": 1}
     assert (clip.kind, clip.val_fraction) == ("folder", None)
+    assert digits.length == clip.length == "budget"  # the default: budget_s seconds of training
+    assert "length" not in digits.as_dict()  # a study from before `length` keeps its fingerprint
+    (mine,) = parse_heldout(
+        tomllib.loads('[r]\nlength = "recipe"\nbudget_s = 9\ndata.name = "synthetic"'), "h.toml"
+    )
+    assert (mine.length, mine.recipe_length, mine.budget_s) == ("recipe", True, 9.0)
+    assert mine.as_dict()["length"] == "recipe" and "length" not in mine.overrides
     # the shipped file for the default job parses against the schema (its roots are made elsewhere)
     from vitscale.lab.search.heldout import resolve_file
 
     data = tomllib.loads(resolve_file("heldout_grey_small").read_text())
-    names = [h.name for h in parse_heldout(data, "heldout_grey_small.toml")]
-    assert names == ["openclipart_grey10", "glyphs", "digits"]
+    shipped = parse_heldout(data, "heldout_grey_small.toml")
+    assert [h.name for h in shipped] == ["openclipart_grey10", "glyphs_strong", "digits"]
+    assert {h.length for h in shipped} == {"recipe"}
+    assert [h.budget_s for h in shipped] == [120.0, 120.0, 60.0]
+    assert shipped[1].overrides["data.root"] == "/work/data/heldout/glyphs_strong"
 
 
 @pytest.mark.parametrize(
@@ -150,6 +162,23 @@ def test_the_held_out_file_gives_each_sets_keys_budget_and_share(tmp_path):
         (
             '[a]\nbudget_s = 1\ndata.name = "synthetic"\ntrain.epochs = 3',
             "[a]: train.epochs is the search's: give budget_s",
+        ),
+        (
+            '[a]\nlength = "recipe"\nbudget_s = 1\ndata.name = "synthetic"\ntrain.epochs = 3',
+            'or length = "recipe" (the recipe\'s epochs)',
+        ),
+        (
+            '[a]\nlength = "epochs"\nbudget_s = 1\ndata.name = "synthetic"',
+            '[a]: length must be "budget" (budget_s seconds, the schedule fitted to them) or '
+            "\"recipe\" (the recipe's train.epochs, budget_s their cap), got 'epochs'",
+        ),
+        (
+            '[a]\nlength = 3\nbudget_s = 1\ndata.name = "synthetic"',
+            "[a]: length must be",
+        ),
+        (
+            '[a]\nlength = "recipe"\ndata.name = "synthetic"',
+            "[a]: budget_s (training seconds of every trial on it) is missing",
         ),
         (
             '[a]\nbudget_s = 1\ndata.name = "synthetic"\ndata.val_fraction = 0.2',
@@ -345,6 +374,108 @@ def test_the_held_out_sets_and_the_rule_are_part_of_what_makes_a_search_the_same
         assert "other --heldout sets or --combine" in str(e.value) and "\n" not in str(e.value)
 
 
+# ------------------------------------------------------------------ the recipe's length, the rule's cap
+RULED = [
+    "data.val_fraction=0.25",
+    "data.batch_rule=min_steps",
+    "data.min_batch_size=4",
+    "train.min_steps=12",
+]
+
+
+def ruled_recipe(tmp_path) -> str:
+    """tiny.toml with a [per_device] table of every device class: 3 epochs wherever it runs."""
+    path = tmp_path / "ruled.toml"
+    text = Path(TINY).read_text()
+    for cls in ("cpu", "cpu_bf16", "cuda"):
+        text += f"\n[per_device.{cls}.train]\nepochs = 3\n"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_trials_batch_is_the_cap_of_the_recipes_rule_on_every_set(tmp_path):
+    """data.batch_rule=min_steps kept where a trial names data.batch_size (the tuning set, a held-out
+    set of either length), fixed where the recipe or the set fixes it or the trial names the rule;
+    a set of length "recipe" trains the recipe's own epochs (its [per_device] table's, the trial's
+    where it names them) and schedule clock, budget_s the time limit."""
+    from vitscale.lab.search import trial_config
+    from vitscale.lab.search.heldout import (
+        BIG_EPOCHS,
+        HeldOut,
+        Sets,
+        trial_keys,
+        with_overrides,
+        with_trial,
+    )
+
+    args = args_of(tmp_path)
+    args.config, args.overrides = ruled_recipe(tmp_path), list(RULED)
+    base, recipe = trial_config(args), trial_config(args, budget=False)
+    assert base.data.batch_rule == "min_steps"
+    # set_override fixes a named batch: what a trial did before
+    assert with_overrides(base, {"data.batch_size": 8}).data.batch_rule == "fixed"
+    cfg = with_trial(base, {"data.batch_size": 8, "optim.lr": 1e-3})
+    assert (cfg.data.batch_size, cfg.data.batch_rule, cfg.optim.lr) == (8, "min_steps", 1e-3)
+    assert trial_keys(base, {"optim.lr": 1e-3}) == {"optim.lr": 1e-3}  # no batch: nothing added
+    both = {"data.batch_size": 8, "data.batch_rule": "fixed"}
+    assert with_trial(base, both).data.batch_rule == "fixed"  # a trial naming the rule has it
+    fixed = with_overrides(base, {"data.batch_rule": "fixed"}, resolve=False)
+    assert with_trial(fixed, {"data.batch_size": 8}).data.batch_rule == "fixed"  # the recipe's
+    syn = {"data.name": "synthetic", "data.num_classes": 3}
+    by_recipe, by_budget = HeldOut("r", 7.0, syn, length="recipe"), HeldOut("b", 5.0, syn)
+    pinned = HeldOut("p", 7.0, {**syn, "data.batch_size": 4}, length="recipe")
+    s = Sets("synthetic", [by_recipe, by_budget, pinned], {}, "worst", 0.25, recipe=recipe)
+    r = s.config(by_recipe, base, {"data.batch_size": 8}, seed=3)
+    assert (r.data.batch_size, r.data.batch_rule, r.run.seed) == (8, "min_steps", 3)
+    # the recipe's length as `vitscale train` has it on this device, budget_s its cap
+    assert (r.train.epochs, r.optim.schedule_clock, r.train.time_limit_s) == (3, "steps", 7.0)
+    assert (r.train.min_steps, r.data.val_fraction, r.run.eval_every) == (12, 0.25, 0)
+    assert s.config(by_recipe, base, {"train.epochs": 5.0}).train.epochs == 5.0  # the trial's
+    b = s.config(by_budget, base, {"data.batch_size": 8})
+    assert (b.data.batch_size, b.data.batch_rule) == (8, "min_steps")
+    assert (b.train.epochs, b.optim.schedule_clock, b.train.time_limit_s) == (
+        BIG_EPOCHS,
+        "time",
+        5.0,
+    )
+    p = s.config(pinned, base, {"optim.lr": 1e-3})  # a set that names its batch fixes it
+    assert (p.data.batch_size, p.data.batch_rule) == (4, "fixed")
+    with pytest.raises(ConfigError, match="length = 'recipe' needs the recipe"):
+        Sets("synthetic", [by_recipe], {}, "worst", 0.25).config(by_recipe, base, {})
+    # the recipe's length (its [per_device] tables' too) is part of the search's fingerprint
+    from vitscale.lab.search import fingerprint
+    from vitscale.lab.search.score import Score
+    from vitscale.lab.search.space import parse_space
+
+    space, plain = parse_space({"optim": {"lr": [1e-3]}}), Score(budget_s=1.0)
+    longer = with_overrides(recipe, {"train.epochs": 4.0}, resolve=False)
+    prints = {
+        fingerprint(base, space, 1.0, plain, Sets("synthetic", [h], {}, "worst", 0.25, recipe=c))
+        for h, c in ((by_budget, recipe), (by_recipe, recipe), (by_recipe, longer))
+    }
+    assert len(prints) == 3
+    length = Sets("synthetic", [by_recipe], {}, "worst", 0.25, recipe=recipe).as_dict()
+    assert length["recipe_length"]["train.epochs"] == 2  # tiny.toml's; 3 on every device
+    assert length["recipe_length"]["per_device"]["cpu"] == {"train.epochs": 3}
+    assert length["heldout"][0]["length"] == "recipe"
+
+
+def test_what_a_run_took_says_its_batch_steps_and_whether_the_cap_stopped_it():
+    from vitscale.lab.search.trials import took
+
+    cfg = load_config(TINY)
+    ruled = {"steps": 12, "epochs": 3.0, "train_time_s": 0.4, "stop_reason": "done",
+             "auto": {"data.batch_size": {"value": 4, "why": "data.batch_rule=min_steps"}}}  # fmt: skip
+    assert took(ruled, cfg, "recipe") == {
+        "length": "recipe", "batch": 4, "steps": 12, "epochs": 3.0, "train_time_s": 0.4,
+        "capped": False,
+    }  # fmt: skip
+    cut = {**ruled, "auto": {}, "stop_reason": "time limit"}
+    assert took(cut, cfg, "recipe")["capped"] and took(cut, cfg, "recipe")["batch"] == 16
+    assert not took(cut, cfg)["capped"]  # a budget run ends on its time limit by design
+    assert took({}, cfg)["steps"] is None  # a stand-in run's summary
+
+
 # ------------------------------------------------------------------ the finish over every set
 def test_the_finish_repeats_tests_and_decides_over_every_set(tmp_path, monkeypatch):
     """Stand-in runs with fixed accuracies: the candidates' values are the worst normalised
@@ -476,6 +607,57 @@ def test_a_tiny_search_scores_every_trial_on_the_tuning_and_a_folder_set(tmp_pat
     # the same search with another rule is another search: refused in one line
     assert main([*argv[:-7], "worst", *argv[-6:]]) == 2
     assert "other --heldout sets or --combine" in capsys.readouterr().err
+
+
+def test_a_set_of_the_recipes_length_trains_at_the_batch_the_rule_gives_it(tmp_path):
+    """A tiny recipe with data.batch_rule=min_steps (train.min_steps=12, data.min_batch_size=4) and
+    a space naming data.batch_size=8: on the tuning set's 48 images the time budget keeps the
+    trial's 8; on the 16 training images of a folder set of length "recipe" the rule takes 4 (8
+    gives 2 steps an epoch) and grows tiny.toml's 2 epochs to 3 for 12 steps, as `vitscale train`
+    would, and the trial records it; a second such set whose min_steps no cap allows is stopped by
+    its budget_s and recorded as capped."""
+    root = grey_folder(tmp_path / "fold", train=10, test=2)
+    one = folder_set(root, budget=30).replace("data.batch_size = 8\n", "")
+    one = one.replace("[fold]\n", '[fold]\nlength = "recipe"\n')
+    cut = one.replace("[fold]", "[long]").replace("budget_s = 30", "budget_s = 0.3")
+    (tmp_path / "h.toml").write_text(one + cut + "train.min_steps = 1000000\n")
+    (tmp_path / "space.toml").write_text("[data]\nbatch_size = [8]\n[optim]\nlr = [3e-3]\n")
+    out = tmp_path / "search"
+    argv = ["search", TINY, "--space", str(tmp_path / "space.toml"), "--budget-s", "0.3"]
+    argv += ["--trials", "1", "--out", str(out), "--repeat-top", "0", "--pruner", "none"]
+    argv += ["--heldout", str(tmp_path / "h.toml")]
+    assert main([*argv, *sets(["run.threads=1", *RULED])]) == 0
+    rep = json.loads((out / "search.json").read_text())
+    (t,) = rep["trials"]
+    assert t["state"] == "complete", t["error"]
+    assert [h.get("length") for h in rep["sets"]["heldout"]] == ["recipe", "recipe"]
+    assert rep["sets"]["recipe_length"]["train.epochs"] == 2
+    ran = t["set_runs"]
+    assert ran["synthetic"]["batch"] == 8 and ran["synthetic"]["length"] == "budget"
+    summary = json.loads((out / "trials" / "00000-fold" / "summary.json").read_text())
+    assert summary["auto"]["data.batch_size"]["value"] == 4 and summary["steps"] == 12
+    assert summary["stop_reason"] == "done" and summary["test_count"] == 4
+    assert ran["fold"] == {
+        "length": "recipe", "batch": 4, "steps": 12, "epochs": pytest.approx(3.0),
+        "train_time_s": summary["train_time_s"], "capped": False,
+    }  # fmt: skip
+    saved = load_config(out / "trials" / "00000-fold" / "config.toml")
+    assert (saved.data.batch_size, saved.train.epochs, saved.optim.schedule_clock) == (
+        4,
+        3,
+        "steps",
+    )
+    long = json.loads((out / "trials" / "00000-long" / "summary.json").read_text())
+    assert long["stop_reason"] == "time limit" and ran["long"]["capped"]
+    assert ran["long"]["batch"] == 4 and ran["long"]["steps"] == long["steps"] < 1000000
+    assert set(t["set_accuracy"]) == {"synthetic", "fold", "long"}
+    md = (out / "search.md").read_text()
+    assert f" (b 4 x 12) | {fmt_acc(t['set_accuracy']['long'])} (b 4 x " in md
+    assert ", capped) |" in md
+
+
+def fmt_acc(v) -> str:
+    return f"{v:.4f}"
 
 
 def test_a_held_out_sets_failure_fails_the_trial_with_its_one_line_reason(tmp_path, monkeypatch):

@@ -397,8 +397,9 @@ pick alone is evaluated once on the test set; the recipe as written is trained u
 and tested once too, and the report says whether the pick beats it. Writes OUT/search.md, search.json, pareto.png, importance.png and
 best.toml (`vitscale train OUT/best.toml` reproduces the pick on the full training set).
 With --heldout FILE, every trial also trains its keys on each held-out data set of FILE (its own
-data keys and training seconds), on a validation split of that set's training data, and is scored
-by the worst (or --combine mean) of the sets' validation accuracies normalised to chance.
+data keys and training seconds, or length = "recipe": the recipe's own length, capped), on a
+validation split of that set's training data, and is scored by the worst (or --combine mean) of the
+sets' validation accuracies normalised to chance.
 
 examples:
   vitscale search --budget-s 300 --trials 40 --out search/fmnist      # the default recipe and space
@@ -478,8 +479,9 @@ def _search_protocol_arguments(p) -> None:
         default=[],
         metavar="FILE",
         help="held-out data sets every trial also trains on (repeatable): a TOML file of [NAME] "
-        "tables, each with budget_s and its data keys (data.name, data.root, ...), or the name of "
-        "a shipped one (configs/search/NAME.toml); docs/search.md",
+        "tables, each with budget_s, its data keys (data.name, data.root, ...) and optionally "
+        'length = "recipe" (the recipe\'s own epochs, as `vitscale train` on that set, budget_s '
+        "a cap), or the name of a shipped one (configs/search/NAME.toml); docs/search.md",
     )
     p.add_argument(
         "--combine",

@@ -18,7 +18,7 @@ from ...config import load_config
 from ...errors import UserError
 from ..recipes import lab_config, log, with_overrides
 from .heldout import budget_keys as seconds_keys
-from .heldout import load_heldout, prepare_sets
+from .heldout import load_heldout, prepare_sets, trial_keys
 from .report import write_report
 from .score import search_score
 from .space import load_space
@@ -62,7 +62,7 @@ def run(args) -> int:
     search_score(args, base)  # --score, --target, --combine and --heldout checked together
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sets = prepare_sets(heldout, base, space, args, out)
+    sets = prepare_sets(heldout, base, space, args, out, trial_config(args, budget=False))
     score = search_score(args, base, sets.names if sets else ())
     study = open_study(optuna, args, base, space, out, sets)
     log(
@@ -75,7 +75,13 @@ def run(args) -> int:
             "held-out sets, each trained by every trial on a validation split of its own training "
             "data: "
             + ", ".join(
-                f"{h.name} ({sets.classes[h.name]} classes, {h.budget_s:g}s)" for h in sets.heldout
+                f"{h.name} ({sets.classes[h.name]} classes, "
+                + (
+                    f"the recipe's length, capped at {h.budget_s:g}s)"
+                    if h.recipe_length
+                    else f"{h.budget_s:g}s)"
+                )
+                for h in sets.heldout
             )
         )
     if args.report_only:
@@ -89,19 +95,21 @@ def run(args) -> int:
     return 0
 
 
-def trial_config(args):
+def trial_config(args, budget: bool = True):
     """The recipe as every trial trains it: quiet, the time budget, the time-fitted schedule, the
     validation split, no checkpoints but the last, an evaluation every epoch (for the pruner), and
     under --score time-to-target the target among train.targets (its runs' time_to_target). Its
     auto keys and [per_device] tables are answered by each trial's config, after the trial's keys
-    (an AdamW trial of a Muon recipe has no Newton-Schulz dtype to resolve)."""
+    (an AdamW trial of a Muon recipe has no Newton-Schulz dtype to resolve). `budget=False`: all
+    that but the time budget and its schedule (the recipe's own length: what a held-out set of
+    length "recipe" trains)."""
     cfg = lab_config(args.config, args.overrides, resolve=False)
     score = search_score(args, cfg)
     targets = list(dict.fromkeys([*cfg.train.targets, *([score.target] if score.timed else [])]))
     return with_overrides(
         cfg,
         {
-            **budget_keys(args),
+            **(budget_keys(args) if budget else {}),
             "data.val_fraction": cfg.data.val_fraction or args.val_fraction,
             "run.checkpoint_every": 2**62,
             "run.keep_last": 1,
@@ -117,13 +125,19 @@ def budget_keys(args) -> dict:
 
 
 def recipe_config(args, final):
-    """The pick as a recipe (best.toml): the user's recipe, the budget, the pick's keys, the FULL
-    training set (data.val_fraction = 0: evaluation on the test set). None without a pick."""
+    """The pick as a recipe (best.toml): the user's recipe, the budget, the pick's keys (a batch
+    the cap of the recipe's data.batch_rule=min_steps, as in the trials), the FULL training set
+    (data.val_fraction = 0: evaluation on the test set). None without a pick."""
     if not final or not final.get("pick"):
         return None
+    cfg = load_config(args.config, args.overrides)
     return with_overrides(
-        load_config(args.config, args.overrides),
-        {**budget_keys(args), **final["pick"]["params"], "data.val_fraction": 0.0},
+        cfg,
+        {
+            **budget_keys(args),
+            **trial_keys(cfg, final["pick"]["params"]),
+            "data.val_fraction": 0.0,
+        },
     )
 
 
@@ -224,8 +238,9 @@ def fingerprint(base, space, budget_s: float, score=None, sets=None) -> str:
     """What makes two workers' searches the same one: the recipe (run section left out: folders,
     threads, progress differ between machines; train.targets too: it only adds to what runs
     report), the space, the budget, a score other than accuracy (a study from before --score
-    keeps its fingerprint) and the held-out sets (each one's keys, budget and validation share)
-    with the combine rule (a study without them keeps its fingerprint)."""
+    keeps its fingerprint) and the held-out sets (each one's keys, budget, validation share and
+    length, with the recipe's own length where a set trains it) with the combine rule (a study
+    without them keeps its fingerprint)."""
     cfg = {**{k: v for k, v in base.to_dict().items() if k != "run"}, "seed": base.run.seed}
     cfg["train"] = {k: v for k, v in cfg["train"].items() if k != "targets"}
     what = {"cfg": cfg, "space": [d.as_dict() for d in space], "budget": float(budget_s)}
@@ -233,7 +248,9 @@ def fingerprint(base, space, budget_s: float, score=None, sets=None) -> str:
         what["score"] = {"name": score.name, "target": score.target}
     if sets:
         what["sets"] = {
-            k: v for k, v in sets.as_dict().items() if k in ("combine", "heldout", "tuning")
+            k: v
+            for k, v in sets.as_dict().items()
+            if k in ("combine", "heldout", "tuning", "recipe_length")
         }
     blob = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -7,11 +7,23 @@ recipe keys, its data (and whatever else it needs: a grey folder's channels, its
 
     [openclipart_grey10]
     budget_s = 60                   # training seconds of every trial on this set (required)
+    length = "budget"               # or "recipe": the recipe's epochs, budget_s their cap
     val_fraction = 0.1              # its share held out to score trials (default: the tuning set's)
     data.name = "folder"            # fashion_mnist, cifar10, cifar100, synthetic or folder
     data.root = "/work/data/openclipart_grey10"
     data.channels = 1
     data.image_size = 32
+
+`length` is how long a trial trains on the set: "budget" (the default) trains budget_s seconds with
+the lr schedule fitted to them, as the tuning set trains --budget-s; "recipe" trains the recipe's
+own length, as `vitscale train` would on that set: its train.epochs (the trial's where the space
+searches them; a [per_device] table's on its device) and optim.schedule_clock, so the recipe's
+data.batch_rule fits the batch (and epochs) to the set, with budget_s as a hard cap
+(train.time_limit_s: a run cut there is scored where it stopped, its record says "capped").
+
+In every run of a trial (the tuning set's too) a recipe with data.batch_rule = min_steps keeps the
+rule where the trial names data.batch_size: the trial's batch is the rule's cap (trial_keys), where
+naming it anywhere else fixes it.
 
 Every key is checked against the recipe schema when the file is read, and a folder's data.root must
 be a class folder (ROOT/train/<class>/...): one line naming what is wrong. Trials score a set on a
@@ -43,14 +55,17 @@ from .score import combine, normalised
 from .space import SPACES, check_value, key_type
 
 BIG_EPOCHS = 100_000.0  # trials end on the time budget, never on epochs
-SET_KEYS = {"budget_s", "val_fraction"}
+SET_KEYS = {"budget_s", "val_fraction", "length"}
+LENGTHS = ("budget", "recipe")
 IN_MEMORY = ("fashion_mnist", "cifar10", "cifar100", "synthetic")  # data.val_fraction carves these
 KINDS = (*IN_MEMORY, "folder")
 # keys the search sets on every run of a set: a held-out set gives budget_s / val_fraction instead
 SEARCH_KEYS = {
     "train.time_limit_s": "give budget_s",
-    "train.epochs": "give budget_s (trials end on the time budget)",
-    "optim.schedule_clock": "the search fits the schedule to budget_s",
+    "train.epochs": 'give budget_s (trials end on the time budget), or length = "recipe" (the '
+    "recipe's epochs)",
+    "optim.schedule_clock": 'the search fits the schedule to budget_s (length = "recipe": the '
+    "recipe's)",
     "data.val_fraction": "give val_fraction",
     "run.seed": "the trial's seed (and the repeats') trains every set",
 }
@@ -67,27 +82,61 @@ def budget_keys(seconds: float) -> dict:
     }
 
 
+def cap_keys(recipe, seconds: float) -> dict:
+    """What caps a run of `recipe` at its own length (its train.epochs and optim.schedule_clock,
+    left as they are) at `seconds` of training (or the recipe's own train.time_limit_s if shorter)."""
+    own = recipe.train.time_limit_s
+    return {"train.time_limit_s": float(min(seconds, own) if own else seconds)}
+
+
+def trial_keys(cfg, params: dict) -> dict:
+    """A trial's keys `params` as they are set on `cfg`: where cfg's data.batch_rule is min_steps
+    and the trial names data.batch_size (not data.batch_rule), the rule kept after it, the trial's
+    batch its cap (config.set_override fixes a named batch: the rule would do nothing in a trial)."""
+    if (
+        "data.batch_size" in params
+        and "data.batch_rule" not in params
+        and cfg.data.batch_rule == "min_steps"
+    ):
+        return {**params, "data.batch_rule": "min_steps"}
+    return dict(params)
+
+
+def with_trial(cfg, params: dict, extra: dict | None = None, resolve: bool = True):
+    """`cfg` with a trial's keys (trial_keys) and then `extra` set, checked (and resolved)."""
+    return with_overrides(cfg, {**trial_keys(cfg, params), **(extra or {})}, resolve=resolve)
+
+
 @dataclass(frozen=True)
 class HeldOut:
-    """One held-out set: its `name`, its training seconds per run, its recipe keys (dotted, data.name
-    among them) and its validation share (None: --val-fraction)."""
+    """One held-out set: its `name`, its training seconds per run (the cap under length="recipe"),
+    its recipe keys (dotted, data.name among them), its validation share (None: --val-fraction) and
+    its `length` ("budget" or "recipe")."""
 
     name: str
     budget_s: float
     overrides: dict = field(default_factory=dict)
     val_fraction: float | None = None
     source: str = ""
+    length: str = "budget"
 
     @property
     def kind(self) -> str:
         return self.overrides["data.name"]
 
+    @property
+    def recipe_length(self) -> bool:
+        return self.length == "recipe"
+
     def as_dict(self) -> dict:
+        """What the study records (and its fingerprint holds: `length` only where it is "recipe",
+        so a study from before it keeps its fingerprint)."""
         return {
             "name": self.name,
             "budget_s": self.budget_s,
             "val_fraction": self.val_fraction,
             "overrides": dict(self.overrides),
+            **({"length": self.length} if self.recipe_length else {}),
         }
 
 
@@ -159,6 +208,12 @@ def parse_set(name: str, spec, source: str) -> HeldOut:
         isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 0.5
     ):
         raise ConfigError(f"{where}: val_fraction must be in (0, 0.5], got {frac!r}")
+    length = spec.get("length", "budget")
+    if length not in LENGTHS:
+        raise ConfigError(
+            f'{where}: length must be "budget" (budget_s seconds, the schedule fitted to them) or '
+            f'"recipe" (the recipe\'s train.epochs, budget_s their cap), got {length!r}'
+        )
     kind = overrides.get("data.name")
     if kind is None:
         raise ConfigError(f"{where}: data.name is missing (the set's data: {', '.join(KINDS)})")
@@ -170,7 +225,7 @@ def parse_set(name: str, spec, source: str) -> HeldOut:
     if kind == "folder" and not overrides.get("data.root"):
         raise ConfigError(f"{where}: data.root is missing (data.name = 'folder' reads ROOT/train/)")
     return HeldOut(
-        name, float(budget), overrides, None if frac is None else float(frac), str(source)
+        name, float(budget), overrides, None if frac is None else float(frac), str(source), length
     )
 
 
@@ -199,7 +254,9 @@ def check_root(h: HeldOut) -> None:
 class Sets:
     """The data sets a search scores each trial on: the tuning set (the recipe's data, named
     `tuning`) and the held-out ones, with every set's class count (its chance level), the combine
-    rule, and where a folder set's carved view is (OUT/heldout/)."""
+    rule, where a folder set's carved view is (OUT/heldout/), and `recipe`: the recipe as trials
+    train it without the time budget (its own train.epochs, optim.schedule_clock and [per_device]
+    tables), what a set of length "recipe" starts from."""
 
     tuning: str
     heldout: list[HeldOut]
@@ -207,6 +264,7 @@ class Sets:
     rule: str
     val_fraction: float  # a held-out set's share when it gives none: the tuning set's
     views: dict = field(default_factory=dict)  # folder set -> its carved view
+    recipe: object = None  # a Config: needed where a set's length is "recipe"
 
     @property
     def names(self) -> tuple:
@@ -216,26 +274,28 @@ class Sets:
         return h.val_fraction if h.val_fraction is not None else self.val_fraction
 
     def config(self, h: HeldOut, base, params: dict, seed: int | None = None):
-        """The trial's keys `params` on set `h`: the recipe, the set's keys, its budget and
-        validation split, an evaluation at the end only (nothing prunes a held-out run), then the
-        trial's keys (a space key no set may set: prepare_sets)."""
+        """The trial's keys `params` on set `h`: the recipe (`base`, the trials' recipe with their
+        time budget; under length="recipe" `self.recipe`, the recipe's own length), the set's keys,
+        its budget (or its cap) and validation split, an evaluation at the end only (nothing prunes
+        a held-out run), then the trial's keys (a space key no set may set: prepare_sets; a
+        batch it names is the cap of the recipe's data.batch_rule=min_steps: trial_keys)."""
         split = (
             {"data.root": str(self.views[h.name]), "data.val_fraction": 0.0}
             if h.kind == "folder"
             else {"data.val_fraction": self.fraction(h)}
         )
-        return with_overrides(
-            base,
-            {
-                "run.eval_every": 0,
-                **h.overrides,
-                **budget_keys(h.budget_s),
-                **split,
-                "train.targets": [],
-                **params,
-                **({} if seed is None else {"run.seed": seed}),
-            },
+        if h.recipe_length:
+            if self.recipe is None:
+                raise ConfigError(f"held-out set {h.name}: length = 'recipe' needs the recipe")
+            start, length = self.recipe, cap_keys(self.recipe, h.budget_s)
+        else:
+            start, length = base, budget_keys(h.budget_s)
+        on_set = with_overrides(
+            start,
+            {"run.eval_every": 0, **h.overrides, **length, **split, "train.targets": []},
+            resolve=False,
         )
+        return with_trial(on_set, params, {} if seed is None else {"run.seed": seed})
 
     def test_overrides(self, h: HeldOut) -> list[str]:
         """What evaluates a model trained on set `h`'s validation-less part on `h`'s test split."""
@@ -250,20 +310,52 @@ class Sets:
 
     def as_dict(self) -> dict:
         """What the study records (and its fingerprint holds: not the views, which are OUT's)."""
-        return {
+        out = {
             "tuning": self.tuning,
             "combine": self.rule,
             "classes": dict(self.classes),
             "heldout": [{**h.as_dict(), "val_fraction": self.fraction(h)} for h in self.heldout],
         }
+        if any(h.recipe_length for h in self.heldout) and self.recipe is not None:
+            out["recipe_length"] = recipe_length(self.recipe)
+        return out
 
 
-def prepare_sets(heldout: list[HeldOut], base, space, args, out: Path) -> Sets | None:
+LENGTH_KEYS = ("train.epochs", "train.time_limit_s", "optim.schedule_clock")
+
+
+def recipe_length(cfg) -> dict:
+    """What sets a run's length in recipe `cfg` (its keys and its [per_device] tables' ones): the
+    fingerprint of a search whose sets train the recipe's length (the trials' recipe has the
+    budget's instead)."""
+    pairs = [k.split(".") for k in LENGTH_KEYS]
+    out = {f"{sec}.{name}": getattr(getattr(cfg, sec), name) for sec, name in pairs}
+    per = {}
+    for cls, sections in sorted(cfg.per_device.items()):
+        keys = {
+            f"{sec}.{name}": sections[sec][name]
+            for sec, name in pairs
+            if name in sections.get(sec, {})
+        }
+        if keys:
+            per[cls] = keys
+    if per:
+        out["per_device"] = per
+    return out
+
+
+def prepare_sets(heldout: list[HeldOut], base, space, args, out: Path, recipe=None) -> Sets | None:
     """The search's sets (None without --heldout): names apart from the tuning set's, no set setting
     a key the space searches, every set's config valid with the recipe, its classes counted, and a
-    folder set's validation view carved (OUT/heldout/). One line naming the set where not."""
+    folder set's validation view carved (OUT/heldout/). One line naming the set where not.
+    `recipe`: the trials' recipe without the budget (default: made from `args`), what a set of
+    length "recipe" trains."""
     if not heldout:
         return None
+    if recipe is None and any(h.recipe_length for h in heldout):
+        from . import trial_config  # the command's (this module is imported by it)
+
+        recipe = trial_config(args, budget=False)
     tuning = base.data.name
     classes = {tuning: count_classes(base)}
     searched = {d.key for d in space}
@@ -273,6 +365,7 @@ def prepare_sets(heldout: list[HeldOut], base, space, args, out: Path) -> Sets |
         classes,
         getattr(args, "combine", None) or "worst",
         float(base.data.val_fraction),
+        recipe=recipe,
     )
     for h in heldout:
         where = f"{h.source}: [{h.name}]"

@@ -25,7 +25,8 @@ def trial_row(t, score: Score | None = None) -> dict:
     complete trial, none for others: their reports are the tuning set's accuracies); its "curve"
     the validation accuracy it reported (none under time-to-target, whose reports are scores).
     With held-out sets, "set_accuracy" and "set_score": each set's validation accuracy and its
-    normalised score."""
+    normalised score, and "set_runs": what each set's run took (batch, steps, epochs, seconds,
+    length, capped: trials.took)."""
     u, timed = t.user_attrs, score is not None and score.timed
     combined = score is not None and score.combine
     curve = [] if timed else sorted([int(k), float(v)] for k, v in t.intermediate_values.items())
@@ -36,6 +37,7 @@ def trial_row(t, score: Score | None = None) -> dict:
         "score": (t.value if t.state.name == "COMPLETE" else None) if combined else last_value(t),
         "set_accuracy": u.get("set_accuracy"),
         "set_score": u.get("set_score"),
+        "set_runs": u.get("set_runs"),
         "train_time_s": u.get("train_time_s"),
         "epochs": u.get("epochs"),
         "steps": u.get("steps"),
@@ -347,7 +349,9 @@ def trial_lines(rep: dict, rows: list[dict], score: Score) -> list[str]:
     if others:
         lines[3:3] = [
             f"val acc = the tuning set's ({score.sets[0]}); one column per held-out set, its "
-            f"validation accuracy; {score.combine} = the trial's score, the {score.combine} of "
+            "validation accuracy (and the batch x steps its run took; capped = stopped by the "
+            f"set's budget_s before the recipe's length); {score.combine} = the trial's score, "
+            f"the {score.combine} of "
             "every set's (accuracy - 1/classes) / (1 - 1/classes) (complete trials only: a pruned "
             "or failed one did not train every set).",
             "",
@@ -359,16 +363,24 @@ def trial_lines(rep: dict, rows: list[dict], score: Score) -> list[str]:
         keys = " ".join(f"{k}={fmt(v, '.3g')}" for k, v in r["params"].items())
         note = r["error"] or (f"retry of {r['retry_of']}" if r["retry_of"] is not None else "")
         reach = f" {score.reach_text(r['score']) if r['score'] is not None else '-'} |"
-        per = r.get("set_accuracy") or {}
+        per, ran = r.get("set_accuracy") or {}, r.get("set_runs") or {}
         lines.append(
             f"| {r['number']}{'*' if r['number'] in rep['pareto'] else ''} | {r['state']} | "
             + (f"{fmt(r['score'])} | " if score.combine else "")
             + f"{fmt(r['val_accuracy'])} |"
-            + "".join(f" {fmt(per.get(n))} |" for n in others)
+            + "".join(f" {fmt(per.get(n))}{run_text(ran.get(n))} |" for n in others)
             + f"{reach if timed else ''} {fmt(r['train_time_s'], '.1f')} | "
             f"{fmt(r['epochs'], '.2f')} | {keys} | {note} |"
         )
     return lines
+
+
+def run_text(took: dict | None) -> str:
+    """What a set's run took, after its accuracy in the trials table: ` (b 64 x 600)`, capped."""
+    if not took or took.get("batch") is None:
+        return ""
+    steps = "-" if took.get("steps") is None else took["steps"]
+    return f" (b {took['batch']} x {steps}{', capped' if took.get('capped') else ''})"
 
 
 def pick_lines(final: dict, rep: dict, score: Score) -> list[str]:

@@ -22,8 +22,9 @@ from ... import evaluate  # evaluate.evaluate_checkpoint looked up when called (
 from ...errors import UserError
 from ...loop import train
 from ...tasks import task_class, task_kind
-from ..recipes import log, with_overrides
+from ..recipes import log
 from ..timing import free_memory
+from .heldout import with_trial
 from .score import Score, study_score
 
 
@@ -47,6 +48,22 @@ def train_run(cfg, run_dir: Path, on_eval=None) -> dict:
         return {**summary, "accuracy": summary.get(metric_of(cfg))}
     finally:
         free_memory()  # the next trial starts from empty accelerator memory (also after an OOM)
+
+
+def took(summary: dict, cfg, length: str = "budget") -> dict:
+    """What a run of `cfg` took: its global batch (summary.json's "auto" where data.batch_rule
+    changed it, else the config's), steps, epochs and training seconds, its `length` ("budget" or
+    "recipe") and whether the cap stopped it (`capped`: a run of length "recipe" that the time limit
+    stopped; a budget run ends there by design)."""
+    auto = (summary.get("auto") or {}).get("data.batch_size")
+    return {
+        "length": length,
+        "batch": auto["value"] if auto else cfg.data.batch_size,
+        "steps": summary.get("steps"),
+        "epochs": summary.get("epochs"),
+        "train_time_s": summary.get("train_time_s"),
+        "capped": length == "recipe" and summary.get("stop_reason") == "time limit",
+    }
 
 
 def metric_of(cfg) -> str:
@@ -152,7 +169,8 @@ def run_trials(optuna, study, base, space, args, out: Path, score: Score, sets=N
     validation accuracy the "accuracy" attribute either way. With held-out `sets` the trial's keys
     then train on each of them (only the tuning set's reports can prune: before they start), and
     its value is the sets' combined score; "set_accuracy" and "set_score" keep each set's
-    validation accuracy and normalised score."""
+    validation accuracy and normalised score, "set_runs" the batch, steps, epochs and seconds each
+    set's run took (trials.took)."""
 
     def train_trial(trial):
         # now, not when the heartbeat thread gets to it
@@ -163,7 +181,7 @@ def run_trials(optuna, study, base, space, args, out: Path, score: Score, sets=N
         run_dir = out / "trials" / f"{trial.number:05d}"
         trial.set_user_attr("run_dir", str(run_dir))
         try:
-            cfg = with_overrides(base, params)
+            cfg = with_trial(base, params)
             pruning = Pruning(optuna, trial, args.budget_s, metric_of(cfg), score)
             r = train_run(cfg, run_dir, pruning)
         finally:
@@ -175,11 +193,11 @@ def run_trials(optuna, study, base, space, args, out: Path, score: Score, sets=N
             trial.report(value, 100)  # the final point of its curve (never pruned there)
         if not sets:
             return value
-        accs = {sets.tuning: r["accuracy"]}
+        accs, runs = {sets.tuning: r["accuracy"]}, {sets.tuning: took(r, cfg)}
         for h in sets.heldout:
-            accs[h.name] = train_set(
-                sets, h, base, params, out / "trials" / f"{trial.number:05d}-{h.name}"
-            )["accuracy"]
+            rh = train_set(sets, h, base, params, out / "trials" / f"{trial.number:05d}-{h.name}")
+            accs[h.name], runs[h.name] = rh["accuracy"], rh["took"]
+            trial.set_user_attr("set_runs", runs)  # so far: a failing set's trial keeps the others'
         trial.set_user_attr("set_accuracy", accs)
         norm, combined = sets.score(accs)
         trial.set_user_attr("set_score", norm)
@@ -215,11 +233,13 @@ def run_trials(optuna, study, base, space, args, out: Path, score: Score, sets=N
 
 
 def train_set(sets, h, base, params: dict, run_dir: Path, seed: int | None = None, keep=False):
-    """`params` trained on held-out set `h` into `run_dir` (its checkpoints deleted unless `keep`);
-    a failure (a config the set refuses, out of memory, a NaN loss) raises SetFailed naming the
-    set."""
+    """`params` trained on held-out set `h` into `run_dir` (its checkpoints deleted unless `keep`):
+    its summary, with "took" (the batch and steps it took: trials.took); a failure (a config the
+    set refuses, out of memory, a NaN loss) raises SetFailed naming the set."""
     try:
-        return train_run(sets.config(h, base, params, seed), run_dir)
+        cfg = sets.config(h, base, params, seed)
+        r = train_run(cfg, run_dir)
+        return {**r, "took": took(r, cfg, h.length)}
     except Exception as e:  # noqa: BLE001 - the trial's failure, named by its set
         raise SetFailed(f"held-out set {h.name}: {one_line(e)}") from None
     finally:
@@ -477,7 +497,8 @@ def repeat(
     """`params` with run.seed = `seed`, trained once into `run_dir` (a finished run's summary is
     reused: a killed finish continues); its validation accuracy and its `score`. With held-out
     `sets`, each set trained too (into RUN_DIR-NAME, its checkpoint kept for the test evaluation):
-    "set_accuracy", "set_score", "set_checkpoints", and the combined score."""
+    "set_accuracy", "set_score", "set_checkpoints", "set_runs" (what each run took: trials.took),
+    and the combined score."""
 
     def trained(run_dir: Path, make):
         summary = run_dir / "summary.json"
@@ -488,9 +509,8 @@ def repeat(
         return make()
 
     try:
-        r = trained(
-            run_dir, lambda: train_run(with_overrides(base, {**params, "run.seed": seed}), run_dir)
-        )
+        cfg = with_trial(base, params, {"run.seed": seed})
+        r = trained(run_dir, lambda: train_run(cfg, run_dir))
         out = {
             "seed": seed,
             "accuracy": r["accuracy"],
@@ -502,14 +522,19 @@ def repeat(
         }
         if sets:
             accs, ckpts = {sets.tuning: r["accuracy"]}, {sets.tuning: r["checkpoint"]}
+            runs = {sets.tuning: took(r, cfg)}
             for h in sets.heldout:
                 hdir = run_dir.with_name(f"{run_dir.name}-{h.name}")
                 rh = trained(
                     hdir, lambda h=h, d=hdir: train_set(sets, h, base, params, d, seed, True)
                 )
                 accs[h.name], ckpts[h.name] = rh["accuracy"], rh["checkpoint"]
+                # a reused summary: the batch from its "auto", else its config's (the same one)
+                runs[h.name] = rh.get("took") or took(
+                    rh, sets.config(h, base, params, seed), h.length
+                )
             norm, out["score"] = sets.score(accs)
-            out.update(set_accuracy=accs, set_score=norm, set_checkpoints=ckpts)
+            out.update(set_accuracy=accs, set_score=norm, set_checkpoints=ckpts, set_runs=runs)
     except Exception as e:  # noqa: BLE001
         log(f"repeat of {what} with seed {seed} failed: {one_line(e)}")
         return {"seed": seed, "error": one_line(e), "run_dir": str(run_dir)}
