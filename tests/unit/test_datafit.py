@@ -58,9 +58,10 @@ def test_the_default_recipe_keeps_fashion_mnist_and_fits_small_sets():
     train.min_steps steps with nothing set by hand."""
     cfg = load_config()
     assert cfg.data.batch_rule == "min_steps" and cfg.train.min_steps == 600
-    for epochs in (11, 18):
-        assert fit_batch(60000, 1024, epochs, 600, 32, 1, True) == (1024, epochs)
-        assert fit_batch(8000, 1024, epochs, 600, 32, 1, True)[0] == 128
+    assert cfg.per_device["cpu_bf16"]["train"] == {"epochs": 18, "min_steps": 1000}
+    for epochs, least in ((11, 600), (18, 1000)):
+        assert fit_batch(60000, 1024, epochs, least, 32, 1, True) == (1024, epochs)
+        assert fit_batch(8000, 1024, epochs, least, 32, 1, True)[0] == 128
     for n in (1000, 100000):
         b, e = fit_batch(n, 1024, 11, 600, 32, 1, True)
         assert 600 <= total_steps(e, n // b) <= 1100

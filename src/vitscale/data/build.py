@@ -77,6 +77,9 @@ def synthetic_stand_in(d, model_classes: int = 0) -> dict | None:
         "data.num_classes": classes,
         "data.train_size": d.batch_size,
         "data.test_size": min(d.eval_batch_size, 256),
+        # one global batch stands in for the data: the recipe's batch is what is timed, never one
+        # that data.batch_rule would fit to a set of that size
+        "data.batch_rule": "fixed",
     }
 
 
@@ -98,6 +101,7 @@ def synthetic_pairs_stand_in(d) -> dict | None:
         "data.num_classes": 10,
         "data.train_size": d.batch_size,
         "data.test_size": min(d.eval_batch_size, 256),
+        "data.batch_rule": "fixed",  # as synthetic_stand_in's
     }
 
 
