@@ -415,6 +415,7 @@ def search_arguments(p) -> None:
     add_recipe_arguments(p)
     _search_study_arguments(p)
     _search_protocol_arguments(p)
+    _search_pick_arguments(p)
     _search_worker_arguments(p)
 
 
@@ -473,6 +474,11 @@ def _search_protocol_arguments(p) -> None:
         help="the validation accuracy of --score time-to-target, in (0, 1] (default: the "
         "recipe's first train.targets entry)",
     )
+    _search_heldout_arguments(p)
+
+
+def _search_heldout_arguments(p) -> None:
+    """Held-out data sets every trial also trains on, and how their scores combine."""
     p.add_argument(
         "--heldout",
         action="append",
@@ -489,6 +495,10 @@ def _search_protocol_arguments(p) -> None:
         help="with --heldout: a trial's score is the worst (minimum, the default) or the mean of "
         "every set's validation accuracy normalised to chance, (acc - 1/classes) / (1 - 1/classes)",
     )
+
+
+def _search_pick_arguments(p) -> None:
+    """Pruning, and how the pick is confirmed (repeats, the recipe as written, the test set)."""
     p.add_argument(
         "--pruner",
         choices=("hyperband", "halving", "none"),

@@ -348,14 +348,12 @@ def prepare_sets(heldout: list[HeldOut], base, space, args, out: Path, recipe=No
     """The search's sets (None without --heldout): names apart from the tuning set's, no set setting
     a key the space searches, every set's config valid with the recipe, its classes counted, and a
     folder set's validation view carved (OUT/heldout/). One line naming the set where not.
-    `recipe`: the trials' recipe without the budget (default: made from `args`), what a set of
-    length "recipe" trains."""
+    `recipe`: the trials' recipe without the budget (the command's trial_config(args,
+    budget=False)), what a set of length "recipe" trains."""
     if not heldout:
         return None
     if recipe is None and any(h.recipe_length for h in heldout):
-        from . import trial_config  # the command's (this module is imported by it)
-
-        recipe = trial_config(args, budget=False)
+        raise ValueError("prepare_sets: a set of length 'recipe' needs the recipe it trains")
     tuning = base.data.name
     classes = {tuning: count_classes(base)}
     searched = {d.key for d in space}

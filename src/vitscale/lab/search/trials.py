@@ -193,15 +193,7 @@ def run_trials(optuna, study, base, space, args, out: Path, score: Score, sets=N
             trial.report(value, 100)  # the final point of its curve (never pruned there)
         if not sets:
             return value
-        accs, runs = {sets.tuning: r["accuracy"]}, {sets.tuning: took(r, cfg)}
-        for h in sets.heldout:
-            rh = train_set(sets, h, base, params, out / "trials" / f"{trial.number:05d}-{h.name}")
-            accs[h.name], runs[h.name] = rh["accuracy"], rh["took"]
-            trial.set_user_attr("set_runs", runs)  # so far: a failing set's trial keeps the others'
-        trial.set_user_attr("set_accuracy", accs)
-        norm, combined = sets.score(accs)
-        trial.set_user_attr("set_score", norm)
-        return combined
+        return heldout_score(trial, sets, base, params, out, r, cfg)
 
     def objective(trial):
         """train_trial; any failure recorded as the trial's one-line "error" (a refused shape, out of
@@ -230,6 +222,21 @@ def run_trials(optuna, study, base, space, args, out: Path, score: Score, sets=N
     except KeyboardInterrupt:
         log("search: stopped; the unfinished trial is marked failed")
     fail_dead_trials(optuna, study, 3 * args.heartbeat_s)
+
+
+def heldout_score(trial, sets, base, params: dict, out: Path, r: dict, cfg) -> float:
+    """A trial's keys `params` trained on every held-out set after its tuning run `r` (of `cfg`):
+    each set's accuracy, normalised score and run (set_accuracy, set_score, set_runs) kept in the
+    trial's attributes; returns the sets' combined score."""
+    accs, runs = {sets.tuning: r["accuracy"]}, {sets.tuning: took(r, cfg)}
+    for h in sets.heldout:
+        rh = train_set(sets, h, base, params, out / "trials" / f"{trial.number:05d}-{h.name}")
+        accs[h.name], runs[h.name] = rh["accuracy"], rh["took"]
+        trial.set_user_attr("set_runs", runs)  # so far: a failing set's trial keeps the others'
+    trial.set_user_attr("set_accuracy", accs)
+    norm, combined = sets.score(accs)
+    trial.set_user_attr("set_score", norm)
+    return combined
 
 
 def train_set(sets, h, base, params: dict, run_dir: Path, seed: int | None = None, keep=False):
