@@ -173,6 +173,12 @@ def _tensor_splits(cfg, seed: int) -> tuple:
     return _held_out_validation(splits, cfg)
 
 
+def reads_class_folder(name: str) -> bool:
+    """Whether data.name `name` reads a class folder (ROOT/train/<class>/..., ROOT/val or test/):
+    data.val_fraction does not split it (the search carves a view of links instead)."""
+    return name == "folder"
+
+
 def train_count(cfg, seed: int) -> int | None:
     """The training samples `build_data` gives for data config `cfg` (`seed`: run.seed), read
     before any loader is built (datafit: data.batch_rule asks it before the engine starts); None

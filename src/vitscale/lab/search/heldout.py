@@ -49,6 +49,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from ...config import SECTIONS
+from ...data.build import reads_class_folder
 from ...errors import ConfigError
 from ..recipes import log, with_overrides
 from .score import combine, normalised
@@ -222,7 +223,7 @@ def parse_set(name: str, spec, source: str) -> HeldOut:
             f"{where}: data.name = '{kind}': a held-out set is one of {', '.join(KINDS)} (a "
             "validation split is carved from its training data)"
         )
-    if kind == "folder" and not overrides.get("data.root"):
+    if reads_class_folder(kind) and not overrides.get("data.root"):
         raise ConfigError(f"{where}: data.root is missing (data.name = 'folder' reads ROOT/train/)")
     return HeldOut(
         name, float(budget), overrides, None if frac is None else float(frac), str(source), length
@@ -245,7 +246,7 @@ def check_root(h: HeldOut) -> None:
     where = f"{h.source}: [{h.name}]"
     if not p.is_dir():
         raise ConfigError(f"{where}: data.root {root} is not a directory")
-    if h.kind == "folder" and not (p / "train").is_dir():
+    if reads_class_folder(h.kind) and not (p / "train").is_dir():
         raise ConfigError(f"{where}: data.root {root} has no train/ (ROOT/train/<class>/...)")
 
 
@@ -281,7 +282,7 @@ class Sets:
         batch it names is the cap of the recipe's data.batch_rule=min_steps: trial_keys)."""
         split = (
             {"data.root": str(self.views[h.name]), "data.val_fraction": 0.0}
-            if h.kind == "folder"
+            if reads_class_folder(h.kind)
             else {"data.val_fraction": self.fraction(h)}
         )
         if h.recipe_length:
@@ -299,7 +300,7 @@ class Sets:
 
     def test_overrides(self, h: HeldOut) -> list[str]:
         """What evaluates a model trained on set `h`'s validation-less part on `h`'s test split."""
-        if h.kind == "folder":
+        if reads_class_folder(h.kind):
             return [f"data.root={self.views[h.name] / 'test-view'}"]
         return ["data.val_fraction=0"]
 
@@ -379,7 +380,7 @@ def prepare_sets(heldout: list[HeldOut], base, space, args, out: Path, recipe=No
             cfg = with_overrides(base, {**h.overrides, **budget_keys(h.budget_s)}, resolve=False)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
-        if h.kind == "folder":
+        if reads_class_folder(h.kind):
             sets.views[h.name], classes[h.name] = carve_folder(
                 h, sets.fraction(h), base.data.val_seed, out / "heldout"
             )
