@@ -175,3 +175,33 @@ def test_the_ema_warmup_matches_timm_where_timm_imports():
         theirs.update(s.module, step=step)
         for a, b in zip(theirs.module.parameters(), s.ema.module.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_training_set_is_counted_as_the_run_builds_it(tmp_path):
+    """data.build.train_count, before any loader: what build_data's training split holds, for a
+    class folder (corrupt files counted: the loader skips and counts them), idx files with and
+    without a validation split, synthetic data; None for image-text data."""
+    from dataclasses import replace
+
+    from helpers import make_tree, write_fmnist
+
+    from vitscale.config import DataConfig
+    from vitscale.data.build import build_data, train_count
+
+    tree = make_tree(tmp_path / "tree")
+    fm = tmp_path / "fm"
+    write_fmnist(fm, n_train=40, n_test=5)
+    cases = [
+        DataConfig(name="folder", root=str(tree), image_size=16, num_workers=0),
+        DataConfig(name="fashion_mnist", root=str(fm), batch_size=4),
+        DataConfig(name="fashion_mnist", root=str(fm), batch_size=4, val_fraction=0.25),
+        DataConfig(name="synthetic", train_size=50, val_fraction=0.1, batch_size=4),
+    ]
+    for d in cases:
+        data = build_data(replace(d, batch_size=2), device="cpu", seed=3)
+        try:
+            assert train_count(d, seed=3) == data.train_size, d.name
+        finally:
+            data.close()
+    assert train_count(cases[2], 3) == 30  # 10 held out of 40, stratified
+    assert train_count(DataConfig(name="openclipart"), 0) is None
