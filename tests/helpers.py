@@ -606,3 +606,24 @@ def assert_equal_states(a: dict, b: dict):
     assert a.keys() == b.keys()
     diff = [k for k in a if not torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k]))]
     assert not diff, f"differ: {diff[:5]}"
+
+
+def search_args(out, config=TINY, **kw):
+    """The arguments of `vitscale search` as its command parses them, for the functions a search
+    runs (budget 1 s, one worker, no pruning), `kw` over them."""
+    import types
+
+    base = dict(
+        config=config,
+        overrides=[],
+        budget_s=1.0,
+        val_fraction=0.1,
+        heartbeat_s=1,
+        storage=None,
+        study="search",
+        sampler_seed=0,
+        pruner="none",
+        out=str(out),
+        space=None,
+    )
+    return types.SimpleNamespace(**{**base, **kw})

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from helpers import TINY, FakeTrial, sets
+from helpers import TINY, FakeTrial, search_args, sets
 
 from vitscale.cli import main
 from vitscale.config import Config, load_config, set_value
@@ -504,19 +504,7 @@ def test_a_dead_workers_trial_records_why(tmp_path):
     (tmp_path / "space.toml").write_text(SPACE)
     out = tmp_path / "search"
     out.mkdir()
-    args = types.SimpleNamespace(
-        config=TINY,
-        overrides=[],
-        budget_s=1.0,
-        val_fraction=0.1,
-        heartbeat_s=1,
-        storage=None,
-        study="search",
-        sampler_seed=0,
-        pruner="none",
-        out=str(out),
-        space=str(tmp_path / "space.toml"),
-    )
+    args = search_args(out, space=str(tmp_path / "space.toml"))
     space = load_space(args.space)
     study = open_study(optuna, args, trial_config(args), space, out)
     stale, _unborn, silent = study.ask(), study.ask(), study.ask()  # _unborn: asked, never started

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TINY, sets
+from helpers import TINY, search_args, sets
 from PIL import Image
 
 from vitscale.cli import main
@@ -230,22 +230,8 @@ def test_a_missing_root_or_file_or_a_name_given_twice_is_one_line(tmp_path):
 
 # ------------------------------------------------------------------ the sets of a search
 def args_of(tmp_path, **kw):
-    return types.SimpleNamespace(
-        config=TINY,
-        overrides=["data.val_fraction=0.25"],
-        budget_s=1.0,
-        val_fraction=0.1,
-        heartbeat_s=1,
-        storage=None,
-        study="search",
-        sampler_seed=0,
-        pruner="none",
-        out=str(tmp_path / "search"),
-        space=None,
-        heldout=["h.toml"],
-        combine=None,
-        **kw,
-    )
+    kw = {"overrides": ["data.val_fraction=0.25"], "heldout": ["h.toml"], "combine": None, **kw}
+    return search_args(tmp_path / "search", **kw)
 
 
 def test_a_folder_set_is_carved_into_a_stratified_view_of_its_training_images(tmp_path):
