@@ -13,6 +13,26 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 WARMUP_GAMMA, WARMUP_POWER = 1.0, 2.0 / 3.0
 
 
+def warmup_ema_multi_avg_fn(decay: float):
+    """get_ema_multi_avg_fn's counterpart with timm's ModelEmaV3 warm-up (train.ema_warmup): update k
+    (from 0; k = 0 is AveragedModel's copy) averages with decay_k = min(decay, 1 - (1 + k / gamma)
+    ^(-power)), gamma 1 and power 2/3 (its defaults), computed on the device from the count
+    AveragedModel passes (n_averaged), so that a captured step replays it."""
+
+    @torch.no_grad()
+    def ema_update(avg: list[torch.Tensor], cur: list[torch.Tensor], n: torch.Tensor) -> None:
+        k = n.to(device=avg[0].device, dtype=torch.float32)
+        w = 1.0 - torch.clamp(1.0 - (1.0 + k / WARMUP_GAMMA) ** (-WARMUP_POWER), max=decay)
+        if torch.is_floating_point(avg[0]) or torch.is_complex(avg[0]):
+            # the 0-dim tensor weight overload (torch's stubs list the tensor-list one)
+            torch._foreach_lerp_(avg, cur, w)  # pyright: ignore
+        else:  # as get_ema_multi_avg_fn averages integer buffers (foreach lerp cannot)
+            for a, c in zip(avg, cur):
+                a.copy_(a * (1 - w) + c * w)
+
+    return ema_update
+
+
 class Ema:
     """torch's AveragedModel with its EMA function (parameters and buffers), kept on the training
     device (torch's default is the CPU: a copy per step), updated after each optimizer step
@@ -21,10 +41,8 @@ class Ema:
 
     def __init__(self, model: nn.Module, decay: float, device: torch.device, warmup: bool = False):
         """`warmup` (train.ema_warmup): timm's ModelEmaV3(use_warmup=True) schedule of the decay."""
-        self.averaged = AveragedModel(
-            model, device=device, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True
-        )
-        self.decay, self.warmup = decay, warmup
+        average = warmup_ema_multi_avg_fn(decay) if warmup else get_ema_multi_avg_fn(decay)
+        self.averaged = AveragedModel(model, device=device, multi_avg_fn=average, use_buffers=True)
         self.updates = 0  # the count as the host knows it: no device read per step
 
     @property
@@ -45,29 +63,11 @@ class Ema:
             pairs = cast(list[list[torch.Tensor | None]], [mine, theirs])
             groups = _group_tensors_by_device_and_dtype(pairs)
             assert ema.multi_avg_fn is not None  # get_ema_multi_avg_fn's, given above
-            weight = self.warmup_weight() if self.warmup else None
             for (_device, _), (both, _) in groups.items():
                 avg, cur = cast(list[list[torch.Tensor]], both)  # no None: every tensor is given
-                if weight is None:
-                    ema.multi_avg_fn(avg, cur, ema.n_averaged)
-                elif torch.is_floating_point(avg[0]) or torch.is_complex(avg[0]):
-                    # the 0-dim tensor weight overload (torch's stubs list the tensor-list one)
-                    torch._foreach_lerp_(avg, cur, weight.to(avg[0].device))  # pyright: ignore
-                else:  # as get_ema_multi_avg_fn averages integer buffers (foreach lerp cannot)
-                    w = weight.to(avg[0].device)
-                    for a, c in zip(avg, cur):
-                        a.copy_(a * (1 - w) + c * w)
+                ema.multi_avg_fn(avg, cur, ema.n_averaged)
         ema.n_averaged += 1
         self.updates += 1
-
-    def warmup_weight(self) -> torch.Tensor:
-        """1 - this update's decay as a 0-dim float32 tensor on the EMA's device, from its own count
-        (`n_averaged`: k at update k, counted from 0), so that a captured step replays it: timm's
-        ModelEmaV3 warm-up, decay_k = min(decay, 1 - (1 + k / gamma)^(-power)) with its defaults
-        gamma 1 and power 2/3 (k = 0, the copy, is update() 's first branch)."""
-        k = self.averaged.n_averaged.to(torch.float32)
-        decay = torch.clamp(1.0 - (1.0 + k / WARMUP_GAMMA) ** (-WARMUP_POWER), max=self.decay)
-        return 1.0 - decay
 
     def state_dict(self) -> dict:
         return self.averaged.state_dict()
