@@ -20,8 +20,8 @@ def warmup_ema_multi_avg_fn(decay: float):
     AveragedModel passes (n_averaged), so that a captured step replays it."""
 
     @torch.no_grad()
-    def ema_update(avg: list[torch.Tensor], cur: list[torch.Tensor], n: torch.Tensor) -> None:
-        k = n.to(device=avg[0].device, dtype=torch.float32)
+    def ema_update(avg, cur, n: torch.Tensor | int) -> None:
+        k = torch.as_tensor(n, device=avg[0].device, dtype=torch.float32)
         w = 1.0 - torch.clamp(1.0 - (1.0 + k / WARMUP_GAMMA) ** (-WARMUP_POWER), max=decay)
         if torch.is_floating_point(avg[0]) or torch.is_complex(avg[0]):
             # the 0-dim tensor weight overload (torch's stubs list the tensor-list one)
