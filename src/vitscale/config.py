@@ -299,13 +299,16 @@ class ClipConfig:
     loss: str = choice(
         "openclip",
         "openclip",
+        "siglip",
         "fastclip_v0",
         "fastclip_v1",
         "fastclip_v2",
         "fastclip_v3",
         "sogclr",
         "isogclr",
-        doc="openclip = mini-batch InfoNCE; the others are FastCLIP's global contrastive losses",
+        doc="openclip = mini-batch InfoNCE; siglip = SigLIP's pairwise sigmoid loss (a learned "
+        "logit_bias beside logit_scale, OpenCLIP's SigLipLoss); the others are FastCLIP's global "
+        "contrastive losses",
     )
     gamma_schedule: str = choice(
         "auto",
@@ -329,7 +332,7 @@ class ClipConfig:
         min=0.0,
         max=1.0,
         doc="initial temperature (openclip: logit_scale = 1/tau); "
-        "0 = the reference's: 0.03 for fastclip_v2/isogclr, else 0.07",
+        "0 = the reference's: 0.03 for fastclip_v2/isogclr, 0.1 for siglip, else 0.07",
     )
     tau_lr: float = num(
         -1.0,

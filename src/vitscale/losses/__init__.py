@@ -1,19 +1,25 @@
-"""CLIP losses (OpenCLIP mini-batch InfoNCE, the FastCLIP family) and their builder."""
+"""CLIP losses (OpenCLIP mini-batch InfoNCE, SigLIP's sigmoid loss, the FastCLIP family) and their
+builder."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 
 from ..errors import ConfigError
 from ..precision import DTYPES
 from .clip import ClipLoss, StepLogs, gamma_at, world
 from .fastclip import VARIANTS, FastClipLoss, reference_defaults
+from .siglip import SIGLIP_BIAS_INIT, SIGLIP_TAU_INIT, SigLipLoss
 
 __all__ = [
     "build_clip_loss",
     "resolve_clip",
     "ClipLoss",
     "FastClipLoss",
+    "SigLipLoss",
+    "logit_init",
+    "logit_init_note",
     "StepLogs",
     "gamma_at",
     "one_process",
@@ -35,10 +41,18 @@ def resolve_clip(cfg_clip, *, lr: float, epochs: float) -> dict:
             f"config: clip.tau_init={cfg_clip.tau_init:g} is below 0.01, the temperature "
             "clamp (0 = the loss's reference value)"
         )
+    if loss == "siglip":
+        refuse_fastclip_keys(cfg_clip)
     ref = (
         reference_defaults(loss)
         if loss in VARIANTS
-        else dict(tau_init=0.07, tau_lr=0.0, tau_lr_schedule="constant", rho=0.0, gamma_min=0.0)
+        else dict(
+            tau_init=SIGLIP_TAU_INIT if loss == "siglip" else 0.07,
+            tau_lr=0.0,
+            tau_lr_schedule="constant",
+            rho=0.0,
+            gamma_min=0.0,
+        )
     )
     schedule = cfg_clip.gamma_schedule
     if schedule == "auto":
@@ -60,6 +74,50 @@ def resolve_clip(cfg_clip, *, lr: float, epochs: float) -> dict:
     )
 
 
+# the [clip] keys only FastCLIP's losses read
+FASTCLIP_KEYS = (
+    "gamma_schedule",
+    "gamma_min",
+    "gamma_decay_epochs",
+    "tau_lr",
+    "tau_lr_schedule",
+    "tau_lr_cut",
+    "rho",
+    "eps",
+    "state_dtype",
+    "shard_state",
+)
+
+
+def refuse_fastclip_keys(cfg_clip) -> None:
+    """clip.loss=siglip with a FastCLIP-only key set away from its default: one line naming it."""
+    for f in fields(cfg_clip):
+        if f.name in FASTCLIP_KEYS and getattr(cfg_clip, f.name) != f.default:
+            raise ConfigError(
+                f"config: clip.{f.name} is a FastCLIP key; clip.loss=siglip does not read it "
+                "(leave it unset)"
+            )
+
+
+def logit_init(cfg_clip) -> tuple[float, float | None]:
+    """(tau_init, logit_bias init) of the CLIP model's logit parameters for the configured loss:
+    siglip: OpenCLIP's SigLIP init (logit_scale = log 10, logit_bias = -10), clip.tau_init when
+    named; the others: 1 / clip.tau_init (0: 0.07) and no bias (None: no parameter)."""
+    if cfg_clip.loss == "siglip":
+        return cfg_clip.tau_init or SIGLIP_TAU_INIT, SIGLIP_BIAS_INIT
+    return cfg_clip.tau_init or 0.07, None
+
+
+def logit_init_note(cfg_clip) -> str | None:
+    """The line a run prints when clip.tau_init replaces the loss's own logit_scale init (siglip's)."""
+    if cfg_clip.loss == "siglip" and cfg_clip.tau_init:
+        return (
+            f"clip.loss=siglip: logit_scale starts at log(1/{cfg_clip.tau_init:g}) "
+            f"(clip.tau_init), not SigLIP's log(10); logit_bias at {SIGLIP_BIAS_INIT:g}"
+        )
+    return None
+
+
 def build_clip_loss(
     cfg_clip,
     cfg_optim,
@@ -71,7 +129,7 @@ def build_clip_loss(
     device,
     group=None,
     total_steps: int | None = None,
-) -> ClipLoss | FastClipLoss:
+) -> ClipLoss | SigLipLoss | FastClipLoss:
     """The loss named by cfg_clip.loss.  group=None: the default process group when
     torch.distributed is initialized, else a single process.  `lr` is the model's base lr and
     `lr_factor(step)` its schedule (v0's temperature follows it); the temperature optimizers use
@@ -79,8 +137,13 @@ def build_clip_loss(
     v0's device table of temperature lrs (a step counter on the device indexes it)."""
     if cfg_clip.loss == "openclip":
         return ClipLoss(device=device, group=group)
+    if cfg_clip.loss == "siglip":
+        resolve_clip(cfg_clip, lr=lr, epochs=epochs)  # its refusals
+        return SigLipLoss(device=device, group=group)
     if cfg_clip.loss not in VARIANTS:
-        raise ValueError(f"clip.loss {cfg_clip.loss!r}: expected openclip or one of {VARIANTS}")
+        raise ValueError(
+            f"clip.loss {cfg_clip.loss!r}: expected openclip, siglip or one of {VARIANTS}"
+        )
     r = resolve_clip(cfg_clip, lr=lr, epochs=epochs)
     dtype = DTYPES[cfg_clip.state_dtype]
     return FastClipLoss(

@@ -1,9 +1,11 @@
 """CLIP: a ViT image tower and a causal text tower projected to one embedding, plus a learnable
-`logit_scale` (log of the inverse temperature, used by the OpenCLIP mini-batch loss).
+`logit_scale` (log of the inverse temperature, used by the OpenCLIP mini-batch loss) and, with
+ClipSpec.logit_bias set (clip.loss=siglip), a learnable `logit_bias` (SigLIP's).
 
     encode_image(images [B, C, H, W]) -> [B, E]     encode_text(tokens [B, L]) -> [B, E]
     forward(images, tokens) -> (image features [B, E], text features [B, E], logit_scale [1]),
-    features L2-normalized. `logit_scale` has shape [1], not [] (FSDP2 cannot shard a 0-d tensor).
+    features L2-normalized. `logit_scale` has shape [1], not [] (FSDP2 cannot shard a 0-d tensor);
+    with a bias the third output is [logit_scale, logit_bias], shape [2] (logit_params).
 
 OpenCLIP's ViT CLIP computes the same function with the options that interop/open_clip.py sets
 (all off by default): ClipSpec.ln_pre / patch_bias / proj_bias / vision_norm_eps / vision_act /
@@ -31,6 +33,8 @@ class ClipSpec:
     text: TextSpec
     embed_dim: int = 512
     init_tau: float = 0.07
+    # SigLIP's learned logit bias, its initial value (OpenCLIP's init_logit_bias); None: no parameter
+    logit_bias: float | None = None
     # the image tower's OpenCLIP options (interop/open_clip.py); the defaults are vitscale's ViT
     ln_pre: bool = False  # a LayerNorm after adding the position embeddings, before the blocks
     patch_bias: bool = True  # the patch convolution has a bias (OpenCLIP's conv1 has none)
@@ -153,6 +157,8 @@ class CLIP(nn.Module):
         self.visual = ImageTower(spec)  # head = projection
         self.text = TextTransformer(replace(spec.text, embed_dim=spec.embed_dim))
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(1 / spec.init_tau)))
+        if spec.logit_bias is not None:  # shape [1] as logit_scale's
+            self.logit_bias = nn.Parameter(torch.full((1,), float(spec.logit_bias)))
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.visual.set_grad_checkpointing(enable)
@@ -171,6 +177,7 @@ class CLIP(nn.Module):
             {f"visual.{n}" for n in self.visual.no_weight_decay()}
             | {f"text.{n}" for n in self.text.no_weight_decay()}
             | {"logit_scale"}
+            | ({"logit_bias"} if self.spec.logit_bias is not None else set())
         )
 
     def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
@@ -187,8 +194,14 @@ class CLIP(nn.Module):
         ZeRO-3) see every call."""
         img = None if images is None else self.encode_image(images)
         txt = None if tokens is None else self.encode_text(tokens)
-        # a copy made inside forward: FSDP2 frees the gathered parameter's storage after forward
-        return img, txt, self.logit_scale.clone()
+        return img, txt, self.logit_params()
+
+    def logit_params(self) -> torch.Tensor:
+        """logit_scale [1], or [logit_scale, logit_bias] [2] with a bias: a copy made inside
+        forward (FSDP2 frees the gathered parameters' storage after forward)."""
+        if self.spec.logit_bias is None:
+            return self.logit_scale.clone()
+        return torch.cat([self.logit_scale, self.logit_bias])
 
 
 def clip_forward_flops(

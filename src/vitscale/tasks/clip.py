@@ -5,6 +5,7 @@ strategy's verbs.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import fields, replace
 
 import torch
@@ -13,7 +14,15 @@ from ..data import build_image_text
 from ..data.build import eval_preprocess, synthetic_pairs_stand_in
 from ..data.tokenizer import get_tokenizer
 from ..errors import ConfigError, UserError
-from ..losses import ClipLoss, FastClipLoss, StepLogs, build_clip_loss, resolve_clip
+from ..losses import (
+    ClipLoss,
+    FastClipLoss,
+    StepLogs,
+    build_clip_loss,
+    logit_init,
+    logit_init_note,
+    resolve_clip,
+)
 from ..models import (
     CLIP,
     ClipSpec,
@@ -28,7 +37,7 @@ from ..optim import schedule
 from .base import Task
 from .clip_eval import evaluate_clip
 from .clip_step import ClipStep
-from .patch_dropout import PatchDropout
+from .patch_dropout import PatchDropout, is_main
 
 
 def check_init_options(m) -> None:
@@ -72,8 +81,15 @@ def spec_from_init(cfg, image_size: int, channels: int) -> tuple[ClipSpec, dict]
         open_clip=m.init_open_clip,
         quick_gelu=None if m.init_act == "auto" else m.init_act == "quick_gelu",
     )
-    # logit_scale itself comes from the file
-    return replace(spec, init_tau=cfg.clip.tau_init or 0.07), state
+    # logit_scale itself comes from the file (logit_bias too where it holds one: build_model)
+    return with_logit_init(spec, cfg.clip), state
+
+
+def with_logit_init(spec: ClipSpec, cfg_clip) -> ClipSpec:
+    """The spec's logit parameters for the configured loss (losses.logit_init): OpenCLIP's
+    logit_scale starts at 1 / init_tau (unused by FastCLIP); clip.loss=siglip adds logit_bias."""
+    tau, bias = logit_init(cfg_clip)
+    return replace(spec, init_tau=tau, logit_bias=bias)
 
 
 def spec_from_arch(cfg, image_size: int, channels: int) -> ClipSpec:
@@ -107,8 +123,7 @@ def spec_from_arch(cfg, image_size: int, channels: int) -> ClipSpec:
         )
     except KeyError as e:
         raise ConfigError(f"config: model.arch: {e.args[0]}") from None
-    # OpenCLIP's logit_scale starts at 1 / init_tau (unused by FastCLIP)
-    spec = replace(spec, init_tau=cfg.clip.tau_init or 0.07)
+    spec = with_logit_init(spec, cfg.clip)
     v, t = spec.vision, spec.text
     if v.image_size % v.patch_size:
         raise ConfigError(
@@ -215,7 +230,10 @@ class ClipTask(Task):
     def build_model(self, spec: ClipSpec):
         model = CLIP(spec)
         if self.init_state is not None:
-            model.load_state_dict(self.init_state, strict=True)
+            state = self.init_state
+            if spec.logit_bias is not None and "logit_bias" not in state:  # SigLIP's init
+                state = {**state, "logit_bias": model.logit_bias.detach().clone()}
+            model.load_state_dict(state, strict=True)
         return self.patch_dropout.build(set_drop_path_mode(model, self.cfg.model.drop_path_mode))
 
     def flops(self, spec: ClipSpec) -> int:
@@ -235,9 +253,10 @@ class ClipTask(Task):
 
     def info_extra(self, spec, model) -> dict:
         params, vision = count_params(model), count_params(model.visual)
+        logit = 1 if spec.logit_bias is None else 2  # logit_scale (and SigLIP's logit_bias)
         return {
             "vision_params": vision,
-            "text_params": params - vision - 1,
+            "text_params": params - vision - logit,
             "tokens": spec.vision.num_tokens,
             "context_length": spec.text.context_length,
         }
@@ -258,6 +277,9 @@ class ClipTask(Task):
         self, *, lr, dataset_size, total_steps, steps_per_epoch, device, group=None, lr_factor=None
     ) -> None:
         cfg = self.cfg
+        note = logit_init_note(cfg.clip)
+        if note and cfg.run.progress != "off" and is_main():
+            print(note, file=sys.stderr, flush=True)
         self.loss_module = build_clip_loss(
             cfg.clip,
             cfg.optim,
