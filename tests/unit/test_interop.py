@@ -81,7 +81,14 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
             lambda: from_timm({"foo.weight": torch.zeros(1)}),
             "not a timm VisionTransformer state dict",
         ),
-        (lambda: from_timm({**sd, "dist_token": torch.ones(1, 1, 32)}), "a distillation token"),
+        (
+            lambda: from_timm({**sd, "blocks.0.attn.lambda_q1": torch.ones(16)}),
+            "differential attention",
+        ),
+        (  # a distillation token needs its row in pos_embed
+            lambda: from_timm({**sd, "dist_token": torch.ones(1, 1, 32)}),
+            "pos_embed has 17 rows, which is no square patch grid",
+        ),
         (lambda: from_timm({**sd, "blocks.0.0.norm1.weight": torch.ones(32)}), "blocks in groups"),
         (
             lambda: from_timm({**sd, "blocks.0.ls1.gamma": torch.ones(32)}, heads=2),

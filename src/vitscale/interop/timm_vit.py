@@ -43,19 +43,10 @@ HEADS_BY_DIM = {96: 3, 128: 4, 192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}  # t
 IMPLEMENTED = "is not implemented by vitscale's ViT"
 # what the keys show, for a file that comes without config.json or architecture name
 UNSUPPORTED = {
-    "dist_token": "a distillation token (DeiT's distilled models: dist_token and a second head, head_dist)",
-    "head_dist": "a distillation token (DeiT's distilled models: dist_token and a second head, head_dist)",
-    "attn_pool": "attention pooling (global_pool='map', SigLIP's MAP head)",
     ".attns.": "parallel blocks (ParallelThingsBlock: attention and MLP branches side by side, the _18x2 models)",
     ".in_proj.": "parallel attention and MLP (ParallelScalingBlock)",
     ".attn_out_proj.": "parallel attention and MLP (ParallelScalingBlock)",
     "lambda_q1": "differential attention (attn_layer='diff')",
-    "mlp.fc1_g": "a gated MLP (SwiGLU / GluMlp)",
-    "q_norm": "q/k normalization (qk_norm=True)",
-    "k_norm": "q/k normalization (qk_norm=True)",
-    "attn.norm.": "norms inside attention and MLP (scale_attn_norm / scale_mlp_norm, BEiT-3)",
-    "mlp.norm.": "norms inside attention and MLP (scale_attn_norm / scale_mlp_norm, BEiT-3)",
-    "patch_embed.norm": "a patch-embedding norm (embed_norm_layer)",
 }
 # timm's VisionTransformer arguments and their defaults (timm 1.0.31)
 ARG_DEFAULTS = dict(
@@ -110,6 +101,9 @@ NEUTRAL = {
     "dtype",
 }
 ACTS = {
+    "silu": "silu",
+    "SiLU": "silu",
+    "swish": "silu",
     "gelu": "gelu",
     "gelu_tanh": "gelu_tanh",
     "quick_gelu": "quick_gelu",
@@ -139,6 +133,16 @@ EXPORT_ARGS = CORE_ARGS + (
     "pre_norm",
     "final_norm",
     "act_layer",
+    "norm_layer",
+    "mlp_layer",
+    "block_fn",
+    "qk_norm",
+    "scale_attn_norm",
+    "scale_mlp_norm",
+    "proj_bias",
+    "embed_norm_layer",
+    "pos_embed",
+    "pool_include_prefix",
 )
 # timm's preferred names
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
@@ -279,30 +283,47 @@ def _refusal(label: str, what: str) -> UserError:
     return UserError(f"timm ViT{label}: {what} {IMPLEMENTED}")
 
 
-def _check_args(a: dict, distilled: bool, label: str) -> None:
-    """One line naming the first thing in timm's arguments vitscale's ViT does not compute."""
-    if distilled:
-        raise _refusal(label, UNSUPPORTED["dist_token"])
+def norm_kind(value) -> tuple[str, float] | None:
+    """("layernorm" | "rmsnorm", eps) of a timm norm_layer argument; None for another norm."""
+    name, kw = _layer(value)
+    short = _short(name).replace("_", "").lower()
+    if short in ("", "layernorm"):
+        eps = norm_eps(value)
+        return None if eps is None else ("layernorm", eps)
+    if short == "rmsnorm":
+        return "rmsnorm", float(kw.get("eps", 1e-6))  # timm's RmsNorm default
+    return None
+
+
+def mlp_kind(value) -> str | None:
+    """vitscale's ViTSpec.mlp for a timm mlp_layer argument; None for an MLP it lacks. The gate's
+    activation is the model's act_layer (timm's Block passes it to the MLP)."""
+    name, kw = _layer(value)
+    short = _short(name)
+    if short == "GluMlp" and str(kw.get("gate_last")) == "False":  # timm's SwiGLUPacked
+        return "swiglu_packed"
+    return {"": "mlp", "Mlp": "mlp", "SwiGLU": "swiglu", "SwiGLUPacked": "swiglu_packed"}.get(short)
+
+
+def _check_args(a: dict, label: str) -> None:
+    """One line naming the first argument vitscale does not know."""
     unknown = sorted(set(a) - set(ARG_DEFAULTS) - NEUTRAL)
     if unknown:
         raise UserError(
             f"timm ViT{label}: the argument {unknown[0]}={a[unknown[0]]!r} is not known to vitscale"
         )
-    _check_layers(a, label)
-    _check_options(a, label)
 
 
-def _check_layers(a: dict, label: str) -> None:
-    """The layer classes (block_fn, attn_layer, mlp_layer, norm_layer, embed_layer): timm's
-    defaults, or those vitscale's ViT computes the same."""
+def _layer_options(a: dict, label: str) -> dict:
+    """The ViTSpec options of timm's layer classes (block_fn, attn_layer, mlp_layer, norm_layer,
+    embed_layer, embed_norm_layer); one line for one vitscale's ViT does not compute."""
     blocks = {
         "ParallelThingsBlock": UNSUPPORTED[".attns."],
         "ParallelScalingBlock": UNSUPPORTED[".in_proj."],
         "DiffParallelScalingBlock": "differential attention in parallel blocks (DiffParallelScalingBlock)",
-        "ResPostBlock": "post-norm blocks (ResPostBlock: the norm after each branch)",
     }
     block = _short(_layer(a["block_fn"])[0])
-    if block not in ("", "Block"):
+    if block not in ("", "Block", "ResPostBlock"):
         raise _refusal(label, blocks.get(block, f"the block type {block} (block_fn)"))
     attn = _layer(a["attn_layer"])[0]
     if _short(attn) not in ("", "Attention", "attention"):
@@ -310,63 +331,62 @@ def _check_layers(a: dict, label: str) -> None:
             label,
             UNSUPPORTED["lambda_q1"] if attn == "diff" else f"the attention {attn!r} (attn_layer)",
         )
-    mlp = _short(_layer(a["mlp_layer"])[0])
-    if mlp not in ("", "Mlp"):
+    mlp = mlp_kind(a["mlp_layer"])
+    if mlp is None:
+        raise _refusal(label, f"the MLP {a['mlp_layer']} (mlp_layer)")
+    norm = norm_kind(a["norm_layer"])
+    if norm is None:
+        raise _refusal(label, f"the norm {_short(_layer(a['norm_layer'])[0])} (norm_layer)")
+    if a["embed_norm_layer"] is not None and norm_kind(a["embed_norm_layer"]) != norm:
         raise _refusal(
             label,
-            f"a gated MLP ({mlp})"
-            if "Glu" in mlp or "GLU" in mlp
-            else f"the MLP {mlp} (mlp_layer)",
-        )
-    if norm_eps(a["norm_layer"]) is None:
-        norm = _short(_layer(a["norm_layer"])[0])
-        raise _refusal(
-            label,
-            "RMSNorm (norm_layer=RmsNorm)"
-            if "rms" in norm.lower()
-            else f"the norm {norm} (norm_layer)",
+            f"a patch-embedding norm ({a['embed_norm_layer']}) unlike the blocks' ({a['norm_layer']})",
         )
     if _short(_layer(a["embed_layer"])[0]) not in ("", "PatchEmbed"):
         raise _refusal(
             label, f"the patch embedding {_short(_layer(a['embed_layer'])[0])} (embed_layer)"
         )
+    return dict(
+        post_norm=block == "ResPostBlock",
+        mlp=mlp,
+        norm=norm[0],
+        norm_eps=norm[1],
+        embed_norm=a["embed_norm_layer"] is not None,
+    )
 
 
-def _check_options(a: dict, label: str) -> None:
-    """The remaining arguments: extra norms, biases, pooling, position embedding, activation."""
-    if a["embed_norm_layer"] is not None:
-        raise _refusal(label, UNSUPPORTED["patch_embed.norm"])
-    if a["qk_norm"]:
-        raise _refusal(label, UNSUPPORTED["q_norm"])
-    if a["scale_attn_norm"] or a["scale_mlp_norm"]:
-        raise _refusal(label, UNSUPPORTED["attn.norm."])
-    if not a["proj_bias"]:
-        raise _refusal(label, "projections without a bias (proj_bias=False)")
+def _options(a: dict, label: str) -> dict:
+    """The ViTSpec options of the remaining arguments: norms, biases, pooling, position embedding,
+    activation."""
     pool = a["global_pool"]
-    if pool in ("map", "prr"):
-        raise _refusal(label, UNSUPPORTED["attn_pool"].replace("'map'", repr(pool)))
-    if pool not in ("token", "avg"):
+    if pool == "prr":
+        raise _refusal(label, "attention pooling with a projection (global_pool='prr')")
+    if pool not in ("token", "avg", "map"):
         raise _refusal(
             label, f"global_pool={pool!r} ({'no pooling' if not pool else 'max pooling'})"
         )
-    if a["pool_include_prefix"] and pool == "avg":
-        raise _refusal(
-            label,
-            "an average that includes the class and register tokens (pool_include_prefix=True)",
-        )
-    if a["pos_embed"] != "learn":
-        raise _refusal(label, f"pos_embed={a['pos_embed']!r} (no learned position embedding)")
+    if a["pos_embed"] not in ("learn", "", "none"):
+        raise _refusal(label, f"pos_embed={a['pos_embed']!r}")
     act = _short(_layer(a["act_layer"])[0]) or "gelu"
     if act not in ACTS:
         raise _refusal(label, f"the activation {act} (act_layer)")
+    return dict(
+        qk_norm=bool(a["qk_norm"]),
+        attn_norm=bool(a["scale_attn_norm"]),
+        mlp_norm=bool(a["scale_mlp_norm"]),
+        proj_bias=bool(a["proj_bias"]),
+        pos_embed=a["pos_embed"] == "learn",
+        pool_prefix=bool(a["pool_include_prefix"]) and pool != "token",
+        act=ACTS[act],
+    )
 
 
 def _shape_facts(sd: dict) -> tuple[int, int, int, int]:
     """(width, input channels, patch size, depth) from the keys; one line when they are not a ViT's."""
-    if "patch_embed.proj.weight" not in sd or "pos_embed" not in sd:
+    if "patch_embed.proj.weight" not in sd or "blocks.0.attn.qkv.weight" not in sd:
         raise UserError(
             "timm ViT: not a timm VisionTransformer state dict (no patch_embed.proj.weight / "
-            f"pos_embed; its keys begin {first_keys(sd, 3)})"
+            f"blocks.0.attn.qkv.weight; its keys begin {first_keys(sd, 3)})"
         )
     w = sd["patch_embed.proj.weight"]
     if w.ndim != 4 or w.shape[-1] != w.shape[-2]:
@@ -385,13 +405,22 @@ def _shape_facts(sd: dict) -> tuple[int, int, int, int]:
     if (
         not layers
         or layers != set(range(len(layers)))
-        or f"blocks.{len(layers) - 1}.mlp.fc1.weight" not in sd
+        or f"blocks.{len(layers) - 1}.mlp.fc2.weight" not in sd
     ):
         raise UserError("timm ViT: the blocks are missing or not numbered 0..N-1")
     return w.shape[0], w.shape[1], w.shape[-1], len(layers)
 
 
-def _grid(sd: dict, prefix_rows: int, what: str) -> int:
+def mlp_hidden(sd: dict) -> int:
+    """timm's hidden_features = int(dim * mlp_ratio) of the first block's MLP (a packed SwiGLU's
+    fc1 gives all of them, a split one's fc1_x as many)."""
+    return sd.get("blocks.0.mlp.fc1_x.weight", sd.get("blocks.0.mlp.fc1.weight")).shape[0]
+
+
+def _grid(sd: dict, prefix_rows: int, what: str, size: int = 0) -> int:
+    """The patch grid's side: from pos_embed's rows, or without one `size` (img_size // patch)."""
+    if "pos_embed" not in sd:
+        return size
     rows = sd["pos_embed"].shape[1]
     g = math.isqrt(max(0, rows - prefix_rows))
     if rows <= prefix_rows or g * g != rows - prefix_rows:
@@ -424,10 +453,11 @@ def _spec_from_args(
 ) -> ViTSpec:
     a = {**ARG_DEFAULTS, **args}
     label = f" {source}"
-    _check_args(a, distilled, label)
+    _check_args(a, label)
+    layers, options = _layer_options(a, label), _options(a, label)
     dim, in_chans, patch, depth = _shape_facts(sd)
     patch_arg = a["patch_size"] if isinstance(a["patch_size"], int) else tuple(a["patch_size"])
-    hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
+    hidden = mlp_hidden(sd)
     for what, theirs, ours in (
         ("width (embed_dim)", a["embed_dim"], dim),
         ("depth", a["depth"], depth),
@@ -445,11 +475,13 @@ def _spec_from_args(
     heads = a["num_heads"]
     if dim % heads:
         raise UserError(f"timm ViT: width {dim} is not divisible by {heads} heads")
-    token, reg = bool(a["class_token"]), int(a["reg_tokens"] or 0)
-    head = "token" if a["global_pool"] == "token" else "pool"
-    fc_norm = a["global_pool"] == "avg" if a["fc_norm"] is None else bool(a["fc_norm"])
-    prefix_rows = 0 if a["no_embed_class"] else int(token) + reg
-    grid = _grid(sd, prefix_rows, f"{prefix_rows} rows for the class and register tokens")
+    token, reg = bool(a["class_token"]) or distilled, int(a["reg_tokens"] or 0)
+    pool = a["global_pool"]
+    head = {"token": "token", "map": "map"}.get(pool, "pool")
+    fc_norm = pool == "avg" if a["fc_norm"] is None else bool(a["fc_norm"])
+    prefix_rows = 0 if a["no_embed_class"] else int(token) + int(distilled) + reg
+    size = a["img_size"] if isinstance(a["img_size"], int) else a["img_size"][0]
+    grid = _grid(sd, prefix_rows, f"{prefix_rows} rows for the prefix tokens", size // patch)
     return ViTSpec(
         image_size=grid * patch,
         patch_size=patch,
@@ -464,12 +496,13 @@ def _spec_from_args(
         no_embed_class=bool(a["no_embed_class"]),
         class_token=None if token == (head == "token") else token,
         reg_tokens=reg,
-        layer_scale=float(a["init_values"] or 0.0),
+        layer_scale=0.0 if layers["post_norm"] else float(a["init_values"] or 0.0),
         qkv_bias=bool(a["qkv_bias"]),
         pre_norm=bool(a["pre_norm"]),
         final_norm=bool(a["final_norm"]),
-        norm_eps=norm_eps(a["norm_layer"]),
-        act=ACTS[_short(_layer(a["act_layer"])[0]) or "gelu"],
+        distilled=distilled,
+        **layers,
+        **options,
     )
 
 
@@ -477,11 +510,17 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
     """The spec the keys show, timm's defaults for what they leave open, announced in one line."""
     refuse_unsupported(sd, UNSUPPORTED, "timm ViT", "vitscale's ViT")
     dim, in_chans, patch, depth = _shape_facts(sd)
-    _refuse_norm_and_mlp(sd)
-    token = "cls_token" in sd
+    if "pos_embed" not in sd:
+        raise UserError(
+            "timm ViT: no pos_embed and no config.json: the image size (and any rotary "
+            "embedding) cannot be read from the keys; put the hub's config.json next to the file "
+            "or set model.init_arch"
+        )
+    layers, assumed = _layers_from_keys(sd)
+    token, distilled = "cls_token" in sd, "dist_token" in sd
     reg = sd["reg_token"].shape[1] if "reg_token" in sd else 0
     fc_norm = "fc_norm.weight" in sd
-    rows, prefix = sd["pos_embed"].shape[1], int(token) + reg
+    rows, prefix = sd["pos_embed"].shape[1], int(token) + int(distilled) + reg
     square = lambda n: n > 0 and math.isqrt(n) ** 2 == n  # noqa: E731
     no_embed_class = prefix > 0 and not square(rows - prefix) and square(rows)
     grid = _grid(
@@ -489,8 +528,7 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
         0 if no_embed_class else prefix,
         f"with {'a class token' if token else 'no class token'} and {reg} register tokens",
     )
-    head = "pool" if fc_norm or not token else "token"
-    assumed = []
+    head = "map" if "attn_pool.latent" in sd else "pool" if fc_norm or not token else "token"
     if prefix > 0 and square(rows - prefix) and square(rows):  # tiny grids only: 2x2 + 5 rows = 3x3
         assumed.append(
             f"rows for the class and register tokens in pos_embed (a {grid}x{grid} grid)"
@@ -501,7 +539,6 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
     if dim % heads:
         raise UserError(f"timm ViT: width {dim} is not divisible by {heads} heads")
     _announce_defaults(announce, assumed, head=head, token=token, fc_norm=fc_norm)
-    hidden = sd["blocks.0.mlp.fc1.weight"].shape[0]
     return ViTSpec(
         image_size=grid * patch,
         patch_size=patch,
@@ -510,7 +547,7 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
         dim=dim,
         depth=depth,
         heads=heads,
-        mlp_ratio=_mlp_ratio(dim, hidden),
+        mlp_ratio=_mlp_ratio(dim, mlp_hidden(sd)),
         head=head,
         fc_norm=fc_norm,
         no_embed_class=no_embed_class,
@@ -520,20 +557,35 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
         qkv_bias="blocks.0.attn.qkv.bias" in sd,
         pre_norm="norm_pre.weight" in sd,
         final_norm=fc_norm or "norm.weight" in sd,
+        distilled=distilled,
+        **layers,
     )
 
 
-def _refuse_norm_and_mlp(sd: dict) -> None:
-    """One line for an RMSNorm or a gated MLP, which the keys show by their shapes."""
-    if "blocks.0.norm1.weight" in sd and "blocks.0.norm1.bias" not in sd:
-        raise _refusal("", "RMSNorm (blocks.0.norm1 has a weight and no bias)")
-    fc1, fc2 = sd["blocks.0.mlp.fc1.weight"], sd.get("blocks.0.mlp.fc2.weight")
-    if fc2 is not None and fc1.shape[0] == 2 * fc2.shape[1]:
-        raise _refusal(
-            "",
-            f"a gated MLP (GluMlp: blocks.0.mlp.fc1 gives {fc1.shape[0]} features, fc2 takes "
-            f"{fc2.shape[1]})",
-        )
+def _layers_from_keys(sd: dict) -> tuple[dict, list[str]]:
+    """The block options the keys show (norms, MLP, biases), and what they leave open for the
+    announcement: an RMSNorm's eps, a gated MLP's activation."""
+    assumed = []
+    rms = "blocks.0.norm1.weight" in sd and "blocks.0.norm1.bias" not in sd
+    if rms:
+        assumed.append("RMSNorm eps 1e-6")
+    fc1, fc2 = sd.get("blocks.0.mlp.fc1.weight"), sd["blocks.0.mlp.fc2.weight"]
+    mlp = "swiglu" if "blocks.0.mlp.fc1_g.weight" in sd else "mlp"
+    if fc1 is not None and fc1.shape[0] == 2 * fc2.shape[1]:
+        mlp = "swiglu_packed"
+    if mlp != "mlp":
+        assumed.append(f"a SiLU gate in the {'packed ' if mlp == 'swiglu_packed' else ''}SwiGLU")
+    options = dict(
+        norm="rmsnorm" if rms else "layernorm",
+        mlp=mlp,
+        act="silu" if mlp != "mlp" else "gelu",
+        qk_norm="blocks.0.attn.q_norm.weight" in sd,
+        attn_norm="blocks.0.attn.norm.weight" in sd,
+        mlp_norm="blocks.0.mlp.norm.weight" in sd,
+        proj_bias="blocks.0.attn.proj.bias" in sd,
+        embed_norm="patch_embed.norm.weight" in sd,
+    )
+    return options, assumed
 
 
 def _announce_defaults(
@@ -543,6 +595,10 @@ def _announce_defaults(
     cannot show (activation, norm eps, pooling, pre-norm)."""
     if head == "token":
         pooling = "the class token's features, not the patch tokens' average"
+    elif head == "map":
+        pooling = (
+            "attention pooling (MAP) over the patch tokens, the class and register tokens left out"
+        )
     else:  # fc_norm keys (or no class token) say pooling, not which: 'avg', 'max' and fc_norm with 'token' all fit
         pooling = (
             f"the average of the patch tokens{', then fc_norm' if fc_norm else ''} as the feature "
@@ -550,8 +606,8 @@ def _announce_defaults(
         )
     assumed = [
         *assumed,
-        "exact GELU (not GELU-tanh or QuickGELU)",
-        "LayerNorm eps 1e-6",
+        "exact GELU (not GELU-tanh or QuickGELU)" if not any("SiLU" in a for a in assumed) else "",
+        "LayerNorm eps 1e-6" if not any("RMSNorm" in a for a in assumed) else "",
         pooling,
         "pre-norm blocks",
     ]
@@ -560,7 +616,7 @@ def _announce_defaults(
         "is assumed, and the file cannot confirm it: %s (timm's defaults; set model.init_arch to the timm "
         "architecture, e.g. vit_base_patch16_224, or put the hub's config.json next to the file)",
         announce,
-        ", ".join(assumed),
+        ", ".join(a for a in assumed if a),
     )
 
 
@@ -643,31 +699,61 @@ def _check_exportable(spec: ViTSpec) -> None:
         )
 
 
+def _class_args(spec: ViTSpec) -> tuple:
+    """What only an entry point can give timm's model (classes and an eps, which no JSON argument
+    can): the block type, the MLP, the norm and its eps."""
+    return ("ResPostBlock" if spec.post_norm else "", spec.mlp, spec.norm, spec.norm_eps)
+
+
+def _named_norm(spec: ViTSpec) -> bool:
+    """The spec's norm is one timm builds from its name alone (get_norm_layer: eps 1e-6)."""
+    return spec.norm_eps == 1e-6
+
+
+def _arch_class_args(args: dict) -> tuple | None:
+    block = _short(_layer(args.get("block_fn"))[0])
+    mlp = mlp_kind(args.get("mlp_layer"))
+    norm = norm_kind(args.get("norm_layer"))
+    if block not in ("", "ResPostBlock") or mlp is None or norm is None:
+        return None
+    return (block, mlp, *norm)
+
+
 def timm_export_arch(spec: ViTSpec) -> str:
     """A timm architecture whose entry point gives nothing that timm_kwargs does not override, except
-    its norm layer (whose eps no JSON argument can give): vit_base_patch16_224 for LayerNorm eps
-    1e-6, vit_base_patch16_clip_224 for 1e-5."""
+    what no JSON argument can give (_class_args: the norm layer and its eps, the MLP and block
+    classes): vit_base_patch16_224 for the 2021 ViT with LayerNorm eps 1e-6,
+    vit_base_patch16_clip_224 for 1e-5, else the first that fits (e.g. aimv2_* for RMSNorm and
+    SwiGLU)."""
     from .timm_archs import ARCHS
 
     _check_exportable(spec)
+    want = _class_args(spec)
     for name in ["vit_base_patch16_224", "vit_base_patch16_clip_224", *ARCHS]:
-        _, distilled, args = ARCHS[name]
+        module, distilled, args = ARCHS[name]
+        theirs = _arch_class_args(args)
         if (
-            not distilled
-            and set(args) <= set(EXPORT_ARGS) | {"norm_layer"}
-            and norm_eps(args.get("norm_layer")) == spec.norm_eps
+            distilled == spec.distilled
+            and set(args) <= set(EXPORT_ARGS)
+            and theirs is not None
+            and (theirs == want or (theirs[:2] == want[:2] and _named_norm(spec)))
         ):
             return name
-    raise UserError(f"export to timm: no timm ViT architecture has LayerNorm eps {spec.norm_eps}")
+    raise UserError(
+        f"export to timm: no timm ViT architecture has {spec.norm} eps {spec.norm_eps:g} with "
+        f"the {spec.mlp} MLP{' in post-norm blocks' if spec.post_norm else ''}"
+        f"{' and a distillation token' if spec.distilled else ''}"
+    )
 
 
 def timm_kwargs(spec: ViTSpec, arch: str = "vit_base_patch16_224") -> dict:
     """The `model_args` with which `timm.create_model(arch, **model_args)` builds the function of
     `spec` (arch from timm_export_arch): the sizes, plus every option that differs from timm's default
-    or that arch's entry point sets."""
+    or that arch's entry point sets (the classes come from the arch: timm_export_arch)."""
     from .timm_archs import ARCHS
 
     _check_exportable(spec)
+    pool = {"token": "token", "map": "map"}.get(spec.head, "avg")
     full = dict(
         img_size=spec.image_size,
         patch_size=spec.patch_size,
@@ -678,19 +764,40 @@ def timm_kwargs(spec: ViTSpec, arch: str = "vit_base_patch16_224") -> dict:
         num_heads=spec.heads,
         mlp_ratio=spec.mlp_ratio,
         qkv_bias=spec.qkv_bias,
-        class_token=spec.has_class_token,
-        global_pool="token" if spec.head == "token" else "avg",
+        class_token=spec.has_class_token and not spec.distilled,
+        global_pool=pool,
         fc_norm=spec.fc_norm,
         no_embed_class=spec.no_embed_class,
         reg_tokens=spec.reg_tokens,
-        init_values=spec.layer_scale or None,
+        init_values=(spec.layer_scale or None) if not spec.post_norm else None,
         pre_norm=spec.pre_norm,
         final_norm=spec.final_norm,
         act_layer=spec.act,
+        qk_norm=spec.qk_norm,
+        scale_attn_norm=spec.attn_norm,
+        scale_mlp_norm=spec.mlp_norm,
+        proj_bias=spec.proj_bias,
+        pos_embed="learn" if spec.pos_embed else "none",
+        pool_include_prefix=spec.pool_prefix,
     )
-    defaults = {**ARG_DEFAULTS, "fc_norm": full["global_pool"] == "avg", "act_layer": "gelu"}
+    if spec.distilled:
+        full.pop("class_token")
+    defaults = {**ARG_DEFAULTS, "fc_norm": pool == "avg", "act_layer": "gelu"}
     set_by_arch = set(ARCHS.get(split_arch(arch)[0], ("", False, {}))[2])
-    return {k: v for k, v in full.items() if k in CORE_ARGS or k in set_by_arch or v != defaults[k]}
+    out = {k: v for k, v in full.items() if k in CORE_ARGS or k in set_by_arch or v != defaults[k]}
+    args = ARCHS.get(split_arch(arch)[0], ("", False, {}))[2]
+    if norm_kind(args.get("norm_layer")) != (spec.norm, spec.norm_eps):
+        out["norm_layer"] = spec.norm  # timm's get_norm_layer name: eps 1e-6 (_named_norm)
+    if spec.embed_norm and norm_kind(args.get("embed_norm_layer")) != (spec.norm, spec.norm_eps):
+        if not _named_norm(spec):
+            raise UserError(
+                f"export to timm: no timm ViT architecture norms the patch embeddings with "
+                f"{spec.norm} eps {spec.norm_eps:g}"
+            )
+        out["embed_norm_layer"] = spec.norm
+    if not spec.embed_norm and "embed_norm_layer" in set_by_arch:
+        out["embed_norm_layer"] = None
+    return out
 
 
 def to_timm(model: VisionTransformer) -> dict[str, torch.Tensor]:
@@ -713,7 +820,7 @@ def timm_hub_config(
         "architecture": arch,
         "num_classes": spec.num_classes,
         "num_features": spec.dim,
-        "global_pool": "token" if spec.head == "token" else "avg",
+        "global_pool": {"token": "token", "map": "map"}.get(spec.head, "avg"),
         "model_args": kw,
         "pretrained_cfg": {
             "input_size": size,

@@ -3,9 +3,16 @@ attention_kernel looks at the device and dtype, to pick the fast attention backw
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .ffn import ACTIVATIONS, Mlp, activation, make_mlp, make_norm, mlp_tp_plan
+
+__all__ = ["ACTIVATIONS", "Mlp", "activation"]  # re-exported: their home is ffn.py
 
 
 def grid_to_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -28,9 +35,10 @@ class PatchEmbed(nn.Module):
         self.grid = image_size // patch_size
         self.num_patches = self.grid * self.grid
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size, bias=bias)
+        self.norm: nn.Module = nn.Identity()  # a norm of the embeddings (timm's embed_norm_layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return grid_to_tokens(self.proj(x))
+        return self.norm(grid_to_tokens(self.proj(x)))
 
 
 class BatchNorm2d(nn.BatchNorm2d):
@@ -171,10 +179,25 @@ def attention_kernel(q, k, v, dropout: float = 0.0, causal: bool = False):
 class Attention(nn.Module):
     """Multi-head self-attention; `fused` picks scaled_dot_product_attention (attention_kernel),
     else explicit math.
-    `causal`: token t attends to tokens <= t only (the CLIP text transformer)."""
+    `causal`: token t attends to tokens <= t only (the CLIP text transformer).
+    timm's options (all off by default, each a state-dict key of timm's): `qk_norm`, a norm of each
+    head's q and k (q_norm, k_norm over the head dimension); `out_norm`, a norm of the heads'
+    concatenated output before the projection (timm's scale_attn_norm, BEiT-3, EVA02's
+    scale_attn_inner: attn.norm); `qkv_bias` / `proj_bias`. `rope` (forward): a rotary position
+    embedding applied to q and k after their norms (models/rope.py)."""
 
     def __init__(
-        self, dim: int, heads: int, fused: bool = True, dropout: float = 0.0, causal: bool = False
+        self,
+        dim: int,
+        heads: int,
+        fused: bool = True,
+        dropout: float = 0.0,
+        causal: bool = False,
+        *,
+        qk_norm: nn.Module | None = None,
+        out_norm: nn.Module | None = None,
+        qkv_bias: bool = True,
+        proj_bias: bool = True,
     ):
         super().__init__()
         if dim % heads:
@@ -182,18 +205,27 @@ class Attention(nn.Module):
         self.heads, self.head_dim = heads, dim // heads
         self.scale = self.head_dim**-0.5
         self.fused = fused
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        if qk_norm is not None:  # one norm module per q and k, both over the head dimension
+            self.q_norm, self.k_norm = qk_norm, copy.deepcopy(qk_norm)
+        else:
+            self.q_norm = self.k_norm = None
+        self.norm = out_norm if out_norm is not None else nn.Identity()
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.dropout = dropout
         self.causal = causal
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         B, T, D = x.shape
         qkv = self.qkv(x)
         # this rank's heads: all of them, or under tensor parallelism its share (strategy/parallel.py)
         h = qkv.shape[-1] // (3 * self.head_dim)
         qkv = qkv.reshape(B, T, 3, h, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each [B, h, T, hd]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = rope(q), rope(k)
         p = self.dropout if self.training else 0.0
         if self.fused:
             x = attention_kernel(q, k, v, p, self.causal)
@@ -206,43 +238,7 @@ class Attention(nn.Module):
             if p:
                 attn = F.dropout(attn, p)
             x = attn @ v  # [B, h, T, hd]
-        return self.proj(x.transpose(1, 2).reshape(B, T, h * self.head_dim))
-
-
-class QuickGELU(nn.Module):
-    """x * sigmoid(1.702 x): the activation OpenAI's CLIP models were trained with (OpenCLIP's
-    `*-quickgelu` configurations)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.sigmoid(1.702 * x)
-
-
-class GELUTanh(nn.GELU):
-    """GELU with the tanh approximation (timm's gelu_tanh: the SigLIP models)."""
-
-    def __init__(self):
-        super().__init__(approximate="tanh")
-
-
-ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": GELUTanh, "quick_gelu": QuickGELU}
-
-
-def activation(name: str) -> nn.Module:
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unknown activation '{name}' (expected one of {', '.join(ACTIVATIONS)})")
-    return ACTIVATIONS[name]()
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, dropout: float = 0.0, act: str = "gelu"):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = activation(act)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+        return self.proj(self.norm(x.transpose(1, 2).reshape(B, T, h * self.head_dim)))
 
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -308,9 +304,46 @@ def set_drop_path_mode(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class BlockOptions:
+    """What a block is built from beyond its sizes (timm's Block arguments; the defaults are
+    vitscale's 2021 block). norm: "layernorm" | "rmsnorm" (every norm of the block); mlp: "mlp" |
+    "swiglu" | "swiglu_packed" (ffn.MLPS); mlp_norm: a norm over the MLP's hidden units
+    (scale_mlp_norm); out_norm: a norm of the attention's output before its projection
+    (scale_attn_norm); qk_norm: norms of q and k; layer_scale: per-channel scales of each branch
+    initialized to this value (timm's init_values; 0 = none); post_norm: the norms after each
+    branch instead of before it (timm's ResPostBlock: x + norm1(attn(x)))."""
+
+    norm: str = "layernorm"
+    eps: float = 1e-6
+    act: str = "gelu"
+    mlp: str = "mlp"
+    mlp_norm: bool = False
+    out_norm: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool = True
+    proj_bias: bool = True
+    layer_scale: float = 0.0
+    post_norm: bool = False
+
+
+class LayerScale(nn.Module):
+    """x * gamma, one learned scale per channel (timm's LayerScale: blocks.N.ls1/ls2.gamma)."""
+
+    def __init__(self, dim: int, init: float = 1e-5):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)). Stochastic depth of rate
-    `drop_path` on both branches, in `drop_path_mode` (residual)."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)); with layer scale
+    x + ls1(attn(norm1(x))) (CaiT, DeiT III, DINOv2); with post_norm x + norm1(attn(x)). Stochastic
+    depth of rate `drop_path` on both branches, in `drop_path_mode` (residual). `options`
+    (BlockOptions) names the norms, the MLP and timm's other variants; `eps` and `act` are its
+    shorthands for the 2021 block."""
 
     drop_path_mode = "mask"
 
@@ -325,36 +358,76 @@ class Block(nn.Module):
         causal: bool = False,
         eps: float = 1e-6,
         act: str = "gelu",
+        options: BlockOptions | None = None,
     ):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=eps)
-        self.attn = Attention(dim, heads, fused=fused_attn, dropout=dropout, causal=causal)
-        self.norm2 = nn.LayerNorm(dim, eps=eps)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), dropout=dropout, act=act)
+        o = options or BlockOptions(eps=eps, act=act)
+        self.options = o
+        norm = lambda n: make_norm(o.norm, n, o.eps)  # noqa: E731
+        self.norm1 = norm(dim)
+        self.attn = Attention(
+            dim,
+            heads,
+            fused=fused_attn,
+            dropout=dropout,
+            causal=causal,
+            qk_norm=norm(dim // heads) if o.qk_norm else None,
+            out_norm=norm(dim) if o.out_norm else None,
+            qkv_bias=o.qkv_bias,
+            proj_bias=o.proj_bias,
+        )
+        self.norm2 = norm(dim)
+        hidden = int(dim * mlp_ratio)
+        self.mlp = make_mlp(
+            o.mlp,
+            dim,
+            hidden,
+            dropout=dropout,
+            act=o.act,
+            norm=norm(hidden // 2 if o.mlp == "swiglu_packed" else hidden) if o.mlp_norm else None,
+            bias=o.proj_bias,
+        )
+        if o.layer_scale:
+            self.ls1, self.ls2 = LayerScale(dim, o.layer_scale), LayerScale(dim, o.layer_scale)
+        else:
+            self.ls1 = self.ls2 = None
         self.drop_path = drop_path
 
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         """Tensor parallelism's plan of the block (strategy/parallel.py): Megatron's split, q, k
         and v column-wise by heads (one fused weight: `colwise_qkv`), the projection row-wise, the
-        MLP's first layer column-wise and its second row-wise: one all-reduce per branch. With
-        `sequence_parallel` the norms run on this rank's share of the tokens (`sequence`), and each
-        all-reduce becomes a reduce-scatter and an all-gather."""
-        plan = {
-            "attn.qkv": "colwise_qkv",
-            "attn.proj": "rowwise",
-            "mlp.fc1": "colwise",
-            "mlp.fc2": "rowwise",
-        }
+        MLP's up-projections column-wise and its down-projection row-wise: one all-reduce per
+        branch. With `sequence_parallel` the norms run on this rank's share of the tokens
+        (`sequence`), and each all-reduce becomes a reduce-scatter and an all-gather."""
+        plan = {"attn.qkv": "colwise_qkv", "attn.proj": "rowwise", **mlp_tp_plan(self.mlp)}
         return {**plan, "norm1": "sequence", "norm2": "sequence"} if sequence_parallel else plan
 
-    def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn(self.norm1(x))
+    def tp_unsplittable(self) -> str:
+        """What in this block tensor parallelism cannot split ("" when nothing): a norm over every
+        head's output or every hidden unit at once needs them all on one rank."""
+        if self.options.out_norm:
+            return "norm of the attention's output (scale_attn_norm)"
+        if self.options.mlp_norm:
+            return "norm of the MLP's hidden units (scale_mlp_norm)"
+        return ""
+
+    def attn_branch(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        if self.options.post_norm:
+            return self.norm1(self.attn(x, rope))
+        y = self.attn(self.norm1(x), rope)
+        return y if self.ls1 is None else self.ls1(y)
 
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.norm2(x))
+        if self.options.post_norm:
+            return self.norm2(self.mlp(x))
+        y = self.mlp(self.norm2(x))
+        return y if self.ls2 is None else self.ls2(y)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = residual(x, self.attn_branch, self.drop_path, self.training, self.drop_path_mode)
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        """`rope`: None, or the rotation of q and k [B, h, T, hd] -> same (the model's rotary
+        position embedding for this forward's tokens: models/rope.py)."""
+        attn = self.attn_branch if rope is None else lambda y: self.attn_branch(y, rope)
+        x = residual(x, attn, self.drop_path, self.training, self.drop_path_mode)
         return residual(x, self.mlp_branch, self.drop_path, self.training, self.drop_path_mode)
 
 
@@ -378,12 +451,15 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False) -> dict[str, str]
     return plan
 
 
-def tp_widths(model: nn.Module) -> dict[str, int]:
+def tp_widths(model: nn.Module) -> dict[str, int | None]:
     """What tensor parallelism splits, by name: the attention heads and MLP widths of every block
-    (strategy.tp must divide each)."""
-    widths: dict[str, int] = {}
+    (strategy.tp must divide each); None for what it cannot split (Block.tp_unsplittable)."""
+    widths: dict[str, int | None] = {}
     for m in model.modules():
         if isinstance(m, Block):
-            widths[f"heads of a {m.attn.qkv.in_features}-wide block"] = m.attn.heads
-            widths[f"MLP width of a {m.attn.qkv.in_features}-wide block"] = m.mlp.fc1.out_features
+            width = m.attn.qkv.in_features
+            widths[f"heads of a {width}-wide block"] = m.attn.heads
+            widths[f"MLP width of a {width}-wide block"] = m.mlp.hidden
+            if m.tp_unsplittable():
+                widths[m.tp_unsplittable()] = None
     return widths

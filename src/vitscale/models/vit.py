@@ -9,7 +9,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers import Block, ConvStem, PatchEmbed, tp_plan
+from .ffn import make_norm
+from .layers import Block, BlockOptions, ConvStem, LayerScale, PatchEmbed, tp_plan
+from .pool import AttentionPool
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,8 @@ class ViTSpec:
     depth: int = 12
     heads: int = 12
     mlp_ratio: float = 4.0
-    head: str = "token"  # "token" (class token) | "pool" (global average of patch tokens)
+    head: str = "token"  # "token" (class token) | "pool" (global average of patch tokens) |
+    # "map" (attention pooling: one learned query, SigLIP's MAP head; timm's global_pool="map")
     attention: str = "sdpa"  # "sdpa" (fused scaled_dot_product_attention) | "explicit"
     stem: str = "patch"  # "patch" (one stride-p conv, as in ViT) | "conv" (3x3 conv stages)
     drop_path: float = 0.0
@@ -45,7 +48,23 @@ class ViTSpec:
     # pre_norm, CLIP's image towers)
     final_norm: bool = True  # False: no LayerNorm after the blocks (neither norm nor fc_norm)
     norm_eps: float = 1e-6  # every LayerNorm's eps (timm's CLIP models: 1e-5)
-    act: str = "gelu"  # the MLP activation: gelu | gelu_tanh | quick_gelu
+    act: str = "gelu"  # the MLP activation: gelu | gelu_tanh | quick_gelu | silu
+    # the blocks of the 2022-2025 encoders (SigLIP, DINOv2/v3, EVA02, PE, AIMv2; timm's arguments in
+    # brackets); the defaults are the 2021 ViT, so a spec saved before they existed loads the same
+    norm: str = "layernorm"  # every norm: "layernorm" | "rmsnorm" (timm's norm_layer=RmsNorm)
+    mlp: str = "mlp"  # "mlp" | "swiglu" (fc1_g, fc1_x) | "swiglu_packed" (one fc1; mlp_layer)
+    mlp_norm: bool = False  # a norm over the MLP's hidden units (scale_mlp_norm)
+    attn_norm: bool = False  # a norm of the attention's output before its projection
+    # (scale_attn_norm)
+    qk_norm: bool = False  # norms of each head's q and k (qk_norm)
+    proj_bias: bool = True  # the attention projection and the MLP's linears have biases (proj_bias)
+    post_norm: bool = False  # the norms after each branch: x + norm1(attn(x)) (ResPostBlock)
+    embed_norm: bool = False  # a norm of the patch embeddings (embed_norm_layer: AIMv2)
+    pos_embed: bool = True  # a learned absolute position embedding (pos_embed="none": False)
+    pool_prefix: bool = False  # head "pool"/"map" pools the class and register tokens too
+    # (pool_include_prefix)
+    distilled: bool = False  # DeiT's distillation token after the class token and a second head
+    # (head_dist); the output is the mean of both heads' logits, as timm's in evaluation
 
     @property
     def num_patches(self) -> int:
@@ -57,8 +76,24 @@ class ViTSpec:
 
     @property
     def num_prefix_tokens(self) -> int:
-        """Tokens before the patches: the class token and the register tokens."""
-        return int(self.has_class_token) + self.reg_tokens
+        """Tokens before the patches: the class, distillation and register tokens."""
+        return int(self.has_class_token) + int(self.distilled) + self.reg_tokens
+
+    def block_options(self) -> BlockOptions:
+        """What each block is built from (layers.BlockOptions)."""
+        return BlockOptions(
+            norm=self.norm,
+            eps=self.norm_eps,
+            act=self.act,
+            mlp=self.mlp,
+            mlp_norm=self.mlp_norm,
+            out_norm=self.attn_norm,
+            qk_norm=self.qk_norm,
+            qkv_bias=self.qkv_bias,
+            proj_bias=self.proj_bias,
+            layer_scale=self.layer_scale,
+            post_norm=self.post_norm,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -114,31 +149,13 @@ def drop_patches(x: torch.Tensor, prefix: int, p: float) -> torch.Tensor:
     return torch.cat([x[:, :prefix], kept], dim=1) if prefix else kept
 
 
-class LayerScale(nn.Module):
-    """x * gamma, one learned scale per channel (timm's LayerScale: blocks.N.ls1/ls2.gamma)."""
-
-    def __init__(self, dim: int, init: float = 1e-5):
-        super().__init__()
-        self.gamma = nn.Parameter(torch.full((dim,), float(init)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.gamma
-
-
 class LayerScaleBlock(Block):
-    """Block with layer scale (CaiT, DeiT III, DINOv2; timm's init_values):
-    x + ls1(attn(norm1(x))), then x + ls2(mlp(norm2(x)))."""
+    """A Block with layer scale 1e-5 (CaiT, DeiT III, DINOv2; timm's init_values): the shorthand
+    for Block(..., options=BlockOptions(layer_scale=...))."""
 
-    def __init__(self, dim: int, *args, **kwargs):
-        super().__init__(dim, *args, **kwargs)
-        self.ls1 = LayerScale(dim)
-        self.ls2 = LayerScale(dim)
-
-    def attn_branch(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ls1(self.attn(self.norm1(x)))
-
-    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ls2(self.mlp(self.norm2(x)))
+    def __init__(self, dim: int, *args, eps: float = 1e-6, act: str = "gelu", **kwargs):
+        options = BlockOptions(eps=eps, act=act, layer_scale=1e-5)
+        super().__init__(dim, *args, options=options, **kwargs)
 
 
 class VisionTransformer(nn.Module):
@@ -155,68 +172,79 @@ class VisionTransformer(nn.Module):
         super().__init__()
         if spec.head == "token" and not spec.has_class_token:
             raise ValueError("head='token' needs the class token (class_token=True)")
+        if spec.embed_norm and spec.stem != "patch":
+            raise ValueError("embed_norm=True norms the patch stem's embeddings: stem='patch'")
+        if spec.distilled and (spec.head != "token" or spec.reg_tokens):
+            raise ValueError("distilled=True reads the class and distillation tokens: head='token'")
         self.spec = spec
         D = spec.dim
+        norm = lambda: make_norm(spec.norm, D, spec.norm_eps)  # noqa: E731
         stem = ConvStem if spec.stem == "conv" else PatchEmbed
         self.patch_embed = stem(spec.image_size, spec.patch_size, spec.in_chans, D)
         if spec.pre_norm and isinstance(self.patch_embed, PatchEmbed):  # timm: bias=not pre_norm
             self.patch_embed.proj.register_parameter("bias", None)
+        if spec.embed_norm:  # timm's PatchEmbed(norm_layer=...): patch_embed.norm
+            self.patch_embed.norm = norm()
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if spec.has_class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, D)) if spec.distilled else None
         self.reg_token = (
             nn.Parameter(torch.zeros(1, spec.reg_tokens, D)) if spec.reg_tokens else None
         )
-        self.pos_embed = nn.Parameter(torch.zeros(1, spec.pos_tokens, D))
-        # a LayerNorm before the blocks: timm's pre_norm, and CLIP's image tower (ln_pre)
-        self.norm_pre = nn.LayerNorm(D, eps=spec.norm_eps) if spec.pre_norm else nn.Identity()
+        self.pos_embed = (
+            nn.Parameter(torch.zeros(1, spec.pos_tokens, D)) if spec.pos_embed else None
+        )
+        # a norm before the blocks: timm's pre_norm, and CLIP's image tower (ln_pre)
+        self.norm_pre = norm() if spec.pre_norm else nn.Identity()
         # rises with depth
         dpr = [spec.drop_path * i / max(1, spec.depth - 1) for i in range(spec.depth)]
-        block = LayerScaleBlock if spec.layer_scale else Block
+        options = spec.block_options()
         self.blocks = nn.ModuleList(
-            block(
+            Block(
                 D,
                 spec.heads,
                 spec.mlp_ratio,
                 fused_attn=spec.attention == "sdpa",
                 drop_path=dpr[i],
                 dropout=spec.dropout,
-                eps=spec.norm_eps,
-                act=spec.act,
+                options=options,
             )
             for i in range(spec.depth)
         )
-        if not spec.qkv_bias:
-            for blk in self.blocks:
-                blk.attn.qkv.register_parameter("bias", None)
-        # fc_norm: the LayerNorm moves after the pooling (timm's keys: no `norm`, a `fc_norm`)
-        self.norm = (
-            nn.LayerNorm(D, eps=spec.norm_eps)
-            if spec.final_norm and not spec.fc_norm
-            else nn.Identity()
+        # fc_norm: the norm moves after the pooling (timm's keys: no `norm`, a `fc_norm`)
+        self.norm = norm() if spec.final_norm and not spec.fc_norm else nn.Identity()
+        self.attn_pool = (
+            AttentionPool(D, spec.heads, spec.mlp_ratio, norm(), spec.act, spec.attention == "sdpa")
+            if spec.head == "map"
+            else None
         )
-        self.fc_norm = (
-            nn.LayerNorm(D, eps=spec.norm_eps) if spec.final_norm and spec.fc_norm else None
-        )
+        self.fc_norm = norm() if spec.final_norm and spec.fc_norm else None
         self.head = nn.Linear(D, spec.num_classes)
+        self.head_dist = nn.Linear(D, spec.num_classes) if spec.distilled else None
         self.grad_checkpointing = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """timm/DeiT-style init: truncated normal(0.02) weights, zero biases, unit norms."""
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        if self.cls_token is not None:
-            nn.init.normal_(self.cls_token, std=1e-6)
-        if self.reg_token is not None:
-            nn.init.normal_(self.reg_token, std=1e-6)
+        if self.pos_embed is not None:
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        for token in (self.cls_token, self.reg_token):
+            if token is not None:
+                nn.init.normal_(token, std=1e-6)
+        if self.dist_token is not None:
+            nn.init.trunc_normal_(self.dist_token, std=0.02)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
+            elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
                 nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
             elif isinstance(m, LayerScale):
                 nn.init.constant_(m.gamma, self.spec.layer_scale)
+        if self.attn_pool is not None:
+            self.attn_pool.reset_parameters()
         if isinstance(self.patch_embed, PatchEmbed):
             w = self.patch_embed.proj.weight  # like a Linear over the flattened patch
             nn.init.trunc_normal_(w.view(w.shape[0], -1), std=0.02)
@@ -236,19 +264,25 @@ class VisionTransformer(nn.Module):
         return tp_plan(self, sequence_parallel)
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token"} | ({"reg_token"} if self.reg_token is not None else set())
+        tokens = ("pos_embed", "cls_token", "dist_token", "reg_token")
+        return {t for t in tokens if getattr(self, t) is not None}
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C, H, W] -> [B, prefix + N, D]: the patch embeddings with the class, distillation
+        and register tokens before them and the position embedding added (timm's _pos_embed)."""
         x = self.patch_embed(x)  # [B, N, D]
-        if self.spec.no_embed_class:
+        if self.pos_embed is not None and self.spec.no_embed_class:
             x = x + self.pos_embed
-        prefix = [
-            t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None
-        ]
+        tokens = (self.cls_token, self.dist_token, self.reg_token)
+        prefix = [t.expand(x.shape[0], -1, -1) for t in tokens if t is not None]
         if prefix:
             x = torch.cat([*prefix, x], dim=1)  # [B, prefix + N, D]
-        if not self.spec.no_embed_class:
+        if self.pos_embed is not None and not self.spec.no_embed_class:
             x = x + self.pos_embed
+        return x
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
         if self.patch_dropout and self.training:  # [B, prefix + k, D]
             x = drop_patches(x, self.spec.num_prefix_tokens, self.patch_dropout)
         x = self.norm_pre(x)
@@ -259,12 +293,22 @@ class VisionTransformer(nn.Module):
                 x = blk(x)
         return self.norm(x)  # [B, T, D]
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] -> [B, D] (timm's pool): the class token's features, the mean of the patch
+        tokens or their attention pooling (the class and register tokens left out unless
+        pool_prefix)."""
         if self.spec.head == "token":
-            x = x[:, 0]  # [B, D]
-        else:  # the mean of the patch tokens (timm: the class and register tokens left out)
-            prefix = self.spec.num_prefix_tokens
-            x = (x[:, prefix:] if prefix else x).mean(dim=1)
+            return x[:, 0]
+        prefix = 0 if self.spec.pool_prefix else self.spec.num_prefix_tokens
+        x = x[:, prefix:] if prefix else x
+        return self.attn_pool(x) if self.attn_pool is not None else x.mean(dim=1)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.head_dist is not None:  # DeiT's distilled model: the mean of both heads
+            if pre_logits:
+                return (x[:, 0] + x[:, 1]) / 2
+            return (self.head(x[:, 0]) + self.head_dist(x[:, 1])) / 2
+        x = self.pool(x)
         if self.fc_norm is not None:
             x = self.fc_norm(x)
         return x if pre_logits else self.head(x)

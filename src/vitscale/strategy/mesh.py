@@ -141,12 +141,18 @@ def mesh_text(sizes) -> str:
     return " x ".join(f"{d}={v}" for d, v in zip(DIMS, sizes))
 
 
-def tp_refusal(shape: MeshShape, widths: dict[str, int]) -> str | None:
+def tp_refusal(shape: MeshShape, widths: dict[str, int | None]) -> str | None:
     """Where strategy.tp does not divide what tensor parallelism splits (`widths`: the model's
-    head counts and hidden widths by name), one line; else None."""
+    head counts and hidden widths by name; None: a part it cannot split), one line; else None."""
     if shape.tp == 1:
         return None
     for what, n in widths.items():
+        if n is None:
+            return (
+                f"config: strategy.tp={shape.tp}: the model has a {what}, which tensor "
+                "parallelism cannot split (it needs every head or hidden unit on one rank); "
+                "use strategy.tp=1"
+            )
         if n % shape.tp:
             return (
                 f"config: strategy.tp={shape.tp} does not divide the model's {what} ({n}): "

@@ -48,19 +48,25 @@ def styles(sequence_parallel: bool = False) -> dict[str, Any]:
 
     stream = Shard(1) if sequence_parallel else Replicate()
 
-    class FusedQKV(ColwiseParallel):
-        """Column-wise over a fused [q; k; v] weight: rank r holds the rows of its heads in each
-        of the three ([q_r; k_r; v_r]), a strided shard of the whole (split_factor 3), and its
-        output stays that shard (not redistributed to a contiguous one)."""
+    class Fused(ColwiseParallel):
+        """Column-wise over a weight of `parts` stacked blocks ([q; k; v], or a packed SwiGLU's
+        [gate; value]): rank r holds its rows of each block ([q_r; k_r; v_r]), a strided shard of
+        the whole (split_factor = parts), and its output stays that shard (not redistributed to a
+        contiguous one)."""
 
-        def __init__(self):
-            super().__init__(input_layouts=stream, output_layouts=_StridedShard(-1, split_factor=3))
+        def __init__(self, parts: int):
+            super().__init__(
+                input_layouts=stream, output_layouts=_StridedShard(-1, split_factor=parts)
+            )
+            self.parts = parts
 
         def _partition_linear_fn(self, name, module, device_mesh):
             for pname, param in module.named_parameters():
                 # the bias replicated: the linear slices it to the output's shard, and FSDP2 then
                 # shards it plainly over the data-parallel ranks
-                placement = _StridedShard(0, split_factor=3) if pname == "weight" else Replicate()
+                placement = (
+                    _StridedShard(0, split_factor=self.parts) if pname == "weight" else Replicate()
+                )
                 dist_param = nn.Parameter(
                     distribute_tensor(param, device_mesh, [placement]),
                     requires_grad=param.requires_grad,
@@ -72,7 +78,8 @@ def styles(sequence_parallel: bool = False) -> dict[str, Any]:
     return {
         "colwise": lambda: ColwiseParallel(input_layouts=stream),
         "rowwise": lambda: RowwiseParallel(output_layouts=stream, use_local_output=False),
-        "colwise_qkv": FusedQKV,
+        "colwise_qkv": lambda: Fused(3),
+        "colwise_glu": lambda: Fused(2),
         "sequence": lambda: SequenceParallel(use_local_output=False),
         "sequence_in": lambda: PrepareModuleInput(**split, use_local_output=False),
         "sequence_out": lambda: PrepareModuleOutput(**whole, use_local_output=False),
