@@ -22,6 +22,8 @@ from vitscale.cli import main
             1e-5,
         ),  # each rank half the table
         ("fastclip_v3", ["strategy.name=deepspeed", "strategy.zero_stage=2"], 1e-5),
+        ("siglip", ["strategy.name=ddp"], 1e-5),  # the text blocks' exchange and its backward
+        ("siglip", ["strategy.name=fsdp"], 1e-5),  # logit_bias [1] sharded beside logit_scale
     ],
 )
 def test_two_ranks_match_single_process(tmp_path, loss, extra, tol):
@@ -44,6 +46,7 @@ def test_two_ranks_match_single_process(tmp_path, loss, extra, tol):
     assert d <= tol, d
     assert_loss_state_close(out, one)  # the bound derived in helpers.py
     # the loss's collectives per step in the metrics: FastCLIP's formulas (SOURCES.md) at K=2, b=8, d=32
+    # (SigLIP: (K-1) b d text features exchanged forward, as many gradients backward)
     k, b, d = 2, 8, 32
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     comm = {
@@ -51,7 +54,7 @@ def test_two_ranks_match_single_process(tmp_path, loss, extra, tol):
         for r in rows
         if r["kind"] == "train"
     }
-    scalars = {"openclip": 0, "fastclip_v3": 4, "fastclip_v2": 7}[loss] * (k - 1) * b
+    scalars = {"openclip": 0, "siglip": 0, "fastclip_v3": 4, "fastclip_v2": 7}[loss] * (k - 1) * b
     if "clip.shard_state=true" in extra:  # + the index gather and the rows' all_reduce (6 columns)
         scalars += (k - 1) * b + 2 * (k - 1) * b * 6
     assert comm == {((4 if loss == "openclip" else 2) * (k - 1) * b * d, scalars)}, comm
