@@ -92,11 +92,19 @@ FASTCLIP_KEYS = (
 def refuse_fastclip_keys(cfg_clip) -> None:
     """clip.loss=siglip with a FastCLIP-only key set away from its default: one line naming it."""
     for f in fields(cfg_clip):
-        if f.name in FASTCLIP_KEYS and getattr(cfg_clip, f.name) != f.default:
+        value = getattr(cfg_clip, f.name)
+        if f.name in FASTCLIP_KEYS and value != f.default:
             raise ConfigError(
-                f"config: clip.{f.name} is a FastCLIP key; clip.loss=siglip does not read it "
-                "(leave it unset)"
+                f"config: clip.{f.name}={_toml(value)} is a FastCLIP key; clip.loss=siglip does "
+                f"not read it (leave it out, or --set clip.{f.name}={_toml(f.default)})"
             )
+
+
+def _toml(v) -> str:
+    """A value as --set writes it."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def logit_init(cfg_clip) -> tuple[float, float | None]:
