@@ -120,10 +120,19 @@ def close(a: torch.Tensor, b: torch.Tensor, ulps: float) -> None:
 def check_against_timm(name: str, dtype: torch.dtype, ulps: float, keep: bool = False) -> None:
     rope_kw, head_dim, prefix, dynamic = CONFIGS[name]
     torch.manual_seed(0)
-    model = tiny_eva(rope_kw, head_dim, prefix, dynamic or dtype == torch.float64, dtype).eval()
+    # "cat" in float64: timm's fixed-size Eva computes its rope in float32 at build and a float64
+    # copy of the model (.double()) keeps those values; vitscale's RopeCat keeps float32 bands
+    cat64 = dtype == torch.float64 and rope_kw.get("rope_type", "cat") == "cat" and not dynamic
+    build = torch.float32 if cat64 else dtype
+    model = tiny_eva(rope_kw, head_dim, prefix, dynamic or build == torch.float64, build).eval()
     variant, mine = vitscale_rope(rope_kw, head_dim, model, dtype)
     mine.eval()  # Sapiens2 augments its dinov3 coordinates in training
-    theirs = timm_rope_of(model) if dtype == torch.float32 else model.rope.get_embed(GRID, dtype)
+    if cat64:
+        theirs = timm_rope_of(model).to(dtype)
+    elif dtype == torch.float32:
+        theirs = timm_rope_of(model)
+    else:
+        theirs = model.rope.get_embed(GRID, dtype)
     ours = mine.get_embed(GRID, dtype if dtype == torch.float64 else None)
     close(ours, theirs, ulps)
     n = GRID[0] * GRID[1]
@@ -208,7 +217,9 @@ def timm_direct(variant: str, kw: dict, head_dim: int = 16, dtype=None):
 @pytest.mark.parametrize("variant,theirs_kw,ours_kw", DIRECT)
 def test_options_no_eva_model_uses(variant, theirs_kw, ours_kw, dtype):
     torch.manual_seed(0)
-    theirs = timm_direct(variant, theirs_kw, dtype=dtype)
+    # "cat" keeps float32 bands in a float64 model, as timm's fixed-size Eva computes its rope in
+    # float32 whatever the model's dtype later: its float64 embedding is timm's float32 class's
+    theirs = timm_direct(variant, theirs_kw, dtype=torch.float32 if variant == "cat" else dtype)
     ours = build_rope(variant, 16, 2, 3, **ours_kw).to(dtype)
     ours.load_state_dict(theirs.state_dict(), strict=True)
     for grid in (GRID, (5, 5)):

@@ -36,6 +36,15 @@ import torch
 from ..errors import UserError, did_you_mean
 from ..models.vit import VisionTransformer, ViTSpec
 from .files import first_keys, refuse_unsupported
+from .timm_args import mlp_kind, mlp_ratio_for, norm_kind, parse_layer, short_name
+from .timm_eva import (
+    eva_export_arch,
+    eva_kwargs,
+    eva_spec,
+    eva_to_vitscale,
+    uses_eva,
+    vitscale_to_eva,
+)
 
 log = logging.getLogger("vitscale.interop")
 
@@ -207,8 +216,8 @@ def arch_entry(name: str, where: str = "model.init_arch") -> tuple[str, bool, di
     base, _ = split_arch(name)
     if base not in ARCHS:
         raise UserError(
-            f"{where}: '{name}' is not one of timm {TIMM_VERSION}'s vision_transformer / deit "
-            f"architectures{did_you_mean(base, ARCHS)}"
+            f"{where}: '{name}' is not one of timm {TIMM_VERSION}'s vision_transformer / deit / "
+            f"eva architectures{did_you_mean(base, ARCHS)}"
         )
     return ARCHS[base]
 
@@ -248,61 +257,8 @@ def timm_source(config: dict | None = None, arch: str = "") -> tuple[dict | None
 
 
 # -- reading timm's arguments ------------------------------------------------------------------------
-def _layer(v) -> tuple[str, dict]:
-    """("LayerNorm", {"eps": 1e-05}) from "timm.layers.norm.LayerNorm(eps=1e-05)" (timm_archs.py's
-    text for a partial), ("gelu_tanh", {}) from a plain name; ("", {}) for None."""
-    if v is None:
-        return "", {}
-    m = re.fullmatch(r"([\w.]+)\((.*)\)", str(v))
-    name, inner = (m.group(1), m.group(2)) if m else (str(v), "")
-    kwargs = {}
-    for part in filter(None, (p.strip() for p in inner.split(","))):
-        k, _, val = part.partition("=")
-        try:
-            kwargs[k.strip()] = float(val)
-        except ValueError:
-            kwargs[k.strip()] = val.strip()
-    return name, kwargs
-
-
-def _short(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
-
-
-def norm_eps(value) -> float | None:
-    """The LayerNorm eps a timm norm_layer argument means; None for another norm."""
-    name, kw = _layer(value)
-    if name and _short(name).lower() != "layernorm":
-        return None
-    # torch's nn.LayerNorm; timm's LayerNorm, "layernorm"
-    default = 1e-5 if name.startswith("torch.") else 1e-6
-    return float(kw.get("eps", default))
-
-
 def _refusal(label: str, what: str) -> UserError:
     return UserError(f"timm ViT{label}: {what} {IMPLEMENTED}")
-
-
-def norm_kind(value) -> tuple[str, float] | None:
-    """("layernorm" | "rmsnorm", eps) of a timm norm_layer argument; None for another norm."""
-    name, kw = _layer(value)
-    short = _short(name).replace("_", "").lower()
-    if short in ("", "layernorm"):
-        eps = norm_eps(value)
-        return None if eps is None else ("layernorm", eps)
-    if short == "rmsnorm":
-        return "rmsnorm", float(kw.get("eps", 1e-6))  # timm's RmsNorm default
-    return None
-
-
-def mlp_kind(value) -> str | None:
-    """vitscale's ViTSpec.mlp for a timm mlp_layer argument; None for an MLP it lacks. The gate's
-    activation is the model's act_layer (timm's Block passes it to the MLP)."""
-    name, kw = _layer(value)
-    short = _short(name)
-    if short == "GluMlp" and str(kw.get("gate_last")) == "False":  # timm's SwiGLUPacked
-        return "swiglu_packed"
-    return {"": "mlp", "Mlp": "mlp", "SwiGLU": "swiglu", "SwiGLUPacked": "swiglu_packed"}.get(short)
 
 
 def _check_args(a: dict, label: str) -> None:
@@ -322,11 +278,11 @@ def _layer_options(a: dict, label: str) -> dict:
         "ParallelScalingBlock": UNSUPPORTED[".in_proj."],
         "DiffParallelScalingBlock": "differential attention in parallel blocks (DiffParallelScalingBlock)",
     }
-    block = _short(_layer(a["block_fn"])[0])
+    block = short_name(parse_layer(a["block_fn"])[0])
     if block not in ("", "Block", "ResPostBlock"):
         raise _refusal(label, blocks.get(block, f"the block type {block} (block_fn)"))
-    attn = _layer(a["attn_layer"])[0]
-    if _short(attn) not in ("", "Attention", "attention"):
+    attn = parse_layer(a["attn_layer"])[0]
+    if short_name(attn) not in ("", "Attention", "attention"):
         raise _refusal(
             label,
             UNSUPPORTED["lambda_q1"] if attn == "diff" else f"the attention {attn!r} (attn_layer)",
@@ -336,15 +292,18 @@ def _layer_options(a: dict, label: str) -> dict:
         raise _refusal(label, f"the MLP {a['mlp_layer']} (mlp_layer)")
     norm = norm_kind(a["norm_layer"])
     if norm is None:
-        raise _refusal(label, f"the norm {_short(_layer(a['norm_layer'])[0])} (norm_layer)")
+        raise _refusal(
+            label, f"the norm {short_name(parse_layer(a['norm_layer'])[0])} (norm_layer)"
+        )
     if a["embed_norm_layer"] is not None and norm_kind(a["embed_norm_layer"]) != norm:
         raise _refusal(
             label,
             f"a patch-embedding norm ({a['embed_norm_layer']}) unlike the blocks' ({a['norm_layer']})",
         )
-    if _short(_layer(a["embed_layer"])[0]) not in ("", "PatchEmbed"):
+    if short_name(parse_layer(a["embed_layer"])[0]) not in ("", "PatchEmbed"):
         raise _refusal(
-            label, f"the patch embedding {_short(_layer(a['embed_layer'])[0])} (embed_layer)"
+            label,
+            f"the patch embedding {short_name(parse_layer(a['embed_layer'])[0])} (embed_layer)",
         )
     return dict(
         post_norm=block == "ResPostBlock",
@@ -367,7 +326,7 @@ def _options(a: dict, label: str) -> dict:
         )
     if a["pos_embed"] not in ("learn", "", "none"):
         raise _refusal(label, f"pos_embed={a['pos_embed']!r}")
-    act = _short(_layer(a["act_layer"])[0]) or "gelu"
+    act = short_name(parse_layer(a["act_layer"])[0]) or "gelu"
     if act not in ACTS:
         raise _refusal(label, f"the activation {act} (act_layer)")
     return dict(
@@ -430,13 +389,6 @@ def _grid(sd: dict, prefix_rows: int, what: str, size: int = 0) -> int:
     return g
 
 
-def _mlp_ratio(dim: int, hidden: int, ratio: float | None = None) -> float:
-    """timm's mlp_ratio for `hidden` = int(dim * mlp_ratio) (the given one when it gives `hidden`)."""
-    if ratio is not None and int(dim * ratio) == hidden:
-        return float(ratio)
-    return hidden / dim if int(dim * (hidden / dim)) == hidden else (hidden + 0.5) / dim
-
-
 def _num_classes(sd: dict, num_classes: int) -> int:
     if "head.weight" in sd:
         return sd["head.weight"].shape[0]
@@ -490,7 +442,7 @@ def _spec_from_args(
         dim=dim,
         depth=depth,
         heads=heads,
-        mlp_ratio=_mlp_ratio(dim, hidden, a["mlp_ratio"]),
+        mlp_ratio=mlp_ratio_for(dim, hidden, a["mlp_ratio"]),
         head=head,
         fc_norm=fc_norm and a["final_norm"],
         no_embed_class=bool(a["no_embed_class"]),
@@ -547,7 +499,7 @@ def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> Vi
         dim=dim,
         depth=depth,
         heads=heads,
-        mlp_ratio=_mlp_ratio(dim, mlp_hidden(sd)),
+        mlp_ratio=mlp_ratio_for(dim, mlp_hidden(sd)),
         head=head,
         fc_norm=fc_norm,
         no_embed_class=no_embed_class,
@@ -610,6 +562,7 @@ def _announce_defaults(
         "LayerNorm eps 1e-6" if not any("RMSNorm" in a for a in assumed) else "",
         pooling,
         "pre-norm blocks",
+        "no rotary position embedding (timm's eva family has one that no key shows)",
     ]
     log.warning(
         "%s: no config.json beside the weights and no architecture name, so what the weights leave open "
@@ -641,6 +594,40 @@ def check_keys(sd: dict, spec: ViTSpec, where: str = "timm ViT") -> None:
             )
 
 
+def source_module(config: dict | None = None, arch: str = "") -> str:
+    """timm's module of the architecture the config.json or name gives ("vision_transformer",
+    "deit", "eva"); "" without either."""
+    name = str(config["architecture"]) if config is not None else arch
+    return (
+        arch_entry(name, "config.json" if config is not None else "model.init_arch")[0]
+        if name
+        else ""
+    )
+
+
+def timm_state_dict(sd: dict, config: dict | None = None, arch: str = "") -> dict:
+    """The state dict in vitscale's names: timm's vision_transformer / deit keys are already, the
+    eva family's are converted (timm_eva.eva_to_vitscale)."""
+    if source_module(config, arch) == "eva":
+        return eva_to_vitscale(sd)
+    return sd
+
+
+def _eva_spec(sd: dict, args: dict, source: str, heads: int, num_classes: int) -> ViTSpec:
+    label = f" {source}"
+    dim, in_chans, patch, depth = _shape_facts(sd)
+    norm = norm_kind(args.get("norm_layer"))
+    if norm is None:
+        raise UserError(f"timm Eva{label}: the norm {args.get('norm_layer')} is not implemented")
+    n = args.get("num_heads", 12)
+    if heads and heads != n:
+        raise UserError(f"timm Eva{label}: model.heads={heads}, but the architecture has {n} heads")
+    if dim % n:
+        raise UserError(f"timm Eva{label}: width {dim} is not divisible by {n} heads")
+    facts = (dim, in_chans, patch, depth, mlp_hidden(sd), norm, n)
+    return eva_spec(sd, args, label, facts, _num_classes(sd, num_classes))
+
+
 def timm_vit_spec(
     sd: dict,
     heads: int = 0,
@@ -654,10 +641,21 @@ def timm_vit_spec(
     leave open comes from `config` (timm's hub config.json) or `arch` (a timm architecture name);
     without either, from timm's defaults, announced in one line (prefixed with `announce`).
     `heads`: model.heads (refused when it contradicts the architecture). `num_classes`: for a
-    checkpoint without a classifier (timm's num_classes=0); a head it has wins."""
+    checkpoint without a classifier (timm's num_classes=0); a head it has wins. `sd` in timm's
+    names (an eva model's converted here)."""
     args, distilled, source, _ = timm_source(config, arch)
+    sd = timm_state_dict(sd, config, arch)
     if args is None:
+        eva = [k for k in sd if re.search(r"gamma_1|q_bias|rope\.|\.q_proj\.", k)]
+        if eva:
+            raise UserError(
+                f"timm Eva weights ({first_keys(eva, 1)}): their rotary embedding, pooling and "
+                "norms are not in the keys; put the hub's config.json next to the file or set "
+                "model.init_arch (e.g. eva02_base_patch14_224, vit_base_patch16_dinov3)"
+            )
         spec = _spec_from_keys(sd, heads, num_classes, announce)
+    elif source_module(config, arch) == "eva":
+        spec = _eva_spec(sd, args, source, heads, num_classes)
     else:
         spec = _spec_from_args(sd, args, distilled, source, heads, num_classes)
     check_keys(sd, spec, "timm ViT" + (f" {source}" if source else ""))
@@ -673,12 +671,13 @@ def from_timm(
     arch: str = "",
     **spec_overrides,
 ) -> VisionTransformer:
-    """vitscale's ViT holding a timm ViT state dict's weights (the same function, in fp32).
-    `config` / `arch`: see timm_vit_spec. `spec_overrides` (e.g. attention="explicit",
-    drop_path=0.1) change nothing in the weights."""
+    """vitscale's ViT holding a timm ViT state dict's weights (the same function, in fp32): timm's
+    vision_transformer, deit and eva families. `config` / `arch`: see timm_vit_spec.
+    `spec_overrides` (e.g. attention="explicit", drop_path=0.1) change nothing in the weights."""
     spec = replace(
         timm_vit_spec(sd, heads, num_classes, config=config, arch=arch), **spec_overrides
     )
+    sd = timm_state_dict(sd, config, arch)
     theirs = {k: v.detach().to(torch.float32, copy=True) for k, v in sd.items()}
     if "head.weight" not in sd:  # a new head: initialized as vitscale initializes one
         model = VisionTransformer(spec)
@@ -688,6 +687,11 @@ def from_timm(
     with torch.device("meta"):
         model = VisionTransformer(spec)
     model.load_state_dict(theirs, strict=True, assign=True)
+    if model.rope is not None:  # its non-persistent buffers: not in the file
+        model.rope.to_empty(device="cpu")
+        model.rope.reset_parameters()
+        if "rope.freqs" in theirs:
+            model.rope.load_state_dict({"freqs": theirs["rope.freqs"]})
     return model
 
 
@@ -711,7 +715,7 @@ def _named_norm(spec: ViTSpec) -> bool:
 
 
 def _arch_class_args(args: dict) -> tuple | None:
-    block = _short(_layer(args.get("block_fn"))[0])
+    block = short_name(parse_layer(args.get("block_fn"))[0])
     mlp = mlp_kind(args.get("mlp_layer"))
     norm = norm_kind(args.get("norm_layer"))
     if block not in ("", "ResPostBlock") or mlp is None or norm is None:
@@ -733,7 +737,8 @@ def timm_export_arch(spec: ViTSpec) -> str:
         module, distilled, args = ARCHS[name]
         theirs = _arch_class_args(args)
         if (
-            distilled == spec.distilled
+            module != "eva"
+            and distilled == spec.distilled
             and set(args) <= set(EXPORT_ARGS)
             and theirs is not None
             and (theirs == want or (theirs[:2] == want[:2] and _named_norm(spec)))
@@ -801,10 +806,12 @@ def timm_kwargs(spec: ViTSpec, arch: str = "vit_base_patch16_224") -> dict:
 
 
 def to_timm(model: VisionTransformer) -> dict[str, torch.Tensor]:
-    """The state dict timm's VisionTransformer of the same configuration loads (fp32, CPU): the keys
-    are timm's already; see timm_hub_config for the model that takes them."""
+    """The state dict timm's VisionTransformer (or Eva: timm_eva.uses_eva) of the same configuration
+    loads (fp32, CPU): a ViT's keys are timm's already, an Eva's are converted; see timm_hub_config
+    for the model that takes them."""
     _check_exportable(model.spec)
-    return {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
+    sd = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
+    return vitscale_to_eva(sd, eva_kwargs(model.spec)) if uses_eva(model.spec) else sd
 
 
 def timm_hub_config(
@@ -813,8 +820,12 @@ def timm_hub_config(
     """timm's hub config.json for weights of `spec`: the architecture and model_args that rebuild its
     function, and a pretrained config with its input size, mean/std, interpolation and crop, which
     `timm.data.resolve_data_config` hands to a timm user."""
-    arch = timm_export_arch(spec)
-    kw = timm_kwargs(spec, arch)
+    if uses_eva(spec):
+        kw = eva_kwargs(spec)
+        arch = eva_export_arch(spec, kw)
+    else:
+        arch = timm_export_arch(spec)
+        kw = timm_kwargs(spec, arch)
     size = [spec.in_chans, spec.image_size, spec.image_size]
     return {
         "architecture": arch,

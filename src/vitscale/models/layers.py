@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ffn import ACTIVATIONS, Mlp, activation, make_mlp, make_norm, mlp_tp_plan
+from .rope import apply_rope
 
 __all__ = ["ACTIVATIONS", "Mlp", "activation"]  # re-exported: their home is ffn.py
 
@@ -183,8 +184,9 @@ class Attention(nn.Module):
     timm's options (all off by default, each a state-dict key of timm's): `qk_norm`, a norm of each
     head's q and k (q_norm, k_norm over the head dimension); `out_norm`, a norm of the heads'
     concatenated output before the projection (timm's scale_attn_norm, BEiT-3, EVA02's
-    scale_attn_inner: attn.norm); `qkv_bias` / `proj_bias`. `rope` (forward): a rotary position
-    embedding applied to q and k after their norms (models/rope.py)."""
+    scale_attn_inner: attn.norm); `qkv_bias` / `proj_bias`. `rope` (forward): the rotary position
+    embedding's tensor, applied to q and k after their norms (rope.apply_rope), the first
+    `rope_prefix` tokens left as they are."""
 
     def __init__(
         self,
@@ -214,8 +216,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.dropout = dropout
         self.causal = causal
+        self.rope_prefix, self.rope_half = 0, False  # set by a model with a rope (forward's `rope`)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         B, T, D = x.shape
         qkv = self.qkv(x)
         # this rank's heads: all of them, or under tensor parallelism its share (strategy/parallel.py)
@@ -224,8 +227,9 @@ class Attention(nn.Module):
         q, k, v = qkv.unbind(0)  # each [B, h, T, hd]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = rope(q), rope(k)
+        if rope is not None:  # the class and register tokens are not rotated
+            q = apply_rope(q, rope, self.rope_prefix, self.rope_half)
+            k = apply_rope(k, rope, self.rope_prefix, self.rope_half)
         p = self.dropout if self.training else 0.0
         if self.fused:
             x = attention_kernel(q, k, v, p, self.causal)
@@ -411,7 +415,7 @@ class Block(nn.Module):
             return "norm of the MLP's hidden units (scale_mlp_norm)"
         return ""
 
-    def attn_branch(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+    def attn_branch(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         if self.options.post_norm:
             return self.norm1(self.attn(x, rope))
         y = self.attn(self.norm1(x), rope)
@@ -423,9 +427,9 @@ class Block(nn.Module):
         y = self.mlp(self.norm2(x))
         return y if self.ls2 is None else self.ls2(y)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        """`rope`: None, or the rotation of q and k [B, h, T, hd] -> same (the model's rotary
-        position embedding for this forward's tokens: models/rope.py)."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        """`rope`: None, or the model's rotary position embedding for this forward's tokens
+        (models/rope.py), which the attention applies to q and k."""
         attn = self.attn_branch if rope is None else lambda y: self.attn_branch(y, rope)
         x = residual(x, attn, self.drop_path, self.training, self.drop_path_mode)
         return residual(x, self.mlp_branch, self.drop_path, self.training, self.drop_path_mode)

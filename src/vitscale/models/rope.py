@@ -155,6 +155,9 @@ class _FrequencyBuffer(nn.Module):
     casts rebuild it in float32 (timm's `_apply`), the embedding is cast at the end instead."""
 
     _buffer_name = ""
+    _always_float32 = (
+        False  # float64 casts too (RopeCat: timm's fixed-size Eva computes in float32)
+    )
 
     def _frequencies(self) -> torch.Tensor:
         raise NotImplementedError
@@ -168,7 +171,9 @@ class _FrequencyBuffer(nn.Module):
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         buf = getattr(self, self._buffer_name)
-        if torch.finfo(buf.dtype).bits < 32:
+        if torch.finfo(buf.dtype).bits < 32 or (
+            self._always_float32 and buf.dtype != torch.float32
+        ):
             fresh = self._frequencies().to(buf.device)
             self.register_buffer(self._buffer_name, fresh, persistent=False)
         return self
@@ -187,6 +192,10 @@ class RopeCat(_FrequencyBuffer):
     variant = "cat"
     _buffer_name = "bands"
     bands: torch.Tensor
+
+    # timm's fixed-size Eva computes the rope once, in float32, and a float64 copy of the model
+    # keeps those values: the bands stay float32 under .double() too, so float64 matches it
+    _always_float32 = True
 
     def __init__(
         self,

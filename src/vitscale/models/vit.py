@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from .ffn import make_norm
 from .layers import Block, BlockOptions, ConvStem, LayerScale, PatchEmbed, tp_plan
 from .pool import AttentionPool
+from .rope import build_rope, keep_rope
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,15 @@ class ViTSpec:
     # (pool_include_prefix)
     distilled: bool = False  # DeiT's distillation token after the class token and a second head
     # (head_dist); the output is the mean of both heads' logits, as timm's in evaluation
+    rope: str = ""  # a 2-D rotary position embedding of q and k: "" (none) | "cat" (EVA02, PE) |
+    # "mixed" (learned per block and head) | "dinov3" (models/rope.py; the class and register tokens
+    # are not rotated)
+    rope_options: dict = field(default_factory=dict)  # the rope class's keyword arguments
+    # (rope.RopeCat / RopeMixed / RopeDinoV3: temperature, grid_indexing, grid_offset, rotate_half,
+    # ref_feat_shape, ...)
+    pool_heads: int = 0  # head "map": its attention heads (0 = heads; PE: 8)
+    pool_mlp_ratio: float = 0.0  # head "map": its MLP's ratio (0 = mlp_ratio)
+    pool_act: str = ""  # head "map": its MLP's activation ("" = act; timm's eva family: gelu)
 
     @property
     def num_patches(self) -> int:
@@ -137,16 +147,18 @@ def kept_patches(num_patches: int, p: float) -> int:
     return max(1, int(num_patches * (1 - p)))
 
 
-def drop_patches(x: torch.Tensor, prefix: int, p: float) -> torch.Tensor:
+def drop_patches(x: torch.Tensor, prefix: int, p: float, with_keep: bool = False):
     """FLIP's patch dropout (OpenCLIP's PatchDropout): keep the `prefix` tokens (class, registers)
     and a random subset of kept_patches(N, p) of the N patch tokens per sample, drawn uniformly
     without replacement from the device's default generator (the run's seeded stream) as the top-k
-    of Gaussian noise, as OpenCLIP draws them. [B, prefix + N, D] -> [B, prefix + k, D]."""
+    of Gaussian noise, as OpenCLIP draws them. [B, prefix + N, D] -> [B, prefix + k, D]; with
+    `with_keep`, also the kept patches' indices [B, k] (a rotary embedding follows them)."""
     B, T, D = x.shape
     n = T - prefix
     keep = torch.randn(B, n, device=x.device).topk(kept_patches(n, p), dim=-1).indices  # [B, k]
     kept = x[:, prefix:].gather(1, keep.unsqueeze(-1).expand(-1, -1, D))  # [B, k, D]
-    return torch.cat([x[:, :prefix], kept], dim=1) if prefix else kept
+    out = torch.cat([x[:, :prefix], kept], dim=1) if prefix else kept
+    return (out, keep) if with_keep else out
 
 
 class LayerScaleBlock(Block):
@@ -210,18 +222,38 @@ class VisionTransformer(nn.Module):
             )
             for i in range(spec.depth)
         )
+        self._build_head(spec, norm)
+        self.grad_checkpointing = False
+        self.reset_parameters()
+
+    def _build_head(self, spec: ViTSpec, norm) -> None:
+        """The final norm, the pooling (MAP's attention pool), the classifier(s) and the rope."""
+        D = spec.dim
         # fc_norm: the norm moves after the pooling (timm's keys: no `norm`, a `fc_norm`)
         self.norm = norm() if spec.final_norm and not spec.fc_norm else nn.Identity()
         self.attn_pool = (
-            AttentionPool(D, spec.heads, spec.mlp_ratio, norm(), spec.act, spec.attention == "sdpa")
+            AttentionPool(
+                D,
+                spec.pool_heads or spec.heads,
+                spec.pool_mlp_ratio or spec.mlp_ratio,
+                norm(),
+                spec.pool_act or spec.act,
+                spec.attention == "sdpa",
+            )
             if spec.head == "map"
             else None
         )
+        self.rope = (
+            build_rope(spec.rope, D // spec.heads, spec.heads, spec.depth, **spec.rope_options)
+            if spec.rope
+            else None
+        )
+        for blk in self.blocks:  # what the attention's rotation leaves out, and its layout
+            blk.attn.rope_prefix = spec.num_prefix_tokens
+            blk.attn.rope_half = bool(spec.rope_options.get("rotate_half", False))
         self.fc_norm = norm() if spec.final_norm and spec.fc_norm else None
         self.head = nn.Linear(D, spec.num_classes)
         self.head_dist = nn.Linear(D, spec.num_classes) if spec.distilled else None
-        self.grad_checkpointing = False
-        self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """timm/DeiT-style init: truncated normal(0.02) weights, zero biases, unit norms."""
@@ -265,7 +297,8 @@ class VisionTransformer(nn.Module):
 
     def no_weight_decay(self) -> set[str]:
         tokens = ("pos_embed", "cls_token", "dist_token", "reg_token")
-        return {t for t in tokens if getattr(self, t) is not None}
+        rope = {f"rope.{n}" for n in getattr(self.rope, "no_weight_decay", set)()}
+        return {t for t in tokens if getattr(self, t) is not None} | rope
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """[B, C, H, W] -> [B, prefix + N, D]: the patch embeddings with the class, distillation
@@ -281,16 +314,31 @@ class VisionTransformer(nn.Module):
             x = x + self.pos_embed
         return x
 
+    def rotations(self, keep: torch.Tensor | None = None) -> list:
+        """Per block, the rope tensor its attention rotates q and k with (None without a rope): the
+        patch grid's (only the tokens patch dropout kept: `keep` [B, k]); "mixed" has one per
+        block."""
+        if self.rope is None:
+            return [None] * len(self.blocks)
+        grid = self.spec.image_size // self.spec.patch_size
+        emb = self.rope.get_embed((grid, grid))
+        if keep is not None:
+            emb = keep_rope(emb, keep)
+        if self.spec.rope == "mixed":
+            return [emb[i] for i in range(len(self.blocks))]
+        return [emb] * len(self.blocks)
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
+        keep = None
         if self.patch_dropout and self.training:  # [B, prefix + k, D]
-            x = drop_patches(x, self.spec.num_prefix_tokens, self.patch_dropout)
+            x, keep = drop_patches(x, self.spec.num_prefix_tokens, self.patch_dropout, True)
         x = self.norm_pre(x)
-        for blk in self.blocks:
+        for blk, rope in zip(self.blocks, self.rotations(keep)):
             if self.grad_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(blk, x, use_reentrant=False)
+                x = checkpoint(blk, x, rope=rope, use_reentrant=False)
             else:
-                x = blk(x)
+                x = blk(x, rope=rope)
         return self.norm(x)  # [B, T, D]
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
