@@ -1,4 +1,4 @@
-"""Writes src/vitscale/interop/open_clip_configs.py: OpenCLIP's model configurations (the
+"""Writes src/vitscale/interop/open_clip/configs.py: OpenCLIP's model configurations (the
 model_configs/*.json that open_clip ships, as `open_clip.get_model_config(name)` returns them),
 so that vitscale, which never imports open_clip, can read what an OpenCLIP model name says about
 the weights: head widths, activation, pooling, causal mask, the towers' kinds.
@@ -15,7 +15,12 @@ import sys
 from pathlib import Path
 
 OUT = (
-    Path(__file__).resolve().parent.parent / "src" / "vitscale" / "interop" / "open_clip_configs.py"
+    Path(__file__).resolve().parent.parent
+    / "src"
+    / "vitscale"
+    / "interop"
+    / "open_clip"
+    / "configs.py"
 )
 
 

@@ -230,7 +230,7 @@ def cmd_export(args) -> int:
     path = export_checkpoint(args.checkpoint, args.out, use_ema=not args.no_ema, fmt=args.format)
     print(f"wrote {path}")
     if args.format == "open_clip":
-        from .interop.open_clip import CONFIG_FILE, load_call
+        from .interop.open_clip.convert import CONFIG_FILE, load_call
 
         print(f"wrote {path.parent / CONFIG_FILE}")
         print(load_call(path))

@@ -1,4 +1,4 @@
-"""OpenCLIP ViT CLIP weights in and out (vitscale/interop/open_clip.py). Against open_clip itself
+"""OpenCLIP ViT CLIP weights in and out (vitscale/interop/open_clip/convert.py). Against open_clip itself
 where it imports (it needs torchvision: ../shared/tools/tv_cpu_stub makes that work on a CPU torch),
 else against the small state dict and the features open_clip computed for it that
 tests/fixtures/open_clip_tiny.safetensors ships (made by open_clip 3.3.0 with `make_fixture` below:
@@ -324,7 +324,7 @@ def test_open_clip_config_says_what_the_weights_leave_open(tmp_path, caplog):
     the file): OpenCLIP's features with no argument and no warning; without one, one warning line."""
     import json
 
-    from vitscale.interop.open_clip import load_open_clip
+    from vitscale.interop.open_clip.convert import load_open_clip
 
     sd, x = fixture()
     for act in ("gelu", "quick_gelu"):
@@ -364,7 +364,7 @@ def test_open_clip_config_says_what_the_weights_leave_open(tmp_path, caplog):
 def test_a_configuration_that_does_not_fit_the_weights_is_refused(tmp_path):
     import json
 
-    from vitscale.interop.open_clip import load_open_clip
+    from vitscale.interop.open_clip.convert import load_open_clip
 
     sd, _ = fixture()
     other = json.loads(json.dumps(TINY_CONFIG))
@@ -403,8 +403,8 @@ def test_a_configuration_that_does_not_fit_the_weights_is_refused(tmp_path):
 def test_wide_towers_take_their_head_count_from_the_configuration(caplog):
     """ViT-H-14, ViT-g-14, ViT-bigG-14 and ViT-e-14 have head widths 80, 88, 104 and 112: width // 64
     would split them wrongly, so without a configuration they are refused; named, they are exact."""
-    from vitscale.interop.open_clip import open_clip_spec
-    from vitscale.interop.open_clip_configs import CONFIGS
+    from vitscale.interop.open_clip.convert import open_clip_spec
+    from vitscale.interop.open_clip.configs import CONFIGS
 
     for name, heads in (("ViT-H-14", 16), ("ViT-g-14", 16), ("ViT-bigG-14", 16), ("ViT-e-14", 16)):
         mc = CONFIGS[name]
@@ -430,7 +430,7 @@ def test_wide_towers_take_their_head_count_from_the_configuration(caplog):
 
 def test_configurations_vitscale_does_not_compute_are_refused_with_their_cause():
     """OpenCLIP's own configurations by name: the configuration key that shows the variant."""
-    from vitscale.interop.open_clip import open_clip_spec
+    from vitscale.interop.open_clip.convert import open_clip_spec
 
     sd = layout(
         {
@@ -477,7 +477,7 @@ def test_clip_model_init_config_check_names_the_real_cause(tmp_path):
     ]
     siglip = tmp_path / "siglip"
     write_state_dict(convnext, siglip / "open_clip_model.safetensors")
-    from vitscale.interop.open_clip_configs import CONFIGS
+    from vitscale.interop.open_clip.configs import CONFIGS
 
     (siglip / "open_clip_config.json").write_text(
         json.dumps({"model_cfg": CONFIGS["ViT-B-16-SigLIP"]})
@@ -523,7 +523,7 @@ def test_clip_model_init_config_check_names_the_real_cause(tmp_path):
 def test_export_writes_open_clip_config_beside_the_weights(tmp_path, caplog):
     import json
 
-    from vitscale.interop.open_clip import (
+    from vitscale.interop.open_clip.convert import (
         load_call,
         load_open_clip,
         open_clip_config,
@@ -680,7 +680,7 @@ def test_open_clip_custom_text_layout():
 
 # -- model.init: a CLIP run starting from OpenCLIP weights ------------------------------------------------
 def test_init_weights_adapts_the_geometry_exactly_where_it_can(tmp_path):
-    from vitscale.interop.open_clip import init_weights, uses_quick_gelu
+    from vitscale.interop.open_clip.convert import init_weights, uses_quick_gelu
 
     sd, x = fixture()
     path = write_state_dict(sd, tmp_path / "oc.safetensors")

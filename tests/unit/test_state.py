@@ -71,8 +71,8 @@ ALLOWED = {
     ("evaluate.py", state.SPEC),
     ("interop/finetune.py", state.SPEC),
     # how a caller spells its arguments in OpenCLIP's refusals (config=NAME, model.init_open_clip)
-    ("interop/open_clip.py", state.CONFIG),
-    ("interop/open_clip_arch.py", state.CONFIG),
+    ("interop/open_clip/convert.py", state.CONFIG),
+    ("interop/open_clip/arch.py", state.CONFIG),
 }
 # the lab reads and writes no checkpoint: its records (bench.json, the ladder's and the
 # predictions' rows) name their own config and strategy fields

@@ -253,7 +253,7 @@ def test_every_open_clip_configuration_is_exact_or_refused(
 ):
     import json
 
-    from vitscale.interop.open_clip import load_open_clip, open_clip_config, to_open_clip
+    from vitscale.interop.open_clip.convert import load_open_clip, open_clip_config, to_open_clip
 
     monkeypatch.setattr(timm, "create_model", timm_one_block(timm.create_model))
     torch.manual_seed(0)
@@ -358,7 +358,7 @@ def test_every_open_clip_configuration_is_exact_or_refused(
 def test_the_table_of_configurations_is_open_clips():
     """vitscale's copy of OpenCLIP's model configurations (scripts/open_clip_configs.py) is the
     installed open_clip's; after an open_clip upgrade, run the script again."""
-    from vitscale.interop.open_clip_configs import CONFIGS, OPEN_CLIP_VERSION
+    from vitscale.interop.open_clip.configs import CONFIGS, OPEN_CLIP_VERSION
 
     installed = {n: open_clip.get_model_config(n) for n in open_clip.list_models()}
     assert CONFIGS == installed, (

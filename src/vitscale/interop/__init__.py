@@ -1,10 +1,9 @@
 """Weights from and to other libraries' layouts: timm's ViTs (timm_vit.py) and OpenCLIP's ViT CLIP
-models (open_clip.py; open_clip_arch.py says which model a file holds). Reading a state dict file
+models (open_clip/: convert.py moves the weights, arch.py says which model a file holds). Reading a state dict file
 is `read_state_dict`; nothing here imports timm or open_clip."""
 
 from .files import read_state_dict, write_state_dict
-from .open_clip import from_open_clip, to_open_clip
-from .open_clip_arch import open_clip_spec
+from .open_clip import from_open_clip, open_clip_spec, to_open_clip
 from .timm_vit import (
     from_timm,
     read_hub_config,

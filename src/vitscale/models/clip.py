@@ -7,7 +7,7 @@ ClipSpec.logit_bias set (clip.loss=siglip), a learnable `logit_bias` (SigLIP's).
     features L2-normalized. `logit_scale` has shape [1], not [] (FSDP2 cannot shard a 0-d tensor);
     with a bias the third output is [logit_scale, logit_bias], shape [2] (logit_params).
 
-OpenCLIP's ViT CLIP computes the same function with the options that interop/open_clip.py sets
+OpenCLIP's ViT CLIP computes the same function with the options that interop/open_clip/convert.py sets
 (all off by default): ClipSpec.ln_pre / patch_bias / proj_bias / vision_norm_eps / vision_act /
 vision_pool / vision_norm_after_pool for the image tower, TextSpec.norm_eps / act / causal / pool /
 eos_id for the text tower.
@@ -35,7 +35,7 @@ class ClipSpec:
     init_tau: float = 0.07
     # SigLIP's learned logit bias, its initial value (OpenCLIP's init_logit_bias); None: no parameter
     logit_bias: float | None = None
-    # the image tower's OpenCLIP options (interop/open_clip.py); the defaults are vitscale's ViT
+    # the image tower's OpenCLIP options (interop/open_clip/convert.py); the defaults are vitscale's ViT
     ln_pre: bool = False  # a LayerNorm after adding the position embeddings, before the blocks
     patch_bias: bool = True  # the patch convolution has a bias (OpenCLIP's conv1 has none)
     proj_bias: bool = True  # the projection (the ViT's head) has a bias (OpenCLIP's proj has none)

@@ -4,7 +4,7 @@ Shapes: tokens int64 [B, L] -> token embeddings [B, L, W] -> blocks (causal) -> 
 the feature at each row's end-of-text position [B, W] -> projection [B, E].
 As in CLIP/OpenCLIP, the end-of-text token has the largest id (49407), so its position is
 `tokens.argmax(-1)`; padding (id 0) comes after it and is never attended to by it.
-OpenCLIP's other text towers (interop/open_clip.py) set `pool` ("eos": the first `eos_id` token,
+OpenCLIP's other text towers (interop/open_clip/convert.py) set `pool` ("eos": the first `eos_id` token,
 "last", "first") and `causal=False` (bidirectional attention, e.g. CLIPA's).
 """
 
@@ -29,7 +29,7 @@ class TextSpec:
     mlp_ratio: float = 4.0
     embed_dim: int = 512  # output (shared embedding) size
     attention: str = "sdpa"  # "sdpa" | "explicit"
-    # OpenCLIP's (interop/open_clip.py): its LayerNorms use torch's default eps, its OpenAI models QuickGELU
+    # OpenCLIP's (interop/open_clip/convert.py): its LayerNorms use torch's default eps, its OpenAI models QuickGELU
     norm_eps: float = 1e-6  # every LayerNorm (blocks and ln_final)
     act: str = "gelu"  # MLP activation: "gelu" | "quick_gelu"
     causal: bool = True  # False: every token attends to every token (OpenCLIP's no_causal_mask)

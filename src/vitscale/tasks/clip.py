@@ -42,7 +42,7 @@ from .patch_dropout import PatchDropout, is_main
 
 def check_init_options(m) -> None:
     """model.init (`m`: the model config) must be OpenCLIP CLIP weights a CLIP model can start
-    from (interop/open_clip.py's check_init reads their configuration and keys only)."""
+    from (interop/open_clip/convert.py's check_init reads their configuration and keys only)."""
     from .classification import INIT_ARCH_MISPLACED, init_open_clip_misplaced
 
     if m.init_arch:
@@ -51,7 +51,7 @@ def check_init_options(m) -> None:
         if m.init_open_clip:
             raise init_open_clip_misplaced(m)
         return
-    from ..interop.open_clip import check_init
+    from ..interop.open_clip.convert import check_init
 
     try:  # the file's configuration and keys: the real cause, in one line
         check_init(m.init, m.init_open_clip)
@@ -64,7 +64,7 @@ def spec_from_init(cfg, image_size: int, channels: int) -> tuple[ClipSpec, dict]
     configuration (model.init_open_clip, or the open_clip_config.json beside them), the geometry
     from the run; (the spec, the weights adapted to it)."""
     from ..data.tokenizer import VOCAB_SIZE
-    from ..interop.open_clip import init_weights
+    from ..interop.open_clip.convert import init_weights
 
     m = cfg.model
     spec, state = init_weights(
@@ -223,7 +223,7 @@ class ClipTask(Task):
 
     def export(self, fmt, model, preprocess, out, meta, run_dir):
         """OpenCLIP's layout: the weights and open_clip_config.json (model and preprocess config) in a folder."""
-        from ..interop.open_clip import export_run
+        from ..interop.open_clip.convert import export_run
 
         return export_run(model, out, meta, run_dir, preprocess)
 

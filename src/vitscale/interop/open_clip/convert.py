@@ -20,7 +20,7 @@ the options below; the keys map one to one, transposing the two bare projection 
     logit_scale []                              logit_scale [1]
 
 What the weights do not hold comes from OpenCLIP's configuration of the model or from OpenCLIP's
-defaults, and variants vitscale does not implement are refused: open_clip_arch.py. Nothing here
+defaults, and variants vitscale does not implement are refused: arch.py. Nothing here
 imports open_clip.
 """
 
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-from ..models.clip import CLIP, ClipSpec
-from .files import first_keys
-from .open_clip_arch import (
+from ...errors import UserError
+from ...models.clip import CLIP, ClipSpec
+from ..files import first_keys
+from .arch import (
     CONFIG_FILE,
     PY_KEYS,
     announce,
@@ -194,7 +194,7 @@ def load_open_clip(
     (a model name, an open_clip_config.json) or else the open_clip_config.json beside the file
     (OpenCLIP's hub folders keep one), else OpenCLIP's defaults, announced. The configuration is
     read, and checked against the file's keys and shapes, before the weights."""
-    from .files import read_state_dict
+    from ..files import read_state_dict
 
     path = weights_path(path)
     try:
@@ -215,7 +215,7 @@ def load_open_clip(
 def _header(path) -> dict:
     """{key: an object with .shape} from a weights file: a safetensors header alone (meta tensors),
     other formats loaded."""
-    from .files import read_state_dict
+    from ..files import read_state_dict
 
     path = Path(path)
     if path.suffix == ".safetensors" and path.is_file():
@@ -338,8 +338,8 @@ def save_open_clip(
     `local-dir:` loader takes first) or a .safetensors file (open_clip_config.json in its folder).
     Refuses to overwrite an open_clip_config.json that describes another model. Returns the weights'
     path (load_call(path) is the call that loads them)."""
-    from ..checkpoint import export_safetensors
-    from .files import SUFFIXES
+    from ...checkpoint import export_safetensors
+    from ..files import SUFFIXES
 
     sd = to_open_clip(model)
     config = open_clip_config(model.spec, preprocess)
@@ -542,7 +542,7 @@ def init_weights(
 def _read_init(path, open_clip: str, *, quick_gelu, vision_heads, text_heads):
     """init_weights' reading: (the weights' own spec, their state dict in vitscale's keys), the
     architecture resolved from the weights and their configuration, what was assumed announced."""
-    from .files import read_state_dict
+    from ..files import read_state_dict
 
     try:
         mc, _, _ = read_config(open_clip, path)
@@ -607,7 +607,7 @@ def _fit_init_state(
 ) -> dict:
     """The weights to this run's geometry: image position embeddings resampled to the patch grid,
     patch filters to `in_chans`, text position embeddings cut to `context_length`."""
-    from .finetune import adapt_in_chans, resample_pos_embed
+    from ..finetune import adapt_in_chans, resample_pos_embed
 
     state["visual.pos_embed"] = resample_pos_embed(
         state["visual.pos_embed"], image_size // patch_size, 1

@@ -1,10 +1,10 @@
 """What an OpenCLIP ViT CLIP computes, from its weights' keys and shapes and its configuration: the
 ClipSpec of vitscale's CLIP that computes the same function (open_clip_spec, resolve), or a one-line
-refusal. interop/open_clip.py moves the weights themselves.
+refusal. convert.py moves the weights themselves.
 
 What the weights do not hold comes from OpenCLIP's configuration of the model: the
 `open_clip_config.json` that OpenCLIP's hub folders keep beside the weights ({"model_cfg": ...,
-"preprocess_cfg": ...}), or an OpenCLIP model name (open_clip_configs.py: OpenCLIP's own table),
+"preprocess_cfg": ...}), or an OpenCLIP model name (configs.py: OpenCLIP's own table),
 or explicit arguments:
 - the head counts (vision_cfg.width // head_width; text_cfg.heads): ViT-H-14, ViT-g-14 and
   ViT-bigG-14 have head widths 80, 88 and 104, not 64;
@@ -30,11 +30,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UserError, did_you_mean
-from ..models.clip import ClipSpec
-from ..models.text import TextSpec
-from ..models.vit import ViTSpec
-from .files import first_keys, refuse_unsupported
+from ...errors import UserError, did_you_mean
+from ...models.clip import ClipSpec
+from ...models.text import TextSpec
+from ...models.vit import ViTSpec
+from ..files import first_keys, refuse_unsupported
 
 log = logging.getLogger("vitscale")
 
@@ -143,7 +143,7 @@ def read_config(config, weights=None) -> tuple[dict | None, dict, str]:
                 f"OpenCLIP: {path}: its model_cfg lacks embed_dim / vision_cfg / text_cfg"
             )
         return mc, dict(data.get("preprocess_cfg") or {}), str(path)
-    from .open_clip_configs import CONFIGS, OPEN_CLIP_VERSION
+    from .configs import CONFIGS, OPEN_CLIP_VERSION
 
     name = str(config).replace("/", "-")
     if name not in CONFIGS:
@@ -257,7 +257,7 @@ def _from_config(mc: dict) -> dict:
 def _wide_head_refusal(what: str, width: int, heads_key: str) -> None:
     """No configuration: refuse where OpenCLIP's own configurations of this width do not use head
     width 64 (ViT-H/g/bigG/e: 80/88/104/112), rather than split the heads wrongly."""
-    from .open_clip_configs import CONFIGS
+    from .configs import CONFIGS
 
     odd = {}
     for name, mc in CONFIGS.items():
