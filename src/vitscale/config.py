@@ -255,7 +255,52 @@ class ModelConfig:
     heads: int = num(0, min=0, doc="0 = the arch's default")
     mlp_ratio: float = num(0.0, min=0.0, doc="0 = the arch's default")
     num_classes: int = num(0, min=0, doc="0 = the dataset's class count")
-    head: str = choice("token", "token", "pool")
+    head: str = choice(
+        "token",
+        "token",
+        "pool",
+        "map",
+        doc="the image feature: token = the class token's; pool = the mean of the patch tokens; "
+        "map = attention pooling, one learned query (SigLIP's MAP head)",
+    )
+    norm: str = choice(
+        "layernorm", "layernorm", "rmsnorm", doc="every norm of the model (rmsnorm: no bias)"
+    )
+    mlp: str = choice(
+        "mlp",
+        "mlp",
+        "swiglu",
+        "swiglu_packed",
+        doc="the blocks' MLP: mlp = fc1, act, fc2; swiglu = silu(fc1_g x) * fc1_x x, then fc2, "
+        "with model.mlp_ratio's hidden width per branch; swiglu_packed = the same with one fc1 "
+        "[gate; value] gating half of the hidden width (timm's SwiGLUPacked)",
+    )
+    qk_norm: bool = field(
+        default=False, metadata={"doc": "a norm of each head's queries and keys (ViT-22B)"}
+    )
+    layer_scale: float = num(
+        0.0,
+        min=0.0,
+        doc="per-channel scales of each residual branch, initialized to this value (CaiT, DINOv2: "
+        "1e-5); 0 = none",
+    )
+    reg_tokens: int = num(0, min=0, doc="register tokens after the class token (DINOv2 reg4: 4)")
+    rope: str = choice(
+        "none",
+        "none",
+        "cat",
+        "mixed",
+        "dinov3",
+        doc="a 2-D rotary position embedding of queries and keys, as timm's eva family: cat = "
+        "EVA02's fixed axial bands; mixed = learned frequencies per block and head; dinov3 = "
+        "DINOv3's (models/rope.py); the class and register tokens are not rotated",
+    )
+    pos_embed: bool = field(
+        default=True,
+        metadata={
+            "doc": "a learned absolute position embedding (false: none, as DINOv3 with rope)"
+        },
+    )
     attention: str = choice("sdpa", "sdpa", "explicit")
     stem: str = choice(
         "patch", "patch", "conv", doc="patch = ViT's stride-p conv; conv = 3x3 conv stages"

@@ -15,7 +15,7 @@ import json
 import shutil
 
 import pytest
-from helpers import CLIP, assert_loss_state_close, rel_diff, sets, torchrun, weights
+from helpers import BASE, CLIP, TINY, assert_loss_state_close, rel_diff, sets, torchrun, weights
 
 from vitscale.cli import main
 
@@ -56,6 +56,41 @@ def test_a_mesh_trains_the_one_process_run(tmp_path, single, mesh):
     assert all(e["test_count"] == 32 for e in evals if e["kind"] == "eval")
     assert summary["test_accuracy"] == pytest.approx(s1["test_accuracy"], abs=1 / 32)
     check_comm_per_dimension(mesh, nproc, [e for e in evals if e["kind"] == "train"], s1["params"])
+
+
+# issue 58: the blocks of the 2022-2025 encoders, each named by a recipe key
+BLOCKS = {
+    "rope_swiglu_map": [
+        "model.rope=cat",
+        "model.mlp=swiglu",
+        "model.norm=rmsnorm",
+        "model.qk_norm=true",
+        "model.layer_scale=0.1",
+        "model.reg_tokens=1",
+        "model.head=map",
+        "model.pos_embed=false",
+    ],
+    "packed_dinov3": ["model.mlp=swiglu_packed", "model.rope=dinov3", "model.head=pool"],
+}
+
+
+@pytest.mark.parametrize("blocks", list(BLOCKS))
+def test_the_modern_blocks_train_the_one_process_run_under_fsdp_x_tp(tmp_path, blocks):
+    """Each block under FSDP x TP 2x2 (SwiGLU's up-projections column-wise, the packed one as two
+    blocks, q/k norms on each rank's heads with their gradients summed, MAP and the rope
+    replicated) trains what one process trains, within the bound of the meshes above."""
+    one = tmp_path / "one"
+    assert main(["train", TINY, "--out", str(one), *sets(BASE + BLOCKS[blocks])]) == 0
+    out = tmp_path / "mesh"
+    p = torchrun(out, ["strategy.name=fsdp", "strategy.tp=2", *BLOCKS[blocks]], nproc=4)
+    assert p.returncode == 0, p.stderr[-3000:]
+    mine, ref = losses(out), losses(one)
+    assert mine.keys() == ref.keys() and 8 in mine
+    for step in ref:
+        assert abs(mine[step] - ref[step]) <= RTOL * abs(ref[step]), (step, mine[step], ref[step])
+    d = rel_diff(weights(out), weights(one))
+    print(f"{blocks}: relative weight difference vs one process {d:.2e}")
+    assert d <= RTOL, d
 
 
 def check_comm_per_dimension(mesh: str, nproc: int, train: list[dict], params: int) -> None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ffn import ACTIVATIONS, Mlp, activation, make_mlp, make_norm, mlp_tp_plan
-from .rope import apply_rope
+from .rope import RopeMixed, apply_rope
 
 __all__ = ["ACTIVATIONS", "Mlp", "activation"]  # re-exported: their home is ffn.py
 
@@ -276,23 +276,35 @@ def skip_residual(x: torch.Tensor, branch, rows: torch.Tensor) -> torch.Tensor:
     return x.index_add(0, rows, out.to(x.dtype), alpha=x.shape[0] / rows.numel())
 
 
-def residual(x: torch.Tensor, branch, p: float, training: bool, mode: str = "mask") -> torch.Tensor:
+def residual(
+    x: torch.Tensor,
+    branch,
+    p: float,
+    training: bool,
+    mode: str = "mask",
+    per_row: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x + branch(x) under stochastic depth of rate p. "mask": the branch computed for every sample and
     multiplied by a Bernoulli(1 - p) mask / (1 - p) (timm's DropPath). "skip": a fixed count of rows,
     round(p x batch), dropped at random and their branch never computed; the kept rows are scaled by
     batch / kept, so each sample's expected output is the same. A rate that rounds to no dropped row
-    drops none."""
+    drops none. `per_row`: a batch-first tensor the branch takes as its second argument (a rope
+    that follows patch dropout's kept tokens); the skip form hands it the same rows as x."""
+    f = branch if per_row is None else (lambda y: branch(y, per_row))
     if p == 0.0 or not training:
-        return x + branch(x)
+        return x + f(x)
     if mode == "mask":
-        return x + drop_path(branch(x), p, training)
+        return x + drop_path(f(x), p, training)
     B = x.shape[0]
     n_drop = dropped_count(B, p)
     if n_drop == 0:
-        return x + branch(x)
+        return x + f(x)
     if n_drop >= B:
         return x
-    return skip_residual(x, branch, kept_rows(B, n_drop, x.device))
+    rows = kept_rows(B, n_drop, x.device)
+    if per_row is not None:
+        return skip_residual(x, lambda y: branch(y, per_row.index_select(0, rows)), rows)
+    return skip_residual(x, branch, rows)
 
 
 def set_drop_path_mode(model: nn.Module, mode: str) -> nn.Module:
@@ -404,6 +416,8 @@ class Block(nn.Module):
         branch. With `sequence_parallel` the norms run on this rank's share of the tokens
         (`sequence`), and each all-reduce becomes a reduce-scatter and an all-gather."""
         plan = {"attn.qkv": "colwise_qkv", "attn.proj": "rowwise", **mlp_tp_plan(self.mlp)}
+        if self.options.qk_norm:  # on each rank's heads: weights whole, gradients summed
+            plan |= {"attn.q_norm": "local_norm", "attn.k_norm": "local_norm"}
         return {**plan, "norm1": "sequence", "norm2": "sequence"} if sequence_parallel else plan
 
     def tp_unsplittable(self) -> str:
@@ -430,8 +444,13 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
         """`rope`: None, or the model's rotary position embedding for this forward's tokens
         (models/rope.py), which the attention applies to q and k."""
-        attn = self.attn_branch if rope is None else lambda y: self.attn_branch(y, rope)
-        x = residual(x, attn, self.drop_path, self.training, self.drop_path_mode)
+        per_row = rope if rope is not None and rope.ndim == 4 else None  # [B, h, k, C]: kept tokens
+        attn = (
+            self.attn_branch
+            if rope is None or per_row is not None
+            else (lambda y: self.attn_branch(y, rope))
+        )
+        x = residual(x, attn, self.drop_path, self.training, self.drop_path_mode, per_row)
         return residual(x, self.mlp_branch, self.drop_path, self.training, self.drop_path_mode)
 
 
@@ -466,4 +485,6 @@ def tp_widths(model: nn.Module) -> dict[str, int | None]:
             widths[f"MLP width of a {width}-wide block"] = m.mlp.hidden
             if m.tp_unsplittable():
                 widths[m.tp_unsplittable()] = None
+        if isinstance(m, RopeMixed):  # one learned frequency table per head
+            widths["rotary embedding learned per head (rope=mixed)"] = None
     return widths

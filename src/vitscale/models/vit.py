@@ -238,7 +238,6 @@ class VisionTransformer(nn.Module):
                 spec.pool_mlp_ratio or spec.mlp_ratio,
                 norm(),
                 spec.pool_act or spec.act,
-                spec.attention == "sdpa",
             )
             if spec.head == "map"
             else None

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .base import GradCheckpointing
@@ -35,7 +37,7 @@ def styles(sequence_parallel: bool = False) -> dict[str, Any]:
     row-wise outputs stay DTensors, as the residual stream is: replicated, or with
     `sequence_parallel` split by tokens (Shard(1)): the row-wise all-reduce becomes a
     reduce-scatter, the column-wise input an all-gather, the norms run on their tokens."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -44,9 +46,31 @@ def styles(sequence_parallel: bool = False) -> dict[str, Any]:
         RowwiseParallel,
         SequenceParallel,
     )
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     stream = Shard(1) if sequence_parallel else Replicate()
+
+    whole = dict(output_layouts=Shard(1), desired_output_layouts=Replicate())
+    split = dict(input_layouts=Replicate(), desired_input_layouts=Shard(1))
+    return {
+        "colwise": lambda: ColwiseParallel(input_layouts=stream),
+        "rowwise": lambda: RowwiseParallel(output_layouts=stream, use_local_output=False),
+        "colwise_qkv": lambda: fused_colwise(3, stream),
+        "colwise_glu": lambda: fused_colwise(2, stream),
+        "local_norm": local_norm,
+        "sequence": lambda: SequenceParallel(use_local_output=False),
+        "sequence_in": lambda: PrepareModuleInput(**split, use_local_output=False),
+        "sequence_out": lambda: PrepareModuleOutput(**whole, use_local_output=False),
+        "sequence_in_out": lambda: PrepareModuleInputOutput(
+            **split, use_local_input=False, **whole, use_local_output=False
+        ),
+    }
+
+
+def fused_colwise(parts: int, stream):
+    """The style of a column-wise weight of `parts` stacked blocks (Fused)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     class Fused(ColwiseParallel):
         """Column-wise over a weight of `parts` stacked blocks ([q; k; v], or a packed SwiGLU's
@@ -73,20 +97,42 @@ def styles(sequence_parallel: bool = False) -> dict[str, Any]:
                 )
                 module.register_parameter(pname, dist_param)
 
-    whole = dict(output_layouts=Shard(1), desired_output_layouts=Replicate())
-    split = dict(input_layouts=Replicate(), desired_input_layouts=Shard(1))
-    return {
-        "colwise": lambda: ColwiseParallel(input_layouts=stream),
-        "rowwise": lambda: RowwiseParallel(output_layouts=stream, use_local_output=False),
-        "colwise_qkv": lambda: Fused(3),
-        "colwise_glu": lambda: Fused(2),
-        "sequence": lambda: SequenceParallel(use_local_output=False),
-        "sequence_in": lambda: PrepareModuleInput(**split, use_local_output=False),
-        "sequence_out": lambda: PrepareModuleOutput(**whole, use_local_output=False),
-        "sequence_in_out": lambda: PrepareModuleInputOutput(
-            **split, use_local_input=False, **whole, use_local_output=False
-        ),
-    }
+    return Fused(parts)
+
+
+def local_norm():
+    """The style of a norm over each head's features (LocalNorm)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class LocalNorm(ParallelStyle):
+        """A norm over each head's features (q/k norm) under tensor parallelism: its input is the
+        rank's heads as a plain tensor, so its weights, replicated DTensors, are applied as their
+        local copies, whose gradients are partial sums (each rank's heads), summed across the
+        ranks as DTensor reduces a Partial placement."""
+
+        def _apply(self, module, device_mesh):
+            for pname, param in list(module.named_parameters(recurse=False)):
+                d = distribute_tensor(param.data, device_mesh, [Replicate()])
+                module.register_parameter(pname, nn.Parameter(d, requires_grad=param.requires_grad))
+            module.forward = types.MethodType(local_norm_forward, module)
+            return module
+
+    return LocalNorm()
+
+
+def local_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A LayerNorm's or RMSNorm's forward with its DTensor weights' local copies (LocalNorm)."""
+    from torch.distributed.tensor import Partial
+
+    def local(p):
+        return None if p is None else p.to_local(grad_placements=[Partial()] * p.device_mesh.ndim)
+
+    if isinstance(self, nn.LayerNorm):
+        return F.layer_norm(
+            x, self.normalized_shape, local(self.weight), local(self.bias), self.eps
+        )
+    return F.rms_norm(x, self.normalized_shape, local(self.weight), self.eps)
 
 
 def replicate_rest(model: nn.Module, tp_mesh) -> None:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ModelConfig
 from ..data import build_data, synthetic_stand_in
 from ..data import geometry as data_geometry
 from ..data.build import eval_preprocess
@@ -71,6 +72,22 @@ def spec_from_init(m, image_size: int, channels: int, num_classes: int) -> tuple
     )
 
 
+def blocks_of(m) -> dict:
+    """The ViTSpec block keys a recipe names (model.norm, mlp, qk_norm, layer_scale, reg_tokens,
+    rope, pos_embed); the defaults are the 2021 ViT. A rope keeps the class and register tokens
+    unrotated; model.head=map pools the patch tokens."""
+    return dict(
+        norm=m.norm,
+        mlp=m.mlp,
+        act="silu" if m.mlp != "mlp" else "gelu",
+        qk_norm=m.qk_norm,
+        layer_scale=m.layer_scale,
+        reg_tokens=m.reg_tokens,
+        rope="" if m.rope == "none" else m.rope,
+        pos_embed=m.pos_embed,
+    )
+
+
 def spec_from_arch(m, image_size: int, channels: int, num_classes: int) -> ViTSpec:
     """model.arch with the model keys over its defaults; one-line refusals of shapes that do not
     fit (the patch grid, the conv stem's power of two, the heads)."""
@@ -93,6 +110,7 @@ def spec_from_arch(m, image_size: int, channels: int, num_classes: int) -> ViTSp
         )
     except KeyError as e:
         raise ConfigError(f"config: model.arch: {e.args[0]}") from None
+    spec = replace(spec, **blocks_of(m))
     if spec.image_size % spec.patch_size:
         raise ConfigError(
             f"config: image size {spec.image_size} is not divisible by patch size "
@@ -136,6 +154,13 @@ class ClassificationTask(Task):
                 raise ConfigError(f"config: {e}") from None
         if m.init_open_clip:
             raise init_open_clip_misplaced(m)
+        if m.init:  # the weights carry their blocks: a block key would be another model
+            named = [k for k, v in blocks_of(m).items() if v != blocks_of(ModelConfig())[k]]
+            if named:
+                raise ConfigError(
+                    f"config: model.{named[0]} with model.init: the weights carry their own "
+                    "blocks (read from them and their config.json); leave it at its default"
+                )
         if self.cfg.train.fp8 != "none":  # refused where measured slower, before anything is built
             refusal = fp8_slower(self.cfg.train.fp8, resolve_spec(m.arch, dim=m.dim).dim)
             if refusal:
