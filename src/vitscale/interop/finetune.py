@@ -23,7 +23,13 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..models.vit import VisionTransformer, ViTSpec
 from .files import named_arch, read_state_dict
-from .timm_vit import read_hub_config, timm_source, timm_vit_spec, weights_in_folder
+from .timm_vit import (
+    read_hub_config,
+    timm_source,
+    timm_state_dict,
+    timm_vit_spec,
+    weights_in_folder,
+)
 
 log = logging.getLogger("vitscale.interop")
 
@@ -147,6 +153,11 @@ def init_weights(
     file = weights_file(path)
     sd = read_state_dict(file, which)
     src = vitscale_export_spec(file)
+    if src is None:  # timm's eva family in vitscale's names (the others are already)
+        try:
+            sd = timm_state_dict(sd, weights_config(file), arch)
+        except UserError as e:
+            raise UserError(f"model.init: {path}: {str(e)}") from None
     if src is not None and arch:
         raise UserError(
             f"model.init_arch={arch}: {path} is a vitscale export, which carries its own "
@@ -164,9 +175,13 @@ def init_weights(
     except UserError as e:
         raise UserError(f"model.init: {path}: {str(e)}") from None
     if image_size % src.patch_size:
+        p = src.patch_size
+        near = min(
+            (image_size // p * p, image_size // p * p + p), key=lambda n: abs(n - image_size)
+        )
         raise UserError(
             f"model.init: image size {image_size} is not divisible by the weights' patch size "
-            f"{src.patch_size} (set data.image_size)"
+            f"{p}: the nearest size that is, {max(near, p)} (set data.image_size={max(near, p)})"
         )
     spec = replace(
         src, image_size=image_size, in_chans=in_chans, num_classes=num_classes, **overrides
@@ -175,7 +190,9 @@ def init_weights(
     out = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
     # the class and register tokens' rows
     prefix = 0 if spec.no_embed_class else spec.num_prefix_tokens
-    out["pos_embed"] = resample_pos_embed(out["pos_embed"], image_size // spec.patch_size, prefix)
+    if "pos_embed" in out:  # a rope alone (DINOv3) follows the grid by itself
+        grid = image_size // spec.patch_size
+        out["pos_embed"] = resample_pos_embed(out["pos_embed"], grid, prefix)
     first = "patch_embed.proj.weight" if spec.stem == "patch" else "patch_embed.proj.0.weight"
     out[first] = adapt_in_chans(out[first], in_chans)
     _fit_head(out, head_policy, num_classes)
