@@ -176,3 +176,28 @@ def test_float64_is_the_same_function(tmp_path, name):
     with torch.no_grad():
         ref = theirs(x)
         assert (ours(x) - ref).abs().max().item() <= 1e-12 * ref.abs().max().item()
+
+
+def test_eva_weights_fine_tune_at_another_size_and_a_size_the_patch_misses_is_refused(tmp_path):
+    """model.init of an eva hub folder: converted to vitscale's names, its rope (no pos_embed to
+    resample) computed for the run's grid, a new head; an image size the patch does not divide is
+    refused naming the nearest that does."""
+    from safetensors.torch import save_file
+
+    from vitscale.interop.finetune import init_weights
+
+    theirs, _ = perturbed("vit_small_patch16_dinov3")
+    save_config_for_hf(theirs, tmp_path / "config.json")
+    save_file(
+        {k: v.contiguous() for k, v in theirs.state_dict().items()}, tmp_path / "model.safetensors"
+    )
+    spec, sd = init_weights(str(tmp_path), image_size=32, in_chans=3, num_classes=4)
+    assert (spec.image_size, spec.rope, spec.reg_tokens, spec.pos_embed) == (32, "dinov3", 4, False)
+    from vitscale.models.vit import VisionTransformer
+
+    model = VisionTransformer(spec)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert set(missing) == {"head.weight", "head.bias"} and not unexpected
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 4)
+    with pytest.raises(UserError, match=r"nearest size that is, 48 \(set data.image_size=48\)"):
+        init_weights(str(tmp_path), image_size=44, in_chans=3, num_classes=4)
