@@ -295,6 +295,15 @@ class ModelConfig:
         "EVA02's fixed axial bands; mixed = learned frequencies per block and head; dinov3 = "
         "DINOv3's (models/rope.py); the class and register tokens are not rotated",
     )
+    parallel: str = choice(
+        "none",
+        "none",
+        "branches",
+        "fused",
+        doc="parallel blocks: branches = two attention branches, then two MLP branches (Touvron "
+        "et al. 2022); fused = one input projection for attention and MLP side by side (ViT-22B); "
+        "none = attention, then MLP",
+    )
     pos_embed: bool = field(
         default=True,
         metadata={

@@ -35,6 +35,8 @@ ALL = dict(
 )
 VARIANTS = {
     "all": ALL,
+    "branches": {**ALL, "parallel": "branches"},
+    "fused": {**ALL, "parallel": "fused", "mlp": "mlp", "act": "gelu"},
     "packed_dinov3": {**ALL, "mlp": "swiglu_packed", "rope": "dinov3", "head": "pool"},
     "mixed_norms": {**ALL, "rope": "mixed", "attn_norm": True, "mlp_norm": True, "post_norm": True},
     "distilled": dict(ALL, head="token", distilled=True, reg_tokens=0, rope="", pos_embed=True),
@@ -116,6 +118,8 @@ def test_the_blocks_trace_as_one_graph(name):
         (dict(attn_norm=True), "norm of the attention's output"),
         (dict(mlp_norm=True), "norm of the MLP's hidden units"),
         (dict(rope="mixed"), "rope=mixed"),
+        (dict(parallel="branches"), "parallel block (BranchesBlock)"),
+        (dict(parallel="fused", mlp="mlp"), "parallel block (FusedBlock)"),
     ],
 )
 def test_tensor_parallelism_refuses_what_it_cannot_split_in_one_line(keys, what):
@@ -164,3 +168,31 @@ def test_recipe_keys_build_the_spec_and_the_defaults_are_the_2021_vit(tmp_path, 
         capsys, "config", TINY, *sets(["model.init=weights.safetensors", "model.rope=cat"])
     )
     assert rc == 2 and "model.rope with model.init" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        dict(mlp="swiglu"),
+        dict(mlp="swiglu_packed"),
+        dict(head="map"),
+        dict(head="map", pool_prefix=True, pool_heads=2, pool_mlp_ratio=2.0, reg_tokens=2),
+        dict(parallel="branches"),
+        dict(parallel="fused"),
+        dict(distilled=True),
+    ],
+)
+def test_the_analytic_flops_are_torchs_count(keys):
+    """models/flops.py's count (what MFU divides by) against torch's FlopCounterMode, per block."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vitscale.models.flops import vit_forward_flops
+
+    spec = ViTSpec(
+        image_size=32, patch_size=8, dim=64, depth=2, heads=4, num_classes=7, attention="explicit"
+    )
+    m = VisionTransformer(replace(spec, **keys)).eval()
+    with FlopCounterMode(display=False) as count:
+        m(torch.randn(1, 3, 32, 32))
+    assert count.get_total_flops() == vit_forward_flops(m.spec)

@@ -153,17 +153,14 @@ def init_weights(
     file = weights_file(path)
     sd = read_state_dict(file, which)
     src = vitscale_export_spec(file)
-    if src is None:  # timm's eva family in vitscale's names (the others are already)
-        try:
-            sd = timm_state_dict(sd, weights_config(file), arch)
-        except UserError as e:
-            raise UserError(f"model.init: {path}: {str(e)}") from None
     if src is not None and arch:
         raise UserError(
             f"model.init_arch={arch}: {path} is a vitscale export, which carries its own "
             "architecture (leave model.init_arch empty)"
         )
     try:
+        if src is None:  # timm's eva family in vitscale's names (the others are already)
+            sd = timm_state_dict(sd, weights_config(file), arch)
         src = src or timm_vit_spec(
             sd,
             heads,
@@ -174,15 +171,7 @@ def init_weights(
         )
     except UserError as e:
         raise UserError(f"model.init: {path}: {str(e)}") from None
-    if image_size % src.patch_size:
-        p = src.patch_size
-        near = min(
-            (image_size // p * p, image_size // p * p + p), key=lambda n: abs(n - image_size)
-        )
-        raise UserError(
-            f"model.init: image size {image_size} is not divisible by the weights' patch size "
-            f"{p}: the nearest size that is, {max(near, p)} (set data.image_size={max(near, p)})"
-        )
+    _check_size(image_size, src.patch_size)
     spec = replace(
         src, image_size=image_size, in_chans=in_chans, num_classes=num_classes, **overrides
     )
@@ -197,6 +186,19 @@ def init_weights(
     out[first] = adapt_in_chans(out[first], in_chans)
     _fit_head(out, head_policy, num_classes)
     return spec, out
+
+
+def _check_size(image_size: int, p: int) -> None:
+    """One line for an image size the weights' patch size `p` does not divide, naming the nearest
+    that it does."""
+    if image_size % p:
+        near = min(
+            (image_size // p * p, image_size // p * p + p), key=lambda n: abs(n - image_size)
+        )
+        raise UserError(
+            f"model.init: image size {image_size} is not divisible by the weights' patch size "
+            f"{p}: the nearest size that is, {max(near, p)} (set data.image_size={max(near, p)})"
+        )
 
 
 def _check_keys(sd: dict, src: ViTSpec, path: str) -> None:

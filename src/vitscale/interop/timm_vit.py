@@ -52,11 +52,11 @@ HEADS_BY_DIM = {96: 3, 128: 4, 192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}  # t
 IMPLEMENTED = "is not implemented by vitscale's ViT"
 # what the keys show, for a file that comes without config.json or architecture name
 UNSUPPORTED = {
-    ".attns.": "parallel blocks (ParallelThingsBlock: attention and MLP branches side by side, the _18x2 models)",
-    ".in_proj.": "parallel attention and MLP (ParallelScalingBlock)",
-    ".attn_out_proj.": "parallel attention and MLP (ParallelScalingBlock)",
     "lambda_q1": "differential attention (attn_layer='diff')",
 }
+# parallel blocks: computed, but what their keys leave open (the block type's options) is read from
+# config.json or the architecture name only
+PARALLEL_KEYS = {".attns.": "ParallelThingsBlock", ".in_proj.": "ParallelScalingBlock"}
 # timm's VisionTransformer arguments and their defaults (timm 1.0.31)
 ARG_DEFAULTS = dict(
     img_size=224,
@@ -274,12 +274,10 @@ def _layer_options(a: dict, label: str) -> dict:
     """The ViTSpec options of timm's layer classes (block_fn, attn_layer, mlp_layer, norm_layer,
     embed_layer, embed_norm_layer); one line for one vitscale's ViT does not compute."""
     blocks = {
-        "ParallelThingsBlock": UNSUPPORTED[".attns."],
-        "ParallelScalingBlock": UNSUPPORTED[".in_proj."],
         "DiffParallelScalingBlock": "differential attention in parallel blocks (DiffParallelScalingBlock)",
     }
     block = short_name(parse_layer(a["block_fn"])[0])
-    if block not in ("", "Block", "ResPostBlock"):
+    if block not in BLOCK_KINDS:
         raise _refusal(label, blocks.get(block, f"the block type {block} (block_fn)"))
     attn = parse_layer(a["attn_layer"])[0]
     if short_name(attn) not in ("", "Attention", "attention"):
@@ -307,6 +305,7 @@ def _layer_options(a: dict, label: str) -> dict:
         )
     return dict(
         post_norm=block == "ResPostBlock",
+        parallel=BLOCK_KINDS[block],
         mlp=mlp,
         norm=norm[0],
         norm_eps=norm[1],
@@ -340,9 +339,20 @@ def _options(a: dict, label: str) -> dict:
     )
 
 
+# timm's block_fn -> ViTSpec.parallel ("" for the sequential blocks, ResPostBlock's post_norm)
+BLOCK_KINDS = {"": "", "Block": "", "ResPostBlock": "", "ParallelThingsBlock": "branches"}
+BLOCK_KINDS["ParallelScalingBlock"] = "fused"
+# the first block's attention input, by block type: what says a state dict is a ViT's
+FIRST_ATTN = (
+    "blocks.0.attn.qkv.weight",
+    "blocks.0.attns.0.attn.qkv.weight",
+    "blocks.0.in_proj.weight",
+)
+
+
 def _shape_facts(sd: dict) -> tuple[int, int, int, int]:
     """(width, input channels, patch size, depth) from the keys; one line when they are not a ViT's."""
-    if "patch_embed.proj.weight" not in sd or "blocks.0.attn.qkv.weight" not in sd:
+    if "patch_embed.proj.weight" not in sd or not any(k in sd for k in FIRST_ATTN):
         raise UserError(
             "timm ViT: not a timm VisionTransformer state dict (no patch_embed.proj.weight / "
             f"blocks.0.attn.qkv.weight; its keys begin {first_keys(sd, 3)})"
@@ -361,11 +371,9 @@ def _shape_facts(sd: dict) -> tuple[int, int, int, int]:
             "checkpoint_seq layouts)",
         )
     layers = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
-    if (
-        not layers
-        or layers != set(range(len(layers)))
-        or f"blocks.{len(layers) - 1}.mlp.fc2.weight" not in sd
-    ):
+    last = f"blocks.{len(layers) - 1}."
+    ends = ("mlp.fc2.weight", "ffns.0.mlp.fc2.weight", "mlp_out_proj.weight")
+    if not layers or layers != set(range(len(layers))) or not any(last + e in sd for e in ends):
         raise UserError("timm ViT: the blocks are missing or not numbered 0..N-1")
     return w.shape[0], w.shape[1], w.shape[-1], len(layers)
 
@@ -373,7 +381,12 @@ def _shape_facts(sd: dict) -> tuple[int, int, int, int]:
 def mlp_hidden(sd: dict) -> int:
     """timm's hidden_features = int(dim * mlp_ratio) of the first block's MLP (a packed SwiGLU's
     fc1 gives all of them, a split one's fc1_x as many)."""
-    return sd.get("blocks.0.mlp.fc1_x.weight", sd.get("blocks.0.mlp.fc1.weight")).shape[0]
+    if "blocks.0.mlp_out_proj.weight" in sd:  # ParallelScalingBlock: [dim, hidden]
+        return sd["blocks.0.mlp_out_proj.weight"].shape[1]
+    for mlp in ("blocks.0.mlp.", "blocks.0.ffns.0.mlp."):
+        if mlp + "fc1_x.weight" in sd or mlp + "fc1.weight" in sd:
+            return sd.get(mlp + "fc1_x.weight", sd.get(mlp + "fc1.weight")).shape[0]
+    raise UserError("timm ViT: the first block has no MLP weights (mlp.fc1 / fc1_x)")
 
 
 def _grid(sd: dict, prefix_rows: int, what: str, size: int = 0) -> int:
@@ -458,16 +471,30 @@ def _spec_from_args(
     )
 
 
-def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> ViTSpec:
-    """The spec the keys show, timm's defaults for what they leave open, announced in one line."""
+def _refuse_keys_only(sd: dict) -> None:
+    """One line for what the keys alone cannot say: what vitscale lacks, a parallel block's type,
+    an image size without pos_embed."""
     refuse_unsupported(sd, UNSUPPORTED, "timm ViT", "vitscale's ViT")
-    dim, in_chans, patch, depth = _shape_facts(sd)
+    for marker, block in PARALLEL_KEYS.items():
+        hits = [k for k in sd if marker in k]
+        if hits:
+            raise UserError(
+                f"timm ViT: parallel blocks ({block}: {first_keys(hits, 1)}) are read from their "
+                "config.json or model.init_arch only; put the hub's config.json next to the file"
+            )
+    _shape_facts(sd)  # a ViT's state dict at all
     if "pos_embed" not in sd:
         raise UserError(
             "timm ViT: no pos_embed and no config.json: the image size (and any rotary "
             "embedding) cannot be read from the keys; put the hub's config.json next to the file "
             "or set model.init_arch"
         )
+
+
+def _spec_from_keys(sd: dict, heads: int, num_classes: int, announce: str) -> ViTSpec:
+    """The spec the keys show, timm's defaults for what they leave open, announced in one line."""
+    _refuse_keys_only(sd)
+    dim, in_chans, patch, depth = _shape_facts(sd)
     layers, assumed = _layers_from_keys(sd)
     token, distilled = "cls_token" in sd, "dist_token" in sd
     reg = sd["reg_token"].shape[1] if "reg_token" in sd else 0
@@ -706,7 +733,8 @@ def _check_exportable(spec: ViTSpec) -> None:
 def _class_args(spec: ViTSpec) -> tuple:
     """What only an entry point can give timm's model (classes and an eps, which no JSON argument
     can): the block type, the MLP, the norm and its eps."""
-    return ("ResPostBlock" if spec.post_norm else "", spec.mlp, spec.norm, spec.norm_eps)
+    block = {"branches": "ParallelThingsBlock", "fused": "ParallelScalingBlock"}.get(spec.parallel)
+    return (block or ("ResPostBlock" if spec.post_norm else ""), spec.mlp, spec.norm, spec.norm_eps)
 
 
 def _named_norm(spec: ViTSpec) -> bool:
@@ -716,9 +744,10 @@ def _named_norm(spec: ViTSpec) -> bool:
 
 def _arch_class_args(args: dict) -> tuple | None:
     block = short_name(parse_layer(args.get("block_fn"))[0])
+    block = "" if block == "Block" else block
     mlp = mlp_kind(args.get("mlp_layer"))
     norm = norm_kind(args.get("norm_layer"))
-    if block not in ("", "ResPostBlock") or mlp is None or norm is None:
+    if block not in BLOCK_KINDS or mlp is None or norm is None:
         return None
     return (block, mlp, *norm)
 

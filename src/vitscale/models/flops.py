@@ -15,12 +15,33 @@ def vit_forward_macs(spec: ViTSpec, patch_dropout: float = 0.0) -> int:
     D, T = spec.dim, spec.num_tokens
     if patch_dropout:
         T = spec.num_prefix_tokens + kept_patches(spec.num_patches, patch_dropout)
-    hidden = int(D * spec.mlp_ratio)
     patch = stem_macs(spec)
     attn = T * D * 3 * D + 2 * T * T * D + T * D * D  # qkv, q@k^T and attn@v, proj
-    mlp = 2 * T * D * hidden  # fc1 + fc2
-    head = D * spec.num_classes
-    return patch + spec.depth * (attn + mlp) + head
+    mlp = T * mlp_macs_per_token(spec)
+    block = 2 * (attn + mlp) if spec.parallel == "branches" else attn + mlp  # two of each
+    head = D * spec.num_classes * (2 if spec.distilled else 1) + pool_macs(spec, T)
+    return patch + spec.depth * block + head
+
+
+def mlp_macs_per_token(spec: ViTSpec) -> int:
+    """One token through the MLP: fc1 + fc2; the split SwiGLU's two up-projections; the packed
+    one's fc1 of the whole hidden width and fc2 of its half."""
+    D, hidden = spec.dim, int(spec.dim * spec.mlp_ratio)
+    if spec.mlp == "swiglu":
+        return 3 * D * hidden
+    if spec.mlp == "swiglu_packed":
+        return D * hidden + hidden // 2 * D
+    return 2 * D * hidden
+
+
+def pool_macs(spec: ViTSpec, tokens: int) -> int:
+    """The MAP head: the query's projection, k and v of every token, the one query's attention,
+    the output projection and the MLP (0 for the other heads)."""
+    if spec.head != "map":
+        return 0
+    D, T = spec.dim, tokens if spec.pool_prefix else tokens - spec.num_prefix_tokens
+    hidden = int(D * (spec.pool_mlp_ratio or spec.mlp_ratio))
+    return D * D + T * 2 * D * D + 2 * T * D + D * D + 2 * D * hidden
 
 
 def stem_macs(spec: ViTSpec) -> int:

@@ -315,7 +315,7 @@ def set_drop_path_mode(model: nn.Module, mode: str) -> nn.Module:
             f"unknown drop-path mode '{mode}' (expected one of {', '.join(DROP_PATH_MODES)})"
         )
     for m in model.modules():
-        if isinstance(m, Block):
+        if hasattr(type(m), "drop_path_mode"):  # Block and the parallel blocks
             m.drop_path_mode = mode
     return model
 
@@ -485,6 +485,8 @@ def tp_widths(model: nn.Module) -> dict[str, int | None]:
             widths[f"MLP width of a {width}-wide block"] = m.mlp.hidden
             if m.tp_unsplittable():
                 widths[m.tp_unsplittable()] = None
+        if hasattr(type(m), "drop_path_mode") and not isinstance(m, Block):
+            widths[f"parallel block ({type(m).__name__})"] = None
         if isinstance(m, RopeMixed):  # one learned frequency table per head
             widths["rotary embedding learned per head (rope=mixed)"] = None
     return widths

@@ -12,6 +12,7 @@ a small share of the step).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .ffn import Mlp
@@ -27,11 +28,13 @@ class AttentionPool(nn.Module):
         mlp_ratio: float,
         norm: nn.Module,
         act: str = "gelu",
+        fused: bool = True,
     ):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim {dim} is not divisible by heads {heads}")
         self.heads, self.head_dim = heads, dim // heads
+        self.fused = fused
         self.latent = nn.Parameter(torch.zeros(1, 1, dim))
         self.q = nn.Linear(dim, dim)
         self.kv = nn.Linear(dim, 2 * dim)
@@ -48,8 +51,11 @@ class AttentionPool(nn.Module):
         h, hd = self.heads, self.head_dim
         q = self.q(self.latent.expand(B, -1, -1)).reshape(B, 1, h, hd).transpose(1, 2)
         k, v = self.kv(x).reshape(B, T, 2, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        # one query: the explicit softmax is as cheap as a fused kernel, and it runs on the
-        # replicated DTensors of tensor parallelism (which have no CPU fused backward)
-        o = ((q * hd**-0.5) @ k.transpose(-2, -1)).softmax(dim=-1) @ v  # [B, h, 1, hd]
+        # timm's fused kernel; on tensor parallelism's replicated DTensors (`placements`), which
+        # have no CPU fused backward, the explicit softmax (one query: as cheap)
+        if self.fused and not hasattr(x, "placements"):
+            o = F.scaled_dot_product_attention(q, k, v)  # [B, h, 1, hd]
+        else:
+            o = ((q * hd**-0.5) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
         o = self.proj(o.transpose(1, 2).reshape(B, 1, D))
         return (o + self.mlp(self.norm(o)))[:, 0]

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .ffn import make_norm
 from .layers import Block, BlockOptions, ConvStem, LayerScale, PatchEmbed, tp_plan
+from .parallel import BranchesBlock, FusedBlock
 from .pool import AttentionPool
 from .rope import build_rope, keep_rope
 
@@ -66,6 +67,9 @@ class ViTSpec:
     # (pool_include_prefix)
     distilled: bool = False  # DeiT's distillation token after the class token and a second head
     # (head_dist); the output is the mean of both heads' logits, as timm's in evaluation
+    parallel: str = ""  # parallel blocks: "" (attention, then MLP) | "branches" (two attention
+    # branches, then two MLP branches: timm's ParallelThingsBlock) | "fused" (one input projection
+    # for both, side by side: ParallelScalingBlock, ViT-22B) (models/parallel.py)
     rope: str = ""  # a 2-D rotary position embedding of q and k: "" (none) | "cat" (EVA02, PE) |
     # "mixed" (learned per block and head) | "dinov3" (models/rope.py; the class and register tokens
     # are not rotated)
@@ -210,8 +214,9 @@ class VisionTransformer(nn.Module):
         # rises with depth
         dpr = [spec.drop_path * i / max(1, spec.depth - 1) for i in range(spec.depth)]
         options = spec.block_options()
+        block = {"": Block, "branches": BranchesBlock, "fused": FusedBlock}[spec.parallel]
         self.blocks = nn.ModuleList(
-            Block(
+            block(
                 D,
                 spec.heads,
                 spec.mlp_ratio,
@@ -238,6 +243,7 @@ class VisionTransformer(nn.Module):
                 spec.pool_mlp_ratio or spec.mlp_ratio,
                 norm(),
                 spec.pool_act or spec.act,
+                spec.attention == "sdpa",
             )
             if spec.head == "map"
             else None
@@ -247,9 +253,10 @@ class VisionTransformer(nn.Module):
             if spec.rope
             else None
         )
-        for blk in self.blocks:  # what the attention's rotation leaves out, and its layout
-            blk.attn.rope_prefix = spec.num_prefix_tokens
-            blk.attn.rope_half = bool(spec.rope_options.get("rotate_half", False))
+        for m in self.blocks.modules():  # what the attention's rotation leaves out, its layout
+            if hasattr(m, "rope_prefix"):
+                m.rope_prefix = spec.num_prefix_tokens
+                m.rope_half = bool(spec.rope_options.get("rotate_half", False))
         self.fc_norm = norm() if spec.final_norm and spec.fc_norm else None
         self.head = nn.Linear(D, spec.num_classes)
         self.head_dist = nn.Linear(D, spec.num_classes) if spec.distilled else None

@@ -74,7 +74,7 @@ def spec_from_init(m, image_size: int, channels: int, num_classes: int) -> tuple
 
 def blocks_of(m) -> dict:
     """The ViTSpec block keys a recipe names (model.norm, mlp, qk_norm, layer_scale, reg_tokens,
-    rope, pos_embed); the defaults are the 2021 ViT. A rope keeps the class and register tokens
+    rope, parallel, pos_embed); the defaults are the 2021 ViT. A rope keeps the class and register tokens
     unrotated; model.head=map pools the patch tokens."""
     return dict(
         norm=m.norm,
@@ -84,6 +84,7 @@ def blocks_of(m) -> dict:
         layer_scale=m.layer_scale,
         reg_tokens=m.reg_tokens,
         rope="" if m.rope == "none" else m.rope,
+        parallel="" if m.parallel == "none" else m.parallel,
         pos_embed=m.pos_embed,
     )
 
