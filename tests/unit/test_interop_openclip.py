@@ -403,8 +403,8 @@ def test_a_configuration_that_does_not_fit_the_weights_is_refused(tmp_path):
 def test_wide_towers_take_their_head_count_from_the_configuration(caplog):
     """ViT-H-14, ViT-g-14, ViT-bigG-14 and ViT-e-14 have head widths 80, 88, 104 and 112: width // 64
     would split them wrongly, so without a configuration they are refused; named, they are exact."""
-    from vitscale.interop.open_clip.convert import open_clip_spec
     from vitscale.interop.open_clip.configs import CONFIGS
+    from vitscale.interop.open_clip.convert import open_clip_spec
 
     for name, heads in (("ViT-H-14", 16), ("ViT-g-14", 16), ("ViT-bigG-14", 16), ("ViT-e-14", 16)):
         mc = CONFIGS[name]
@@ -439,9 +439,14 @@ def test_configurations_vitscale_does_not_compute_are_refused_with_their_cause()
         }
     )
     for name, want in (
-        ("convnext_base", "a timm image tower (vision_cfg.timm_model_name='convnext_base')"),
-        ("ViT-SO400M-14-SigLIP", "a timm image tower"),
-        ("EVA02-B-16", "a timm image tower"),
+        (
+            "convnext_base",
+            "a timm image tower other than timm's ViTs (vision_cfg.timm_model_name='convnext_base')",
+        ),
+        (
+            "vit_medium_patch16_gap_256",
+            "a projection head after the timm trunk (vision_cfg.timm_proj='linear')",
+        ),
         ("RN50", "a ResNet image tower (vision_cfg.layers=[3, 4, 6, 3])"),
         ("roberta-ViT-B-32", "a Hugging Face text tower (text_cfg.hf_model_name='roberta-base')"),
         ("coca_ViT-B-32", "CoCa's text decoder (multimodal_cfg)"),
@@ -482,11 +487,11 @@ def test_clip_model_init_config_check_names_the_real_cause(tmp_path):
     (siglip / "open_clip_config.json").write_text(
         json.dumps({"model_cfg": CONFIGS["ViT-B-16-SigLIP"]})
     )
-    cases.append(
+    cases.append(  # (SigLIP's weights load: its tokenizer is what a run cannot have)
         (
             siglip / "open_clip_model.safetensors",
             "",
-            "timm image tower (vision_cfg.timm_model_name=",
+            "another tokenizer (text_cfg.hf_tokenizer_name='timm/ViT-B-16-SigLIP')",
         )
     )
     sd, _ = fixture()

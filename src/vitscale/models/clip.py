@@ -10,7 +10,8 @@ ClipSpec.logit_bias set (clip.loss=siglip), a learnable `logit_bias` (SigLIP's).
 OpenCLIP's ViT CLIP computes the same function with the options that interop/open_clip/convert.py sets
 (all off by default): ClipSpec.ln_pre / patch_bias / proj_bias / vision_norm_eps / vision_act /
 vision_pool / vision_norm_after_pool for the image tower, TextSpec.norm_eps / act / causal / pool /
-eos_id for the text tower.
+eos_id / proj / proj_bias for the text tower; its SigLIP, EVA-CLIP and PE-Core models (a timm image
+tower) with ClipSpec.vision_timm.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class ClipSpec:
         False  # the final LayerNorm after pooling (OpenCLIP's final_ln_after_pool;
     )
     # its parameters are then visual.fc_norm, not visual.norm)
+    # OpenCLIP's TimmModel image tower (SigLIP, EVA-CLIP, PE-Core): the timm architecture its trunk
+    # is; `vision` is then that trunk whole (its head the projection, num_classes=0: none, the
+    # pooled feature is the embedding) and the image-tower options above do not apply
+    vision_timm: str = ""
 
 
 # name -> (vision ViTSpec, text (dim, depth, heads), embed_dim)
@@ -111,6 +116,9 @@ class ImageTower(VisionTransformer):
     `norm_pre` (timm's name for OpenCLIP's ln_pre) normalizes the tokens before the first block."""
 
     def __init__(self, spec: ClipSpec):
+        if spec.vision_timm:  # the trunk as timm builds it (interop/open_clip/timm_tower.py)
+            self._init_trunk(spec)
+            return
         if spec.vision_pool not in ("token", "avg"):
             raise ValueError(f"unknown vision_pool '{spec.vision_pool}' (expected token or avg)")
         if spec.vision_pool == "avg" and spec.vision.head != "token":
@@ -138,6 +146,17 @@ class ImageTower(VisionTransformer):
         if spec.vision_act != "gelu":
             for blk in self.blocks:
                 blk.mlp.act = activation(spec.vision_act)
+
+    def _init_trunk(self, spec: ClipSpec) -> None:
+        v = spec.vision
+        if (v.num_classes or v.dim) != spec.embed_dim:
+            raise ValueError(
+                f"the image tower gives {v.num_classes or v.dim} features, embed_dim is {spec.embed_dim}"
+            )
+        super().__init__(replace(v, num_classes=v.num_classes or 1))
+        self.clip_pool = "token"
+        if not v.num_classes:  # no projection: the pooled feature
+            self.head = nn.Identity()
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         if self.clip_pool == "token":
@@ -211,7 +230,7 @@ def clip_forward_flops(
     patch_dropout, of a training forward (the image blocks see the kept patch tokens only)."""
     from .flops import vit_forward_macs
 
-    vision = replace(spec.vision, num_classes=spec.embed_dim)
+    vision = spec.vision if spec.vision_timm else replace(spec.vision, num_classes=spec.embed_dim)
     return 2 * (
         vit_forward_macs(vision, patch_dropout)
         + text_forward_macs(replace(spec.text, embed_dim=spec.embed_dim), text_length)

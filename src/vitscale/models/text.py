@@ -4,8 +4,9 @@ Shapes: tokens int64 [B, L] -> token embeddings [B, L, W] -> blocks (causal) -> 
 the feature at each row's end-of-text position [B, W] -> projection [B, E].
 As in CLIP/OpenCLIP, the end-of-text token has the largest id (49407), so its position is
 `tokens.argmax(-1)`; padding (id 0) comes after it and is never attended to by it.
-OpenCLIP's other text towers (interop/open_clip/convert.py) set `pool` ("eos": the first `eos_id` token,
-"last", "first") and `causal=False` (bidirectional attention, e.g. CLIPA's).
+OpenCLIP's other text towers (interop/open_clip/) set `pool` ("eos": the first `eos_id` token,
+"last", "first"), `causal=False` (bidirectional attention, e.g. CLIPA's and SigLIP's), `act`
+"gelu_tanh" (SigLIP 2's), a projection with a bias or none at all (`proj_bias`, `proj`: SigLIP's).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class TextSpec:
     pool: str = "argmax"  # the pooled token: "argmax" (the largest id: CLIP's end of text) |
     # "eos" (the first `eos_id`) | "last" | "first" (OpenCLIP's pool_type)
     eos_id: int = 0  # pool="eos" only
+    proj: str = (
+        "linear"  # "linear" | "none": the pooled feature is the embedding (OpenCLIP's proj_type)
+    )
+    proj_bias: bool = (
+        False  # the projection has a bias (OpenCLIP's proj_bias: SigLIP's text towers)
+    )
 
 
 class TextTransformer(nn.Module):
@@ -58,7 +65,15 @@ class TextTransformer(nn.Module):
             for _ in range(spec.depth)
         )
         self.ln_final = nn.LayerNorm(W, eps=spec.norm_eps)
-        self.proj = nn.Linear(W, spec.embed_dim, bias=False)
+        if spec.proj not in ("linear", "none"):
+            raise ValueError(f"unknown text proj '{spec.proj}' (expected linear or none)")
+        if spec.proj == "none" and spec.embed_dim != W:
+            raise ValueError(f"text proj='none' needs embed_dim == dim ({spec.embed_dim} != {W})")
+        self.proj = (
+            nn.Linear(W, spec.embed_dim, bias=spec.proj_bias)
+            if spec.proj == "linear"
+            else nn.Identity()
+        )
         self.grad_checkpointing = False
         self.reset_parameters()
 
@@ -79,7 +94,10 @@ class TextTransformer(nn.Module):
             nn.init.normal_(blk.mlp.fc2.weight, std=proj_std)
             for b in (blk.attn.qkv.bias, blk.attn.proj.bias, blk.mlp.fc1.bias, blk.mlp.fc2.bias):
                 nn.init.zeros_(b)
-        nn.init.normal_(self.proj.weight, std=W**-0.5)
+        if isinstance(self.proj, nn.Linear):
+            nn.init.normal_(self.proj.weight, std=W**-0.5)
+            if self.proj.bias is not None:
+                nn.init.zeros_(self.proj.bias)
 
     def no_weight_decay(self) -> set[str]:
         """Nothing beyond norms and biases (OpenCLIP decays the token and position embeddings)."""
@@ -121,4 +139,4 @@ def text_forward_macs(spec: TextSpec, length: int | None = None) -> int:
     W, T = spec.dim, length or spec.context_length
     hidden = int(W * spec.mlp_ratio)
     per_block = T * W * 3 * W + 2 * T * T * W + T * W * W + 2 * T * W * hidden
-    return spec.depth * per_block + W * spec.embed_dim
+    return spec.depth * per_block + (W * spec.embed_dim if spec.proj == "linear" else 0)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,8 @@ from ...models.clip import ClipSpec
 from ...models.text import TextSpec
 from ...models.vit import ViTSpec
 from ..files import first_keys, refuse_unsupported
+from .layout import depth_of, ratio
+from .timm_tower import TRUNK, has_timm_tower, refuse_timm_config, timm_clip_spec
 
 log = logging.getLogger("vitscale")
 
@@ -82,13 +83,6 @@ def normalize(sd: dict) -> dict:
     return {k: v for k, v in sd.items() if k not in OPENAI_EXTRAS}
 
 
-def _depth(sd: dict, prefix: str) -> int:
-    layers = {int(m.group(1)) for k in sd if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))}
-    if not layers or layers != set(range(len(layers))):
-        raise UserError(f"OpenCLIP: the blocks {prefix}N are missing or not numbered 0..N-1")
-    return len(layers)
-
-
 def _shape(sd: dict, key: str, ndim: int) -> tuple:
     if key not in sd:
         raise UserError(f"OpenCLIP: missing key {key}")
@@ -97,15 +91,6 @@ def _shape(sd: dict, key: str, ndim: int) -> tuple:
             f"OpenCLIP: {key} has shape {tuple(sd[key].shape)}; expected {ndim} dimensions"
         )
     return tuple(sd[key].shape)
-
-
-def _ratio(hidden: int, dim: int) -> float:
-    """The MLP ratio r with int(dim * r) == hidden (both libraries size the MLP so; hidden / dim
-    alone can land a float just below, e.g. ViT-bigG-14's 8192 / 1664)."""
-    r = hidden / dim
-    while int(dim * r) < hidden:
-        r = math.nextafter(r, math.inf)
-    return r
 
 
 # -- OpenCLIP's configuration: where it comes from, what it says ------------------------------------
@@ -169,8 +154,9 @@ def refuse_config(mc: dict, where: str) -> None:
             f"OpenCLIP: {where}: {what} ({shown}) is not implemented by vitscale's CLIP"
         )
 
-    if v.get("timm_model_name"):
-        no("a timm image tower", "vision_cfg.timm_model_name", v["timm_model_name"])
+    if v.get("timm_model_name"):  # SigLIP, EVA-CLIP, PE-Core, ...: a layout of its own
+        refuse_timm_config(mc, where)
+        return
     if isinstance(v.get("layers"), (list, tuple)):
         no("a ResNet image tower", "vision_cfg.layers", v["layers"])
     if t.get("hf_model_name"):
@@ -352,8 +338,8 @@ def _read_weights(sd: dict) -> _Weights:
             f"project widths {dim} and {width} to one embedding"
         )
     vdepth, tdepth = (
-        _depth(sd, "visual.transformer.resblocks."),
-        _depth(sd, "transformer.resblocks."),
+        depth_of(sd, "visual.transformer.resblocks."),
+        depth_of(sd, "transformer.resblocks."),
     )
     vhidden = _shape(sd, "visual.transformer.resblocks.0.mlp.c_fc.weight", 2)[0]
     thidden = _shape(sd, "transformer.resblocks.0.mlp.c_fc.weight", 2)[0]
@@ -474,7 +460,7 @@ def _spec(w: _Weights, opts: dict, mc: dict | None) -> ClipSpec:
         dim=w.dim,
         depth=w.vdepth,
         heads=opts["vision_heads"],
-        mlp_ratio=_ratio(w.vhidden, w.dim),
+        mlp_ratio=ratio(w.vhidden, w.dim),
         head="token",
         **(
             {"layer_scale": float((mc or {}).get("vision_cfg", {}).get("ls_init_value") or 1e-5)}
@@ -488,7 +474,7 @@ def _spec(w: _Weights, opts: dict, mc: dict | None) -> ClipSpec:
         dim=w.width,
         depth=w.tdepth,
         heads=opts["text_heads"],
-        mlp_ratio=_ratio(w.thidden, w.width),
+        mlp_ratio=ratio(w.thidden, w.width),
         embed_dim=w.embed_dim,
         norm_eps=eps[1],
         act=act,
@@ -530,8 +516,15 @@ def resolve(
     } | (keys or {})
     sd = normalize(sd)
     mc, _, where = read_config(config, weights)
+    if has_timm_tower(mc):
+        return _resolve_timm(sd, mc, where, quick_gelu=quick_gelu, text_heads=text_heads, keys=keys)
     if mc is not None:
         refuse_config(mc, where)
+    if any(k.startswith(TRUNK) for k in sd):
+        raise UserError(
+            f"OpenCLIP: a timm image tower ({TRUNK}*): which timm architecture it is is not in the "
+            f"weights: give its configuration ({keys['config']})"
+        )
     refuse_keys(sd)
     w = _read_weights(sd)
     given = dict(vision_heads=vision_heads, text_heads=text_heads, quick_gelu=quick_gelu)
@@ -541,6 +534,20 @@ def resolve(
         else _options_by_default(w, given, keys, act_note)
     )
     return _spec(w, opts, mc), opts["assumed"], mc, where
+
+
+def _resolve_timm(sd: dict, mc: dict, where: str, *, quick_gelu, text_heads: int, keys: dict):
+    """resolve's answer for a timm image tower (timm_tower.py): everything from the configuration."""
+    spec = timm_clip_spec(sd, mc, where)
+    for arg, value, want in (
+        ("text_heads", text_heads or None, spec.text.heads),
+        ("quick_gelu", quick_gelu, spec.text.act == "quick_gelu"),
+    ):
+        if value is not None and value != want:
+            raise UserError(
+                f"OpenCLIP: {keys[arg]}{value} disagrees with {where}, which says {arg} {want}"
+            )
+    return spec, [], mc, where
 
 
 def announce(prefix: str, assumed: list[str], keys: str) -> None:

@@ -46,16 +46,9 @@ from .arch import (
     refuse_keys,
     resolve,
 )
+from .layout import BLOCK_MAP
+from .timm_tower import from_timm_tower, has_timm_tower, timm_model_cfg, to_timm_tower
 
-BLOCK_MAP = (
-    ("ln_1", "norm1"),
-    ("attn.in_proj_weight", "attn.qkv.weight"),
-    ("attn.in_proj_bias", "attn.qkv.bias"),
-    ("attn.out_proj", "attn.proj"),
-    ("ln_2", "norm2"),
-    ("mlp.c_fc", "mlp.fc1"),
-    ("mlp.c_proj", "mlp.fc2"),
-)
 # what open_clip's `local-dir:` loader picks from a folder first (factory._find_checkpoint_in_dir)
 LOCAL_DIR_PREFERRED = (
     "open_clip_model.safetensors",
@@ -177,8 +170,21 @@ def _build(sd: dict, spec: ClipSpec, attention: str = "sdpa") -> CLIP:
     )
     with torch.device("meta"):  # no initialization: every parameter comes from the weights
         model = CLIP(spec)
-    model.load_state_dict(_convert(sd, spec, model.state_dict()), strict=True, assign=True)
+    model.load_state_dict(convert_any(sd, spec, model.state_dict()), strict=True, assign=True)
+    rope = model.visual.rope
+    if rope is not None:  # its non-persistent buffers: not in the file (interop/timm_vit.from_timm)
+        freqs = {k: v.clone() for k, v in rope.state_dict().items()}
+        rope.to_empty(device="cpu")
+        rope.reset_parameters()
+        if freqs:
+            rope.load_state_dict(freqs)
     return model
+
+
+def convert_any(sd: dict, spec: ClipSpec, ours: dict) -> dict[str, torch.Tensor]:
+    """OpenCLIP's (normalized) state dict as the spec's model's: OpenCLIP's ViT (_convert) or a
+    timm image tower (timm_tower.from_timm_tower)."""
+    return from_timm_tower(sd, spec, ours) if spec.vision_timm else _convert(sd, spec, ours)
 
 
 def load_open_clip(
@@ -262,10 +268,12 @@ def to_open_clip(model: CLIP) -> dict[str, torch.Tensor]:
     spec = getattr(model, "spec", None)
     if not isinstance(spec, ClipSpec):
         raise UserError("export to OpenCLIP: not a vitscale CLIP model")
+    ours = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    if spec.vision_timm:
+        return to_timm_tower(ours, spec)
     problem = _layout_problem(spec)
     if problem:
         raise UserError(f"export to OpenCLIP: {problem}")
-    ours = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     out = {}
     for theirs, name in _key_map(spec).items():
         v = ours[name]
@@ -284,6 +292,8 @@ def to_open_clip(model: CLIP) -> dict[str, torch.Tensor]:
 def open_clip_config(spec: ClipSpec, preprocess: dict | None = None) -> dict:
     """open_clip_config.json for the spec: {"model_cfg": what OpenCLIP's CLIP(**model_cfg) needs to
     compute the spec's function, "preprocess_cfg": `preprocess`}."""
+    if spec.vision_timm:
+        return {"model_cfg": timm_model_cfg(spec), "preprocess_cfg": dict(preprocess or {})}
     problem = _layout_problem(spec)
     if problem:
         raise UserError(f"export to OpenCLIP: {problem}")
@@ -409,13 +419,15 @@ INIT_HINT = (
 
 
 def _refuse_tokenizer(mc: dict, where: str) -> None:
-    """A run tokenizes its captions with CLIP's BPE: weights trained on another tokenizer's ids cannot start it."""
+    """A run tokenizes its captions with CLIP's BPE: weights trained on another tokenizer's ids cannot
+    start it (their weights still load and export: load_open_clip, to_open_clip)."""
     t = mc.get("text_cfg") or {}
     for key in ("hf_tokenizer_name", "tokenizer_mode"):
         if t.get(key):
             raise UserError(
                 f"OpenCLIP: {where}: the weights were trained with another tokenizer (text_cfg.{key}="
-                f"{t[key]!r}); vitscale tokenizes captions with CLIP's BPE"
+                f"{t[key]!r}), which training and zero-shot evaluation need; vitscale has CLIP's BPE only "
+                "(the weights still load and export: interop.open_clip.load_open_clip, to_open_clip)"
             )
 
 
@@ -459,6 +471,8 @@ def check_init(path, open_clip: str = "") -> None:
             _refuse_tokenizer(mc, where)
         except UserError as e:
             raise UserError(f"model.init={path}: {e}") from None
+        if has_timm_tower(mc):  # its keys are read with the weights (timm_tower.py)
+            return
     keys = {k[len("text.") :] if k.startswith("text.") else k for k in sd}
     if (
         "pos_embed" in keys
@@ -518,11 +532,13 @@ def init_weights(
         src, image_size=image_size, context_length=context_length, vocab_size=vocab_size
     )
     v, t = src.vision, src.text
+    if src.vision_timm:
+        _check_timm_geometry(src, path, image_size, in_chans)
     spec = replace(
         src,
         vision=replace(
             v,
-            image_size=image_size,
+            image_size=v.image_size if src.vision_timm else image_size,
             in_chans=in_chans,
             attention=attention,
             drop_path=drop_path,
@@ -530,6 +546,11 @@ def init_weights(
         ),
         text=replace(t, context_length=context_length, attention=attention),
     )
+    if src.vision_timm:  # the text positions cut only
+        state["text.positional_embedding"] = state["text.positional_embedding"][
+            :context_length
+        ].contiguous()
+        return spec, state
     return spec, _fit_init_state(
         state,
         patch_size=v.patch_size,
@@ -564,7 +585,7 @@ def _read_init(path, open_clip: str, *, quick_gelu, vision_heads, text_heads):
             _refuse_tokenizer(mc, where)
         sd = normalize(read_state_dict(path))
         with torch.device("meta"):
-            state = _convert(sd, src, CLIP(src).state_dict())
+            state = convert_any(sd, src, CLIP(src).state_dict())
     except UserError as e:
         raise UserError(f"model.init: {path}: {str(e).removeprefix('OpenCLIP: ')}") from None
     announce(
@@ -573,6 +594,17 @@ def _read_init(path, open_clip: str, *, quick_gelu, vision_heads, text_heads):
         INIT_HINT,
     )
     return src, state
+
+
+def _check_timm_geometry(src: ClipSpec, path, image_size: int, in_chans: int) -> None:
+    """A timm image tower is kept as timm builds it: the run's patch grid and channels are its."""
+    v = src.vision
+    if (image_size // v.patch_size, in_chans) != (v.image_size // v.patch_size, v.in_chans):
+        raise UserError(
+            f"model.init: {path}: its timm image tower ({src.vision_timm}) is kept as timm builds it: "
+            f"set data.image_size={v.image_size} and {v.in_chans}-channel images (the run has "
+            f"{image_size} px, {in_chans} channels)"
+        )
 
 
 def _check_init_geometry(
