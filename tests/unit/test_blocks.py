@@ -37,6 +37,8 @@ VARIANTS = {
     "all": ALL,
     "branches": {**ALL, "parallel": "branches"},
     "fused": {**ALL, "parallel": "fused", "mlp": "mlp", "act": "gelu"},
+    "diff": {**ALL, "diff_attn": True, "rope": "", "pos_embed": True},
+    "diff_fused": {**ALL, "diff_attn": True, "parallel": "fused", "mlp": "mlp", "rope": ""},
     "packed_dinov3": {**ALL, "mlp": "swiglu_packed", "rope": "dinov3", "head": "pool"},
     "mixed_norms": {**ALL, "rope": "mixed", "attn_norm": True, "mlp_norm": True, "post_norm": True},
     "distilled": dict(ALL, head="token", distilled=True, reg_tokens=0, rope="", pos_embed=True),
@@ -119,6 +121,7 @@ def test_the_blocks_trace_as_one_graph(name):
         (dict(mlp_norm=True), "norm of the MLP's hidden units"),
         (dict(rope="mixed"), "rope=mixed"),
         (dict(parallel="branches"), "parallel block (BranchesBlock)"),
+        (dict(diff_attn=True, rope=""), "differential attention"),
         (dict(parallel="fused", mlp="mlp"), "parallel block (FusedBlock)"),
     ],
 )
@@ -182,7 +185,7 @@ def test_recipe_keys_build_the_spec_and_the_defaults_are_the_2021_vit(tmp_path, 
         dict(parallel="fused"),
         dict(distilled=True),
     ],
-)
+)  # differential attention: its q k^T and attn @ v as two half-width pairs, the same FLOPs
 def test_the_analytic_flops_are_torchs_count(keys):
     """models/flops.py's count (what MFU divides by) against torch's FlopCounterMode, per block."""
     from torch.utils.flop_counter import FlopCounterMode

@@ -51,12 +51,14 @@ log = logging.getLogger("vitscale.interop")
 HEADS_BY_DIM = {96: 3, 128: 4, 192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}  # timm's tiny..huge
 IMPLEMENTED = "is not implemented by vitscale's ViT"
 # what the keys show, for a file that comes without config.json or architecture name
-UNSUPPORTED = {
-    "lambda_q1": "differential attention (attn_layer='diff')",
-}
+UNSUPPORTED: dict[str, str] = {}
 # parallel blocks: computed, but what their keys leave open (the block type's options) is read from
 # config.json or the architecture name only
-PARALLEL_KEYS = {".attns.": "ParallelThingsBlock", ".in_proj.": "ParallelScalingBlock"}
+PARALLEL_KEYS = {
+    ".attns.": "parallel blocks (ParallelThingsBlock",
+    ".in_proj.": "parallel blocks (ParallelScalingBlock",
+    "lambda_q1": "differential attention (attn_layer='diff'",
+}
 # timm's VisionTransformer arguments and their defaults (timm 1.0.31)
 ARG_DEFAULTS = dict(
     img_size=224,
@@ -152,6 +154,7 @@ EXPORT_ARGS = CORE_ARGS + (
     "embed_norm_layer",
     "pos_embed",
     "pool_include_prefix",
+    "attn_layer",
 )
 # timm's preferred names
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
@@ -273,18 +276,12 @@ def _check_args(a: dict, label: str) -> None:
 def _layer_options(a: dict, label: str) -> dict:
     """The ViTSpec options of timm's layer classes (block_fn, attn_layer, mlp_layer, norm_layer,
     embed_layer, embed_norm_layer); one line for one vitscale's ViT does not compute."""
-    blocks = {
-        "DiffParallelScalingBlock": "differential attention in parallel blocks (DiffParallelScalingBlock)",
-    }
     block = short_name(parse_layer(a["block_fn"])[0])
     if block not in BLOCK_KINDS:
-        raise _refusal(label, blocks.get(block, f"the block type {block} (block_fn)"))
+        raise _refusal(label, f"the block type {block} (block_fn)")
     attn = parse_layer(a["attn_layer"])[0]
-    if short_name(attn) not in ("", "Attention", "attention"):
-        raise _refusal(
-            label,
-            UNSUPPORTED["lambda_q1"] if attn == "diff" else f"the attention {attn!r} (attn_layer)",
-        )
+    if short_name(attn) not in ("", "Attention", "attention", "diff", "DiffAttention"):
+        raise _refusal(label, f"the attention {attn!r} (attn_layer)")
     mlp = mlp_kind(a["mlp_layer"])
     if mlp is None:
         raise _refusal(label, f"the MLP {a['mlp_layer']} (mlp_layer)")
@@ -306,6 +303,8 @@ def _layer_options(a: dict, label: str) -> dict:
     return dict(
         post_norm=block == "ResPostBlock",
         parallel=BLOCK_KINDS[block],
+        diff_attn=block == "DiffParallelScalingBlock"
+        or short_name(attn) in ("diff", "DiffAttention"),
         mlp=mlp,
         norm=norm[0],
         norm_eps=norm[1],
@@ -341,7 +340,7 @@ def _options(a: dict, label: str) -> dict:
 
 # timm's block_fn -> ViTSpec.parallel ("" for the sequential blocks, ResPostBlock's post_norm)
 BLOCK_KINDS = {"": "", "Block": "", "ResPostBlock": "", "ParallelThingsBlock": "branches"}
-BLOCK_KINDS["ParallelScalingBlock"] = "fused"
+BLOCK_KINDS |= {"ParallelScalingBlock": "fused", "DiffParallelScalingBlock": "fused"}
 # the first block's attention input, by block type: what says a state dict is a ViT's
 FIRST_ATTN = (
     "blocks.0.attn.qkv.weight",
@@ -372,7 +371,7 @@ def _shape_facts(sd: dict) -> tuple[int, int, int, int]:
         )
     layers = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
     last = f"blocks.{len(layers) - 1}."
-    ends = ("mlp.fc2.weight", "ffns.0.mlp.fc2.weight", "mlp_out_proj.weight")
+    ends = ("mlp.fc2.weight", "ffns.0.mlp.fc2.weight", "mlp_out_proj.weight", "out_proj.weight")
     if not layers or layers != set(range(len(layers))) or not any(last + e in sd for e in ends):
         raise UserError("timm ViT: the blocks are missing or not numbered 0..N-1")
     return w.shape[0], w.shape[1], w.shape[-1], len(layers)
@@ -383,6 +382,9 @@ def mlp_hidden(sd: dict) -> int:
     fc1 gives all of them, a split one's fc1_x as many)."""
     if "blocks.0.mlp_out_proj.weight" in sd:  # ParallelScalingBlock: [dim, hidden]
         return sd["blocks.0.mlp_out_proj.weight"].shape[1]
+    if "blocks.0.out_proj.weight" in sd:  # DiffParallelScalingBlock: [dim, dim + hidden]
+        w = sd["blocks.0.out_proj.weight"]
+        return w.shape[1] - w.shape[0]
     for mlp in ("blocks.0.mlp.", "blocks.0.ffns.0.mlp."):
         if mlp + "fc1_x.weight" in sd or mlp + "fc1.weight" in sd:
             return sd.get(mlp + "fc1_x.weight", sd.get(mlp + "fc1.weight")).shape[0]
@@ -479,8 +481,8 @@ def _refuse_keys_only(sd: dict) -> None:
         hits = [k for k in sd if marker in k]
         if hits:
             raise UserError(
-                f"timm ViT: parallel blocks ({block}: {first_keys(hits, 1)}) are read from their "
-                "config.json or model.init_arch only; put the hub's config.json next to the file"
+                f"timm ViT: {block}: {first_keys(hits, 1)}) is read from its config.json or "
+                "model.init_arch only; put the hub's config.json next to the file"
             )
     _shape_facts(sd)  # a ViT's state dict at all
     if "pos_embed" not in sd:
@@ -733,7 +735,8 @@ def _check_exportable(spec: ViTSpec) -> None:
 def _class_args(spec: ViTSpec) -> tuple:
     """What only an entry point can give timm's model (classes and an eps, which no JSON argument
     can): the block type, the MLP, the norm and its eps."""
-    block = {"branches": "ParallelThingsBlock", "fused": "ParallelScalingBlock"}.get(spec.parallel)
+    fused = "DiffParallelScalingBlock" if spec.diff_attn else "ParallelScalingBlock"
+    block = {"branches": "ParallelThingsBlock", "fused": fused}.get(spec.parallel)
     return (block or ("ResPostBlock" if spec.post_norm else ""), spec.mlp, spec.norm, spec.norm_eps)
 
 
@@ -813,10 +816,11 @@ def timm_kwargs(spec: ViTSpec, arch: str = "vit_base_patch16_224") -> dict:
         proj_bias=spec.proj_bias,
         pos_embed="learn" if spec.pos_embed else "none",
         pool_include_prefix=spec.pool_prefix,
+        attn_layer="diff" if spec.diff_attn and spec.parallel != "fused" else "attn",
     )
     if spec.distilled:
         full.pop("class_token")
-    defaults = {**ARG_DEFAULTS, "fc_norm": pool == "avg", "act_layer": "gelu"}
+    defaults = {**ARG_DEFAULTS, "fc_norm": pool == "avg", "act_layer": "gelu", "attn_layer": "attn"}
     set_by_arch = set(ARCHS.get(split_arch(arch)[0], ("", False, {}))[2])
     out = {k: v for k, v in full.items() if k in CORE_ARGS or k in set_by_arch or v != defaults[k]}
     args = ARCHS.get(split_arch(arch)[0], ("", False, {}))[2]

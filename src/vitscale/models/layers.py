@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .diff_attention import DiffAttention
 from .ffn import ACTIVATIONS, Mlp, activation, make_mlp, make_norm, mlp_tp_plan
 from .rope import RopeMixed, apply_rope
 
@@ -341,6 +342,7 @@ class BlockOptions:
     proj_bias: bool = True
     layer_scale: float = 0.0
     post_norm: bool = False
+    diff_attn: bool = False  # differential attention (models/diff_attention.py)
 
 
 class LayerScale(nn.Module):
@@ -381,17 +383,20 @@ class Block(nn.Module):
         self.options = o
         norm = lambda n: make_norm(o.norm, n, o.eps)  # noqa: E731
         self.norm1 = norm(dim)
-        self.attn = Attention(
-            dim,
-            heads,
-            fused=fused_attn,
-            dropout=dropout,
-            causal=causal,
-            qk_norm=norm(dim // heads) if o.qk_norm else None,
-            out_norm=norm(dim) if o.out_norm else None,
-            qkv_bias=o.qkv_bias,
-            proj_bias=o.proj_bias,
-        )
+        head_dim = dim // heads // (2 if o.diff_attn else 1)  # differential: pairs of half heads
+        qk = norm(head_dim) if o.qk_norm else None
+        out = norm(dim) if o.out_norm else None
+        self.attn: nn.Module
+        if o.diff_attn:
+            self.attn = DiffAttention(
+                dim, heads, fused_attn, qk_norm=qk, out_norm=out, qkv_bias=o.qkv_bias,
+                proj_bias=o.proj_bias,
+            )  # fmt: skip
+        else:
+            self.attn = Attention(
+                dim, heads, fused_attn, dropout, causal, qk_norm=qk, out_norm=out,
+                qkv_bias=o.qkv_bias, proj_bias=o.proj_bias,
+            )  # fmt: skip
         self.norm2 = norm(dim)
         hidden = int(dim * mlp_ratio)
         self.mlp = make_mlp(
@@ -427,6 +432,8 @@ class Block(nn.Module):
             return "norm of the attention's output (scale_attn_norm)"
         if self.options.mlp_norm:
             return "norm of the MLP's hidden units (scale_mlp_norm)"
+        if self.options.diff_attn:
+            return "differential attention (its heads in pairs, lambdas shared by them)"
         return ""
 
     def attn_branch(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .diff_attention import diff_attend, register_lambdas, split_heads
 from .ffn import activation, make_mlp, make_norm
 from .layers import Attention, BlockOptions, LayerScale, attention_kernel, drop_path, residual
 from .rope import apply_rope
@@ -139,7 +140,8 @@ class FusedBlock(nn.Module):
         if o.mlp != "mlp" or o.mlp_norm or o.out_norm or o.post_norm:
             raise ValueError("parallel='fused' takes the plain MLP and no inner or post norms")
         self.options, self.drop_path = o, drop_path
-        self.heads, self.head_dim, self.fused = heads, dim // heads, fused_attn
+        self.heads, self.fused = heads, fused_attn
+        self.head_dim = dim // heads // (2 if o.diff_attn else 1)  # differential: half heads
         self.hidden = int(mlp_ratio * dim)
         self.in_norm = make_norm(o.norm, dim, o.eps)
         self.in_proj = nn.Linear(dim, self.hidden + 3 * dim, bias=o.qkv_bias)
@@ -148,17 +150,29 @@ class FusedBlock(nn.Module):
         self.q_norm = make_norm(o.norm, self.head_dim, o.eps) if o.qk_norm else None
         self.k_norm = make_norm(o.norm, self.head_dim, o.eps) if o.qk_norm else None
         self.mlp_act = activation(o.act)
-        self.attn_out_proj = nn.Linear(dim, dim, bias=o.proj_bias)
-        self.mlp_out_proj = nn.Linear(self.hidden, dim, bias=o.proj_bias)
+        if o.diff_attn:  # timm's DiffParallelScalingBlock: one output projection of both
+            register_lambdas(self, self.head_dim)
+            self.out_proj = nn.Linear(dim + self.hidden, dim, bias=o.proj_bias)
+        else:
+            self.attn_out_proj = nn.Linear(dim, dim, bias=o.proj_bias)
+            self.mlp_out_proj = nn.Linear(self.hidden, dim, bias=o.proj_bias)
         self.ls = LayerScale(dim, o.layer_scale) if o.layer_scale else None
         self.rope_prefix, self.rope_half = 0, False  # set by a model with a rope
 
     def update(self, x: torch.Tensor, rope: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's residual update: ls(attention and MLP side by side) [B, T, D]."""
         B, T, D = x.shape
         h, hd = self.heads, self.head_dim
         mlp, q, k, v = self.in_proj(self.in_norm(x)).split([self.hidden, D, D, D], dim=-1)
         if self.mlp_bias is not None:
             mlp = mlp + self.mlp_bias
+        if self.options.diff_attn:
+            q, k, v = split_heads(q, k, v, h)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            a = diff_attend(self, q, k, v, self.fused)
+            y = self.out_proj(torch.cat([a, self.mlp_act(mlp)], dim=-1))
+            return y if self.ls is None else self.ls(y)
         q, k, v = (t.reshape(B, T, h, hd) for t in (q, k, v))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .diff_attention import lambda_init_at
 from .ffn import make_norm
 from .layers import Block, BlockOptions, ConvStem, LayerScale, PatchEmbed, tp_plan
 from .parallel import BranchesBlock, FusedBlock
@@ -67,6 +68,7 @@ class ViTSpec:
     # (pool_include_prefix)
     distilled: bool = False  # DeiT's distillation token after the class token and a second head
     # (head_dist); the output is the mean of both heads' logits, as timm's in evaluation
+    diff_attn: bool = False  # differential attention (attn_layer="diff"; models/diff_attention.py)
     parallel: str = ""  # parallel blocks: "" (attention, then MLP) | "branches" (two attention
     # branches, then two MLP branches: timm's ParallelThingsBlock) | "fused" (one input projection
     # for both, side by side: ParallelScalingBlock, ViT-22B) (models/parallel.py)
@@ -107,6 +109,7 @@ class ViTSpec:
             proj_bias=self.proj_bias,
             layer_scale=self.layer_scale,
             post_norm=self.post_norm,
+            diff_attn=self.diff_attn,
         )
 
     @property
@@ -188,6 +191,8 @@ class VisionTransformer(nn.Module):
         super().__init__()
         if spec.head == "token" and not spec.has_class_token:
             raise ValueError("head='token' needs the class token (class_token=True)")
+        if spec.diff_attn and spec.rope:
+            raise ValueError("differential attention takes no rope (diff_attn with rope)")
         if spec.embed_norm and spec.stem != "patch":
             raise ValueError("embed_norm=True norms the patch stem's embeddings: stem='patch'")
         if spec.distilled and (spec.head != "token" or spec.reg_tokens):
@@ -253,6 +258,10 @@ class VisionTransformer(nn.Module):
             if spec.rope
             else None
         )
+        for i, blk in enumerate(self.blocks):  # differential attention: lambda's part by depth
+            for m in blk.modules():
+                if hasattr(m, "lambda_init"):
+                    m.lambda_init = lambda_init_at(i)
         for m in self.blocks.modules():  # what the attention's rotation leaves out, its layout
             if hasattr(m, "rope_prefix"):
                 m.rope_prefix = spec.num_prefix_tokens
