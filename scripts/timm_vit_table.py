@@ -1,4 +1,4 @@
-"""Write src/vitscale/interop/timm_archs.py: every model configuration of timm's
+"""Write src/vitscale/interop/timm/archs.py: every model configuration of timm's
 `vision_transformer`, `deit` and `eva` modules, with the arguments its entry point passes to the model
 (what published weights leave open: head count, activation, pooling, norms, ...) and the
 pretrained configs of its tags (input size, mean/std, interpolation, crop, classes).
@@ -7,7 +7,7 @@ vitscale never imports timm; it reads this table to build the function an archit
 means. Run it again after a timm upgrade (tests/unit/test_zoo_timm.py checks the committed table
 against the timm that imports):
 
-    python scripts/timm_vit_table.py            # rewrites src/vitscale/interop/timm_archs.py
+    python scripts/timm_vit_table.py            # rewrites src/vitscale/interop/timm/archs.py
     python scripts/timm_vit_table.py --check    # exit 1 if the committed table differs
 
 The entry points are called with timm's model constructors replaced by a recorder, so nothing is
@@ -22,7 +22,7 @@ import functools
 import sys
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "src" / "vitscale" / "interop" / "timm_archs.py"
+OUT = Path(__file__).resolve().parent.parent / "src" / "vitscale" / "interop" / "timm" / "archs.py"
 MODULES = ("vision_transformer", "deit", "eva")
 CFG_KEYS = ("input_size", "mean", "std", "interpolation", "crop_pct", "num_classes")
 

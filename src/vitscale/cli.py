@@ -236,7 +236,11 @@ def cmd_export(args) -> int:
         print(load_call(path))
     # the call that builds the trained function, with its preprocessing config
     if args.format == "timm":
-        from .interop.timm_vit import hub_config_path, read_hub_config, timm_load_call
+        from .interop.timm.vision_transformer import (
+            hub_config_path,
+            read_hub_config,
+            timm_load_call,
+        )
 
         print(f"wrote {hub_config_path(path)}")
         print(f"load it: {timm_load_call(read_hub_config(path), path)}")

@@ -735,10 +735,10 @@ def test_without_config_or_name_the_assumptions_are_announced_in_one_line(tmp_pa
 
 
 def test_an_architecture_name_says_what_the_weights_leave_open(tmp_path, caplog):
-    """model.init_arch: timm's entry point arguments from timm_archs.py (here a real size: the
+    """model.init_arch: timm's entry point arguments from timm/archs.py (here a real size: the
     width 768 at 16 heads of vit_base_patch16_gap_224, which width // 64 would get wrong)."""
     from vitscale.interop.finetune import weights_normalization
-    from vitscale.interop.timm_vit import timm_vit_spec
+    from vitscale.interop.timm.vision_transformer import timm_vit_spec
     from vitscale.models.vit import VisionTransformer, ViTSpec
 
     src = ViTSpec(
@@ -760,7 +760,7 @@ def test_an_architecture_name_says_what_the_weights_leave_open(tmp_path, caplog)
     assert weights_normalization(path, "vit_base_patch16_clip_224.openai") == "clip"
     assert weights_normalization(path, "deit_small_patch16_224") == "imagenet"
     # an old name timm still accepts: its new name and tag (AugReg's in21k weights: mean 0.5, announced)
-    from vitscale.interop.timm_vit import split_arch
+    from vitscale.interop.timm.vision_transformer import split_arch
 
     assert split_arch("vit_base_patch16_224_in21k") == ("vit_base_patch16_224", "augreg_in21k")
     assert timm_vit_spec(sd, arch="vit_base_patch16_gap_224") == timm_vit_spec(

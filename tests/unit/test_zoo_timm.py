@@ -241,11 +241,11 @@ def test_every_timm_vit_is_exact_or_refused_with_its_cause(tmp_path, capsys, sco
 
 
 def test_the_architecture_table_is_timms():
-    """src/vitscale/interop/timm_archs.py is what scripts/timm_vit_table.py makes from this timm."""
+    """src/vitscale/interop/timm/archs.py is what scripts/timm_vit_table.py makes from this timm."""
     import importlib.util
     from pathlib import Path
 
-    from vitscale.interop import timm_archs
+    from vitscale.interop.timm import archs as timm_archs
 
     if timm.__version__ != timm_archs.TIMM_VERSION:
         pytest.skip(

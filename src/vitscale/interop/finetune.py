@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..errors import UserError
 from ..models.vit import VisionTransformer, ViTSpec
 from .files import named_arch, read_state_dict
-from .timm_vit import (
+from .timm.vision_transformer import (
     read_hub_config,
     timm_source,
     timm_state_dict,

@@ -2,7 +2,7 @@
 VisionTransformer of the same function, in the plain loop a skilled timm user writes, timed in
 interleaved paired rounds in one process (rounds.side_by_side: machine noise hits both alike).
 
-The peer is built by `timm.create_model` from the recipe's model (interop/timm_vit.py: the
+The peer is built by `timm.create_model` from the recipe's model (interop/timm/vision_transformer.py: the
 architecture and model_args that `vitscale export --format timm` writes) and starts from the same
 weights, so both sides compute the same function on the same fixed batch. Its loop: the recipe's
 precision as autocast (bf16; fp16 with a GradScaler; pure_* as their autocast counterparts, noted),
@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from ..errors import UserError
-from ..interop.timm_vit import timm_export_arch, timm_kwargs, to_timm
+from ..interop.timm.vision_transformer import timm_export_arch, timm_kwargs, to_timm
 from ..metrics import mfu
 from ..strategy.devices import CUDAGRAPH_MODES, compile_kwargs
 from ..tasks import export_use

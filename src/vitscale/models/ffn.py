@@ -1,6 +1,6 @@
 """The per-token parts of a transformer block: norms, activations and the MLP variants (torch only).
 
-Parameter names are timm's, so weights map one to one (interop/timm_vit.py):
+Parameter names are timm's, so weights map one to one (interop/timm/vision_transformer.py):
 - `Mlp`: fc1 -> act -> (norm) -> fc2 (timm's Mlp; `norm`: scale_mlp_norm, BEiT-3 / EVA02's inner
   norm over the hidden units);
 - `SwiGLU`: fc2((act(fc1_g(x)) * fc1_x(x))) with an optional inner norm (timm's SwiGLU: AIMv2,

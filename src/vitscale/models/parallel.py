@@ -1,5 +1,5 @@
 """Parallel transformer blocks (torch only): attention and MLP computed side by side instead of one
-after the other. Parameter names are timm's, so weights map one to one (interop/timm_vit.py).
+after the other. Parameter names are timm's, so weights map one to one (interop/timm/vision_transformer.py).
 
 - `BranchesBlock` (ViTSpec.parallel="branches"; timm's ParallelThingsBlock, Touvron et al. 2022,
   "Three things everyone should know about ViTs": the `*_18x2_*` models): two attention branches,

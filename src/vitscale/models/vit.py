@@ -33,12 +33,12 @@ class ViTSpec:
     stem: str = "patch"  # "patch" (one stride-p conv, as in ViT) | "conv" (3x3 conv stages)
     drop_path: float = 0.0
     dropout: float = 0.0
-    # timm's variants, so that imported weights compute the same function (interop/timm_vit.py):
+    # timm's variants, so that imported weights compute the same function (interop/timm/vision_transformer.py):
     fc_norm: bool = False  # pool head: mean of the un-normed tokens, then LayerNorm (timm's
     # global_pool="avg"); False: LayerNorm of every token, then mean
     no_embed_class: bool = False  # position embeddings for the patches only, added before the class
     # token is prepended (timm's no_embed_class, e.g. DeiT III)
-    # more of timm's variants (interop/timm_vit.py); the defaults are vitscale's ViT, so a spec saved
+    # more of timm's variants (interop/timm/vision_transformer.py); the defaults are vitscale's ViT, so a spec saved
     # before they existed loads as the same model
     class_token: bool | None = None  # a class token; None: exactly when head="token". head="pool"
     # with a class token averages the patch tokens only (timm's

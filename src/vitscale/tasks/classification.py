@@ -146,7 +146,7 @@ class ClassificationTask(Task):
         if m.init_arch:
             if not m.init:
                 raise ConfigError(INIT_ARCH_MISPLACED)
-            from ..interop.timm_vit import arch_entry, arch_pretrained_cfg
+            from ..interop.timm.vision_transformer import arch_entry, arch_pretrained_cfg
 
             try:
                 arch_entry(m.init_arch)
@@ -217,7 +217,7 @@ class ClassificationTask(Task):
         import json
 
         from ..checkpoint import export_safetensors
-        from ..interop.timm_vit import hub_config_path, timm_hub_config, to_timm
+        from ..interop.timm.vision_transformer import hub_config_path, timm_hub_config, to_timm
 
         if out.is_dir() or not out.suffix:
             out = out / "model.safetensors"

@@ -172,7 +172,9 @@ def _build(sd: dict, spec: ClipSpec, attention: str = "sdpa") -> CLIP:
         model = CLIP(spec)
     model.load_state_dict(convert_any(sd, spec, model.state_dict()), strict=True, assign=True)
     rope = model.visual.rope
-    if rope is not None:  # its non-persistent buffers: not in the file (interop/timm_vit.from_timm)
+    if (
+        rope is not None
+    ):  # its non-persistent buffers: not in the file (interop/timm/vision_transformer.from_timm)
         freqs = {k: v.clone() for k, v in rope.state_dict().items()}
         rope.to_empty(device="cpu")
         rope.reset_parameters()

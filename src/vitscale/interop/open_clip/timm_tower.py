@@ -5,7 +5,7 @@ OpenCLIP's TimmModel holds `visual.trunk` = timm.create_model(timm_model_name, n
 global_pool=timm_pool) with N = embed_dim for timm_proj=None (timm's head, a Linear with a bias, is
 the projection: EVA-CLIP, PE-Core) or 0 for timm_proj="none" (the pooled feature is the embedding:
 SigLIP); its other heads (timm_proj "linear" / "mlp", attention pools) are refused. The trunk is
-read by interop/timm_vit.py (timm's vision_transformer, deit and eva families) as vitscale's ViT;
+read by interop/timm/vision_transformer.py (timm's vision_transformer, deit and eva families) as vitscale's ViT;
 ClipSpec.vision_timm keeps its architecture name for the export. The number of blocks is the
 weights' (OpenCLIP's configuration does not say it; a file of the architecture has its depth).
 
@@ -30,8 +30,13 @@ from ...models.clip import ClipSpec
 from ...models.text import TextSpec
 from ...models.vit import ViTSpec
 from ..files import first_keys
-from ..timm_eva import vitscale_to_eva
-from ..timm_vit import arch_entry, arch_pretrained_cfg, timm_state_dict, timm_vit_spec
+from ..timm.eva import vitscale_to_eva
+from ..timm.vision_transformer import (
+    arch_entry,
+    arch_pretrained_cfg,
+    timm_state_dict,
+    timm_vit_spec,
+)
 from .layout import BLOCK_MAP, depth_of, ratio
 
 TRUNK = "visual.trunk."

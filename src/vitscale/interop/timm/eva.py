@@ -23,10 +23,10 @@ import re
 
 import torch
 
-from ..errors import UserError
-from ..models.rope import rope_from_timm_kwargs, rope_to_timm_kwargs
-from ..models.vit import ViTSpec
-from .timm_args import mlp_ratio_for, norm_eps
+from ...errors import UserError
+from ...models.rope import rope_from_timm_kwargs, rope_to_timm_kwargs
+from ...models.vit import ViTSpec
+from .args import mlp_ratio_for, norm_eps
 
 # timm 1.0.31's Eva arguments and their defaults (norm_layer: timm's LayerNorm, eps 1e-6)
 EVA_DEFAULTS = dict(
@@ -320,7 +320,7 @@ def eva_export_arch(spec: ViTSpec, kwargs: dict) -> str:
     """An eva architecture whose norm_layer (what no JSON argument gives) has the spec's eps, and
     which sets none of the arguments `kwargs` (eva_kwargs) leaves at None: timm.create_model drops
     None arguments, so the entry point's own value would stay."""
-    from .timm_archs import ARCHS
+    from .archs import ARCHS
 
     unset = {k for k, v in kwargs.items() if v is None}
     for name, (module, _, args) in ARCHS.items():

@@ -7,7 +7,7 @@ count, the activation, the LayerNorm eps, and whether a class token is read or t
 averaged) comes from what travels with published weights, in this order:
 - the hub-style `config.json` next to the weights file (timm's hub folders: "architecture",
   "model_args", "pretrained_cfg");
-- a timm architecture name (`model.init_arch`, `arch=`), read from timm_archs.py: the arguments each
+- a timm architecture name (`model.init_arch`, `arch=`), read from timm/archs.py: the arguments each
   of timm's `vision_transformer` / `deit` entry points gives the model, generated from timm's source;
 - else the keys, with timm's defaults for the rest, announced in one line (logger
   "vitscale.interop") naming each assumption and the key that changes it.
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError, did_you_mean
-from ..models.vit import VisionTransformer, ViTSpec
-from .files import first_keys, refuse_unsupported
-from .timm_args import mlp_kind, mlp_ratio_for, norm_kind, parse_layer, short_name
-from .timm_eva import (
+from ...errors import UserError, did_you_mean
+from ...models.vit import VisionTransformer, ViTSpec
+from ..files import first_keys, refuse_unsupported
+from .args import mlp_kind, mlp_ratio_for, norm_kind, parse_layer, short_name
+from .eva import (
     eva_export_arch,
     eva_kwargs,
     eva_spec,
@@ -203,7 +203,7 @@ def weights_in_folder(folder: str | Path) -> Path:
 def split_arch(name: str) -> tuple[str, str]:
     """ "vit_base_patch16_224.augreg_in21k" -> ("vit_base_patch16_224", "augreg_in21k"); an old name
     timm still accepts is its new name and tag ("vit_base_patch16_224_in21k" -> the same pair)."""
-    from .timm_archs import DEPRECATED
+    from .archs import DEPRECATED
 
     base, _, tag = name.partition(".")
     if base in DEPRECATED:
@@ -214,7 +214,7 @@ def split_arch(name: str) -> tuple[str, str]:
 
 def arch_entry(name: str, where: str = "model.init_arch") -> tuple[str, bool, dict]:
     """(module, distilled, entry point arguments) of a timm ViT architecture name (a tag allowed)."""
-    from .timm_archs import ARCHS, TIMM_VERSION
+    from .archs import ARCHS, TIMM_VERSION
 
     base, _ = split_arch(name)
     if base not in ARCHS:
@@ -227,7 +227,7 @@ def arch_entry(name: str, where: str = "model.init_arch") -> tuple[str, bool, di
 
 def arch_pretrained_cfg(name: str) -> dict:
     """The pretrained config timm has for an architecture name's tag (its default tag without one)."""
-    from .timm_archs import PRETRAINED
+    from .archs import PRETRAINED
 
     base, tag = split_arch(name)
     tags = PRETRAINED.get(base, [])
@@ -761,7 +761,7 @@ def timm_export_arch(spec: ViTSpec) -> str:
     classes): vit_base_patch16_224 for the 2021 ViT with LayerNorm eps 1e-6,
     vit_base_patch16_clip_224 for 1e-5, else the first that fits (e.g. aimv2_* for RMSNorm and
     SwiGLU)."""
-    from .timm_archs import ARCHS
+    from .archs import ARCHS
 
     _check_exportable(spec)
     want = _class_args(spec)
@@ -787,7 +787,7 @@ def timm_kwargs(spec: ViTSpec, arch: str = "vit_base_patch16_224") -> dict:
     """The `model_args` with which `timm.create_model(arch, **model_args)` builds the function of
     `spec` (arch from timm_export_arch): the sizes, plus every option that differs from timm's default
     or that arch's entry point sets (the classes come from the arch: timm_export_arch)."""
-    from .timm_archs import ARCHS
+    from .archs import ARCHS
 
     _check_exportable(spec)
     pool = {"token": "token", "map": "map"}.get(spec.head, "avg")

@@ -1,7 +1,7 @@
-"""Reading timm's model arguments as the generated table (timm_archs.py) writes them: layer classes
+"""Reading timm's model arguments as the generated table (timm/archs.py) writes them: layer classes
 and partials as text ("timm.layers.norm.LayerNorm(eps=1e-05)"), the norms and MLPs they mean in
 vitscale's ViTSpec, and timm's mlp_ratio for a hidden width. Shared by the vision_transformer /
-deit reader (timm_vit.py) and the eva one (timm_eva.py)."""
+deit reader (vision_transformer.py) and the eva one (eva.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 
 
 def parse_layer(v) -> tuple[str, dict]:
-    """("LayerNorm", {"eps": 1e-05}) from "timm.layers.norm.LayerNorm(eps=1e-05)" (timm_archs.py's
+    """("LayerNorm", {"eps": 1e-05}) from "timm.layers.norm.LayerNorm(eps=1e-05)" (timm/archs.py's
     text for a partial), ("gelu_tanh", {}) from a plain name; ("", {}) for None."""
     if v is None:
         return "", {}
