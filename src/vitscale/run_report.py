@@ -17,6 +17,7 @@ from .metrics import mfu, peak_flops
 from .precision import tf32_active
 from .run_state import RunProgress
 from .strategy import Strategy
+from .strategy.mesh import DIMS, mesh_shape
 from .tasks.base import Task
 
 
@@ -112,10 +113,27 @@ def state_bytes(strategy: Strategy, task) -> dict:
     return {**strategy.state_bytes(), "loss_state": task.state_bytes()}
 
 
+def plural(n: int, noun: str) -> str:
+    """`n` and `noun` in agreement: 1 process, 2 processes, 1 micro-batch, 4 micro-batches."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {noun}es" if noun.endswith(("s", "sh", "ch", "x")) else f"{n} {noun}s"
+
+
 def dp_text(s: Strategy) -> str:
-    """What the data-parallel count is: processes, or the mesh's points under tensor parallelism."""
+    """The data-parallel count in words: processes, or the mesh's points under tensor parallelism
+    ("1 data-parallel group of 2 tensor-parallel processes")."""
     tp = s.world_size // s.dp_size
-    return "processes" if tp == 1 else f"data-parallel groups of {tp} tensor-parallel processes"
+    if tp == 1:
+        return plural(s.dp_size, "process")
+    return f"{plural(s.dp_size, 'data-parallel group')} of {tp} tensor-parallel processes"
+
+
+def mesh_record(cfg: Config, s: Strategy) -> dict:
+    """summary.json's mesh: the sizes of its three dimensions (strategy/mesh.py) as the run used
+    them (one process: 1 x 1 x 1; DDP and DeepSpeed: replicas)."""
+    shape = getattr(s, "shape", None) or mesh_shape(cfg.strategy, s.world_size)
+    return dict(zip(DIMS, shape.sizes))
 
 
 def describe_run(facts: RunFacts) -> str:
@@ -130,8 +148,8 @@ def describe_run(facts: RunFacts) -> str:
         f"run {facts.run_dir}: {task.describe(facts.spec)}, {facts.params / 1e6:.2f}M params, "
         f"{facts.flops_per_image / 1e6:.1f} MFLOPs/{task.sample} fwd; "
         f"{facts.train_size} train / {facts.test_size} {facts.eval_split} {task.samples}; "
-        f"global batch {cfg.data.batch_size} = {s.dp_size} {dp_text(s)} x "
-        f"{cfg.train.accum_steps} micro-batches x "
+        f"global batch {cfg.data.batch_size} = {dp_text(s)} x "
+        f"{plural(cfg.train.accum_steps, 'micro-batch')} x "
         f"{cfg.data.batch_size // s.dp_size // cfg.train.accum_steps}; lr {facts.lr:.3g}{scaling}"
         f"; {facts.total_steps} steps on {s.device} in {cfg.train.precision}"
     )
@@ -218,6 +236,8 @@ def run_summary(
         "peak_flops": peak,
         "peak_source": peak_src,
         "world_size": s.world_size,
+        "strategy": cfg.strategy.name,
+        "mesh": mesh_record(cfg, s),
         "steps": p.step,
         "epochs": p.step / facts.steps_per_epoch,
         "eval_split": facts.eval_split,

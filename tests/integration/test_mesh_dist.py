@@ -28,6 +28,14 @@ MESHES = {
     "tp2sp": (2, ["strategy.name=fsdp", "strategy.tp=2", "strategy.sequence_parallel=true"]),
 }
 RTOL = 1e-5
+# the (dp_replicate, dp_shard, tp) each mesh above is, as summary.json records it
+SIZES = {
+    "tp2": (1, 1, 2),
+    "fsdp2xtp2": (1, 2, 2),
+    "hsdp2x2": (2, 2, 1),
+    "ddp2xtp2": (2, 1, 2),
+    "tp2sp": (1, 1, 2),
+}
 
 
 def losses(run) -> dict[int, float]:
@@ -51,6 +59,8 @@ def test_a_mesh_trains_the_one_process_run(tmp_path, single, mesh):
     summary = json.loads((out / "summary.json").read_text())
     s1 = json.loads((single / "summary.json").read_text())
     assert summary["world_size"] == nproc and summary["images_seen"] == s1["images_seen"]
+    assert summary["strategy"] == extra[0].split("=")[1]
+    assert summary["mesh"] == dict(zip(("dp_replicate", "dp_shard", "tp"), SIZES[mesh]))
     evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     # every test image evaluated once: a tensor-parallel group counts its shard once
     assert all(e["test_count"] == 32 for e in evals if e["kind"] == "eval")
