@@ -5,6 +5,7 @@ states) are checkpoint.py's; the names of a checkpoint's entries and the one rea
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -16,10 +17,10 @@ from typing import Any
 from torch.optim.lr_scheduler import LambdaLR
 
 from .checkpoint import list_checkpoints, rng_state, save_checkpoint, set_rng_state
-from .config import Config, load_config, saved_config
+from .config import Config, StrategyConfig, load_config, parse_override, saved_config
 from .errors import ConfigError, UserError
 from .fastpaths import resolve as resolve_fast_paths
-from .launch import this_process
+from .launch import launch_env, this_process
 from .optim import continue_schedule
 from .state import (
     CONFIG,
@@ -38,7 +39,9 @@ from .state import (
     WORLD_SIZE,
     SavedRun,
 )
+from .strategy import check_launch
 from .strategy.base import Strategy
+from .strategy.mesh import mesh_shape
 from .strategy.resume import check_resume
 from .tasks.base import Task
 
@@ -187,17 +190,58 @@ def open_resume(resume) -> Resume:
     return Resume.open(resume, "resuming from", "vitscale train --resume")
 
 
-def resume_request(resume, overrides=(), out=None) -> tuple[Config, Path, Resume]:
+# the keys that shape the mesh (strategy/mesh.py): a strategy's own, taken from its defaults by a
+# resume onto another strategy where the command line does not set them
+MESH_KEYS = ("dp_replicate", "dp_shard", "tp", "sequence_parallel")
+FROM_SAVED, FROM_COMMAND = " (from the saved run)", " (from the command line)"
+
+
+def resumed_config(r: SavedRun, overrides=()) -> tuple[Config, dict[str, str]]:
+    """The run's saved config with the overrides (--set), checked; where they name another
+    strategy.name, the mesh keys they do not set take that strategy's defaults (the saved run's
+    were its own strategy's: the checkpoint itself moves between meshes). With where the strategy
+    keys that shape the mesh got a value other than the default: {key: FROM_SAVED or
+    FROM_COMMAND} (mesh_shape's `origin`)."""
+    given = dict(parse_override(text) for text in overrides)
+    saved = copy.deepcopy(r.config_dict)
+    strategy = saved.get("strategy", {})
+    name = strategy.get("name", StrategyConfig().name)
+    if given.get("strategy.name", name) != name:
+        for key in MESH_KEYS:
+            if f"strategy.{key}" not in given:
+                strategy.pop(key, None)
+    cfg = saved_config(saved, overrides, source=str(r.path))
+    default = StrategyConfig()
+    origin = {
+        key: FROM_COMMAND if f"strategy.{key}" in given else FROM_SAVED
+        for key in ("name", *MESH_KEYS)
+        if getattr(cfg.strategy, key) != getattr(default, key)
+    }
+    return cfg, origin
+
+
+def check_mesh(cfg: Config, origin: dict[str, str], world_size: int | None = None) -> None:
+    """A resumed run's mesh refusal (check_run asks the same later), its values' origins named;
+    `world_size` None: this process's launch."""
+    world = launch_env(os.environ).world_size if world_size is None else world_size
+    check_launch(cfg.strategy.name, world)
+    mesh_shape(cfg.strategy, world, origin=origin)
+
+
+def resume_request(
+    resume, overrides=(), out=None, world_size: int | None = None
+) -> tuple[Config, Path, Resume]:
     """`vitscale train --resume RUN [--set KEY=VALUE ...] [--out DIR]` in one step: the checkpoint
     (a file, or the folder's newest readable one) read once, the run's saved config with the
-    overrides, checked against the checkpoint once (what may change on resume, and whether this
-    engine can continue it), and the run folder (its own, or --out). The Trainer takes the result
-    as it is: nothing is read or checked twice."""
+    overrides (resumed_config: onto another strategy, its mesh defaults), checked against the
+    checkpoint once (what may change on resume, whether this engine can continue it, the mesh over
+    `world_size` processes, None: this launch's), and the run folder (its own, or --out). The
+    Trainer takes the result as it is: nothing is read or checked twice."""
     r = open_resume(resume)
-    cfg = resolve_fast_paths(
-        r.config(overrides)
-    ).cfg  # an auto asked on resume: this machine's answer
+    cfg, origin = resumed_config(r, overrides)
+    cfg = resolve_fast_paths(cfg).cfg  # an auto asked on resume: this machine's answer
     r.changes = check_resumable(r, cfg)
+    check_mesh(cfg, origin, world_size)
     return cfg, Path(out) if out else r.run_dir, r
 
 
@@ -268,15 +312,17 @@ class Checkpoints:
 
     def save(self) -> Path:
         """Collective (every rank's RNG goes in, every rank writes its engine shard); the main
-        process writes step_N.pt (atomically; the oldest beyond run.keep_last removed)."""
+        process writes step_N.pt (atomically; the oldest beyond run.keep_last removed, and what
+        interrupted saves left); a save the disk refuses is every rank's SaveError."""
         s, step = self.parts.strategy, self.parts.progress.step
         suffix = s.engine_suffix
         if suffix:
             s.save_engine(self.run_dir / "checkpoints" / f"step_{step:08d}{suffix}")
         state = {**run_state(self.parts), ENGINE: suffix}
-        path = self.run_dir / "checkpoints" / f"step_{step:08d}.pt"
-        if s.is_main:
-            path = save_checkpoint(self.run_dir, step, state, self.keep_last)
+        # collective: a write the disk refuses is every rank's SaveError
+        path = save_checkpoint(
+            self.run_dir, step, state, self.keep_last, s.is_main, s.broadcast_object
+        )
         self.last = path
         return path
 

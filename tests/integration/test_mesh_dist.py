@@ -160,6 +160,31 @@ def test_clip_under_fsdp_x_tp_trains_the_one_process_run(tmp_path, loss, mesh):
     assert a["test_pairs"] == b["test_pairs"] == 32  # every held-out pair once
 
 
+def test_a_resume_onto_another_strategy_takes_its_mesh_defaults(tmp_path, single, capsys):
+    """issue 62: saved at step 4 under tensor parallelism (fsdp, tp=2, 2 processes), resumed in one
+    process with strategy.name=single alone: tp takes single's default and the run ends on the
+    one-process run (the bound of a checkpoint's move between meshes, above). Resumed with its
+    saved strategy in one process, it is refused in one line naming where tp=2 came from."""
+    out = tmp_path / "tp"
+    keep = ["run.checkpoint_every=4", "run.keep_last=10"]
+    p = torchrun(out, MESHES["tp2"][1] + keep, nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    step4 = out / "checkpoints" / "step_00000004.pt"
+    capsys.readouterr()
+    assert main(["train", "--resume", str(step4)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "vitscale: error: config: the mesh dp_replicate=1 x dp_shard=-1 x tp=2 (from the saved "
+        "run) does not divide 1 processes (2 does not divide 1)"
+    ]
+    assert main(["train", "--resume", str(step4), *sets(["strategy.name=single"])]) == 0
+    d = rel_diff(weights(out), weights(single))
+    print(f"TP 2 step 4 resumed under single: {d:.2e}")
+    assert d <= RTOL, d
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["strategy"] == "single" and summary["mesh"]["tp"] == 1
+
+
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_a_checkpoint_moves_between_meshes(tmp_path, single, fmt):
     """Saved at step 4 under FSDP x TP 2x2, resumed under DDP on 2 processes and in one process;

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 from dataclasses import fields
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,15 @@ from helpers import run
 
 from vitscale import checkpoint as ckpt
 from vitscale.config import SECTIONS, Config
-from vitscale.run_state import CHANGEABLE_ON_RESUME, fixed_reason
+from vitscale.errors import ConfigError
+from vitscale.run_state import (
+    CHANGEABLE_ON_RESUME,
+    FROM_COMMAND,
+    FROM_SAVED,
+    check_mesh,
+    fixed_reason,
+    resumed_config,
+)
 from vitscale.strategy.single import SingleDevice
 
 TINY = "configs/tests/tiny.toml"
@@ -378,3 +387,56 @@ def test_train_resume_reads_and_checks_the_checkpoint_once(tmp_path, capsys, mon
     run(capsys, "train", "--resume", str(out), "--set", "run.max_steps=6")
     assert counts == {"load": 1, "resumable": 1, "config": 1}
     assert seen == {k: saved[k] for k in seen} and seen["step"] == 4 and seen["images_seen"] > 0
+
+
+# issue 62 item 3: a run saved under FSDP x TP (dp_shard=2, tp=2 on 4 processes), resumed elsewhere
+FSDP_TP = SimpleNamespace(
+    config_dict={"strategy": {"name": "fsdp", "dp_shard": 2, "tp": 2, "sequence_parallel": True}},
+    path="RUN/checkpoints/step_00000004.pt",
+)
+
+
+def mesh_of(cfg) -> tuple:
+    s = cfg.strategy
+    return (s.name, s.dp_replicate, s.dp_shard, s.tp, s.sequence_parallel)
+
+
+def test_a_resume_onto_another_strategy_takes_its_mesh_defaults_where_none_is_set():
+    cfg, origin = resumed_config(FSDP_TP, ["strategy.name=single"])  # type: ignore[arg-type]
+    assert mesh_of(cfg) == ("single", 0, 0, 1, False) and origin == {}
+    check_mesh(cfg, origin, world_size=1)  # one process: continues
+    cfg, origin = resumed_config(FSDP_TP, ["strategy.name=ddp", "strategy.tp=2"])  # type: ignore[arg-type]
+    assert mesh_of(cfg) == ("ddp", 0, 0, 2, False)
+    assert origin == {"name": FROM_COMMAND, "tp": FROM_COMMAND}
+    check_mesh(cfg, origin, world_size=4)
+    # the same strategy keeps the saved mesh, whatever else changes
+    cfg, origin = resumed_config(FSDP_TP, ["strategy.name=fsdp", "optim.lr=0.001"])  # type: ignore[arg-type]
+    assert mesh_of(cfg) == ("fsdp", 0, 2, 2, True)
+    check_mesh(cfg, origin, world_size=4)
+
+
+def test_a_mesh_refusal_on_resume_names_where_its_values_came_from():
+    cfg, origin = resumed_config(FSDP_TP, [])  # type: ignore[arg-type]
+    assert origin == {
+        "name": FROM_SAVED,
+        "dp_shard": FROM_SAVED,
+        "tp": FROM_SAVED,
+        "sequence_parallel": FROM_SAVED,
+    }
+    with pytest.raises(ConfigError) as e:
+        check_mesh(cfg, origin, world_size=2)  # 4 processes' mesh on 2
+    assert str(e.value) == (
+        "config: the mesh dp_replicate=1 x dp_shard=2 (from the saved run) x tp=2 (from the saved "
+        "run) has 4 processes, the launch 2: strategy.dp_replicate x dp_shard x tp must be the "
+        "world size (one may be -1)"
+    )
+    cfg, origin = resumed_config(FSDP_TP, ["strategy.name=single", "strategy.tp=2"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as e:
+        check_mesh(cfg, origin, world_size=1)
+    assert str(e.value).startswith(
+        "config: strategy.tp=2 (from the command line) with strategy.name=single: that dimension "
+        "is single's to leave at 1"
+    )
+    cfg, origin = resumed_config(FSDP_TP, ["strategy.tp=1", "strategy.dp_shard=-1"])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"strategy.sequence_parallel \(from the saved run\) "):
+        check_mesh(cfg, origin, world_size=2)

@@ -31,6 +31,8 @@ FREE = {
     "hsdp": ("dp_replicate", "dp_shard", "tp"),
     "deepspeed": ("dp_replicate",),
 }
+# the short forms that let each dimension grow past 1 (FREE's other side), as a refusal names them
+GROWS = {"dp_shard": "fsdp or hsdp", "dp_replicate": "ddp or hsdp", "tp": "fsdp, hsdp or ddp"}
 DEFAULTS = {  # the dimensions a short form fills (-1) or fixes, before the keys
     "single": (1, 1, 1),
     "ddp": (-1, 1, 1),
@@ -79,25 +81,26 @@ def local_processes(world: int) -> int:
     return int(value) if value.isdigit() and int(value) > 0 else world
 
 
-def mesh_shape(scfg, world: int, local: int | None = None) -> MeshShape:
+def mesh_shape(
+    scfg, world: int, local: int | None = None, origin: dict[str, str] | None = None
+) -> MeshShape:
     """The mesh of `world` processes that strategy.name and strategy.dp_replicate / dp_shard / tp
-    describe; a one-line ConfigError where they cannot make one."""
-    name = scfg.name
+    describe; a one-line ConfigError where they cannot make one. `origin`: where a key's value
+    came from, by key (" (from the saved run)", " (from the command line)": a resume's), said
+    after the value in a refusal."""
+    name, said = scfg.name, origin or {}
     asked = {d: getattr(scfg, d) for d in DIMS}
     for d, v in asked.items():
         if v < -1:
             raise ConfigError(
-                f"config: strategy.{d}={v}: give a size >= 1, -1 (fill) or 0 (default)"
+                f"config: strategy.{d}={v}{said.get(d, '')}: give a size >= 1, -1 (fill) or 0 "
+                "(default)"
             )
         if v not in (0, 1, -1) and d not in FREE[name]:
-            hint = {
-                "dp_shard": "fsdp or hsdp",
-                "dp_replicate": "ddp or hsdp",
-                "tp": "fsdp, hsdp or ddp",
-            }
             raise ConfigError(
-                f"config: strategy.{d}={v} with strategy.name={name}: that dimension is "
-                f"{name}'s to leave at 1; use strategy.name={hint[d]}"
+                f"config: strategy.{d}={v}{said.get(d, '')} with strategy.name={name}"
+                f"{said.get('name', '')}: that dimension is {name}'s to leave at 1; use "
+                f"strategy.name={GROWS[d]}"
             )
     sizes = [asked[d] or DEFAULTS[name][i] for i, d in enumerate(DIMS)]
     if sizes[1] == 0:  # hsdp's default shard group: one node
@@ -114,20 +117,20 @@ def mesh_shape(scfg, world: int, local: int | None = None) -> MeshShape:
     if fill:
         if world % known:
             raise ConfigError(
-                f"config: the mesh {mesh_text(sizes)} does not divide {world} processes "
+                f"config: the mesh {mesh_text(sizes, said)} does not divide {world} processes "
                 f"({known} does not divide {world})"
             )
         sizes[fill[0]] = world // known
     shape = MeshShape(*sizes)
     if shape.world != world:
         raise ConfigError(
-            f"config: the mesh {mesh_text(sizes)} has {shape.world} processes, the launch "
+            f"config: the mesh {mesh_text(sizes, said)} has {shape.world} processes, the launch "
             f"{world}: strategy.dp_replicate x dp_shard x tp must be the world size (one may be -1)"
         )
     if scfg.sequence_parallel and shape.tp == 1:
         raise ConfigError(
-            "config: strategy.sequence_parallel splits the tokens over the tensor-parallel "
-            "ranks: it needs strategy.tp > 1"
+            f"config: strategy.sequence_parallel{said.get('sequence_parallel', '')} splits the "
+            "tokens over the tensor-parallel ranks: it needs strategy.tp > 1"
         )
     if name == "hsdp" and world == 1:
         raise ConfigError(
@@ -137,8 +140,10 @@ def mesh_shape(scfg, world: int, local: int | None = None) -> MeshShape:
     return shape
 
 
-def mesh_text(sizes) -> str:
-    return " x ".join(f"{d}={v}" for d, v in zip(DIMS, sizes))
+def mesh_text(sizes, origin: dict[str, str] | None = None) -> str:
+    """The sizes in words, each dimension's origin after it where `origin` names one."""
+    said = origin or {}
+    return " x ".join(f"{d}={v}{said.get(d, '')}" for d, v in zip(DIMS, sizes))
 
 
 def tp_refusal(shape: MeshShape, widths: dict[str, int | None]) -> str | None:
