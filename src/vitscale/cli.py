@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .config import add_overrides, add_recipe_arguments
-from .errors import UserError
+from .errors import ConfigError, UserError
 from .lab import commands as lab_commands
 from .launch import this_process
 
@@ -42,6 +42,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_launcher_arguments(parser) -> None:
+    """train's launcher options (torchrun's names; strategy/elastic.py starts the ranks)."""
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start N processes on this machine through torch's elastic launcher (torchrun's "
+        "engine): one command owns their output and exit status (docs/distributed.md)",
+    )
+    parser.add_argument("--nnodes", default="1", help="with --nproc-per-node: nodes (or MIN:MAX)")
+    parser.add_argument(
+        "--rdzv-endpoint", default="", help="with --nnodes > 1: HOST:PORT of the rendezvous"
+    )
+    parser.add_argument("--rdzv-id", default="", help="with --nnodes > 1: the job's id")
+
+
 def _add_run_commands(sub) -> None:
     """train, eval, info, config and export: the commands on a recipe or a checkpoint."""
     t = sub.add_parser(
@@ -55,6 +72,7 @@ def _add_run_commands(sub) -> None:
     t.add_argument(
         "--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint"
     )
+    add_launcher_arguments(t)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint (file or run folder) on its test set")
     e.add_argument("checkpoint")
@@ -151,6 +169,8 @@ def cmd_train(args) -> int:
     from .stop import PREEMPTED, exit_status
     from .tasks import describe_result
 
+    if args.nproc_per_node:
+        return launch_ranks(args)
     # a new run, a --resume, or torchrun --max-restarts bringing a run back (run_state decides)
     cfg, run_dir, resume = train_request(args.config, args.resume, args.overrides, args.out)
     summary = train(cfg, run_dir, resume=resume)
@@ -181,6 +201,34 @@ def cmd_train(args) -> int:
         f"{targets_text(summary)}; run folder {summary['run_dir']}"
     )
     return 0
+
+
+def launch_ranks(args) -> int:
+    """--nproc-per-node: a new run's config checked here, once, for the world it asks for (one
+    line, exit 2, before any rank starts), its folder named here so that every rank and this
+    command agree on it; then the ranks (elastic.launch)."""
+    import time
+
+    from .checks import check_run
+    from .run_state import train_request
+
+    if this_process().world_size > 1:
+        raise UserError("train: --nproc-per-node starts the ranks itself; not under torchrun")
+    if args.nproc_per_node < 1:
+        raise UserError(f"train: --nproc-per-node {args.nproc_per_node}: at least 1")
+    argv = list(args.argv)
+    run_dir = Path(args.resume or args.out) if (args.resume or args.out) else None
+    if not args.resume:
+        cfg, _, _ = train_request(args.config, None, args.overrides, args.out)
+        nodes = int(str(args.nnodes).split(":")[-1])
+        check_run(cfg, world_size=args.nproc_per_node * nodes)
+        if run_dir is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            run_dir = Path(cfg.run.out_dir) / f"{cfg.run.name}-{stamp}"
+            argv += ["--out", str(run_dir)]
+    from .strategy import elastic
+
+    return elastic.launch(args, argv, run_dir)
 
 
 def targets_text(summary: dict) -> str:
@@ -282,6 +330,7 @@ def cmd_data(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="vitscale: warning: %(message)s")
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     handler = {
         "train": cmd_train,
         "eval": cmd_eval,
@@ -297,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = handler(args)
     except UserError as e:
-        print(f"vitscale: error: {where}{one_line(e)}", file=sys.stderr)
+        # a config refusal is every rank's: rank 0 says it (the others exit with the same status)
+        if not (isinstance(e, ConfigError) and launch.rank != 0):
+            print(f"vitscale: error: {where}{one_line(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # unreadable/unwritable paths, full disk: one line, nothing half-written
         print(
