@@ -2,10 +2,12 @@
 and never inside one.
 
 - Signals: SIGTERM (SLURM, Kubernetes, the cloud spot services, torchrun forwarding its own), SIGUSR1
-  (SLURM's `--signal=USR1@90`) and SIGINT (Ctrl-C) set a flag; the handler does nothing else, so a
-  step, a checkpoint write or an evaluation in progress completes. A second SIGINT a second or more
-  later means "stop now": it raises KeyboardInterrupt, and the last complete checkpoint stays the
-  newest.
+  (SLURM's `--signal=USR1@90`) and SIGINT (Ctrl-C) set a flag; the handler does nothing else (a
+  first Ctrl-C alone says so, with how to stop at once: CTRL_C_HINT), so a step, a checkpoint write
+  or an evaluation in progress completes, and the run's one line is the stop's, at the step
+  (`vitscale: stopped by SIGTERM at step ...; checkpoint ...; continue with: ...`). A second
+  SIGINT a second or more later means "stop now": it raises KeyboardInterrupt, and the last
+  complete checkpoint stays the newest.
 - The scheduler's wall clock: SLURM_JOB_END_TIME (a Unix time; SLURM sets it in a job's environment),
   less a margin for the checkpoint write.
 - train.time_limit_s: training time, counted across resumes (the checkpoint carries it).
@@ -29,6 +31,12 @@ SLURM_MARGIN_S = 120.0  # stop this long before SLURM_JOB_END_TIME: the checkpoi
 # the reasons after which the run saves and exits at once, unevaluated
 PREEMPTED = (*SIGNALS, "job end")
 REASONS = ("time limit", *PREEMPTED)  # the order of Agreement's flags
+# what a first Ctrl-C says at once (the run's other line is the stop's, at the step): nothing else
+# is said on receipt, and never this after SIGTERM or SIGUSR1, which no one at a terminal sent
+CTRL_C_HINT = (
+    "vitscale: Ctrl-C: stopping after the current step with a checkpoint (Ctrl-C again to stop "
+    "now, without it)"
+)
 
 
 def exit_status(reason: str) -> int:
@@ -107,10 +115,9 @@ class StopRequest:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now, the last complete checkpoint kept
         if self.signal is None:
             self.signal, self._since = name, time.monotonic()
-            self._announce(
-                f"vitscale: {name} received: stopping after the current step with a checkpoint "
-                "(Ctrl-C again to stop now, without it)"
-            )
+            if name == "SIGINT":  # a person at a terminal, who may want it now: the one hint
+                self._announce(CTRL_C_HINT)
+            # SIGTERM, SIGUSR1 (a scheduler's): the run's one line is the stop's, at the step
 
 
 class Agreement:

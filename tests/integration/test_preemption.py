@@ -37,6 +37,7 @@ from helpers import (
 
 import vitscale
 from vitscale import checkpoint as ckpt
+from vitscale.stop import CTRL_C_HINT
 
 CASES = [
     ("single", "SIGUSR1", "process"),
@@ -94,6 +95,9 @@ def test_a_stop_signal_saves_the_step_every_rank_stopped_at_and_the_resume_is_bi
         err,
     )
     assert len(stopped) == 1, err[-3000:]  # one line, from the main process
+    # nothing else said of the stop: a Ctrl-C alone is told at once how to stop now (main process)
+    assert err.count(CTRL_C_HINT) == (sig == "SIGINT"), err[-3000:]
+    assert "Ctrl-C again" not in err.replace(CTRL_C_HINT, "") and " received: " not in err
     step, path, run = int(stopped[0][0]), stopped[0][1], stopped[0][2]
     assert 0 < step < 40 and run == str(out)
     assert (
