@@ -81,23 +81,18 @@ def test_a_stop_signal_to_the_command_saves_every_rank_and_exits_128_plus_it(tmp
     assert len(stopped) == 1 and errors(err) == [], err[-2000:]
     step = int(stopped[0].split(" at step ")[1].split()[0])
     assert (out / "checkpoints" / f"step_{step:08d}.pt").exists()
-    # the resume (one process now: a checkpoint moves between worlds) finishes the run
+    # the resume, through the same command, continues from that step
+    more = f"run.max_steps={step + 4}"
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vitscale",
-            "train",
-            "--resume",
-            str(out),
-            *sets(["train.epochs=200"]),
-        ],
+        [sys.executable, "-m", "vitscale", "train", "--resume", str(out), "--nproc-per-node", "2"]
+        + sets([more]),
         capture_output=True,
         text=True,
         timeout=240,
         env=ENV,
     )
-    assert r.returncode in (0, 2), r.stderr[-2000:]
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == step + 4
 
 
 def test_a_killed_rank_ends_in_one_line_naming_it_and_the_last_checkpoint(tmp_path):
