@@ -2,13 +2,17 @@
 
 A checkpoint is `checkpoints/step_N.pt`; an engine that keeps its big state in a folder of its own
 (DeepSpeed: `step_N.ds`, FSDP2 sharded: `step_N.dcp`) writes it next to the .pt first, and the .pt
-names its suffix under "engine". One process writes a run folder at a time (RunLock). Optimizer states are index-keyed (torch.optim) or keyed by
+names its suffix under "engine". One process writes a run folder at a time (RunLock). A save that
+did not complete (a kill between the engine folder and its .pt, a temp file or folder) is never
+read, and is removed when the run's writer passes it (the next save, a resume); a save the disk
+refuses is one line (SaveError), with nothing of it left behind. Optimizer states are index-keyed (torch.optim) or keyed by
 parameter name (FSDP2's `torch.distributed.checkpoint.state_dict`); the helpers below convert.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -27,12 +31,15 @@ import numpy as np
 import torch
 
 from .config import Config
-from .errors import UserError
+from .errors import SaveError, UserError
 from .launch import is_main_process
 
 log = logging.getLogger(__name__)
 CKPT_RE = re.compile(r"^step_(\d+)\.pt$")
 ENGINE_SUFFIXES = (".ds", ".dcp")  # DeepSpeed's engine folder, FSDP2's sharded one
+ENGINE_RE = re.compile(r"^step_\d+\.(ds|dcp)$")
+# atomic_save's temp file (.step_N.pt.tmpPID), Distributed.write_folder's (.step_N.ds.tmp)
+TEMP_RE = re.compile(r"^\.step_\d+\.(pt\.tmp\d+|ds\.tmp|dcp\.tmp)$")
 
 
 def rng_state() -> dict:
@@ -87,14 +94,150 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int) -> Path:
+def incomplete_checkpoints(run_dir: Path) -> list[Path]:
+    """What saves that did not complete left in RUN/checkpoints: an engine folder (step_N.ds,
+    step_N.dcp) without its step_N.pt (a kill between the two: the .pt is written last), and the
+    temp files and folders of interrupted writes. Never read (list_checkpoints lists .pt files)."""
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [
+        p
+        for p in folder.iterdir()
+        if TEMP_RE.match(p.name) or (ENGINE_RE.match(p.name) and not p.with_suffix(".pt").exists())
+    ]
+    return sorted(found, key=lambda p: p.name.lstrip("."))  # by step
+
+
+def remove_incomplete(run_dir: Path) -> list[Path]:
+    """The run's writer (its main process, holding the RunLock): incomplete_checkpoints removed."""
+    gone = incomplete_checkpoints(run_dir)
+    for p in gone:
+        _remove(p)
+    return gone
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    state: dict,
+    keep_last: int,
+    is_main: bool = True,
+    broadcast_object: Callable[[Any], Any] | None = None,
+) -> Path:
+    """The main process writes step_N.pt (atomically), then removes incomplete checkpoints and the
+    complete ones beyond the newest `keep_last`. A write the disk refuses is a SaveError with
+    nothing of this step left (its engine folder included); with the strategy's
+    `broadcast_object` (collective), every rank raises it."""
     path = Path(run_dir) / "checkpoints" / f"step_{step:08d}.pt"
-    atomic_save(state, path)
+    problem = None
+    if is_main:
+        try:
+            _write_and_prune(path, state, keep_last)
+        except SaveError as e:
+            problem = str(e)
+    if broadcast_object is not None:
+        problem = broadcast_object(problem)
+    if problem:
+        raise SaveError(problem)
+    return path
+
+
+def _write_and_prune(path: Path, state: dict, keep_last: int) -> None:
+    run_dir = path.parent.parent
+    try:
+        atomic_save(state, path)
+    except OSError as e:
+        engine = [path.with_suffix(s) for s in ENGINE_SUFFIXES if path.with_suffix(s).is_dir()]
+        needed = tensor_bytes(state) + sum(disk_bytes(p) for p in engine)
+        if not path.exists():  # this step's engine folder, without its .pt
+            for p in engine:
+                _remove(p)
+        raise save_failed(run_dir, e, needed) from None
+    remove_incomplete(run_dir)
     for old in list_checkpoints(run_dir)[:-keep_last]:
-        old.unlink(missing_ok=True)
+        old.unlink(missing_ok=True)  # first: a kill before its folder goes leaves it incomplete
         for suffix in ENGINE_SUFFIXES:  # its engine folder, also one another strategy wrote
             shutil.rmtree(old.with_suffix(suffix), ignore_errors=True)
-    return path
+
+
+# -- a save the disk refused: one line ----------------------------------------------------------
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def write_failure(e: BaseException) -> OSError | None:
+    """The OSError behind a failed checkpoint write (torch.distributed.checkpoint wraps each
+    rank's in a CheckpointException), or None where the failure is not the file system's."""
+    if isinstance(e, OSError):
+        return e
+    for exc, *_ in getattr(e, "failures", {}).values():  # DCP: {rank: (exception, traceback)}
+        if isinstance(exc, OSError):
+            return exc
+    return None
+
+
+def save_failed(run_dir: Path, e: OSError, needed: int) -> SaveError:
+    """The one line of a save that `e` stopped: the folder, why, about how much it needed, the
+    last good checkpoint and how to continue."""
+    run_dir = Path(run_dir)
+    reason = e.strerror or str(e) or type(e).__name__
+    if e.errno in NO_SPACE:
+        fix = "free space"
+    elif e.errno in NOT_WRITABLE:
+        fix = "make the folder writable"
+    else:
+        fix = "fix it"
+    found = list_checkpoints(run_dir)
+    if found:
+        last = f"the last good checkpoint is {found[-1]}"
+        then = f"{fix} and continue with: vitscale train --resume {run_dir}"
+    else:
+        last, then = "no checkpoint of this run was written before it", f"{fix} and start it again"
+    return SaveError(
+        f"checkpoint save failed: {run_dir / 'checkpoints'}: {reason} (it needed about "
+        f"{_mb(needed)}); {last}; {then}"
+    )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n >= 10e6 else f"{max(n / 1e6, 0.1):.1f} MB"
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of the tensors in a (nested) state: about what torch.save writes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def disk_bytes(path: Path) -> int:
+    """A file's size, or a folder's files' together."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def last_size(run_dir: Path) -> int:
+    """The newest complete checkpoint's bytes on disk (its .pt and engine folder), 0 without one:
+    about what the next save needs."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        return 0
+    pt = found[-1]
+    return disk_bytes(pt) + sum(disk_bytes(pt.with_suffix(s)) for s in ENGINE_SUFFIXES)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -240,10 +383,18 @@ def make_run_dir(
             problem = lock.acquire()
             if problem is None:  # what runs: a resumed run's config with its changes
                 (run_dir / "config.toml").write_text(cfg.to_toml())
+                _passed_over(remove_incomplete(run_dir))
     folder, problem = broadcast_object((str(run_dir), problem))
     if problem:
         raise UserError(problem)
     return Path(folder), lock, made
+
+
+def _passed_over(gone: list[Path]) -> None:
+    if gone:
+        more = f" and {len(gone) - 3} more" if len(gone) > 3 else ""
+        names = ", ".join(p.name for p in gone[:3]) + more
+        log.warning("removed what interrupted checkpoint saves left (never read): %s", names)
 
 
 def discard_unstarted(run_dir: Path, made: list[Path]) -> None:

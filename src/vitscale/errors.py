@@ -25,3 +25,8 @@ def did_you_mean(name: str, options) -> str:
     """' (did you mean 'X'?)' for the closest of `options`, '' when there are none."""
     m = difflib.get_close_matches(name, list(options), n=1, cutoff=0.0)
     return f" (did you mean '{m[0]}'?)" if m else ""
+
+
+class SaveError(TrainingError):
+    """A checkpoint could not be written (a full disk, a quota, a folder gone read-only): the same
+    one line on every rank (the ranks agree on it), nothing half-written left behind."""

@@ -8,6 +8,7 @@ from helpers import interrupted_copy, poison_loss, run
 from safetensors.torch import load_file
 
 from vitscale import checkpoint as ckpt
+from vitscale.errors import UserError
 
 TINY = "configs/tests/tiny.toml"
 
@@ -124,7 +125,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(OSError):
+    with pytest.raises(UserError, match="No space left on device"):  # one line (SaveError)
         ckpt.save_checkpoint(tmp_path, 2, {"a": torch.zeros(3)}, keep_last=2)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000001.pt"]
     monkeypatch.undo()

@@ -263,6 +263,44 @@ def import_deepspeed(device_type: str, scfg: StrategyConfig):
     return deepspeed
 
 
+@contextlib.contextmanager
+def refused_writes(engine):
+    """While DeepSpeed saves: its file writes (the checkpoint engine's `save`, the recovery
+    scripts' copy) through a Python file, so that a full disk is an OSError with its errno (not
+    torch's C++ writer's bare RuntimeError), and recorded in the list this yields instead of raised:
+    a rank that raised would leave the others waiting in DeepSpeed's barrier. Once one write is
+    refused, this rank writes nothing more of the save."""
+    refused: list[OSError] = []
+    ckpt_engine = engine.checkpoint_engine
+    plain = type(ckpt_engine).__name__ == "TorchCheckpointEngine"  # torch.save to a path
+    zipfile = getattr(ckpt_engine, "zipfile_serialization", True)
+    real_save, real_copy = ckpt_engine.save, engine._copy_recovery_script
+
+    def save(state_dict, path, *args, **kwargs) -> None:
+        if refused:
+            return
+        try:
+            if not plain:
+                return real_save(state_dict, path, *args, **kwargs)
+            with open(path, "wb") as f:
+                torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile)
+        except OSError as e:
+            refused.append(e)
+
+    def copy_scripts(save_path) -> None:
+        if not refused:
+            try:
+                real_copy(save_path)
+            except OSError as e:
+                refused.append(e)
+
+    ckpt_engine.save, engine._copy_recovery_script = save, copy_scripts
+    try:
+        yield refused
+    finally:  # DeepSpeed's own methods back (the instance attributes go)
+        del ckpt_engine.save, engine._copy_recovery_script
+
+
 class DeepSpeedStrategy(Distributed):
     name = "deepspeed"
     precision_part = DeepSpeedPrecision  # the ds_config's precision keys and the input dtype
@@ -440,12 +478,14 @@ class DeepSpeedStrategy(Distributed):
         masters; one file per rank) in the folder `path` (e.g. checkpoints/step_00000100.ds),
         atomically (Distributed.write_folder)."""
         path = Path(path)
-        return self.write_folder(
-            path,
-            lambda tmp: self.ds_engine.save_checkpoint(
-                str(path.parent), tag=tmp.name, save_latest=False
-            ),
-        )
+
+        def write(tmp: Path) -> None:
+            with refused_writes(self.ds_engine) as refused:
+                self.ds_engine.save_checkpoint(str(path.parent), tag=tmp.name, save_latest=False)
+            if refused:  # after DeepSpeed's own barriers, which every rank reached
+                raise refused[0]
+
+        return self.write_folder(path, write)
 
     def load_engine(self, path: str | Path) -> None:
         """Collective: restore the engine (weights, optimizer state) from `save_engine`'s folder.

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import commit_folder
+from ..checkpoint import commit_folder, last_size, save_failed, write_failure
 from ..config import OptimConfig, StrategyConfig, TrainConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, SaveError
 from ..launch import launch_env
 from .comm import COUNTER, install
 from .devices import device_for, process_group_kwargs
@@ -200,17 +200,44 @@ class Distributed(SingleDevice):
     def write_folder(self, path, write) -> Path:
         """Collective: every rank runs `write(tmp)` into a temp folder next to `path` (an engine's
         step_N.ds / step_N.dcp); once all have written, the main process makes it `path`
-        (checkpoint.commit_folder). Never a half-written step_N folder."""
+        (checkpoint.commit_folder). Never a half-written step_N folder: where the disk refused any
+        rank's write (full, read-only), the temp folder goes and every rank raises the same
+        SaveError (`write` must return on every rank, or raise on every rank, as DCP does)."""
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # this step's save, interrupted before
         barrier()
-        write(tmp)
+        failed = None
+        try:
+            write(tmp)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            failed = write_failure(e)
+            if failed is None:
+                raise
         barrier()  # every rank's files are in tmp
+        problem = self._folder_failed(path, tmp, failed)
+        if problem:
+            raise SaveError(problem)
         if self.is_main:
             commit_folder(tmp, path)
         return path
+
+    def _folder_failed(self, path: Path, tmp: Path, failed: OSError | None) -> str | None:
+        """Collective: the one line of the first rank's refused write (said by the main process,
+        which removes the temp folder), or None where every rank wrote its part."""
+        mine = failed and (failed.errno, failed.strerror or str(failed))
+        failures = [f for f in gather_objects(mine) if f]
+        if not failures:
+            return None
+        problem = None
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            run_dir = path.parent.parent  # RUN/checkpoints/step_N.ds
+            weights = sum(p.numel() * p.element_size() for p in self.module.parameters())
+            needed = last_size(run_dir) or 3 * weights  # the last one's size, or Adam's state's
+            problem = str(save_failed(run_dir, OSError(*failures[0]), needed))
+        return broadcast_object(problem)
 
     def sync_buffers(self) -> None:
         """Collective: rank 0's buffers on every rank. Each rank's training forwards update its
