@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .config import add_overrides, add_recipe_arguments
-from .errors import ConfigError, UserError
+from .errors import ConfigError, SaveError, UserError
 from .lab import commands as lab_commands
 from .launch import this_process
 
@@ -346,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = handler(args)
     except UserError as e:
-        # a config refusal is every rank's: rank 0 says it (the others exit with the same status)
-        if not (isinstance(e, ConfigError) and launch.rank != 0):
+        # a config refusal or a refused save is every rank's: rank 0 says it (the others exit
+        # with the same status)
+        if not (isinstance(e, (ConfigError, SaveError)) and launch.rank != 0):
             print(f"vitscale: error: {where}{one_line(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # unreadable/unwritable paths, full disk: one line, nothing half-written
