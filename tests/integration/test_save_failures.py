@@ -42,7 +42,7 @@ def test_a_refused_save_is_one_line_and_exit_2_on_every_rank(tmp_path, engine, r
     assert f"{out / 'checkpoints'}: No space left on device (it needed about" in line, line
     assert f"the last good checkpoint is {out / 'checkpoints' / 'step_00000004.pt'}" in line
     assert line.endswith(f"free space and continue with: vitscale train --resume {out}"), line
-    assert len(set(s.split("checkpoint save failed")[1] for s in said)) == 1  # the same on each
+    assert len(said) == 1  # rank 0 says it; every rank exits 2
     assert len(re.findall(r"exitcode\s*: 2\b", err)) >= 1, err[-3000:]  # the ranks' status
     assert "refusing_open" not in err  # no rank's traceback
     assert names(out) == kept  # nothing of step 8: no temp file or folder, no engine folder
