@@ -65,6 +65,11 @@ SCANNED = (
 ALLOWED = {
     # the `vitscale config` command in the CLI's command table
     ("cli.py", state.CONFIG),
+    # summary.json's "strategy" (the engine's name: a file of its own, issue 62), and the saved
+    # config's [strategy] section read on a resume onto another strategy (a config section's name,
+    # as state.py reads it too)
+    ("run_report.py", state.STRATEGY),
+    ("run_state.py", state.STRATEGY),
     # the metadata of `vitscale export`'s safetensors file (a format of its own, with its own
     # readers: interop/finetune.py reads the spec back for model.init)
     ("evaluate.py", state.CONFIG),
