@@ -131,9 +131,9 @@ def dp_text(s: Strategy) -> str:
 
 def mesh_record(cfg: Config, s: Strategy) -> dict:
     """summary.json's mesh: the sizes of its three dimensions (strategy/mesh.py) as the run used
-    them (one process: 1 x 1 x 1; DDP and DeepSpeed: replicas)."""
-    shape = getattr(s, "shape", None) or mesh_shape(cfg.strategy, s.world_size)
-    return dict(zip(DIMS, shape.sizes))
+    them (one process: 1 x 1 x 1; DDP and DeepSpeed: replicas): resolved from the config and the
+    world size as the engine resolves it."""
+    return dict(zip(DIMS, mesh_shape(cfg.strategy, s.world_size).sizes))
 
 
 def describe_run(facts: RunFacts) -> str:

@@ -78,5 +78,5 @@ def test_single_strategy_under_a_launcher_is_refused_in_one_line(tmp_path):
     p = torchrun(tmp_path / "r", [])
     assert p.returncode != 0
     lines = [x for x in p.stderr.splitlines() if "strategy.name=single under a launcher" in x]
-    assert len(lines) == 2  # one line per rank (torchrun adds its own report after them)
+    assert len(lines) == 1 and "[rank 0]" in lines[0]  # rank 0's, once (issue 62)
     assert not (tmp_path / "r" / "metrics.jsonl").exists()

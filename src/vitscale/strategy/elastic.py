@@ -108,10 +108,13 @@ def launch(args, argv: list[str], run_dir: Path | None) -> int:
     except SignalException as e:  # forwarded to every rank, which saved at the step
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        # the root cause: a rank killed by a signal (its peers then lose contact), else the first
-        rank, failure = min(
-            e.failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp, kv[0])
-        )
+        # the root cause: a rank killed by a signal (its peers then lose contact), but not the
+        # SIGTERM the launcher itself sends the survivors when one fails; else the first
+        def cause(kv):
+            code = kv[1].exitcode
+            return (code == -signal.SIGTERM, code >= 0, kv[1].timestamp, kv[0])
+
+        rank, failure = min(e.failures.items(), key=cause)
         status = failure.exitcode
         if status == 2:  # an input error: the rank said it in one line already
             return 2
