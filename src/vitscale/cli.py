@@ -350,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         # with the same status)
         if not (isinstance(e, (ConfigError, SaveError)) and launch.rank != 0):
             print(f"vitscale: error: {where}{one_line(e)}", file=sys.stderr)
+        from .strategy.dist import group_started
+
+        if group_started():  # several processes: leave without the teardown that can abort
+            _exit_now(2)
         return 2
     except OSError as e:  # unreadable/unwritable paths, full disk: one line, nothing half-written
         print(

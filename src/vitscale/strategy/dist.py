@@ -95,6 +95,12 @@ def init_process_group(
     dist.init_process_group(store=prefixed, **kw)
 
 
+def group_started() -> bool:
+    """A process group was started in this process: its communication threads (gloo's, NCCL's)
+    can abort the interpreter's teardown, so the process should leave with os._exit."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def is_comm_failure(e: BaseException) -> bool:
     """A collective failed: a peer process died, hung past the timeout or the network broke."""
     text = str(e).lower()
