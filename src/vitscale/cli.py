@@ -346,15 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = handler(args)
     except UserError as e:
-        # a config refusal or a refused save is every rank's: rank 0 says it (the others exit
-        # with the same status)
-        if not (isinstance(e, (ConfigError, SaveError)) and launch.rank != 0):
-            print(f"vitscale: error: {where}{one_line(e)}", file=sys.stderr)
-        from .strategy.dist import group_started
-
-        if group_started():  # several processes: leave without the teardown that can abort
-            _exit_now(2)
-        return 2
+        return refused(e, launch.rank, where)
     except OSError as e:  # unreadable/unwritable paths, full disk: one line, nothing half-written
         print(
             f"vitscale: error: {where}{e.strerror or e}: {e.filename or ''}".rstrip(": "),
@@ -388,6 +380,19 @@ def main(argv: list[str] | None = None) -> int:
         # called without an active exception") after all work is written
         _exit_now(rc)
     return rc
+
+
+def refused(e: UserError, rank: int, where: str) -> int:
+    """The one line of an input error, and status 2. A config refusal or a refused save is every
+    rank's: rank 0 says it, the others exit with the same status; a process with a process group
+    leaves without the teardown that can abort (gloo's threads: _exit_now)."""
+    from .strategy.dist import group_started
+
+    if not (isinstance(e, (ConfigError, SaveError)) and rank != 0):
+        print(f"vitscale: error: {where}{one_line(e)}", file=sys.stderr)
+    if group_started():
+        _exit_now(2)
+    return 2
 
 
 def one_line(e: UserError) -> str:
