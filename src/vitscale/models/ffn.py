@@ -53,20 +53,11 @@ def activation(name: str) -> nn.Module:
     return ACTIVATIONS[name]()
 
 
-class Mlp(nn.Module):
-    """fc1 -> act -> dropout -> (norm over the hidden units) -> fc2 -> dropout. [..., D] -> [..., D]"""
+class _FeedForward(nn.Module):
+    """What the MLPs share: up-projection(s) (the subclass's, registered first, so parameters keep
+    timm's order), then act, dropout, the optional norm over the hidden units, fc2 and dropout."""
 
-    def __init__(
-        self,
-        dim: int,
-        hidden: int,
-        dropout: float = 0.0,
-        act: str = "gelu",
-        norm: nn.Module | None = None,
-        bias: bool = True,
-    ):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden, bias=bias)
+    def _down(self, hidden: int, dim: int, act: str, norm, bias: bool, dropout: float) -> None:
         self.act = activation(act)
         self.norm = norm if norm is not None else nn.Identity()
         self.fc2 = nn.Linear(hidden, dim, bias=bias)
@@ -74,71 +65,56 @@ class Mlp(nn.Module):
 
     @property
     def hidden(self) -> int:
-        return self.fc1.out_features
+        """The width fc2 reads (a packed SwiGLU's gated half)."""
+        return self.fc2.in_features
+
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc2(self.norm(self.drop(self.act(self.fc1(x))))))
+        return self.drop(self.fc2(self.norm(self.drop(self.up(x)))))
 
 
-class SwiGLU(nn.Module):
+class Mlp(_FeedForward):
+    """fc1 -> act -> dropout -> (norm over the hidden units) -> fc2 -> dropout. [..., D] -> [..., D]"""
+
+    def __init__(self, dim, hidden, dropout=0.0, act="gelu", norm=None, bias=True):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden, bias=bias)
+        self._down(hidden, dim, act, norm, bias, dropout)
+
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc1(x))
+
+
+class SwiGLU(_FeedForward):
     """fc2(norm(act(fc1_g(x)) * fc1_x(x))): a gated MLP with two up-projections of `hidden` units
     each (timm's SwiGLU; act is SiLU in every published model)."""
 
-    def __init__(
-        self,
-        dim: int,
-        hidden: int,
-        dropout: float = 0.0,
-        act: str = "silu",
-        norm: nn.Module | None = None,
-        bias: bool = True,
-    ):
+    def __init__(self, dim, hidden, dropout=0.0, act="silu", norm=None, bias=True):
         super().__init__()
         self.fc1_g = nn.Linear(dim, hidden, bias=bias)
         self.fc1_x = nn.Linear(dim, hidden, bias=bias)
-        self.act = activation(act)
-        self.norm = norm if norm is not None else nn.Identity()
-        self.fc2 = nn.Linear(hidden, dim, bias=bias)
-        self.drop = nn.Dropout(dropout)
+        self._down(hidden, dim, act, norm, bias, dropout)
 
-    @property
-    def hidden(self) -> int:
-        return self.fc1_x.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.fc1_g(x)) * self.fc1_x(x)
-        return self.drop(self.fc2(self.norm(self.drop(h))))
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc1_g(x)) * self.fc1_x(x)
 
 
-class PackedSwiGLU(nn.Module):
+class PackedSwiGLU(_FeedForward):
     """SwiGLU with both up-projections in one fc1 of 2 x hidden outputs, the gate first:
     fc2(norm(act(g) * x)) with [g, x] = fc1(x).chunk(2) (timm's SwiGLUPacked; `hidden` here is the
     gated width, half of fc1's outputs). Under tensor parallelism fc1 is split as two blocks
     (`colwise_glu`), so each rank holds the gate and value rows of its own units."""
 
-    def __init__(
-        self,
-        dim: int,
-        hidden: int,
-        dropout: float = 0.0,
-        act: str = "silu",
-        norm: nn.Module | None = None,
-        bias: bool = True,
-    ):
+    def __init__(self, dim, hidden, dropout=0.0, act="silu", norm=None, bias=True):
         super().__init__()
         self.fc1 = nn.Linear(dim, 2 * hidden, bias=bias)
-        self.act = activation(act)
-        self.norm = norm if norm is not None else nn.Identity()
-        self.fc2 = nn.Linear(hidden, dim, bias=bias)
-        self.drop = nn.Dropout(dropout)
+        self._down(hidden, dim, act, norm, bias, dropout)
 
-    @property
-    def hidden(self) -> int:
-        return self.fc2.in_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def up(self, x: torch.Tensor) -> torch.Tensor:
         g, v = self.fc1(x).chunk(2, dim=-1)
-        return self.drop(self.fc2(self.norm(self.drop(self.act(g) * v))))
+        return self.act(g) * v
 
 
 def make_mlp(
